@@ -1,0 +1,65 @@
+"""dtorch: one ordinary Python process drives a whole cluster of PyTorch devices with a global view.
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=["dp"])
+    x = dtorch.randn(256, 128, device_mesh=mesh, placements=[Shard(0)])
+    z = x + x                     # returns at once
+    t = z.to_torch()              # or: await z.fetch()
+"""
+from __future__ import annotations
+
+import torch as _torch
+
+from . import distributed_spec
+from .distributed_spec import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
+from .errors import (DependencyError, DTorchError, MeshError, PlacementError, RemoteError, ShapeError,
+                     StartupError, UnsupportedOpError, WorkerLostError)
+from .factories import (arange, empty, empty_like, full, full_like, ones, ones_like, rand, rand_like, randint,
+                        randn, randn_like, tensor, zeros, zeros_like)
+from .runtime import session as _session
+from .runtime.reads import Future
+from .tensor import DTensor, call_op
+from . import nn
+
+distributed_spec._acquire_workers = _session.acquire_workers
+
+init = _session.init
+shutdown = _session.shutdown
+workers = _session.workers
+manual_seed = _session.manual_seed
+
+
+def stats() -> dict:
+    """Counters on the controller's sockets: commands_sent, messages_sent, bytes_sent, bytes_received."""
+    return _session.current().stats()
+
+
+def synchronize(timeout: float | None = None) -> None:
+    """Wait until every worker has run everything issued so far; raise unreported remote errors."""
+    _session.current().synchronize(timeout)
+
+
+# dtypes are torch's own objects: dtorch.float32 is torch.float32
+float32, float64, float16, bfloat16 = _torch.float32, _torch.float64, _torch.float16, _torch.bfloat16
+int8, int16, int32, int64, uint8, bool = _torch.int8, _torch.int16, _torch.int32, _torch.int64, _torch.uint8, _torch.bool
+
+
+def _op_function(name: str):
+    def function(*args, **kwargs):
+        return call_op(name, args, kwargs)
+    function.__name__ = name
+    return function
+
+
+from .ops import REGISTRY as _REGISTRY  # noqa: E402
+for _name in _REGISTRY:
+    if _name not in globals():
+        globals()[_name] = _op_function(_name)
+
+__all__ = [
+    "DTensor", "DeviceMesh", "Shard", "Replicate", "Partial", "init_device_mesh", "Future",
+    "init", "shutdown", "workers", "stats", "synchronize", "manual_seed",
+    "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "tensor",
+    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+    "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
+    "DependencyError", "WorkerLostError", "StartupError", "nn",
+] + sorted(n for n in _REGISTRY if n in globals())

@@ -1,0 +1,252 @@
+"""PURE: device meshes, placements and the local-shape arithmetic every other layer shares.
+
+Nothing here imports zmq or asyncio. `init_device_mesh` asks the runtime for workers through a
+hook that dtorch/__init__.py installs, so this module stays testable without processes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .errors import MeshError, PlacementError
+
+__all__ = [
+    "Placement", "Shard", "Replicate", "Partial", "DeviceMesh", "init_device_mesh",
+    "chunk_bounds", "local_shape", "local_offset", "local_region", "format_placements",
+]
+
+
+class Placement:
+    """How a tensor lives along ONE mesh dimension."""
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class Shard(Placement):
+    """Tensor dim `dim` is split in torch.chunk order over this mesh dim (uneven tails allowed)."""
+    dim: int
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __repr__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate(Placement):
+    """Every rank along this mesh dim holds the whole tensor."""
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "R"
+
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+@dataclass(frozen=True)
+class Partial(Placement):
+    """Each rank holds a contribution; the logical value is their reduction by `reduce_op`."""
+    reduce_op: str = "sum"
+
+    def __post_init__(self):
+        if self.reduce_op not in REDUCE_OPS:
+            raise PlacementError(f"Partial(reduce_op={self.reduce_op!r}): legal ops are {REDUCE_OPS}")
+
+    def is_partial(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"P({self.reduce_op})"
+
+
+def format_placements(placements: Sequence[Placement]) -> str:
+    return "[" + ", ".join(map(repr, placements)) + "]"
+
+
+class DeviceMesh:
+    """An N-D grid of worker ranks with optional dim names. Pure: it holds rank numbers only."""
+
+    def __init__(self, device_type: str, ranks, mesh_dim_names: Sequence[str] | None = None):
+        self.device_type = device_type
+        self.shape, self._flat = _flatten_nested(ranks)
+        if len(set(self._flat)) != len(self._flat):
+            raise MeshError(f"DeviceMesh ranks must be distinct, got {self._flat}")
+        names = tuple(mesh_dim_names) if mesh_dim_names else None
+        if names is not None and len(names) != len(self.shape):
+            raise MeshError(f"mesh_dim_names {names} do not match mesh shape {self.shape}")
+        self.mesh_dim_names = names
+        self._key = (device_type, self.shape, tuple(self._flat))
+
+    # --- identity -------------------------------------------------------------------------
+    def __eq__(self, other) -> bool:
+        return isinstance(other, DeviceMesh) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh('{self.device_type}', shape={self.shape}, ranks={self._flat}{names})"
+
+    # --- geometry -------------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        if mesh_dim is None:
+            return len(self._flat)
+        return self.shape[self.dim_index(mesh_dim)]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(self._flat)
+
+    def dim_index(self, mesh_dim: int | str) -> int:
+        if isinstance(mesh_dim, int):
+            if not -self.ndim <= mesh_dim < self.ndim:
+                raise MeshError(f"mesh dim {mesh_dim} out of range for {self}")
+            return mesh_dim % self.ndim
+        if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:
+            raise MeshError(f"no mesh dim named {mesh_dim!r} in {self}")
+        return self.mesh_dim_names.index(mesh_dim)
+
+    def coordinate_of(self, rank: int) -> tuple[int, ...]:
+        index = self._flat.index(rank)
+        coordinate = []
+        for extent in reversed(self.shape):
+            coordinate.append(index % extent)
+            index //= extent
+        return tuple(reversed(coordinate))
+
+    def rank_at(self, coordinate: Sequence[int]) -> int:
+        index = 0
+        for c, extent in zip(coordinate, self.shape):
+            index = index * extent + c
+        return self._flat[index]
+
+    def group_along(self, rank: int, mesh_dim: int) -> tuple[int, ...]:
+        """The ranks that differ from `rank` only along `mesh_dim`, in coordinate order."""
+        coordinate = list(self.coordinate_of(rank))
+        group = []
+        for i in range(self.shape[mesh_dim]):
+            coordinate[mesh_dim] = i
+            group.append(self.rank_at(coordinate))
+        return tuple(group)
+
+    # --- sub-meshes -----------------------------------------------------------------------
+    def __getitem__(self, index) -> "DeviceMesh":
+        """mesh[i] / mesh[a:b] select along dim 0; mesh["name"] keeps only that dim at index 0
+        of the others (use `unbind` for every slice)."""
+        if isinstance(index, str):
+            return self._only_dim(self.dim_index(index))
+        nested = self._nested()[index]
+        names = self.mesh_dim_names
+        if isinstance(index, int):
+            names = names[1:] if names else None
+            if self.ndim == 1:
+                nested = [nested]
+                names = self.mesh_dim_names
+        return DeviceMesh(self.device_type, nested, names)
+
+    def unbind(self, mesh_dim: int | str) -> list["DeviceMesh"]:
+        """One sub-mesh per index of `mesh_dim` (e.g. one per pipeline stage)."""
+        dim = self.dim_index(mesh_dim)
+        names = self.mesh_dim_names[:dim] + self.mesh_dim_names[dim + 1:] if self.mesh_dim_names else None
+        out = []
+        for i in range(self.shape[dim]):
+            ranks = [r for r in self._flat if self.coordinate_of(r)[dim] == i]
+            shape = self.shape[:dim] + self.shape[dim + 1:] or (1,)
+            out.append(DeviceMesh(self.device_type, _nest(ranks, shape), names or None))
+        return out
+
+    def _only_dim(self, dim: int) -> "DeviceMesh":
+        ranks = [r for r in self._flat if all(c == 0 for i, c in enumerate(self.coordinate_of(r)) if i != dim)]
+        names = (self.mesh_dim_names[dim],) if self.mesh_dim_names else None
+        return DeviceMesh(self.device_type, ranks, names)
+
+    def _nested(self):
+        return _nest(self._flat, self.shape)
+
+
+def _flatten_nested(ranks) -> tuple[tuple[int, ...], list[int]]:
+    if hasattr(ranks, "tolist"):
+        ranks = ranks.tolist()
+    if isinstance(ranks, int):
+        return (), [ranks]
+    shape, flat = None, []
+    for item in ranks:
+        sub_shape, sub_flat = _flatten_nested(item)
+        if shape is not None and sub_shape != shape:
+            raise MeshError(f"ragged DeviceMesh ranks: {ranks}")
+        shape = sub_shape
+        flat += sub_flat
+    return (len(ranks),) + (shape or ()), flat
+
+
+def _nest(flat: Sequence[int], shape: Sequence[int]):
+    if len(shape) <= 1:
+        return list(flat)
+    step = len(flat) // shape[0]
+    return [_nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+# The runtime installs this: (device_type, world_size) -> list of worker ranks to use.
+_acquire_workers: Callable[[str, int], Sequence[int]] | None = None
+
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
+                     mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+    """Make a mesh over running workers, starting (or growing) the local pool when needed."""
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    if not mesh_shape or any(s < 1 for s in mesh_shape):
+        raise MeshError(f"mesh_shape must be positive integers, got {mesh_shape}")
+    if _acquire_workers is None:
+        raise MeshError("no dtorch runtime is installed: `import dtorch` first")
+    ranks = list(_acquire_workers(device_type, math.prod(mesh_shape)))
+    return DeviceMesh(device_type, _nest(ranks, mesh_shape) if len(mesh_shape) > 1 else ranks,
+                      mesh_dim_names)
+
+
+# --- local shape arithmetic ------------------------------------------------------------------
+def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, length) of chunk `index` when `size` is split torch.chunk-style into `parts`."""
+    chunk = -(-size // parts) if size else 0
+    start = min(chunk * index, size)
+    return start, max(0, min(chunk, size - start))
+
+
+def local_region(global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement],
+                 coordinate: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(offset, shape) of the block of the global tensor held at `coordinate` of `mesh`.
+
+    Mesh dims apply in order, so sharding one tensor dim over two mesh dims nests: the second
+    mesh dim splits the chunk the first one produced."""
+    offset, shape = [0] * len(global_shape), list(global_shape)
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard):
+            start, length = chunk_bounds(shape[placement.dim], mesh.shape[mesh_dim], coordinate[mesh_dim])
+            offset[placement.dim] += start
+            shape[placement.dim] = length
+    return offset, shape
+
+
+def local_shape(global_shape, mesh: DeviceMesh, placements, rank: int) -> tuple[int, ...]:
+    return tuple(local_region(global_shape, mesh, placements, mesh.coordinate_of(rank))[1])
+
+
+def local_offset(global_shape, mesh: DeviceMesh, placements, rank: int) -> tuple[int, ...]:
+    return tuple(local_region(global_shape, mesh, placements, mesh.coordinate_of(rank))[0])

@@ -1,0 +1,87 @@
+"""The exceptions dtorch raises: one small hierarchy, so callers can catch what they mean.
+
+Controller-side checks raise at the user's own line (ShapeError, PlacementError, MeshError).
+Worker-side failures come back tagged with the command's sequence number and surface at the
+next read of a result that depends on them (RemoteError, DependencyError).
+"""
+from __future__ import annotations
+
+__all__ = [
+    "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError",
+    "RemoteError", "DependencyError", "WorkerLostError", "ProtocolError", "StartupError", "user_site",
+]
+
+
+class DTorchError(Exception):
+    """Base of every error dtorch raises on purpose."""
+
+
+class ShapeError(DTorchError, ValueError):
+    """Shapes that cannot meet: checked on the controller before anything is sent."""
+
+
+class PlacementError(DTorchError, ValueError):
+    """A placement combination an op does not accept; the message names the legal ones."""
+
+
+class MeshError(DTorchError, ValueError):
+    """Tensors on different meshes, or a mesh the running workers cannot form."""
+
+
+class UnsupportedOpError(DTorchError, NotImplementedError):
+    """An op dtorch has no rule for (yet)."""
+
+
+class RemoteError(DTorchError):
+    """An exception raised inside a worker while running one command."""
+
+    def __init__(self, op: str, seq: int, ranks: list[int], remote_traceback: str,
+                 user_site: str, exception_type: str = "", message: str = ""):
+        self.op, self.seq, self.ranks = op, seq, sorted(ranks)
+        self.remote_traceback, self.user_site = remote_traceback, user_site
+        self.exception_type, self.remote_message = exception_type, message
+        super().__init__(self._describe())
+
+    def _describe(self) -> str:
+        return (f"{self.op} failed on rank(s) {self.ranks} (command #{self.seq}), issued at "
+                f"{self.user_site}:\n  {self.exception_type}: {self.remote_message}\n"
+                f"--- remote traceback (rank {self.ranks[0]}) ---\n{self.remote_traceback}")
+
+
+class DependencyError(RemoteError):
+    """A result that could not be computed because an earlier command it depends on failed."""
+
+    def _describe(self) -> str:
+        return ("this result depends on a command that failed: " + super()._describe())
+
+
+class WorkerLostError(DTorchError):
+    """A worker process died or stopped answering heartbeats."""
+
+    def __init__(self, rank: int, host: str, pid: int | None, reason: str):
+        self.rank, self.host, self.pid, self.reason = rank, host, pid, reason
+        super().__init__(f"worker rank {rank} on host {host} (pid {pid}) is lost: {reason}. "
+                         "Results that live on it cannot be read; dtorch.shutdown() and a new "
+                         "mesh start fresh workers.")
+
+
+class ProtocolError(DTorchError):
+    """A malformed or out-of-order message: the wire cannot be trusted any more."""
+
+
+class StartupError(DTorchError):
+    """Workers could not be started or did not register in time."""
+
+
+_PACKAGE_DIR = __file__.rsplit("/", 1)[0]
+
+
+def user_site() -> str:
+    """file:line of the first frame outside dtorch: the user's own line that issued a call."""
+    import sys
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"

@@ -1,0 +1,137 @@
+"""Factories with device_mesh= and placements=: each worker builds only its own shard.
+
+Random factories are counter-based (see runtime/rng.py): values depend on the seed, the call
+order, the global shape and the dtype — never on the mesh or the placements.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .distributed_spec import DeviceMesh, Placement, Replicate, local_region
+from .errors import DTorchError
+from .ops.spec import check_placements, tensor_spec
+from .runtime import session
+from .runtime.protocol import Factory, Upload, dtype_name, tensor_frame
+from .tensor import DTensor
+
+__all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "tensor",
+           "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"]
+
+
+def _shape(size) -> tuple:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = size[0]
+    return tuple(int(s) for s in size)
+
+
+def _layout(shape, device_mesh: DeviceMesh | None, placements):
+    if device_mesh is None:
+        raise DTorchError("pass device_mesh=: e.g. init_device_mesh('cpu', (4,)); dtorch has no implicit mesh")
+    if placements is None:
+        placements = [Replicate()] * device_mesh.ndim
+    return check_placements(placements, len(shape), device_mesh)
+
+
+def _factory(kind: str, shape, dtype, device_mesh, placements, args=()) -> DTensor:
+    placements = _layout(shape, device_mesh, placements)
+    dtype = dtype or torch.get_default_dtype()
+    spec = tensor_spec(shape, dtype, device_mesh, placements)
+    owner = session.current()
+    out_id = owner.new_id()
+    seq = owner.submit(Factory, out_id, owner.mesh_id(device_mesh), kind, shape, dtype_name(dtype),
+                       placements, tuple(args))
+    return DTensor(out_id, spec, seq, owner)
+
+
+def zeros(*size, dtype=None, device_mesh=None, placements: Sequence[Placement] | None = None) -> DTensor:
+    return _factory("zeros", _shape(size), dtype, device_mesh, placements)
+
+
+def ones(*size, dtype=None, device_mesh=None, placements=None) -> DTensor:
+    return _factory("ones", _shape(size), dtype, device_mesh, placements)
+
+
+def empty(*size, dtype=None, device_mesh=None, placements=None) -> DTensor:
+    return _factory("empty", _shape(size), dtype, device_mesh, placements)
+
+
+def full(size, fill_value, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
+    if dtype is None:
+        dtype = torch.full((), fill_value).dtype
+    return _factory("full", _shape((size,)), dtype, device_mesh, placements, (fill_value,))
+
+
+def rand(*size, dtype=None, device_mesh=None, placements=None) -> DTensor:
+    return _factory("rand", _shape(size), dtype, device_mesh, placements, session.next_random())
+
+
+def randn(*size, dtype=None, device_mesh=None, placements=None) -> DTensor:
+    return _factory("randn", _shape(size), dtype, device_mesh, placements, session.next_random())
+
+
+def randint(low, high=None, size=None, *, dtype=torch.int64, device_mesh=None, placements=None) -> DTensor:
+    if high is None:
+        low, high = 0, low
+    if size is None:
+        raise DTorchError("randint needs size=")
+    return _factory("randint", _shape((size,)), dtype, device_mesh, placements,
+                    session.next_random() + (int(low), int(high)))
+
+
+def arange(start, end=None, step=1, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
+    if end is None:
+        start, end = 0, start
+    reference = torch.arange(start, end, step, dtype=dtype, device="meta")
+    return _factory("arange", tuple(reference.shape), reference.dtype, device_mesh, placements, (start, step))
+
+
+def tensor(data, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
+    """Upload a local tensor: each worker receives only its own shard (private frames)."""
+    value = torch.as_tensor(data, dtype=dtype).detach().cpu()
+    shape = tuple(value.shape)
+    placements = _layout(shape, device_mesh, placements)
+    spec = tensor_spec(shape, value.dtype, device_mesh, placements)
+    owner = session.current()
+    private = [(rank, tensor_frame(_shard_for(value, device_mesh, placements, rank)))
+               for rank in device_mesh.ranks]
+    out_id = owner.new_id()
+    seq = owner.submit(Upload, out_id, owner.mesh_id(device_mesh), shape, dtype_name(value.dtype), placements,
+                       private=private)
+    return DTensor(out_id, spec, seq, owner)
+
+
+def _shard_for(value: torch.Tensor, mesh: DeviceMesh, placements, rank: int) -> torch.Tensor:
+    coordinate = mesh.coordinate_of(rank)
+    offset, shape = local_region(value.shape, mesh, placements, coordinate)
+    shard = value
+    for dim, (start, length) in enumerate(zip(offset, shape)):
+        shard = shard.narrow(dim, start, length)
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_partial() and placement.reduce_op == "sum" and coordinate[mesh_dim] != 0:
+            return torch.zeros_like(shard)
+    return shard.contiguous()
+
+
+def _like(factory):
+    def make(other: DTensor, *args, dtype=None, device_mesh=None, placements=None):
+        return factory(*((tuple(other.shape),) + args), dtype=dtype or other.dtype,
+                       device_mesh=device_mesh or other.device_mesh,
+                       placements=placements if placements is not None else _no_partial(other.placements))
+    return make
+
+
+def _no_partial(placements):
+    return [Replicate() if p.is_partial() else p for p in placements]
+
+
+zeros_like, ones_like, empty_like, rand_like, randn_like = map(_like, (zeros, ones, empty, rand, randn))
+
+
+def full_like(other: DTensor, fill_value, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
+    return full(tuple(other.shape), fill_value, dtype=dtype or other.dtype,
+                device_mesh=device_mesh or other.device_mesh,
+                placements=placements if placements is not None else _no_partial(other.placements))
+
+

@@ -1,0 +1,121 @@
+"""PURE: turn an op call on tensor specs into a plan: output specs, local slicing of inputs, and
+the local kernel. Plans are cached per call signature, so a hot loop pays one dict lookup and
+never re-runs meta inference or the rules.
+"""
+from __future__ import annotations
+
+from numbers import Number
+from typing import NamedTuple
+
+from ..distributed_spec import format_placements
+from ..errors import MeshError, PlacementError, ShapeError, user_site
+from ..redistribute import LOCAL_ONLY, plan_redistribute, step_kind
+from .registry import OpSpec, lookup
+from .rules import Call, TensorSlot, expand
+from .spec import TensorSpec, tensor_spec
+
+__all__ = ["OpPlan", "plan_call", "cached_plan", "signature", "PLAN_CACHE"]
+
+
+class OpPlan(NamedTuple):
+    kernel: str
+    out_specs: tuple          # TensorSpec per output
+    input_steps: tuple        # ((tensor_index, shape, placements, ((mesh_dim, before, after), ...)), ...)
+    extra_kwargs: dict
+
+
+PLAN_CACHE: dict[tuple, OpPlan] = {}
+
+
+def signature(op: OpSpec, args: tuple, kwargs: dict, specs: list) -> tuple:
+    """The cache key: tensor specs by their interned key, other values by value (or type)."""
+    key = [op.name]
+    for a in args:
+        spec = getattr(a, "_spec", None)
+        if spec is not None:
+            key.append(spec.key)
+            specs.append(spec)
+        elif op.scalars_by_type and isinstance(a, Number):
+            key.append(type(a))
+        else:
+            key.append(_hashable(a))
+    for name, value in kwargs.items():
+        spec = getattr(value, "_spec", None)
+        if spec is not None:
+            specs.append(spec)
+        key.append((name, spec.key if spec is not None else _hashable(value)))
+    return tuple(key)
+
+
+def _hashable(value):
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+def plan_call(op: OpSpec, args: tuple, kwargs: dict, specs: list[TensorSpec]) -> OpPlan:
+    """Build the plan for one call (cold path: runs meta inference and the rules)."""
+    if not specs:
+        raise ShapeError(f"{op.name}: no dtorch tensor among the arguments")
+    mesh = specs[0].mesh
+    for spec in specs[1:]:
+        if spec.mesh != mesh:
+            raise MeshError(f"{op.name}: inputs live on different meshes ({mesh} and {spec.mesh}) at "
+                            f"{user_site()}; move one with x.redistribute(device_mesh=..., placements=...)")
+    slot_args, slot_kwargs = _with_slots(args, kwargs)
+    outputs = _infer(op, args, kwargs, specs)
+    call = Call(op.name, tuple(specs), slot_args, slot_kwargs, outputs)
+    required, out_placements = expand(op.rule, call)
+    input_steps = _local_input_steps(call, required)
+    kernel, extra = op.local(call, required) if op.local else (op.name, {})
+    out_specs = tuple(tensor_spec(shape, dtype, mesh, placements)
+                      for (shape, dtype), placements in zip(outputs, out_placements))
+    return OpPlan(kernel, out_specs, input_steps, extra)
+
+
+def _with_slots(args, kwargs):
+    counter = iter(range(1 << 30))
+
+    def slot(value):
+        return TensorSlot(next(counter)) if hasattr(value, "_spec") else value
+    return tuple(slot(a) for a in args), {k: slot(v) for k, v in kwargs.items()}
+
+
+def _infer(op: OpSpec, args, kwargs, specs) -> tuple:
+    """Output (shape, dtype) pairs from running the torch function on meta tensors."""
+    def meta(value):
+        spec = getattr(value, "_spec", None)
+        return spec.meta() if spec is not None else value
+    try:
+        result = op.torch_fn(*(meta(a) for a in args), **{k: meta(v) for k, v in kwargs.items()})
+    except Exception as error:
+        shapes = ", ".join(f"{tuple(s.shape)} {str(s.dtype)[6:]}" for s in specs)
+        raise ShapeError(f"{op.name}: torch rejects inputs of shape {shapes} at {user_site()}: {error}") from None
+    results = result if isinstance(result, tuple) else (result,)
+    return tuple((tuple(r.shape), r.dtype) for r in results)
+
+
+def _local_input_steps(call: Call, required: list) -> tuple:
+    """Inputs whose placement must change before the op: only free local slicing is automatic."""
+    steps_per_input = []
+    for index, (spec, wanted) in enumerate(zip(call.inputs, required)):
+        if spec.placements == wanted:
+            continue
+        steps = plan_redistribute(spec.placements, wanted)
+        if any(step_kind(before, after) not in LOCAL_ONLY for _, before, after in steps):
+            raise PlacementError(f"{call.op}: input {index} is {format_placements(spec.placements)} but the "
+                                 f"op needs {format_placements(wanted)} on {spec.mesh}, which takes "
+                                 f"communication; redistribute it explicitly at {user_site()}")
+        steps_per_input.append((index, spec.shape, spec.placements, tuple(steps)))
+    return tuple(steps_per_input)
+
+
+def cached_plan(op_name: str, args: tuple, kwargs: dict) -> OpPlan:
+    op = lookup(op_name)
+    specs: list = []
+    key = signature(op, args, kwargs, specs)
+    plan = PLAN_CACHE.get(key)
+    if plan is None:
+        plan = PLAN_CACHE[key] = plan_call(op, args, kwargs, specs)
+    return plan
+

@@ -1,0 +1,100 @@
+"""PURE: the vocabulary of placement rules and the one function that expands a rule written for
+ONE mesh dimension to an N-D mesh.
+
+A rule sees a `Call` (input specs, the non-tensor arguments, the output shapes from meta
+inference) and the inputs' placements on one mesh dim. It answers with a `Decision`: the
+placement each input must have there (the given one, or Replicate -> Shard(d), a local slice
+that costs no communication) and the placement of each output. It refuses with `RuleRejected`,
+which names the legal alternatives; `expand` turns that into a PlacementError for the user.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+from ..distributed_spec import Partial, Placement, Replicate, Shard, format_placements
+from ..errors import PlacementError, user_site
+
+__all__ = ["Call", "Decision", "RuleRejected", "Rule", "expand", "TensorSlot", "R"]
+
+R = Replicate()
+
+
+class TensorSlot(NamedTuple):
+    """Stands in for the k-th tensor argument inside Call.args / Call.kwargs."""
+    index: int
+
+
+class Call(NamedTuple):
+    op: str
+    inputs: tuple          # TensorSpec per tensor argument, in order of appearance
+    args: tuple            # positional args, tensors replaced by TensorSlot
+    kwargs: dict
+    outputs: tuple         # ((shape, dtype), ...) from meta inference
+
+    def param(self, position: int, name: str, default=None):
+        if name in self.kwargs:
+            return self.kwargs[name]
+        return self.args[position] if position < len(self.args) else default
+
+    @property
+    def out_shape(self) -> tuple:
+        return self.outputs[0][0]
+
+    @property
+    def mesh(self):
+        return self.inputs[0].mesh
+
+
+class Decision(NamedTuple):
+    inputs: tuple          # required placement per input on this mesh dim
+    outputs: tuple         # placement per output on this mesh dim
+
+
+class RuleRejected(Exception):
+    def __init__(self, reason: str, legal: str):
+        super().__init__(reason)
+        self.reason, self.legal = reason, legal
+
+
+Rule = Callable[[Call, tuple], Decision]
+
+
+def expand(rule: Rule, call: Call) -> tuple[list[tuple], list[tuple]]:
+    """Apply a 1-D rule to every mesh dim; return (required input placements, output placements)."""
+    mesh = call.mesh
+    required = [[] for _ in call.inputs]
+    outputs = [[] for _ in call.outputs]
+    for mesh_dim in range(mesh.ndim):
+        placements = tuple(spec.placements[mesh_dim] for spec in call.inputs)
+        try:
+            decision = rule(call, placements)
+        except RuleRejected as rejected:
+            raise PlacementError(_rejection_message(call, mesh_dim, placements, rejected)) from None
+        for slot, placement in zip(required, decision.inputs):
+            slot.append(placement)
+        for slot, placement in zip(outputs, decision.outputs):
+            slot.append(placement)
+    return [tuple(p) for p in required], [tuple(p) for p in outputs]
+
+
+def _rejection_message(call: Call, mesh_dim: int, placements, rejected: RuleRejected) -> str:
+    mesh = call.mesh
+    name = f" ({mesh.mesh_dim_names[mesh_dim]!r})" if mesh.mesh_dim_names else ""
+    given = ", ".join(f"{format_placements(s.placements)} shape={tuple(s.shape)}" for s in call.inputs)
+    on_dim = ", ".join(map(repr, placements))
+    return (f"{call.op}: inputs {given} on {mesh} at {user_site()}: on mesh dim {mesh_dim}{name} the "
+            f"placements ({on_dim}) are not accepted: {rejected.reason}. Legal there: {rejected.legal}. "
+            f"Fix: redistribute an input first, e.g. x.redistribute(placements=[...Replicate()...]).")
+
+
+# --- small helpers the family tables share ----------------------------------------------------
+def all_replicate(placements: Sequence[Placement]) -> bool:
+    return all(p.is_replicate() for p in placements)
+
+
+def shard_of(placement: Placement) -> int | None:
+    return placement.dim if isinstance(placement, Shard) else None
+
+
+def partial_op(placement: Placement) -> str | None:
+    return placement.reduce_op if isinstance(placement, Partial) else None

@@ -1,0 +1,60 @@
+"""PURE: what the controller knows about a tensor without its data, interned so the hot path can
+key caches on one small integer instead of hashing shapes and placements every call."""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import NamedTuple
+
+import torch
+
+from ..distributed_spec import DeviceMesh, Placement, Shard, format_placements, local_shape
+from ..errors import PlacementError
+
+__all__ = ["TensorSpec", "tensor_spec", "check_placements"]
+
+
+class TensorSpec(NamedTuple):
+    shape: tuple
+    dtype: torch.dtype
+    mesh: DeviceMesh
+    placements: tuple
+    key: int          # unique per (shape, dtype, mesh, placements): the cache key of this spec
+
+    def describe(self) -> str:
+        return f"{format_placements(self.placements)} shape={tuple(self.shape)} {str(self.dtype)[6:]}"
+
+    def local_shape(self, rank: int) -> tuple:
+        return local_shape(self.shape, self.mesh, self.placements, rank)
+
+    def meta(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device="meta")
+
+
+_interned: dict[tuple, TensorSpec] = {}
+_keys = itertools.count()
+_lock = threading.Lock()
+
+
+def tensor_spec(shape, dtype: torch.dtype, mesh: DeviceMesh, placements) -> TensorSpec:
+    shape, placements = tuple(shape), tuple(placements)
+    identity = (shape, dtype, mesh, placements)
+    spec = _interned.get(identity)
+    if spec is None:
+        with _lock:
+            spec = _interned.setdefault(identity, TensorSpec(shape, dtype, mesh, placements, next(_keys)))
+    return spec
+
+
+def check_placements(placements, ndim: int, mesh: DeviceMesh) -> tuple:
+    """Validate user-given placements against a tensor rank and a mesh; return them as a tuple."""
+    placements = tuple(placements)
+    if len(placements) != mesh.ndim:
+        raise PlacementError(f"placements {format_placements(placements)} has {len(placements)} entries "
+                             f"but {mesh} has {mesh.ndim} dim(s): give one placement per mesh dim")
+    for p in placements:
+        if not isinstance(p, Placement):
+            raise PlacementError(f"{p!r} is not a placement: use Shard(dim), Replicate() or Partial()")
+        if p.is_shard() and not -ndim <= p.dim < ndim:
+            raise PlacementError(f"{p!r} names a dim outside a {ndim}-D tensor")
+    return tuple(Shard(p.dim % ndim) if p.is_shard() and p.dim < 0 else p for p in placements)

@@ -1,0 +1,79 @@
+"""Starting and supervising worker processes: local ones by default, over SSH from a hostfile
+through dtorch_launcher's spawner. Both hand back handles with the same surface
+(rank, host, pid, poll(), wait(), kill(), terminate())."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+__all__ = ["LocalWorker", "LocalSpawner", "worker_config", "forward_lines"]
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def worker_config(controller, rank: int, device: str, threads: int, curve: dict | None = None,
+                  gloo_host: str = "127.0.0.1", controller_timeout: float = 6.0) -> dict:
+    """The one JSON line a worker reads from stdin."""
+    return {"command_address": controller.sockets.command_address,
+            "reply_address": controller.sockets.reply_address,
+            "rank": rank, "device": device, "threads": threads, "curve": curve,
+            "gloo_host": gloo_host, "controller_timeout": controller_timeout}
+
+
+def forward_lines(stream, prefix: str, sink=None, log_file=None) -> threading.Thread:
+    """Copy a worker's output line by line to the controller's stderr, prefixed with its rank."""
+    def pump():
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace")
+            (sink or sys.stderr).write(prefix + line)
+            if log_file is not None:
+                log_file.write(line)
+                log_file.flush()
+        stream.close()
+    thread = threading.Thread(target=pump, name=f"output {prefix.strip()}", daemon=True)
+    thread.start()
+    return thread
+
+
+class LocalWorker:
+    """A worker process on this machine."""
+
+    host = "localhost"
+
+    def __init__(self, rank: int, config: dict, python: str = sys.executable):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        self.rank = rank
+        self.process = subprocess.Popen([python, "-m", "dtorch.runtime.worker"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+        self.pid = self.process.pid
+        # The config travels on stdin; stdin then stays open: its EOF tells the worker we are gone.
+        self.process.stdin.write((json.dumps(config) + "\n").encode())
+        self.process.stdin.flush()
+        forward_lines(self.process.stdout, f"[rank {rank}] ")
+
+    def poll(self):
+        return self.process.poll()
+
+    def wait(self, timeout=None):
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def terminate(self) -> None:
+        self.process.terminate()
+
+
+class LocalSpawner:
+    capacity = None  # any number of local workers
+
+    def host_for(self, rank: int) -> str:
+        return "localhost"
+
+    def spawn(self, rank: int, config: dict) -> LocalWorker:
+        return LocalWorker(rank, config)

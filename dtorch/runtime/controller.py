@@ -1,0 +1,364 @@
+"""The controller: an asyncio event loop on a thread dtorch owns, plus the few calls the user's
+thread makes into it.
+
+User thread                          loop thread
+  submit(Command, ...) -> seq  ─┐      _flush: one PUB message per batch of commands
+  (append under a lock; the     ├──▶   _receive: registrations, replies, errors, heartbeats
+   first append schedules a     │      _watch: process exits, heartbeat silence, idle frees
+   flush: no wait on a worker) ─┘
+  fetch() -> Future  ◀───────────────  resolved when the last reply arrives (no polling)
+
+Commands are numbered; the loop publishes them in order; workers check the numbering.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import datetime
+import itertools
+import threading
+import time
+
+import torch.distributed as dist
+
+from ..distributed_spec import DeviceMesh, Replicate
+from ..errors import ProtocolError, StartupError, WorkerLostError, user_site
+from . import protocol as wire
+from .protocol import Kind
+from .reads import FetchRead, Future, RemoteFailure, SyncRead
+from .transport import ControllerSockets, CurveKeys
+
+__all__ = ["Controller", "WorkerRecord"]
+
+SITE_RING = 1 << 16          # commands whose issuing line is remembered for error messages
+WORKER_SILENCE_S = 3.0       # a worker without heartbeats this long is reported lost
+WATCH_PERIOD_S = 0.1
+
+
+class WorkerRecord:
+    def __init__(self, rank: int, handle, device: str):
+        self.rank, self.handle, self.device = rank, handle, device
+        self.host = getattr(handle, "host", "localhost")
+        self.pid = getattr(handle, "pid", None)
+        self.registered = False
+        self.last_heartbeat = time.monotonic()
+        self.lost: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"rank": self.rank, "host": self.host, "pid": self.pid, "device": self.device,
+                "alive": self.lost is None}
+
+
+class Controller:
+    def __init__(self, bind_host: str = "127.0.0.1", curve: CurveKeys | None = None,
+                 gloo_timeout_s: float = 120.0):
+        self._lock = threading.Lock()
+        self._pending: list = []
+        self._private: dict[int, list] = {}
+        self._released: collections.deque = collections.deque()
+        self._next_seq = 0
+        self._published_upto = 0
+        self._flush_scheduled = False
+        self._ids = itertools.count(1)
+        self._sites: list = [None] * SITE_RING
+        self._mesh_ids: dict[DeviceMesh, int] = {}
+        self._reads: dict[int, object] = {}
+        self._waiting_for_failure: dict[int, list] = collections.defaultdict(list)
+        self.failures: dict[int, RemoteFailure] = {}
+        self.workers: dict[int, WorkerRecord] = {}
+        self._registered = threading.Condition(self._lock)
+        self.commands_sent = 0
+        self.gloo_timeout_s = gloo_timeout_s
+        self.closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="dtorch-controller", daemon=True)
+        self._thread.start()
+        self.curve = curve
+        self.sockets = self._call(self._open, bind_host, curve)
+        self.store = dist.TCPStore(bind_host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=gloo_timeout_s))
+        self.store_address = f"{bind_host}:{self.store.port}"
+
+    # --- user thread ----------------------------------------------------------------------------
+    def submit(self, command_type, *fields, read=None, private=None) -> int:
+        """Append one command; returns its seq. Never waits on a worker."""
+        site = user_site()
+        with self._lock:
+            seq = self._next_seq
+            self._next_seq = seq + 1
+            self._pending.append(command_type(seq, *fields))
+            self._sites[seq % SITE_RING] = site
+            if read is not None:
+                self._reads[seq] = read
+            if private is not None:
+                self._private[seq] = private
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                self._loop.call_soon_threadsafe(self._flush)
+        return seq
+
+    def curve_for_worker(self) -> dict | None:
+        return self.curve.for_worker() if self.curve is not None else None
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def new_ids(self, count: int) -> tuple:
+        return tuple(next(self._ids) for _ in range(count))
+
+    def release(self, tensor_id: int) -> None:
+        """Called from DTensor.__del__ (any thread, any time): a lock-free append."""
+        self._released.append(tensor_id)
+
+    def mesh_id(self, mesh: DeviceMesh) -> int:
+        mesh_id = self._mesh_ids.get(mesh)
+        if mesh_id is None:
+            self._check_ranks(mesh)
+            mesh_id = self._mesh_ids.setdefault(mesh, len(self._mesh_ids))
+            self.submit(wire.DefineMesh, mesh_id, mesh.device_type, mesh.shape, mesh.ranks)
+        return mesh_id
+
+    def _check_ranks(self, mesh: DeviceMesh) -> None:
+        from ..errors import MeshError
+        unknown = [r for r in mesh.ranks if r not in self.workers]
+        if unknown:
+            raise MeshError(f"{mesh} names rank(s) {unknown}, but only ranks {sorted(self.workers)} are "
+                            "running; build meshes with init_device_mesh, which starts workers")
+
+    def fetch(self, tensor) -> Future:
+        spec = tensor._spec
+        mesh = spec.mesh
+        future = Future()
+        lost = self._lost_among(mesh.ranks)
+        if lost:
+            future._inner.set_exception(lost)
+            return future
+        senders = _senders(mesh, spec.placements)
+        read = FetchRead(mesh.ranks, future, spec, senders, tensor._seq)
+        self.submit(wire.Fetch, tensor._id, self.mesh_id(mesh), senders, read=read)
+        return future
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait until every live worker has run everything issued so far; raise the first remote
+        failure no read has raised yet."""
+        future = Future()
+        ranks = [r for r, w in self.workers.items() if w.lost is None]
+        self.submit(wire.Sync, read=SyncRead(ranks, future))
+        future.result(timeout)
+        lost = self._lost_among(self.workers)
+        if lost:
+            raise lost
+        for failure in sorted(self.failures.values(), key=lambda f: f.seq):
+            if not failure.reported:
+                raise failure.error(failure.seq)
+
+    def stats(self) -> dict:
+        s = self.sockets
+        return {"commands_sent": self.commands_sent, "messages_sent": s.messages_sent,
+                "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
+                "workers": len(self.workers), "pending_reads": len(self._reads)}
+
+    # --- worker pool ----------------------------------------------------------------------------
+    def add_workers(self, handles: list, device: str) -> None:
+        with self._lock:
+            for handle in handles:
+                self.workers[handle.rank] = WorkerRecord(handle.rank, handle, device)
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._probe()))
+
+    def wait_registered(self, ranks, timeout: float, progress=None) -> None:
+        deadline = time.monotonic() + timeout
+        with self._registered:
+            while True:
+                pending = [r for r in ranks if not self.workers[r].registered]
+                failed = [self.workers[r] for r in ranks if self.workers[r].lost]
+                if failed:
+                    w = failed[0]
+                    raise StartupError(f"worker rank {w.rank} on {w.host} failed to start: {w.lost}")
+                if not pending:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StartupError(f"worker rank(s) {pending} did not register within {timeout:.0f}s")
+                self._registered.wait(min(left, 0.5))
+
+    def _lost_among(self, ranks) -> WorkerLostError | None:
+        for rank in ranks:
+            w = self.workers.get(rank)
+            if w is not None and w.lost:
+                return WorkerLostError(w.rank, w.host, w.pid, w.lost)
+        return None
+
+    # --- shutdown -------------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 5.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.submit(wire.Shutdown)
+        deadline = time.monotonic() + timeout
+        for w in self.workers.values():
+            _stop(w.handle, deadline)
+        self._call(self._close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+
+    # --- loop thread ----------------------------------------------------------------------------
+    def _call(self, fn, *args):
+        """Run fn on the loop thread and wait for its result (set-up and tear-down only)."""
+        async def run():
+            return fn(*args)
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(30)
+
+    def _open(self, bind_host, curve) -> ControllerSockets:
+        sockets = ControllerSockets(bind_host, curve)
+        self._tasks = [self._loop.create_task(self._receive(sockets)), self._loop.create_task(self._watch())]
+        return sockets
+
+    def _close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.sockets.close()
+
+    def _flush(self) -> None:
+        with self._lock:
+            self._flush_scheduled = False
+            if self._released:
+                ids = tuple(self._released.popleft() for _ in range(len(self._released)))
+                self._pending.append(wire.Free(self._next_seq, ids))
+                self._next_seq += 1
+            batch, self._pending = self._pending, []
+            private, self._private = self._private, {}
+        if not batch:
+            return
+        for seq, sends in private.items():
+            for rank, frame in sends:
+                self.sockets.publish([wire.topic_for_rank(rank), wire.header(Kind.PRIVATE, seq), frame], copy=False)
+        self.sockets.publish(wire.encode_batch(batch[0].seq, batch))
+        self._published_upto = batch[-1].seq + 1
+        self.commands_sent += len(batch)
+
+    async def _probe(self) -> None:
+        """Publish probes until every worker has registered: a worker registers only after its
+        SUB socket has seen one, so it cannot miss the commands that follow (slow joiners)."""
+        while any(not w.registered and not w.lost for w in self.workers.values()) and not self.closed:
+            self.sockets.publish([wire.TOPIC_PROBE, wire.header(Kind.PROBE)])
+            await asyncio.sleep(0.02)
+
+    async def _receive(self, sockets: ControllerSockets) -> None:
+        while True:
+            frames = await sockets.receive()
+            identity = frames[0].bytes
+            try:
+                fields = wire.read_header(frames[1].bytes)
+                self._on_message(identity, fields, frames[2:])
+            except ProtocolError as error:
+                if identity.startswith(b"w"):
+                    sockets.send_to(identity, [wire.header(Kind.REFUSED, str(error))])
+            except Exception:  # a bug in one handler must not stop the loop
+                import traceback
+                traceback.print_exc()
+
+    def _on_message(self, identity: bytes, fields: tuple, frames: list) -> None:
+        kind = fields[1]
+        if kind == Kind.HEARTBEAT:
+            self._on_heartbeat(identity, fields[2])
+        elif kind == Kind.REPLY:
+            self._on_reply(*fields[2:6], frames)
+        elif kind == Kind.ERROR:
+            self._on_error(*fields[2:8])
+        elif kind == Kind.REGISTER:
+            self._on_register(identity, *fields[2:6])
+        else:
+            raise ProtocolError(f"unexpected message kind {kind} from {identity!r}")
+
+    def _on_register(self, identity: bytes, rank: int, host: str, pid: int, device: str) -> None:
+        worker = self.workers.get(rank)
+        if worker is None or identity != b"w%d" % rank:
+            raise ProtocolError(f"registration from unknown rank {rank}")
+        worker.host, worker.pid, worker.device = host, pid, device
+        worker.last_heartbeat = time.monotonic()
+        self.sockets.send_to(identity, [wire.header(Kind.WELCOME, self._published_upto, self.store_address,
+                                                    self.gloo_timeout_s)])
+        with self._registered:
+            worker.registered = True
+            self._registered.notify_all()
+
+    def _on_heartbeat(self, identity: bytes, rank: int) -> None:
+        worker = self.workers.get(rank)
+        if worker is not None and identity == b"h%d" % rank:
+            worker.last_heartbeat = time.monotonic()
+            self.sockets.send_to(identity, [wire.header(Kind.PONG)])
+
+    def _on_reply(self, seq: int, rank: int, status: str, origin: int, frames: list) -> None:
+        read = self._reads.get(seq)
+        if read is None or not read.add(rank, status, origin, frames):
+            return
+        self._finish(seq, read)
+
+    def _finish(self, seq: int, read) -> None:
+        if read.finish(self.failures) is False:
+            self._waiting_for_failure[read.poisoned_origin()].append(seq)
+            return
+        self._reads.pop(seq, None)
+
+    def _on_error(self, seq, rank, op, exception_type, message, traceback_text) -> None:
+        failure = self.failures.get(seq)
+        if failure is None:
+            site = self._sites[seq % SITE_RING] or "<unknown line>"
+            failure = self.failures[seq] = RemoteFailure(seq, op, site, exception_type, message, traceback_text)
+        failure.ranks.append(rank)
+        for waiting in self._waiting_for_failure.pop(seq, []):
+            read = self._reads.get(waiting)
+            if read is not None:
+                self._finish(waiting, read)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            now = time.monotonic()
+            for worker in list(self.workers.values()):
+                if worker.lost is None and not self.closed:
+                    reason = _loss_reason(worker, now)
+                    if reason:
+                        self._lose(worker, reason)
+            if self._released and not self._flush_scheduled:
+                self._flush()
+
+    def _lose(self, worker: WorkerRecord, reason: str) -> None:
+        with self._registered:
+            worker.lost = reason
+            self._registered.notify_all()
+        error = WorkerLostError(worker.rank, worker.host, worker.pid, reason)
+        for seq, read in list(self._reads.items()):
+            if worker.rank in read.waiting:
+                read.fail(error)
+                self._reads.pop(seq, None)
+
+
+def _loss_reason(worker: WorkerRecord, now: float) -> str | None:
+    code = worker.handle.poll() if worker.handle is not None else None
+    if code is not None:
+        return f"its process exited with code {code}"
+    if worker.registered and now - worker.last_heartbeat > WORKER_SILENCE_S:
+        return f"no heartbeat for {now - worker.last_heartbeat:.1f}s"
+    return None
+
+
+def _senders(mesh: DeviceMesh, placements) -> tuple:
+    """One rank per distinct shard: coordinate 0 on every mesh dim that does not shard."""
+    return tuple(r for r in mesh.ranks
+                 if all(c == 0 for c, p in zip(mesh.coordinate_of(r), placements) if p == Replicate()))
+
+
+def _stop(handle, deadline: float) -> None:
+    if handle is None:
+        return
+    try:
+        handle.wait(max(0.05, deadline - time.monotonic()))
+    except Exception:
+        pass
+    if handle.poll() is None:
+        handle.kill()
+        try:
+            handle.wait(2)
+        except Exception:
+            pass

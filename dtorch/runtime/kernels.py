@@ -1,0 +1,145 @@
+"""What a worker computes for a command, on its local shard: factories, redistribute steps.
+
+Every function here is given the mesh geometry and does its own local-shape arithmetic with the
+same pure helpers the controller uses, so both sides agree on every shard boundary.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..distributed_spec import DeviceMesh, Partial, Replicate, chunk_bounds, local_region
+from ..redistribute import step_kind
+from . import rng
+
+__all__ = ["make_factory", "apply_steps", "partial_identity"]
+
+
+# --- factories ------------------------------------------------------------------------------
+def make_factory(kind: str, shape, dtype, mesh: DeviceMesh, placements, coordinate, args,
+                 device) -> torch.Tensor:
+    offset, local = local_region(shape, mesh, placements, coordinate)
+    values = _FACTORIES[kind](shape, offset, local, dtype, args, device)
+    return _as_partial(values, mesh, placements, coordinate)
+
+
+def _filled(value):
+    return lambda shape, offset, local, dtype, args, device: torch.full(local, value, dtype=dtype, device=device)
+
+
+def _full(shape, offset, local, dtype, args, device):
+    return torch.full(local, args[0], dtype=dtype, device=device)
+
+
+def _arange(shape, offset, local, dtype, args, device):
+    start, step = args
+    positions = torch.arange(offset[0], offset[0] + local[0], dtype=torch.float64, device=device)
+    return (start + positions * step).to(dtype)
+
+
+def _random(sampler):
+    def make(shape, offset, local, dtype, args, device):
+        seed, counter, *params = args
+        index = rng.global_indices(shape, offset, local, device)
+        return sampler(index, seed, counter, dtype, *params)
+    return make
+
+
+_FACTORIES = {
+    "zeros": _filled(0), "ones": _filled(1), "empty": _filled(0), "full": _full, "arange": _arange,
+    "rand": _random(rng.uniform), "randn": _random(rng.normal), "randint": _random(rng.integers),
+}
+FACTORY_KINDS = frozenset(_FACTORIES)
+
+
+def _as_partial(values: torch.Tensor, mesh, placements, coordinate) -> torch.Tensor:
+    """A factory value under P(sum) lives on coordinate 0 of that mesh dim; the others hold 0."""
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Partial) and placement.reduce_op == "sum" and coordinate[mesh_dim] != 0:
+            return torch.zeros_like(values)
+    return values
+
+
+def partial_identity(values: torch.Tensor, reduce_op: str, keep: bool) -> torch.Tensor:
+    """R -> P(op): the value is kept where `keep`; elsewhere sum holds zeros, avg/max/min a copy."""
+    if keep or reduce_op != "sum":
+        return values
+    return torch.zeros_like(values)
+
+
+# --- redistribute steps ---------------------------------------------------------------------
+def apply_steps(tensor: torch.Tensor, shape, mesh: DeviceMesh, placements, steps, rank: int,
+                comm) -> torch.Tensor:
+    """Run redistribute steps (mesh_dim, before, after) in order on this rank's shard."""
+    coordinate = mesh.coordinate_of(rank)
+    placements = list(placements)
+    for mesh_dim, before, after in steps:
+        kind = step_kind(before, after)
+        group = mesh.group_along(rank, mesh_dim)
+        extents = _group_extents(shape, mesh, placements, coordinate, mesh_dim)
+        tensor = _STEPS[kind](tensor, before, after, extents, group, coordinate[mesh_dim], comm)
+        placements[mesh_dim] = after
+    return tensor
+
+
+def _group_extents(shape, mesh, placements, coordinate, mesh_dim) -> list[int]:
+    """Each tensor dim's size across this mesh dim's group: only outer mesh dims' shards applied
+    (the planner has already un-sharded inner mesh dims that split the same tensor dim)."""
+    outer = [p if m < mesh_dim else Replicate() for m, p in enumerate(placements)]
+    return local_region(shape, mesh, outer, coordinate)[1]
+
+
+def _pad_to(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    missing = size - tensor.shape[dim]
+    if missing == 0:
+        return tensor.contiguous()
+    pad_shape = list(tensor.shape)
+    pad_shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(pad_shape)], dim)
+
+
+def _split_padded(tensor: torch.Tensor, dim: int, total: int, parts: int) -> list[torch.Tensor]:
+    """torch.chunk-style pieces of `dim`, each zero-padded to the first piece's size."""
+    chunk = chunk_bounds(total, parts, 0)[1]
+    padded = _pad_to(tensor, dim, chunk * parts)
+    return [padded.narrow(dim, i * chunk, chunk).contiguous() for i in range(parts)]
+
+
+def _all_gather(tensor, before, after, extents, group, index, comm):
+    dim, parts, total = before.dim, len(group), extents[before.dim]
+    pieces = comm.all_gather(group, _pad_to(tensor, dim, chunk_bounds(total, parts, 0)[1]))
+    return torch.cat([p.narrow(dim, 0, chunk_bounds(total, parts, i)[1]) for i, p in enumerate(pieces)], dim)
+
+
+def _all_reduce(tensor, before, after, extents, group, index, comm):
+    return comm.all_reduce(group, tensor.clone(memory_format=torch.contiguous_format), before.reduce_op)
+
+
+def _reduce_scatter(tensor, before, after, extents, group, index, comm):
+    dim, parts, total = after.dim, len(group), extents[after.dim]
+    mine = comm.reduce_scatter(group, _split_padded(tensor, dim, total, parts), before.reduce_op)
+    return mine.narrow(dim, 0, chunk_bounds(total, parts, index)[1])
+
+
+def _all_to_all(tensor, before, after, extents, group, index, comm):
+    """S(i) -> S(j): cut j into padded pieces, pad i to the chunk size, swap, trim the padding."""
+    src, dst, parts = before.dim, after.dim, len(group)
+    src_total, dst_total = extents[src], extents[dst]
+    padded = _pad_to(tensor, src, chunk_bounds(src_total, parts, 0)[1])
+    received = comm.all_to_all(group, torch.stack(_split_padded(padded, dst, dst_total, parts)))
+    my_length = chunk_bounds(dst_total, parts, index)[1]
+    kept = [received[s].narrow(src, 0, chunk_bounds(src_total, parts, s)[1]).narrow(dst, 0, my_length)
+            for s in range(parts)]
+    return torch.cat(kept, src)
+
+
+def _slice(tensor, before, after, extents, group, index, comm):
+    start, length = chunk_bounds(extents[after.dim], len(group), index)
+    return tensor.narrow(after.dim, start, length)
+
+
+def _partialize(tensor, before, after, extents, group, index, comm):
+    return partial_identity(tensor, after.reduce_op, index == 0)
+
+
+_STEPS = {"all_gather": _all_gather, "all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter,
+          "all_to_all": _all_to_all, "slice": _slice, "partialize": _partialize}

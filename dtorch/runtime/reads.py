@@ -1,0 +1,154 @@
+"""The controller's side of reads: futures the user awaits, the replies that complete them, and
+the records of remote failures that turn into exceptions at the user's next read.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections.abc
+import concurrent.futures
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import DependencyError, DTorchError, RemoteError
+from ..ops.spec import TensorSpec
+from . import protocol as wire
+
+__all__ = ["Future", "FetchRead", "SyncRead", "RemoteFailure"]
+
+
+class Future(collections.abc.Coroutine):
+    """The result of a read. `await f` from any event loop (it never blocks that loop),
+    `asyncio.run(f)`, `f.result(timeout)` from sync code, `f.done()` to ask without waiting.
+
+    It is a Coroutine so that asyncio.run() and create_task() take it directly; each `await`
+    gets a fresh waiter, so it can be awaited any number of times."""
+
+    def __init__(self, inner: concurrent.futures.Future | None = None):
+        self._inner = inner or concurrent.futures.Future()
+        self._driven = None
+
+    def __await__(self):
+        return asyncio.wrap_future(self._inner).__await__()
+
+    # Coroutine protocol, used when a Task drives this object directly (asyncio.run(f)).
+    def send(self, value):
+        if self._driven is None:
+            self._driven = self.__await__()
+        return self._driven.send(value)
+
+    def throw(self, *error):
+        if self._driven is None:
+            self._driven = self.__await__()
+        return self._driven.throw(*error)
+
+    def close(self) -> None:
+        if self._driven is not None:
+            self._driven.close()
+
+    def result(self, timeout: float | None = None):
+        return self._inner.result(timeout)
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def exception(self, timeout: float | None = None):
+        return self._inner.exception(timeout)
+
+    def __repr__(self) -> str:
+        return f"<dtorch.Future {'done' if self.done() else 'pending'}>"
+
+
+@dataclass
+class RemoteFailure:
+    """One command that raised on one or more ranks."""
+    seq: int
+    op: str
+    site: str
+    exception_type: str
+    message: str
+    traceback: str
+    ranks: list = field(default_factory=list)
+    reported: bool = False
+
+    def error(self, produced_seq: int) -> RemoteError:
+        error_type = RemoteError if produced_seq == self.seq else DependencyError
+        self.reported = True
+        return error_type(self.op, self.seq, self.ranks, self.traceback, self.site,
+                          self.exception_type, self.message)
+
+
+class _Read:
+    """Replies expected from a set of ranks for one command seq."""
+
+    def __init__(self, ranks, future: Future):
+        self.waiting = set(ranks)
+        self.statuses: dict[int, tuple] = {}
+        self.frames: dict[int, list] = {}
+        self.future = future
+
+    def add(self, rank: int, status: str, origin: int, frames: list) -> bool:
+        """Record one rank's reply; True when every expected rank has answered."""
+        self.waiting.discard(rank)
+        self.statuses[rank] = (status, origin)
+        if frames:
+            self.frames[rank] = frames
+        return not self.waiting
+
+    def fail(self, error: Exception) -> None:
+        if not self.future.done():
+            self.future._inner.set_exception(error)
+
+    def poisoned_origin(self) -> int | None:
+        origins = [origin for status, origin in self.statuses.values() if status == "poisoned"]
+        return min(origins) if origins else None
+
+
+class SyncRead(_Read):
+    def finish(self, failures) -> None:
+        self.future._inner.set_result(None)
+
+
+class FetchRead(_Read):
+    def __init__(self, ranks, future: Future, spec: TensorSpec, senders, produced_seq: int):
+        super().__init__(ranks, future)
+        self.spec, self.senders, self.produced_seq = spec, senders, produced_seq
+
+    def finish(self, failures: dict) -> bool:
+        """Resolve the future; False if it must wait for a failure record still in flight."""
+        origin = self.poisoned_origin()
+        if origin is not None:
+            failure = failures.get(origin)
+            if failure is None:
+                return False
+            self.fail(failure.error(self.produced_seq))
+            return True
+        missing = [r for r, (status, _) in self.statuses.items() if status == "missing"]
+        if missing:
+            self.fail(DTorchError(f"tensor {self.spec.describe()} is not on rank(s) {missing}: "
+                                  "it was freed or never created there"))
+            return True
+        self.future._inner.set_result(self._assemble())
+        return True
+
+    def _assemble(self) -> torch.Tensor:
+        spec = self.spec
+        if len(self.senders) == 1:
+            (rank,) = self.senders
+            return _piece(self.frames.get(rank), spec, rank).clone()
+        out = torch.empty(spec.shape, dtype=spec.dtype)
+        for rank in self.senders:
+            offset = spec.mesh.coordinate_of(rank)
+            from ..distributed_spec import local_region
+            start, shape = local_region(spec.shape, spec.mesh, spec.placements, offset)
+            view = out
+            for dim, (begin, length) in enumerate(zip(start, shape)):
+                view = view.narrow(dim, begin, length)
+            view.copy_(_piece(self.frames.get(rank), spec, rank))
+        return out
+
+
+def _piece(frames, spec: TensorSpec, rank: int) -> torch.Tensor:
+    shape = spec.local_shape(rank)
+    buffer = frames[0].buffer if frames else b""
+    return wire.tensor_from_frame(buffer, spec.dtype, shape)

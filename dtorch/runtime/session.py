@@ -1,0 +1,124 @@
+"""The process-wide session: one controller, its worker pool, and the random-number state.
+
+The first mesh (or dtorch.init) starts it; a larger mesh later grows the local pool; shutdown()
+or interpreter exit stops every worker.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import random
+import threading
+
+from ..errors import DTorchError, MeshError
+from .cluster import LocalSpawner, worker_config
+from .controller import Controller
+
+__all__ = ["current", "init", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random"]
+
+_lock = threading.RLock()
+_controller: Controller | None = None
+_spawner = None
+_random = {"seed": random.SystemRandom().getrandbits(63), "counter": 0}
+
+
+def current() -> Controller:
+    controller = _controller
+    if controller is None:
+        raise DTorchError("no dtorch session: build a mesh with init_device_mesh(...) or call dtorch.init()")
+    return controller
+
+
+def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str | None = None,
+         controller_address: str | None = None, startup_timeout: float = 120.0) -> Controller:
+    """Start the controller and `num_workers` workers (default: the hostfile's slots, or 1)."""
+    global _controller, _spawner
+    with _lock:
+        if _controller is not None:
+            if num_workers:
+                acquire_workers(device_type, num_workers)
+            return _controller
+        hostfile = hostfile or os.environ.get("DTORCH_HOSTFILE")
+        if hostfile:
+            _controller, _spawner = _start_remote(hostfile, controller_address)
+            num_workers = num_workers or _spawner.capacity
+        else:
+            _controller, _spawner = Controller(), LocalSpawner()
+        _grow(device_type, num_workers or 1, startup_timeout)
+        return _controller
+
+
+def _start_remote(hostfile: str, controller_address: str | None):
+    from dtorch_launcher.hostfile import parse_hostfile
+    from dtorch_launcher.ssh import SshOptions, SshSpawner, controller_host
+    from .transport import make_curve_keys
+    options = SshOptions.from_environment()
+    bind = controller_address or os.environ.get("DTORCH_CONTROLLER_ADDRESS") or controller_host(hostfile)
+    keys = None if bind.startswith("127.") else make_curve_keys()
+    return Controller(bind_host=bind, curve=keys), SshSpawner(parse_hostfile(hostfile), options)
+
+
+def acquire_workers(device_type: str, count: int) -> list[int]:
+    """Ranks for a mesh of `count` devices, starting or growing the pool when needed."""
+    with _lock:
+        if _controller is None:
+            init(num_workers=count, device_type=device_type)
+        ranks = _ranks_of(device_type)
+        if len(ranks) < count:
+            _grow(device_type, count - len(ranks), 120.0)
+            ranks = _ranks_of(device_type)
+        return ranks[:count]
+
+
+def _ranks_of(device_type: str) -> list[int]:
+    return sorted(r for r, w in _controller.workers.items()
+                  if w.device.split(":")[0] == device_type and w.lost is None)
+
+
+def _grow(device_type: str, extra: int, timeout: float) -> None:
+    if device_type != "cpu":
+        from . import cuda
+        cuda.check_available(device_type, extra, _controller)
+    capacity = getattr(_spawner, "capacity", None)
+    first = len(_controller.workers)
+    if capacity is not None and first + extra > capacity:
+        raise MeshError(f"a mesh needs {first + extra} workers but the hostfile has {capacity} slots: "
+                        "add hosts or slots to the hostfile")
+    threads = max(1, (os.cpu_count() or 1) // max(1, first + extra))
+    handles = []
+    for rank in range(first, first + extra):
+        device = device_type if device_type == "cpu" else f"{device_type}:{rank - first}"
+        config = worker_config(_controller, rank, device, threads, _controller.curve_for_worker(),
+                               gloo_host="auto" if capacity is not None else "127.0.0.1")
+        handles.append(_spawner.spawn(rank, config))
+    _controller.add_workers(handles, device_type)
+    _controller.wait_registered([h.rank for h in handles], timeout)
+
+
+def shutdown() -> None:
+    """Stop every worker and the controller. A later mesh starts a fresh session."""
+    global _controller, _spawner
+    with _lock:
+        controller, _controller, _spawner = _controller, None, None
+    if controller is not None:
+        controller.shutdown()
+
+
+def workers() -> list[dict]:
+    """rank, host, pid, device (and alive) of every worker in the pool."""
+    return [w.as_dict() for _, w in sorted(current().workers.items())]
+
+
+def manual_seed(seed: int) -> None:
+    """Make random factories reproducible: values depend on the seed and call order only."""
+    _random["seed"], _random["counter"] = int(seed), 0
+
+
+def next_random() -> tuple[int, int]:
+    with _lock:
+        counter = _random["counter"]
+        _random["counter"] = counter + 1
+        return _random["seed"], counter
+
+
+atexit.register(shutdown)

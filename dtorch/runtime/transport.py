@@ -1,0 +1,182 @@
+"""The one module that imports zmq: sockets for both sides, with every option that keeps the
+PUB/SUB channel lossless (no high-water-mark drops), fast to close (linger 0) and, off loopback,
+authenticated and encrypted with CURVE.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import zmq
+import zmq.asyncio
+
+__all__ = ["CurveKeys", "make_curve_keys", "ControllerSockets", "WorkerSockets", "Poller", "Again"]
+
+Again = zmq.Again
+
+
+class CurveKeys(NamedTuple):
+    """Z85 keys (str) for one run: the controller's server pair and the workers' client pair."""
+    server_public: str
+    server_secret: str
+    client_public: str
+    client_secret: str
+
+    def for_worker(self) -> dict:
+        """What a worker needs: never the server's secret."""
+        return {"server_public": self.server_public, "client_public": self.client_public,
+                "client_secret": self.client_secret}
+
+
+def make_curve_keys() -> CurveKeys:
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    return CurveKeys(*(k.decode() for k in (server_public, server_secret, client_public, client_secret)))
+
+
+def _lossless(socket: zmq.Socket) -> None:
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.SNDHWM, 0)   # 0 = no limit: PUB drops at the HWM, so there is none
+    socket.setsockopt(zmq.RCVHWM, 0)
+
+
+def _curve_server(socket: zmq.Socket, keys: CurveKeys | None) -> None:
+    if keys is not None:
+        socket.curve_server = True
+        socket.curve_secretkey = keys.server_secret.encode()
+        socket.curve_publickey = keys.server_public.encode()
+
+
+def _curve_client(socket: zmq.Socket, keys: dict | None) -> None:
+    if keys is not None:
+        socket.curve_serverkey = keys["server_public"].encode()
+        socket.curve_publickey = keys["client_public"].encode()
+        socket.curve_secretkey = keys["client_secret"].encode()
+
+
+class ControllerSockets:
+    """PUB for commands, ROUTER for everything workers send back; bound on `host`, random ports.
+
+    With CURVE on, a ZAP handler admits only the run's client key, so a process without the
+    keys can neither subscribe to commands nor inject replies."""
+
+    def __init__(self, host: str = "127.0.0.1", keys: CurveKeys | None = None):
+        self.context = zmq.asyncio.Context()
+        self._authenticator = _start_authenticator(self.context, keys) if keys else None
+        self.pub = self.context.socket(zmq.PUB)
+        self.router = self.context.socket(zmq.ROUTER)
+        for socket in (self.pub, self.router):
+            _lossless(socket)
+            _curve_server(socket, keys)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises, not vanishes
+        self.command_address = _bind(self.pub, host)
+        self.reply_address = _bind(self.router, host)
+        self.bytes_sent = self.bytes_received = self.messages_sent = 0
+
+    def publish(self, frames: list, copy: bool = True) -> None:
+        # PUB with no high-water mark never blocks, so the send completes at once.
+        self.pub.send_multipart(frames, copy=copy).add_done_callback(_retrieve)
+        self.messages_sent += 1
+        self.bytes_sent += sum(len(f) for f in frames)
+
+    def send_to(self, identity: bytes, frames: list) -> None:
+        # A reply to a worker that is gone fails inside the future (ROUTER_MANDATORY);
+        # liveness tracking reports the loss, so the failure is only retrieved here.
+        self.router.send_multipart([identity] + frames).add_done_callback(_retrieve)
+        self.messages_sent += 1
+        self.bytes_sent += sum(len(f) for f in frames)
+
+    async def receive(self) -> list:
+        frames = await self.router.recv_multipart(copy=False)
+        self.bytes_received += sum(len(f.buffer) for f in frames)
+        return frames
+
+    def close(self) -> None:
+        for socket in (self.pub, self.router):
+            socket.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self.context.term()
+
+
+def _retrieve(future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _bind(socket: zmq.Socket, host: str) -> str:
+    port = socket.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{port}"
+
+
+def _start_authenticator(context, keys: CurveKeys):
+    from zmq.auth.thread import ThreadAuthenticator
+    # ZAP needs a synchronous context; a shadow of the asyncio one shares the same zmq context.
+    authenticator = ThreadAuthenticator(zmq.Context.shadow(context.underlying))
+    authenticator.start()
+    authenticator.configure_curve_callback("*", credentials_provider=_OnlyKey(keys.client_public))
+    return authenticator
+
+
+class _OnlyKey:
+    def __init__(self, client_public: str):
+        self.allowed = client_public.encode()
+
+    def callback(self, domain, key) -> bool:
+        import zmq.utils.z85
+        return zmq.utils.z85.encode(key) == self.allowed if len(key) == 32 else key == self.allowed
+
+
+class WorkerSockets:
+    """A worker's SUB (commands) and DEALER (replies); blocking, used from the worker's main thread."""
+
+    def __init__(self, command_address: str, reply_address: str, rank: int, topics: list[bytes],
+                 keys: dict | None = None):
+        self.context = zmq.Context()
+        self.sub = self.context.socket(zmq.SUB)
+        self.dealer = self.context.socket(zmq.DEALER)
+        for socket in (self.sub, self.dealer):
+            _lossless(socket)
+            _curve_client(socket, keys)
+        self.dealer.setsockopt(zmq.IDENTITY, b"w%d" % rank)
+        for topic in topics:
+            self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sub.connect(command_address)
+        self.dealer.connect(reply_address)
+        self._reply_address, self._keys = reply_address, keys
+
+    def heartbeat_socket(self, rank: int) -> zmq.Socket:
+        """A second DEALER for the heartbeat thread (zmq sockets are not thread-safe)."""
+        socket = self.context.socket(zmq.DEALER)
+        _lossless(socket)
+        _curve_client(socket, self._keys)
+        socket.setsockopt(zmq.IDENTITY, b"h%d" % rank)
+        socket.connect(self._reply_address)
+        return socket
+
+    def receive_command(self, timeout_ms: int | None = None) -> list | None:
+        if timeout_ms is not None and not self.sub.poll(timeout_ms):
+            return None
+        return self.sub.recv_multipart(copy=False)
+
+    def receive_reply(self, timeout_ms: int) -> list | None:
+        if not self.dealer.poll(timeout_ms):
+            return None
+        return self.dealer.recv_multipart()
+
+    def send(self, frames: list) -> None:
+        self.dealer.send_multipart(frames, copy=False)
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+
+
+class Poller:
+    """Wait on one socket with a timeout (heartbeat thread)."""
+
+    def __init__(self, socket: zmq.Socket):
+        self.socket = socket
+
+    def receive(self, timeout_ms: int) -> list | None:
+        if not self.socket.poll(timeout_ms):
+            return None
+        return self.socket.recv_multipart()

@@ -1,0 +1,308 @@
+"""A worker: one process per device. It runs the controller's commands strictly in order on its
+local shards, one handler per command type (named after it), and answers only reads.
+
+Start: `python -m dtorch.runtime.worker`, one line of JSON config on stdin (so secrets never show
+in `ps`); stdin stays open, and EOF on it means the controller is gone: the worker exits.
+
+A command that raises does not stop the worker: its outputs become "poisoned" with the command's
+seq, the error goes back tagged with that seq, and anything computed from a poisoned tensor is
+poisoned in turn (collectives agree on it first), so no read ever returns a wrong value.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+from ..distributed_spec import DeviceMesh, local_region
+from ..errors import ProtocolError
+from ..ops import KERNELS
+from . import protocol as wire
+from ..redistribute import LOCAL_ONLY, step_kind
+from .kernels import apply_steps, make_factory
+from .protocol import Kind, TensorRef
+from .transport import Poller, WorkerSockets
+
+__all__ = ["Worker", "main"]
+
+
+class Poisoned(Exception):
+    """An input was produced by a failed command (origin seq attached)."""
+
+    def __init__(self, origin: int):
+        super().__init__(origin)
+        self.origin = origin
+
+
+class Worker:
+    def __init__(self, rank: int, sockets: WorkerSockets, comm, device: torch.device, start_seq: int):
+        self.rank, self.sockets, self.comm, self.device = rank, sockets, comm, device
+        self.next_seq = start_seq
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.poisoned: dict[int, int] = {}          # tensor id -> seq of the command that failed
+        self.meshes: dict[int, DeviceMesh] = {}
+        self.private: dict[int, list] = {}          # command seq -> raw frames sent to this rank
+        self.running = True
+        self._handlers = {cls: getattr(self, wire.handler_name(cls)) for cls in wire.COMMANDS}
+
+    # --- the loop -------------------------------------------------------------------------------
+    def run(self) -> None:
+        while self.running:
+            frames = self.sockets.receive_command()
+            fields = wire.read_header(frames[1].bytes)
+            if fields[1] == Kind.BATCH:
+                self._run_batch(fields, frames[2].buffer)
+            elif fields[1] == Kind.PRIVATE:
+                if fields[2] >= self.next_seq:
+                    self.private[fields[2]] = frames[2:]
+
+    def _run_batch(self, fields, body) -> None:
+        first_seq, commands = wire.decode_batch(fields, body)
+        if first_seq < self.next_seq:
+            return  # published before this worker joined
+        if first_seq != self.next_seq:
+            raise ProtocolError(f"rank {self.rank}: expected command #{self.next_seq}, got #{first_seq}: "
+                                "commands were lost on the way")
+        self.next_seq += len(commands)
+        for command in commands:
+            self._execute(command)
+
+    def _execute(self, command) -> None:
+        try:
+            self._handlers[type(command)](command)
+        except Poisoned as poisoned:
+            self._poison(command, poisoned.origin)
+        except Exception as error:  # any failure of one command; the worker goes on
+            self._poison(command, command.seq)
+            self._report(command, error)
+
+    def _poison(self, command, origin: int) -> None:
+        for tensor_id in _outputs_of(command):
+            self.tensors.pop(tensor_id, None)
+            self.poisoned[tensor_id] = origin
+
+    def _report(self, command, error: Exception) -> None:
+        op = getattr(command, "op", None) or getattr(command, "kind", None) or type(command).__name__
+        self.sockets.send([wire.header(Kind.ERROR, command.seq, self.rank, op, type(error).__name__,
+                                       str(error), traceback.format_exc())])
+
+    # --- helpers shared by handlers -------------------------------------------------------------
+    def _member(self, mesh_id: int) -> DeviceMesh | None:
+        mesh = self.meshes[mesh_id]
+        return mesh if self.rank in mesh.ranks else None
+
+    def _tensor(self, tensor_id: int) -> torch.Tensor:
+        tensor = self.tensors.get(tensor_id)
+        if tensor is None:
+            if tensor_id in self.poisoned:
+                raise Poisoned(self.poisoned[tensor_id])
+            raise KeyError(f"tensor #{tensor_id} is not on rank {self.rank} (freed, or never created)")
+        return tensor
+
+    def _resolve(self, value):
+        if type(value) is TensorRef:
+            return self._tensor(value.id)
+        if type(value) in (tuple, list):
+            return type(value)(self._resolve(v) for v in value)
+        return value
+
+    def _agree_on_failure(self, mesh: DeviceMesh, source_id: int) -> None:
+        """Before collectives, every rank of the mesh learns whether any rank's input is
+        poisoned, so all of them skip the data movement together instead of deadlocking."""
+        origin = self.poisoned.get(source_id, -1)
+        agreed = self.comm.agree_max(mesh.ranks, origin + 1) if len(mesh.ranks) > 1 else origin + 1
+        if agreed:
+            raise Poisoned(agreed - 1)
+
+    # --- handlers: one per command ---------------------------------------------------------------
+    def handle_define_mesh(self, command: wire.DefineMesh) -> None:
+        self.meshes[command.mesh_id] = DeviceMesh(command.device_type,
+                                                  _nest(command.ranks, command.shape))
+
+    def handle_factory(self, command: wire.Factory) -> None:
+        mesh = self._member(command.mesh_id)
+        if mesh is None:
+            return
+        dtype = wire.dtype_from_name(command.dtype)
+        self.tensors[command.out_id] = make_factory(
+            command.kind, command.shape, dtype, mesh, command.placements,
+            mesh.coordinate_of(self.rank), command.args, self.device)
+
+    def handle_upload(self, command: wire.Upload) -> None:
+        mesh = self._member(command.mesh_id)
+        if mesh is None:
+            return
+        frames = self.private.pop(command.seq, None)
+        if frames is None:
+            raise ProtocolError(f"rank {self.rank}: upload data for command #{command.seq} never arrived")
+        _, shape = local_region(command.shape, mesh, command.placements, mesh.coordinate_of(self.rank))
+        data = wire.tensor_from_frame(frames[0].buffer, wire.dtype_from_name(command.dtype), shape)
+        self.tensors[command.out_id] = data.to(self.device, copy=True)
+
+    def handle_run_op(self, command: wire.RunOp) -> None:
+        mesh = self._member(command.mesh_id)
+        if mesh is None:
+            return
+        args, kwargs = self._resolve(command.args), self._resolve(command.kwargs)
+        if command.input_steps:
+            args, kwargs = self._localize(mesh, command, args, kwargs)
+        result = KERNELS[command.op](*args, **kwargs)
+        results = result if isinstance(result, tuple) else (result,)
+        for tensor_id, value in zip(command.out_ids, results):
+            self.tensors[tensor_id] = value
+
+    def _localize(self, mesh, command, args, kwargs):
+        """Slice Replicate inputs to the shard an op needs (local only, no communication)."""
+        tensor_positions = _tensor_positions(command.args, command.kwargs)
+        args, kwargs = list(args), dict(kwargs)
+        for index, shape, placements, steps in command.input_steps:
+            where, key = tensor_positions[index]
+            container = args if where == "args" else kwargs
+            container[key] = apply_steps(container[key], shape, mesh, placements, steps, self.rank, self.comm)
+        return args, kwargs
+
+    def handle_redistribute(self, command: wire.Redistribute) -> None:
+        mesh = self._member(command.mesh_id)
+        if mesh is None:
+            return
+        if any(step_kind(before, after) not in LOCAL_ONLY for _, before, after in command.steps):
+            self._agree_on_failure(mesh, command.src_id)
+        source = self._tensor(command.src_id)
+        self.tensors[command.out_id] = apply_steps(source, command.shape, mesh, command.placements,
+                                                   command.steps, self.rank, self.comm)
+
+    def handle_fetch(self, command: wire.Fetch) -> None:
+        mesh = self._member(command.mesh_id)
+        if mesh is None:
+            return
+        if command.tensor_id in self.poisoned:
+            status, frames = ("poisoned", self.poisoned[command.tensor_id]), []
+        elif command.tensor_id not in self.tensors:
+            status, frames = ("missing", -1), []
+        elif self.rank in command.senders:
+            status, frames = ("ok", -1), [wire.tensor_frame(self.tensors[command.tensor_id].cpu())]
+        else:
+            status, frames = ("ok", -1), []
+        self.sockets.send([wire.header(Kind.REPLY, command.seq, self.rank, *status)] + frames)
+
+    def handle_free(self, command: wire.Free) -> None:
+        for tensor_id in command.ids:
+            self.tensors.pop(tensor_id, None)
+            self.poisoned.pop(tensor_id, None)
+
+    def handle_sync(self, command: wire.Sync) -> None:
+        self.sockets.send([wire.header(Kind.REPLY, command.seq, self.rank, "ok", -1)])
+
+    def handle_shutdown(self, command: wire.Shutdown) -> None:
+        self.running = False
+
+
+def _outputs_of(command) -> tuple:
+    if hasattr(command, "out_ids"):
+        return command.out_ids
+    return (command.out_id,) if hasattr(command, "out_id") else ()
+
+
+def _tensor_positions(args, kwargs) -> list:
+    """Where the k-th tensor argument sits, in the order dispatch numbered them."""
+    positions = [("args", i) for i, a in enumerate(args) if type(a) is TensorRef]
+    return positions + [("kwargs", k) for k, v in kwargs.items() if type(v) is TensorRef]
+
+
+def _nest(ranks, shape):
+    from ..distributed_spec import _nest as nest
+    return nest(list(ranks), list(shape)) if len(shape) > 1 else list(ranks)
+
+
+# --- process entry -------------------------------------------------------------------------------
+def _exit_when_stdin_closes() -> None:
+    """EOF on stdin: the controller (or the ssh session carrying us) is gone."""
+    def watch():
+        while sys.stdin.buffer.read(65536):
+            pass
+        os._exit(0)
+    threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
+
+
+def _heartbeat(sockets: WorkerSockets, rank: int, timeout_s: float) -> None:
+    """Heartbeats both ways on a socket of its own; exit if the controller stops answering,
+    even while the main thread is blocked inside a collective."""
+    hb = sockets.heartbeat_socket(rank)
+    poller, last_answer = Poller(hb), time.monotonic()
+    while True:
+        hb.send_multipart([wire.header(Kind.HEARTBEAT, rank)])
+        if poller.receive(int(wire.HEARTBEAT_INTERVAL * 1000)) is not None:
+            last_answer = time.monotonic()
+            time.sleep(wire.HEARTBEAT_INTERVAL)
+        elif time.monotonic() - last_answer > timeout_s:
+            print(f"dtorch worker {rank}: controller silent for {timeout_s:.0f}s, exiting", file=sys.stderr)
+            os._exit(3)
+
+
+def _register(sockets: WorkerSockets, config: dict) -> tuple:
+    """Wait until our SUB sees a probe (so no command can be missed), then register."""
+    deadline = time.monotonic() + config.get("register_timeout", 120)
+    while time.monotonic() < deadline:
+        frames = sockets.receive_command(timeout_ms=100)
+        if frames is not None and wire.read_header(frames[1].bytes)[1] == Kind.PROBE:
+            break
+    else:
+        raise SystemExit(f"dtorch worker {config['rank']}: never heard the controller")
+    sockets.send([wire.header(Kind.REGISTER, config["rank"], config.get("host_label") or socket.gethostname(),
+                              os.getpid(), config["device"])])
+    while time.monotonic() < deadline:
+        reply = sockets.receive_reply(timeout_ms=1000)
+        if reply is not None:
+            fields = wire.read_header(reply[0])
+            if fields[1] == Kind.REFUSED:
+                raise SystemExit(f"dtorch worker {config['rank']}: controller refused: {fields[2]}")
+            if fields[1] == Kind.WELCOME:
+                return fields[2:]
+    raise SystemExit(f"dtorch worker {config['rank']}: no welcome from the controller")
+
+
+def _gloo_host(config: dict) -> str:
+    """The address peers reach this worker on: by default the interface that routes to the
+    controller (a UDP connect sends nothing; it only picks the route)."""
+    host = config.get("gloo_host", "auto")
+    if host != "auto":
+        return host
+    controller_host = config["command_address"].split("//", 1)[1].rsplit(":", 1)[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((controller_host, 9))
+        return probe.getsockname()[0]
+
+
+def main() -> None:
+    config = json.loads(sys.stdin.readline())
+    _exit_when_stdin_closes()
+    torch.set_num_threads(max(1, int(config.get("threads", 1))))
+    rank = config["rank"]
+    topics = [wire.TOPIC_ALL, wire.TOPIC_PROBE, wire.topic_for_rank(rank)]
+    sockets = WorkerSockets(config["command_address"], config["reply_address"], rank, topics, config.get("curve"))
+    start_seq, store_address, gloo_timeout = _register(sockets, config)
+    threading.Thread(target=_heartbeat, args=(sockets, rank, config.get("controller_timeout", 6.0)),
+                     name="heartbeat", daemon=True).start()
+    from .comm import GlooCommunicator
+    comm = GlooCommunicator(store_address, rank, _gloo_host(config), gloo_timeout)
+    worker = Worker(rank, sockets, comm, torch.device(config["device"]), start_seq)
+    try:
+        worker.run()
+    finally:
+        comm.close()
+        sockets.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Daemon threads (stdin watch, heartbeat) hold locks that a normal interpreter
+        # shutdown would wait on; nothing is left to clean up, so leave at once.
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

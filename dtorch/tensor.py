@@ -1,0 +1,207 @@
+"""DTensor: a symbol on the controller (id, global shape, dtype, mesh, placements) — no data.
+
+Every op returns at once with a new symbol; only reads (fetch, to_torch, item, tolist) wait on
+workers. When a symbol is garbage-collected its buffers are freed on the workers (batched).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .distributed_spec import DeviceMesh, Partial, Placement, Replicate, format_placements
+from .errors import MeshError, UnsupportedOpError
+from .ops import REGISTRY, cached_plan
+from .ops.pointwise import BINARY_OPERATORS, UNARY_OPERATORS
+from .ops.spec import TensorSpec, check_placements, tensor_spec
+from .redistribute import plan_redistribute
+from .runtime import session
+from .runtime.protocol import Redistribute, RunOp, TensorRef
+
+__all__ = ["DTensor", "call_op"]
+
+
+class DTensor:
+    __slots__ = ("_id", "_spec", "_seq", "_session")
+
+    def __init__(self, tensor_id: int, spec: TensorSpec, seq: int, owner):
+        self._id, self._spec, self._seq, self._session = tensor_id, spec, seq, owner
+
+    def __del__(self):
+        owner = self._session
+        if owner is not None:
+            owner.release(self._id)
+
+    # --- what the symbol knows -----------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._spec.shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self._spec.shape[dim]
+
+    @property
+    def ndim(self) -> int:
+        return len(self._spec.shape)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def __len__(self) -> int:
+        if not self._spec.shape:
+            raise TypeError("len() of a 0-d DTensor")
+        return self._spec.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._spec.dtype
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """Shape of the shard that worker `rank` holds."""
+        from .distributed_spec import local_shape
+        return local_shape(self._spec.shape, self.device_mesh, self.placements, rank)
+
+    def local_offset(self, rank: int) -> tuple[int, ...]:
+        from .distributed_spec import local_offset
+        return local_offset(self._spec.shape, self.device_mesh, self.placements, rank)
+
+    def __repr__(self) -> str:
+        mesh = self.device_mesh
+        names = f" {list(mesh.mesh_dim_names)}" if mesh.mesh_dim_names else ""
+        return (f"DTensor(shape={tuple(self._spec.shape)}, dtype={str(self.dtype)[6:]}, "
+                f"mesh={mesh.device_type}{mesh.shape}{names}, placements={format_placements(self.placements)})")
+
+    __hash__ = object.__hash__
+
+    # --- layout ----------------------------------------------------------------------------
+    def redistribute(self, device_mesh: DeviceMesh | None = None,
+                     placements: Sequence[Placement] | None = None) -> "DTensor":
+        """The same logical tensor with new placements; collectives run worker-to-worker."""
+        mesh = device_mesh if device_mesh is not None else self.device_mesh
+        if mesh != self.device_mesh:
+            raise MeshError(f"redistribute to another mesh ({self.device_mesh} -> {mesh}) is not "
+                            "supported yet; read and re-upload with dtorch.tensor(x.to_torch(), ...)")
+        placements = check_placements(placements if placements is not None else
+                                      [Replicate()] * mesh.ndim, self.ndim, mesh)
+        if placements == self.placements:
+            return self
+        steps = tuple(plan_redistribute(self.placements, placements))
+        spec = tensor_spec(self._spec.shape, self.dtype, mesh, placements)
+        owner = self._session
+        out_id = owner.new_id()
+        seq = owner.submit(Redistribute, out_id, self._id, owner.mesh_id(mesh), self._spec.shape,
+                           self.placements, steps)
+        return DTensor(out_id, spec, seq, owner)
+
+    def full_replicate(self) -> "DTensor":
+        """Partial dims reduced to Replicate (Shard dims kept): what a read needs."""
+        if not any(isinstance(p, Partial) for p in self.placements):
+            return self
+        return self.redistribute(placements=[Replicate() if isinstance(p, Partial) else p
+                                             for p in self.placements])
+
+    # --- reads: the only calls that wait on workers ------------------------------------------
+    def fetch(self):
+        """An awaitable future of the full logical tensor (also .result(timeout) / .done())."""
+        readable = self.full_replicate()
+        return readable._session.fetch(readable)
+
+    def to_torch(self) -> torch.Tensor:
+        return self.fetch().result()
+
+    def full_tensor(self) -> torch.Tensor:
+        return self.to_torch()
+
+    def item(self):
+        if self.numel() != 1:
+            raise ValueError(f"item() needs a one-element DTensor, this one has shape {tuple(self.shape)}")
+        return self.to_torch().item()
+
+    def tolist(self):
+        return self.to_torch().tolist()
+
+    def __bool__(self) -> bool:
+        return bool(self.item())
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    # --- torch interop ------------------------------------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in REGISTRY:
+            return call_op(name, tuple(args), kwargs or {})
+        raise UnsupportedOpError(f"torch.{name} has no dtorch rule yet; supported: {', '.join(sorted(REGISTRY))}")
+
+    def to(self, dtype: torch.dtype) -> "DTensor":
+        return call_op("to_dtype", (self, dtype), {})
+
+    def float(self) -> "DTensor":
+        return self.to(torch.float32)
+
+    def __matmul__(self, other):
+        return call_op("matmul", (self, other), {})
+
+    def __rmatmul__(self, other):
+        return call_op("matmul", (other, self), {})
+
+
+def call_op(name: str, args: tuple, kwargs: dict):
+    """Plan (cached), enqueue one RunOp command, return the output symbol(s). Never waits."""
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: mixing a local torch.Tensor with DTensors; upload it first with "
+                            "dtorch.tensor(t, device_mesh=..., placements=...)")
+    plan = cached_plan(name, args, kwargs)
+    first = plan.out_specs[0]
+    owner = session.current()
+    out_ids = owner.new_ids(len(plan.out_specs))
+    wire_args = tuple(TensorRef(a._id) if type(a) is DTensor else a for a in args)
+    wire_kwargs = {k: TensorRef(v._id) if type(v) is DTensor else v for k, v in kwargs.items()}
+    if plan.extra_kwargs:
+        wire_kwargs.update(plan.extra_kwargs)
+    seq = owner.submit(RunOp, out_ids, owner.mesh_id(first.mesh), plan.kernel, wire_args, wire_kwargs,
+                       plan.input_steps)
+    outputs = tuple(DTensor(i, spec, seq, owner) for i, spec in zip(out_ids, plan.out_specs))
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _operator(op_name: str, reflected: bool):
+    if reflected and op_name in ("add", "mul"):
+        return lambda self, other: call_op(op_name, (self, other), {})
+    return lambda self, other: call_op(op_name, (self, other), {})
+
+
+def _method(op_name: str):
+    def method(self, *args, **kwargs):
+        return call_op(op_name, (self,) + args, kwargs)
+    method.__name__ = op_name
+    return method
+
+
+def _install_methods() -> None:
+    for dunder, op_name in BINARY_OPERATORS.items():
+        setattr(DTensor, dunder, lambda self, other, _op=op_name: call_op(_op, (self, other), {}))
+    for dunder, op_name in UNARY_OPERATORS.items():
+        setattr(DTensor, dunder, lambda self, _op=op_name: call_op(_op, (self,), {}))
+    for op_name, spec in REGISTRY.items():
+        if spec.method and not hasattr(DTensor, op_name):
+            setattr(DTensor, op_name, _method(op_name))
+
+
+_install_methods()
