@@ -119,9 +119,11 @@ POINTWISE = {
     "to_dtype": (lambda input, dtype: input.to(dtype), "monotone"),
 }
 
+_REFLECTED = {"rsub", "rdiv", "rpow"}  # reached through 2 - x, 2 / x, 2 ** x; not methods
+
 for _name, (_fn, _partial_class) in POINTWISE.items():
     register(OpSpec(_name, _fn, pointwise_rule(_partial_class), "pointwise",
-                    scalars_by_type=_name != "to_dtype", method=not _name.startswith("r")))
+                    scalars_by_type=_name != "to_dtype", method=_name not in _REFLECTED))
 
 # Python operators map onto the table (the tensor module wires them as dunder methods).
 BINARY_OPERATORS = {

@@ -84,6 +84,8 @@ class Controller:
         """Append one command; returns its seq. Never waits on a worker."""
         site = user_site()
         with self._lock:
+            if self._released:
+                self._free_released()
             seq = self._next_seq
             self._next_seq = seq + 1
             self._pending.append(command_type(seq, *fields))
@@ -99,6 +101,13 @@ class Controller:
 
     def curve_for_worker(self) -> dict | None:
         return self.curve.for_worker() if self.curve is not None else None
+
+    def _free_released(self) -> None:
+        """Lock held: one Free for the symbols dropped since the last command, placed before the
+        next command so workers free buffers in program order (not once per batch)."""
+        ids = tuple(self._released.popleft() for _ in range(len(self._released)))
+        self._pending.append(wire.Free(self._next_seq, ids))
+        self._next_seq += 1
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -222,9 +231,7 @@ class Controller:
         with self._lock:
             self._flush_scheduled = False
             if self._released:
-                ids = tuple(self._released.popleft() for _ in range(len(self._released)))
-                self._pending.append(wire.Free(self._next_seq, ids))
-                self._next_seq += 1
+                self._free_released()
             batch, self._pending = self._pending, []
             private, self._private = self._private, {}
         if not batch:
@@ -301,6 +308,9 @@ class Controller:
         self._reads.pop(seq, None)
 
     def _on_error(self, seq, rank, op, exception_type, message, traceback_text) -> None:
+        if op == wire.PROTOCOL_FAILURE and rank in self.workers:
+            self._lose(self.workers[rank], f"protocol error: {message}")
+            return
         failure = self.failures.get(seq)
         if failure is None:
             site = self._sites[seq % SITE_RING] or "<unknown line>"

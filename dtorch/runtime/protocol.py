@@ -46,6 +46,8 @@ class Kind(enum.IntEnum):
 
 
 HEARTBEAT_INTERVAL = 0.5
+# The op name of an ERROR meaning "this worker's command stream broke; it is unusable".
+PROTOCOL_FAILURE = "<protocol>"
 
 
 # --- commands: one small record each, (seq, ...) ------------------------------------------------

@@ -53,6 +53,15 @@ class Worker:
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
+        try:
+            self._loop()
+        except ProtocolError as error:
+            # The command stream cannot be trusted any more: say why, then stop for good.
+            self.sockets.send([wire.header(Kind.ERROR, self.next_seq, self.rank, wire.PROTOCOL_FAILURE,
+                                           "ProtocolError", str(error), "")])
+            raise
+
+    def _loop(self) -> None:
         while self.running:
             frames = self.sockets.receive_command()
             fields = wire.read_header(frames[1].bytes)

@@ -1,0 +1,96 @@
+"""Bad input gets a clear error at the user's line; a worker-side failure comes back at the next
+read of a result that depends on it, and everything else keeps working."""
+import pytest
+import torch
+
+import dtorch
+from dtorch.distributed_spec import Partial, Replicate, Shard, init_device_mesh
+from dtorch.errors import DependencyError, MeshError, PlacementError, RemoteError, ShapeError
+
+
+def test_shape_mismatch_is_raised_on_the_controller(mesh4):
+    x = dtorch.zeros(8, 4, device_mesh=mesh4, placements=[Shard(0)])
+    y = dtorch.zeros(8, 5, device_mesh=mesh4, placements=[Shard(0)])
+    with pytest.raises(ShapeError) as info:
+        x + y
+    assert "add" in str(info.value) and "(8, 4)" in str(info.value) and "test_errors.py" in str(info.value)
+
+
+def test_tensors_on_different_meshes(mesh4, mesh22):
+    x = dtorch.zeros(8, device_mesh=mesh4, placements=[Shard(0)])
+    y = dtorch.zeros(8, device_mesh=mesh22, placements=[Shard(0), Replicate()])
+    with pytest.raises(MeshError, match="different meshes"):
+        x + y
+
+
+def test_unsupported_placement_names_op_placements_mesh_and_fix(mesh22):
+    x = dtorch.zeros(8, 8, device_mesh=mesh22, placements=[Shard(0), Partial()])
+    y = dtorch.zeros(8, 8, device_mesh=mesh22, placements=[Shard(0), Replicate()])
+    with pytest.raises(PlacementError) as info:
+        x + y
+    message = str(info.value)
+    for expected in ("add", "[S(0), P(sum)]", "'tp'", "DeviceMesh", "Legal there", "redistribute", "test_errors.py"):
+        assert expected in message, (expected, message)
+
+
+def test_bad_placements_at_creation(mesh4):
+    with pytest.raises(PlacementError, match="one placement per mesh dim"):
+        dtorch.zeros(4, device_mesh=mesh4, placements=[Shard(0), Shard(0)])
+    with pytest.raises(PlacementError, match="outside"):
+        dtorch.zeros(4, device_mesh=mesh4, placements=[Shard(1)])
+
+
+def _failing_division(mesh):
+    """Integer floor division by zero fails inside the worker that holds the zero (rank 3)."""
+    numerator = dtorch.tensor(torch.arange(8), device_mesh=mesh, placements=[Shard(0)])
+    denominator = dtorch.tensor(torch.tensor([1, 1, 1, 1, 1, 1, 0, 1]), device_mesh=mesh, placements=[Shard(0)])
+    return numerator, dtorch.div(numerator, denominator, rounding_mode="floor")  # line of the failing op
+
+
+def test_worker_exception_surfaces_at_the_read_with_rank_and_user_line(mesh4):
+    numerator, quotient = _failing_division(mesh4)
+    dependent = quotient + 1
+    independent = numerator * 2
+    assert torch.equal(independent.to_torch(), torch.arange(8) * 2)   # unaffected results still read
+    with pytest.raises(RemoteError) as info:
+        quotient.to_torch()
+    error = info.value
+    assert not isinstance(error, DependencyError)
+    assert error.op == "div" and error.ranks == [3] and "ZeroDivisionError" in str(error)
+    assert "test_errors.py" in error.user_site and "Traceback" in error.remote_traceback
+    with pytest.raises(DependencyError, match="depends on a command that failed"):
+        dependent.to_torch()
+    # a collective over a poisoned input: every rank agrees, nobody hangs, the read raises
+    with pytest.raises(DependencyError):
+        quotient.redistribute(placements=[Replicate()]).to_torch()
+    assert torch.equal((numerator + 1).to_torch(), torch.arange(8) + 1)  # the session goes on
+
+
+def test_synchronize_raises_failures_no_read_has_raised(mesh4):
+    _failing_division(mesh4)
+    with pytest.raises(RemoteError, match="div"):
+        dtorch.synchronize(timeout=30)
+    dtorch.synchronize(timeout=30)  # reported once, then cleared
+
+
+def test_mesh_shape_must_be_positive(session):
+    with pytest.raises(MeshError, match="positive"):
+        init_device_mesh("cpu", (0,))
+
+
+def test_version_mismatch_is_refused_with_a_reason(session):
+    import zmq
+    from dtorch.runtime import protocol, session as runtime_session
+    controller = runtime_session.current()
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, b"w99")
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(controller.sockets.reply_address)
+    try:
+        dealer.send_multipart([protocol.pack((99, int(protocol.Kind.REGISTER), 99, "h", 1, "cpu"))])
+        assert dealer.poll(5000), "no answer to a bad registration"
+        fields = protocol.unpack(dealer.recv_multipart()[0])
+        assert fields[1] == protocol.Kind.REFUSED and "version" in fields[2]
+    finally:
+        context.destroy(linger=0)

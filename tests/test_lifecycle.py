@@ -1,0 +1,192 @@
+"""Processes: workers that die, a controller that is killed, shutdown, memory, pool growth,
+reads from a user event loop, the protocol's gap check. Tests that kill things run a fresh
+controller in a subprocess, each with a hard timeout."""
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import dtorch
+from dtorch.distributed_spec import Replicate, Shard, init_device_mesh
+from conftest import REPO, _alive, run_script
+
+
+def _wait_gone(pids, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_worker_killed_mid_run_raises_naming_rank_host_pid():
+    result = run_script("""
+        import json, os, signal, time, dtorch
+        from dtorch.distributed_spec import init_device_mesh, Shard
+        mesh = init_device_mesh("cpu", (2,))
+        x = dtorch.ones(64, 64, device_mesh=mesh, placements=[Shard(0)])
+        assert x.sum().item() == 4096
+        victim = dtorch.workers()[1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        start = time.monotonic()
+        try:
+            (x * 2).to_torch()
+            outcome = "no error"
+        except dtorch.WorkerLostError as error:
+            outcome = str(error)
+        print(json.dumps({"outcome": outcome, "seconds": time.monotonic() - start, "victim": victim}))
+    """)
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["seconds"] < 5, report
+    victim = report["victim"]
+    for expected in ("rank 1", victim["host"], f"pid {victim['pid']}"):
+        assert expected in report["outcome"], report
+
+
+def test_controller_sigkill_stops_every_worker_within_10s():
+    script = ("import dtorch, json, time; from dtorch.distributed_spec import init_device_mesh;"
+              "init_device_mesh('cpu', (2,)); print(json.dumps([w['pid'] for w in dtorch.workers()]), flush=True);"
+              "time.sleep(120)")
+    controller = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONPATH": REPO})
+    try:
+        pids = json.loads(controller.stdout.readline())
+        assert all(_alive(p) for p in pids)
+        controller.send_signal(signal.SIGKILL)
+        controller.wait(10)
+        assert _wait_gone(pids, 10), "workers outlived their controller"
+    finally:
+        controller.kill()
+        controller.wait()
+
+
+def test_interpreter_exit_without_shutdown_stops_workers():
+    result = run_script("""
+        import json, dtorch
+        from dtorch.distributed_spec import init_device_mesh
+        init_device_mesh("cpu", (2,))
+        print(json.dumps([w["pid"] for w in dtorch.workers()]))
+    """)
+    pids = json.loads(result.stdout.strip().splitlines()[-1])
+    assert _wait_gone(pids, 10)
+
+
+def test_pool_grows_for_a_larger_mesh_and_meshes_share_workers():
+    result = run_script("""
+        import json, torch, dtorch
+        from dtorch.distributed_spec import init_device_mesh, Shard, Replicate
+        dtorch.init(num_workers=2)
+        small = init_device_mesh("cpu", (2,))
+        big = init_device_mesh("cpu", (3,))
+        one = init_device_mesh("cpu", (1,))
+        grid = init_device_mesh("cpu", (3, 1))
+        values = []
+        for mesh in (small, big, one):
+            x = dtorch.arange(10, device_mesh=mesh, placements=[Shard(0)])
+            values.append((x * 2).sum().item())
+        y = dtorch.ones(6, 2, device_mesh=grid, placements=[Shard(0), Replicate()])
+        print(json.dumps({"workers": len(dtorch.workers()), "values": values, "grid": y.sum().item()}))
+        dtorch.shutdown()
+    """)
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"workers": 3, "values": [90, 90, 90], "grid": 12.0}, result.stderr
+
+
+def _rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+@pytest.mark.timeout(180)
+def test_dropped_tensors_are_freed_on_workers(mesh4):
+    pids = [w["pid"] for w in dtorch.workers()]
+    for _ in range(200):  # warm the allocator
+        dtorch.ones(262144, device_mesh=mesh4, placements=[Replicate()])
+    dtorch.synchronize()
+    before = [_rss_kib(p) for p in pids]
+    for _ in range(10_000):  # 10,000 tensors of 1 MiB, each dropped at once
+        dtorch.ones(262144, device_mesh=mesh4, placements=[Replicate()])
+    dtorch.synchronize()
+    after = [_rss_kib(p) for p in pids]
+    growth_mib = max(a - b for a, b in zip(after, before)) / 1024
+    assert growth_mib < 64, f"worker memory grew by {growth_mib:.0f} MiB"
+
+
+async def test_await_from_a_user_event_loop_does_not_block_it(mesh4):
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    task = asyncio.create_task(ticker())
+    x = dtorch.randn(512, 512, device_mesh=mesh4, placements=[Shard(0)])
+    w = dtorch.randn(512, 512, device_mesh=mesh4, placements=[Replicate()])
+    value = await (x @ w).fetch()
+    again = await (x @ w).fetch()
+    task.cancel()
+    assert torch.equal(value, again) and ticks > 0
+    future = x.sum().fetch()
+    assert future.result(timeout=30).shape == () and future.done()
+
+
+def test_asyncio_run_accepts_fetch_directly(mesh4):
+    x = dtorch.ones(4, device_mesh=mesh4, placements=[Shard(0)])
+    assert torch.equal(asyncio.run(x.fetch()), torch.ones(4))
+
+
+def test_commands_are_batched_and_sent_once_for_all_workers(mesh4):
+    dtorch.synchronize()
+    before = dtorch.stats()
+    x = dtorch.ones(16, device_mesh=mesh4, placements=[Shard(0)])
+    for _ in range(500):
+        x = x * 1.0001 + 1
+    x.to_torch()
+    after = dtorch.stats()
+    commands = after["commands_sent"] - before["commands_sent"]
+    messages = after["messages_sent"] - before["messages_sent"]
+    assert commands >= 1000
+    assert messages < commands / 10, (messages, commands)   # batched, one broadcast each
+
+
+class _Recorder:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, frames):
+        self.sent.append(frames)
+
+
+def test_worker_reports_a_gap_in_command_numbers_instead_of_computing():
+    from dtorch.errors import ProtocolError
+    from dtorch.runtime import protocol as wire
+    from dtorch.runtime.worker import Worker
+    sockets = _Recorder()
+    worker = Worker(0, sockets, comm=None, device=torch.device("cpu"), start_seq=0)
+    frames = wire.encode_batch(0, [wire.Free(0, ())])
+    worker._run_batch(wire.read_header(frames[1]), frames[2])
+    skipped = wire.encode_batch(5, [wire.Free(5, ())])     # commands 1..4 never arrived
+    with pytest.raises(ProtocolError, match="expected command #1, got #5"):
+        worker._run_batch(wire.read_header(skipped[1]), skipped[2])
+
+
+def test_every_command_has_a_handler():
+    from dtorch.runtime import protocol as wire
+    from dtorch.runtime.worker import Worker
+    for command in wire.COMMANDS:
+        assert callable(getattr(Worker, wire.handler_name(command), None)), command.__name__
+
+
+def test_workers_lists_rank_host_pid_device(mesh4):
+    listed = dtorch.workers()
+    assert [w["rank"] for w in listed] == [0, 1, 2, 3]
+    assert all(w["pid"] and w["host"] and w["device"] == "cpu" for w in listed)

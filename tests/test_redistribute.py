@@ -1,0 +1,71 @@
+"""The redistribute matrix on real workers: every placement pair on 1-D and 2-D meshes, uneven
+shapes, nested sharding, several mesh dims changing at once. Compared with torch."""
+import itertools
+
+import pytest
+import torch
+
+import dtorch
+from dtorch.distributed_spec import Partial, Replicate, Shard
+from conftest import assert_same
+
+R = Replicate()
+
+
+def choices(ndim, partials=("sum",)):
+    return [R] + [Shard(d) for d in range(ndim)] + [Partial(op) for op in partials]
+
+
+@pytest.mark.parametrize("shape", [(8, 12), (7, 5), (3, 2)])
+def test_every_pair_on_a_1d_mesh(mesh4, shape):
+    value = torch.randn(shape)
+    for src, dst in itertools.product(choices(2), repeat=2):
+        x = dtorch.tensor(value, device_mesh=mesh4, placements=[src])
+        y = x.redistribute(placements=[dst])
+        assert y.placements == (dst,)
+        assert_same(y.to_torch(), value)
+
+
+@pytest.mark.parametrize("shape", [(8, 12), (5, 7)])
+def test_every_pair_on_a_2d_mesh(mesh22, shape):
+    value = torch.randn(shape)
+    layouts = list(itertools.product(choices(2), repeat=2))
+    for src, dst in itertools.product(layouts, repeat=2):
+        x = dtorch.tensor(value, device_mesh=mesh22, placements=src)
+        assert_same(x.redistribute(placements=dst).to_torch(), value)
+
+
+@pytest.mark.parametrize("op", ["avg", "max", "min"])
+def test_partial_reductions(mesh22, op):
+    value = torch.randn(6, 5)
+    for dst in ([R, R], [Shard(0), R], [R, Shard(1)]):
+        x = dtorch.tensor(value, device_mesh=mesh22, placements=[Partial(op), Partial(op)])
+        assert_same(x.redistribute(placements=dst).to_torch(), value)
+
+
+def test_reduction_results_read_back_exactly_for_integers(mesh22):
+    value = torch.randint(-9, 9, (6, 7))
+    x = dtorch.tensor(value, device_mesh=mesh22, placements=[Shard(0), Shard(1)])
+    s = x.sum(0)  # P(sum) on dp, S(0) on tp
+    assert s.placements == (Partial(), Shard(0))
+    assert_same(s.redistribute(placements=[Shard(0), R]).to_torch(), value.sum(0), exact=True)
+
+
+def test_nested_sharding_of_one_dim_over_two_mesh_dims(mesh22):
+    value = torch.randn(11, 3)
+    x = dtorch.tensor(value, device_mesh=mesh22, placements=[Shard(0), Shard(0)])
+    assert x.local_shape(0) == (3, 3) and x.local_shape(3) == (2, 3)
+    for dst in ([R, Shard(0)], [Shard(0), R], [Shard(1), Shard(0)], [R, R], [Shard(0), Shard(1)]):
+        assert_same(x.redistribute(placements=dst).to_torch(), value)
+
+
+def test_a_16_mib_redistribute_moves_only_commands_through_the_controller(mesh4):
+    x = dtorch.randn(4096, 1024, device_mesh=mesh4, placements=[Shard(0)])  # 16 MiB of float32
+    dtorch.synchronize()
+    before = dtorch.stats()
+    y = x.redistribute(placements=[Shard(1)]).redistribute(placements=[R])
+    dtorch.synchronize()
+    after = dtorch.stats()
+    moved = (after["bytes_sent"] - before["bytes_sent"]) + (after["bytes_received"] - before["bytes_received"])
+    assert moved < 4096, f"{moved} bytes went through the controller"
+    del y

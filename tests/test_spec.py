@@ -1,0 +1,45 @@
+"""The pure layer: meshes, placements and local-shape arithmetic (no processes)."""
+import pytest
+import torch
+
+from dtorch.distributed_spec import (DeviceMesh, Partial, Replicate, Shard, chunk_bounds, format_placements,
+                                     local_region)
+from dtorch.errors import MeshError, PlacementError
+
+
+def test_placements_print_short():
+    assert format_placements([Shard(0), Replicate(), Partial()]) == "[S(0), R, P(sum)]"
+    assert repr(Partial("max")) == "P(max)"
+    with pytest.raises(PlacementError, match="legal ops"):
+        Partial("mul")
+
+
+@pytest.mark.parametrize("size,parts", [(10, 4), (3, 4), (8, 4), (0, 2), (1, 3), (7, 1)])
+def test_chunk_bounds_match_torch_chunk(size, parts):
+    chunks = torch.arange(size).chunk(parts) if size else ()
+    for index in range(parts):
+        start, length = chunk_bounds(size, parts, index)
+        expected = chunks[index].tolist() if index < len(chunks) else []
+        assert list(range(start, start + length)) == expected
+
+
+def test_mesh_geometry():
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=["dp", "tp"])
+    assert mesh.shape == (2, 2) and mesh.coordinate_of(2) == (1, 0)
+    assert mesh.group_along(1, 0) == (1, 3) and mesh.group_along(1, 1) == (0, 1)
+    assert mesh.dim_index("tp") == 1 and mesh.size("dp") == 2
+    assert mesh[1].ranks == (2, 3) and mesh[1].mesh_dim_names == ("tp",)
+    assert [m.ranks for m in mesh.unbind("dp")] == [(0, 1), (2, 3)]
+    assert [m.ranks for m in mesh.unbind("tp")] == [(0, 2), (1, 3)]
+    with pytest.raises(MeshError):
+        mesh.dim_index("pp")
+    with pytest.raises(MeshError):
+        DeviceMesh("cpu", [0, 0])
+
+
+def test_nested_sharding_splits_the_outer_chunk():
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]])
+    placements = [Shard(0), Shard(0)]
+    blocks = [local_region((5, 3), mesh, placements, mesh.coordinate_of(r)) for r in range(4)]
+    # outer split 5 -> 3, 2; inner splits 3 -> 2, 1 and 2 -> 1, 1
+    assert [(o[0], s[0]) for o, s in blocks] == [(0, 2), (2, 1), (3, 1), (4, 1)]
