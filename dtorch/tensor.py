@@ -12,6 +12,7 @@ import torch
 from .distributed_spec import DeviceMesh, Partial, Placement, Replicate, format_placements
 from .errors import MeshError, UnsupportedOpError
 from .ops import REGISTRY, cached_plan
+from .ops.dispatch import map_tensors
 from .ops.pointwise import BINARY_OPERATORS, UNARY_OPERATORS
 from .ops.spec import TensorSpec, check_placements, tensor_spec
 from .redistribute import plan_redistribute
@@ -171,8 +172,9 @@ def call_op(name: str, args: tuple, kwargs: dict):
     first = plan.out_specs[0]
     owner = session.current()
     out_ids = owner.new_ids(len(plan.out_specs))
-    wire_args = tuple(TensorRef(a._id) if type(a) is DTensor else a for a in args)
-    wire_kwargs = {k: TensorRef(v._id) if type(v) is DTensor else v for k, v in kwargs.items()}
+    wire_args = tuple(TensorRef(a._id) if type(a) is DTensor else
+                      map_tensors(a, _ref) if type(a) in (list, tuple) else a for a in args)
+    wire_kwargs = map_tensors(kwargs, _ref) if kwargs else {}
     if plan.extra_kwargs:
         wire_kwargs.update(plan.extra_kwargs)
     seq = owner.submit(RunOp, out_ids, owner.mesh_id(first.mesh), plan.kernel, wire_args, wire_kwargs,
@@ -181,10 +183,8 @@ def call_op(name: str, args: tuple, kwargs: dict):
     return outputs[0] if len(outputs) == 1 else outputs
 
 
-def _operator(op_name: str, reflected: bool):
-    if reflected and op_name in ("add", "mul"):
-        return lambda self, other: call_op(op_name, (self, other), {})
-    return lambda self, other: call_op(op_name, (self, other), {})
+def _ref(tensor: "DTensor") -> TensorRef:
+    return TensorRef(tensor._id)
 
 
 def _method(op_name: str):

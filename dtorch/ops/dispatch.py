@@ -14,7 +14,7 @@ from .registry import OpSpec, lookup
 from .rules import Call, TensorSlot, expand
 from .spec import TensorSpec, tensor_spec
 
-__all__ = ["OpPlan", "plan_call", "cached_plan", "signature", "PLAN_CACHE"]
+__all__ = ["OpPlan", "plan_call", "cached_plan", "signature", "map_tensors", "PLAN_CACHE"]
 
 
 class OpPlan(NamedTuple):
@@ -28,28 +28,26 @@ PLAN_CACHE: dict[tuple, OpPlan] = {}
 
 
 def signature(op: OpSpec, args: tuple, kwargs: dict, specs: list) -> tuple:
-    """The cache key: tensor specs by their interned key, other values by value (or type)."""
+    """The cache key: tensor specs by their interned key, other values by value (or by type for
+    pointwise scalars). Tensors inside lists (cat, stack) count, depth-first, args then kwargs;
+    `specs` collects the tensor specs in that same order."""
     key = [op.name]
     for a in args:
-        spec = getattr(a, "_spec", None)
-        if spec is not None:
-            key.append(spec.key)
-            specs.append(spec)
-        elif op.scalars_by_type and isinstance(a, Number):
-            key.append(type(a))
-        else:
-            key.append(_hashable(a))
+        key.append(_key_of(a, specs, op.scalars_by_type))
     for name, value in kwargs.items():
-        spec = getattr(value, "_spec", None)
-        if spec is not None:
-            specs.append(spec)
-        key.append((name, spec.key if spec is not None else _hashable(value)))
+        key.append((name, _key_of(value, specs, False)))
     return tuple(key)
 
 
-def _hashable(value):
-    if isinstance(value, list):
-        return tuple(_hashable(v) for v in value)
+def _key_of(value, specs: list, scalars_by_type: bool):
+    spec = getattr(value, "_spec", None)
+    if spec is not None:
+        specs.append(spec)
+        return spec.key
+    if type(value) in (list, tuple):
+        return (type(value),) + tuple(_key_of(v, specs, scalars_by_type) for v in value)
+    if scalars_by_type and isinstance(value, Number):
+        return type(value)
     return value
 
 
@@ -73,25 +71,33 @@ def plan_call(op: OpSpec, args: tuple, kwargs: dict, specs: list[TensorSpec]) ->
     return OpPlan(kernel, out_specs, input_steps, extra)
 
 
+def map_tensors(value, fn):
+    """Apply fn to every tensor in an argument structure (lists and tuples nested, dict values),
+    in the depth-first order `signature` numbers them."""
+    if hasattr(value, "_spec"):
+        return fn(value)
+    if type(value) in (list, tuple):
+        return type(value)(map_tensors(v, fn) for v in value)
+    if type(value) is dict:
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
 def _with_slots(args, kwargs):
     counter = iter(range(1 << 30))
-
-    def slot(value):
-        return TensorSlot(next(counter)) if hasattr(value, "_spec") else value
-    return tuple(slot(a) for a in args), {k: slot(v) for k, v in kwargs.items()}
+    slot = lambda value: TensorSlot(next(counter))  # noqa: E731
+    return map_tensors(args, slot), map_tensors(kwargs, slot)
 
 
 def _infer(op: OpSpec, args, kwargs, specs) -> tuple:
     """Output (shape, dtype) pairs from running the torch function on meta tensors."""
-    def meta(value):
-        spec = getattr(value, "_spec", None)
-        return spec.meta() if spec is not None else value
+    meta = lambda value: value._spec.meta()  # noqa: E731
     try:
-        result = op.torch_fn(*(meta(a) for a in args), **{k: meta(v) for k, v in kwargs.items()})
+        result = op.torch_fn(*map_tensors(args, meta), **map_tensors(kwargs, meta))
     except Exception as error:
         shapes = ", ".join(f"{tuple(s.shape)} {str(s.dtype)[6:]}" for s in specs)
         raise ShapeError(f"{op.name}: torch rejects inputs of shape {shapes} at {user_site()}: {error}") from None
-    results = result if isinstance(result, tuple) else (result,)
+    results = result if isinstance(result, (tuple, list)) else (result,)
     return tuple((tuple(r.shape), r.dtype) for r in results)
 
 

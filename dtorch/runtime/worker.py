@@ -10,6 +10,7 @@ poisoned in turn (collectives agree on it first), so no read ever returns a wron
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -114,13 +115,6 @@ class Worker:
             raise KeyError(f"tensor #{tensor_id} is not on rank {self.rank} (freed, or never created)")
         return tensor
 
-    def _resolve(self, value):
-        if type(value) is TensorRef:
-            return self._tensor(value.id)
-        if type(value) in (tuple, list):
-            return type(value)(self._resolve(v) for v in value)
-        return value
-
     def _agree_on_failure(self, mesh: DeviceMesh, source_id: int) -> None:
         """Before collectives, every rank of the mesh learns whether any rank's input is
         poisoned, so all of them skip the data movement together instead of deadlocking."""
@@ -158,23 +152,20 @@ class Worker:
         mesh = self._member(command.mesh_id)
         if mesh is None:
             return
-        args, kwargs = self._resolve(command.args), self._resolve(command.kwargs)
-        if command.input_steps:
-            args, kwargs = self._localize(mesh, command, args, kwargs)
+        local_steps = {index: rest for index, *rest in command.input_steps}
+        numbering = itertools.count()
+
+        def local(ref: TensorRef) -> torch.Tensor:
+            tensor, index = self._tensor(ref.id), next(numbering)
+            if index in local_steps:  # a Replicate input sliced to the shard the op needs
+                shape, placements, steps = local_steps[index]
+                tensor = apply_steps(tensor, shape, mesh, placements, steps, self.rank, self.comm)
+            return tensor
+        args, kwargs = _map_refs(command.args, local), _map_refs(command.kwargs, local)
         result = KERNELS[command.op](*args, **kwargs)
-        results = result if isinstance(result, tuple) else (result,)
+        results = result if isinstance(result, (tuple, list)) else (result,)
         for tensor_id, value in zip(command.out_ids, results):
             self.tensors[tensor_id] = value
-
-    def _localize(self, mesh, command, args, kwargs):
-        """Slice Replicate inputs to the shard an op needs (local only, no communication)."""
-        tensor_positions = _tensor_positions(command.args, command.kwargs)
-        args, kwargs = list(args), dict(kwargs)
-        for index, shape, placements, steps in command.input_steps:
-            where, key = tensor_positions[index]
-            container = args if where == "args" else kwargs
-            container[key] = apply_steps(container[key], shape, mesh, placements, steps, self.rank, self.comm)
-        return args, kwargs
 
     def handle_redistribute(self, command: wire.Redistribute) -> None:
         mesh = self._member(command.mesh_id)
@@ -218,10 +209,15 @@ def _outputs_of(command) -> tuple:
     return (command.out_id,) if hasattr(command, "out_id") else ()
 
 
-def _tensor_positions(args, kwargs) -> list:
-    """Where the k-th tensor argument sits, in the order dispatch numbered them."""
-    positions = [("args", i) for i, a in enumerate(args) if type(a) is TensorRef]
-    return positions + [("kwargs", k) for k, v in kwargs.items() if type(v) is TensorRef]
+def _map_refs(value, fn):
+    """Replace each TensorRef, depth-first (the order dispatch numbered the tensors in)."""
+    if type(value) is TensorRef:
+        return fn(value)
+    if type(value) in (tuple, list):
+        return [_map_refs(v, fn) for v in value]
+    if type(value) is dict:
+        return {k: _map_refs(v, fn) for k, v in value.items()}
+    return value
 
 
 def _nest(ranks, shape):
