@@ -169,9 +169,10 @@ class _Recorder:
 def test_worker_reports_a_gap_in_command_numbers_instead_of_computing():
     from dtorch.errors import ProtocolError
     from dtorch.runtime import protocol as wire
+    from dtorch.runtime.devices import CpuDevice
     from dtorch.runtime.worker import Worker
     sockets = _Recorder()
-    worker = Worker(0, sockets, comm=None, device=torch.device("cpu"), start_seq=0)
+    worker = Worker(0, sockets, comm=None, device=CpuDevice(), start_seq=0)
     frames = wire.encode_batch(0, [wire.Free(0, ())])
     worker._run_batch(wire.read_header(frames[1]), frames[2])
     skipped = wire.encode_batch(5, [wire.Free(5, ())])     # commands 1..4 never arrived

@@ -26,6 +26,7 @@ from ..errors import ProtocolError
 from ..ops import KERNELS
 from . import protocol as wire
 from ..redistribute import LOCAL_ONLY, step_kind
+from .devices import make_device
 from .kernels import apply_steps, make_factory
 from .protocol import Kind, TensorRef
 from .transport import Poller, WorkerSockets
@@ -42,13 +43,14 @@ class Poisoned(Exception):
 
 
 class Worker:
-    def __init__(self, rank: int, sockets: WorkerSockets, comm, device: torch.device, start_seq: int):
+    def __init__(self, rank: int, sockets: WorkerSockets, comm, device, start_seq: int):
         self.rank, self.sockets, self.comm, self.device = rank, sockets, comm, device
         self.next_seq = start_seq
         self.tensors: dict[int, torch.Tensor] = {}
         self.poisoned: dict[int, int] = {}          # tensor id -> seq of the command that failed
         self.meshes: dict[int, DeviceMesh] = {}
         self.private: dict[int, list] = {}          # command seq -> raw frames sent to this rank
+        self.outgoing: list = []                    # (HostCopy, header) replies waiting on a device copy
         self.running = True
         self._handlers = {cls: getattr(self, wire.handler_name(cls)) for cls in wire.COMMANDS}
 
@@ -64,7 +66,11 @@ class Worker:
 
     def _loop(self) -> None:
         while self.running:
-            frames = self.sockets.receive_command()
+            frames = self.sockets.receive_command(timeout_ms=1 if self.outgoing else None)
+            if self.outgoing:
+                self._send_ready()
+            if frames is None:
+                continue
             fields = wire.read_header(frames[1].bytes)
             if fields[1] == Kind.BATCH:
                 self._run_batch(fields, frames[2].buffer)
@@ -85,7 +91,8 @@ class Worker:
 
     def _execute(self, command) -> None:
         try:
-            self._handlers[type(command)](command)
+            with self.device.compute():
+                self._handlers[type(command)](command)
         except Poisoned as poisoned:
             self._poison(command, poisoned.origin)
         except Exception as error:  # any failure of one command; the worker goes on
@@ -135,7 +142,7 @@ class Worker:
         dtype = wire.dtype_from_name(command.dtype)
         self.tensors[command.out_id] = make_factory(
             command.kind, command.shape, dtype, mesh, command.placements,
-            mesh.coordinate_of(self.rank), command.args, self.device)
+            mesh.coordinate_of(self.rank), command.args, self.device.torch_device)
 
     def handle_upload(self, command: wire.Upload) -> None:
         mesh = self._member(command.mesh_id)
@@ -146,7 +153,7 @@ class Worker:
             raise ProtocolError(f"rank {self.rank}: upload data for command #{command.seq} never arrived")
         _, shape = local_region(command.shape, mesh, command.placements, mesh.coordinate_of(self.rank))
         data = wire.tensor_from_frame(frames[0].buffer, wire.dtype_from_name(command.dtype), shape)
-        self.tensors[command.out_id] = data.to(self.device, copy=True)
+        self.tensors[command.out_id] = self.device.from_host(data)
 
     def handle_run_op(self, command: wire.RunOp) -> None:
         mesh = self._member(command.mesh_id)
@@ -186,10 +193,23 @@ class Worker:
         elif command.tensor_id not in self.tensors:
             status, frames = ("missing", -1), []
         elif self.rank in command.senders:
-            status, frames = ("ok", -1), [wire.tensor_frame(self.tensors[command.tensor_id].cpu())]
+            # The reply leaves when the device-to-host copy is done, without stalling this loop.
+            self.outgoing.append((self.device.to_host(self.tensors[command.tensor_id]),
+                                  wire.header(Kind.REPLY, command.seq, self.rank, "ok", -1)))
+            self._send_ready()
+            return
         else:
             status, frames = ("ok", -1), []
         self.sockets.send([wire.header(Kind.REPLY, command.seq, self.rank, *status)] + frames)
+
+    def _send_ready(self) -> None:
+        waiting = []
+        for copy, header in self.outgoing:
+            if copy.ready():
+                self.sockets.send([header, wire.tensor_frame(copy.tensor)])
+            else:
+                waiting.append((copy, header))
+        self.outgoing = waiting
 
     def handle_free(self, command: wire.Free) -> None:
         for tensor_id in command.ids:
@@ -294,13 +314,14 @@ def main() -> None:
     start_seq, store_address, gloo_timeout = _register(sockets, config)
     threading.Thread(target=_heartbeat, args=(sockets, rank, config.get("controller_timeout", 6.0)),
                      name="heartbeat", daemon=True).start()
-    from .comm import GlooCommunicator
-    comm = GlooCommunicator(store_address, rank, _gloo_host(config), gloo_timeout)
-    worker = Worker(rank, sockets, comm, torch.device(config["device"]), start_seq)
+    device = make_device(config["device"])
+    comm = device.communicator(store_address, rank, _gloo_host(config), gloo_timeout)
+    worker = Worker(rank, sockets, comm, device, start_seq)
     try:
         worker.run()
     finally:
         comm.close()
+        device.close()
         sockets.close()
         sys.stdout.flush()
         sys.stderr.flush()

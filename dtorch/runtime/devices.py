@@ -1,0 +1,55 @@
+"""What a worker's device means to the command loop: where tensors live, how a command's kernels
+are enqueued, how bytes reach the host for a read, and which communicator moves data.
+
+CPU runs everything synchronously, so every host copy is ready at once. CUDA (runtime/cuda.py,
+imported only for "cuda" devices so the CPU path never imports cupy) enqueues kernels on a compute
+stream and collectives on a communication stream, and a host copy is ready when its event is.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["CpuDevice", "HostCopy", "make_device"]
+
+
+class HostCopy:
+    """A tensor on its way to host memory; `ready()` says when its bytes may be sent."""
+
+    def __init__(self, tensor: torch.Tensor, event=None):
+        self.tensor, self._event = tensor, event
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+
+class CpuDevice:
+    kind = "cpu"
+
+    def __init__(self, name: str = "cpu"):
+        self.torch_device = torch.device("cpu")
+
+    def communicator(self, store_address: str, rank: int, hostname: str, timeout_s: float):
+        from .comm import GlooCommunicator
+        return GlooCommunicator(store_address, rank, hostname, timeout_s)
+
+    def compute(self):
+        """Context in which a command's kernels run (a CUDA stream on GPUs)."""
+        return contextlib.nullcontext()
+
+    def to_host(self, tensor: torch.Tensor) -> HostCopy:
+        return HostCopy(tensor.contiguous())
+
+    def from_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()
+
+    def close(self) -> None:
+        pass
+
+
+def make_device(name: str):
+    if name.startswith("cuda"):
+        from .cuda import CudaDevice
+        return CudaDevice(name)
+    return CpuDevice(name)
