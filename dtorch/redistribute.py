@@ -19,7 +19,7 @@ from typing import Sequence
 
 from .distributed_spec import Partial, Placement, Replicate, Shard
 
-__all__ = ["plan_redistribute", "LOCAL_ONLY", "step_kind"]
+__all__ = ["plan_redistribute", "plan_transfer", "LOCAL_ONLY", "step_kind"]
 
 R = Replicate()
 
@@ -74,3 +74,34 @@ def _alone(current, dst, mesh_dim: int, *tensor_dims: int) -> bool:
     """No other mesh dim shards these tensor dims, now or at the end: a direct collective is safe."""
     return not any(m != mesh_dim and isinstance(p, Shard) and p.dim in tensor_dims
                    for placements in (current, dst) for m, p in enumerate(placements))
+
+
+def plan_transfer(shape, src_mesh, src_placements, dst_mesh, dst_placements) -> list[tuple]:
+    """Moving a tensor between meshes (another pipeline stage, another mesh shape, CPU <-> CUDA):
+    (src_rank, dst_rank, offset, box_shape) for every block a destination rank needs from a
+    source rank. Placements here hold no Partial (reduce before, re-partialize after).
+
+    Each destination block is cut from one replica of every source shard (coordinate 0 on the
+    source's Replicate dims), so every element crosses the network once per receiver."""
+    from .distributed_spec import local_region
+    senders = [r for r in src_mesh.ranks
+               if all(c == 0 for c, p in zip(src_mesh.coordinate_of(r), src_placements) if p == R)]
+    source_blocks = [(r, local_region(shape, src_mesh, src_placements, src_mesh.coordinate_of(r)))
+                     for r in senders]
+    moves = []
+    for receiver in dst_mesh.ranks:
+        wanted = local_region(shape, dst_mesh, dst_placements, dst_mesh.coordinate_of(receiver))
+        for sender, held in source_blocks:
+            box = _overlap(held, wanted)
+            if box is not None:
+                moves.append((sender, receiver) + box)
+    return moves
+
+
+def _overlap(a, b):
+    (a_offset, a_shape), (b_offset, b_shape) = a, b
+    starts = [max(x, y) for x, y in zip(a_offset, b_offset)]
+    ends = [min(x + m, y + n) for x, m, y, n in zip(a_offset, a_shape, b_offset, b_shape)]
+    if any(e <= s for s, e in zip(starts, ends)) and starts:
+        return None
+    return tuple(starts), tuple(e - s for s, e in zip(starts, ends))

@@ -10,14 +10,14 @@ from typing import Sequence
 import torch
 
 from .distributed_spec import DeviceMesh, Partial, Placement, Replicate, format_placements
-from .errors import MeshError, UnsupportedOpError
+from .errors import UnsupportedOpError
 from .ops import REGISTRY, cached_plan
 from .ops.dispatch import map_tensors
 from .ops.pointwise import BINARY_OPERATORS, UNARY_OPERATORS
 from .ops.spec import TensorSpec, check_placements, tensor_spec
 from .redistribute import plan_redistribute
 from .runtime import session
-from .runtime.protocol import Redistribute, RunOp, TensorRef
+from .runtime.protocol import Redistribute, RunOp, TensorRef, Transfer, dtype_name
 
 __all__ = ["DTensor", "call_op"]
 
@@ -90,11 +90,10 @@ class DTensor:
                      placements: Sequence[Placement] | None = None) -> "DTensor":
         """The same logical tensor with new placements; collectives run worker-to-worker."""
         mesh = device_mesh if device_mesh is not None else self.device_mesh
-        if mesh != self.device_mesh:
-            raise MeshError(f"redistribute to another mesh ({self.device_mesh} -> {mesh}) is not "
-                            "supported yet; read and re-upload with dtorch.tensor(x.to_torch(), ...)")
         placements = check_placements(placements if placements is not None else
                                       [Replicate()] * mesh.ndim, self.ndim, mesh)
+        if mesh != self.device_mesh:
+            return self._move_to(mesh, placements)
         if placements == self.placements:
             return self
         steps = tuple(plan_redistribute(self.placements, placements))
@@ -104,6 +103,18 @@ class DTensor:
         seq = owner.submit(Redistribute, out_id, self._id, owner.mesh_id(mesh), self._spec.shape,
                            self.placements, steps)
         return DTensor(out_id, spec, seq, owner)
+
+    def _move_to(self, mesh: DeviceMesh, placements) -> "DTensor":
+        """To another mesh (a pipeline stage's sub-mesh, another shape, CPU <-> CUDA): reduce any
+        Partial on this mesh, move blocks point-to-point, re-partialize locally on the target."""
+        source = self.full_replicate()
+        landing = tuple(Replicate() if p.is_partial() else p for p in placements)
+        owner = self._session
+        out_id = owner.new_id()
+        seq = owner.submit(Transfer, out_id, source._id, owner.mesh_id(source.device_mesh), owner.mesh_id(mesh),
+                           self._spec.shape, dtype_name(self.dtype), source.placements, landing)
+        moved = DTensor(out_id, tensor_spec(self._spec.shape, self.dtype, mesh, landing), seq, owner)
+        return moved.redistribute(placements=placements)
 
     def full_replicate(self) -> "DTensor":
         """Partial dims reduced to Replicate (Shard dims kept): what a read needs."""

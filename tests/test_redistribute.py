@@ -69,3 +69,31 @@ def test_a_16_mib_redistribute_moves_only_commands_through_the_controller(mesh4)
     moved = (after["bytes_sent"] - before["bytes_sent"]) + (after["bytes_received"] - before["bytes_received"])
     assert moved < 4096, f"{moved} bytes went through the controller"
     del y
+
+
+@pytest.mark.parametrize("shape", [(9, 6), (4, 4)])
+def test_move_between_meshes(mesh1, mesh4, mesh22, shape):
+    value = torch.randn(shape)
+    stages = mesh22.unbind("dp")          # two pipeline stages of 2 ranks each
+    layouts = {mesh1: [[R], [Shard(0)]], mesh4: [[R], [Shard(0)], [Shard(1)], [Partial()]],
+               mesh22: [[Shard(0), Shard(1)], [R, Shard(0)], [Partial(), R]],
+               stages[0]: [[Shard(1)], [R]], stages[1]: [[Shard(0)], [Partial()]]}
+    for src_mesh, dst_mesh in itertools.product(layouts, repeat=2):
+        if src_mesh == dst_mesh:
+            continue
+        for src, dst in itertools.product(layouts[src_mesh], layouts[dst_mesh]):
+            x = dtorch.tensor(value, device_mesh=src_mesh, placements=src)
+            y = x.redistribute(device_mesh=dst_mesh, placements=dst)
+            assert y.device_mesh == dst_mesh and y.placements == tuple(dst)
+            assert_same(y.to_torch(), value)
+
+
+def test_move_moves_no_data_through_the_controller(mesh4, mesh22):
+    x = dtorch.randn(1024, 1024, device_mesh=mesh4, placements=[Shard(0)])  # 4 MiB
+    dtorch.synchronize()
+    before = dtorch.stats()
+    y = x.redistribute(device_mesh=mesh22.unbind("tp")[1], placements=[Shard(1)])
+    dtorch.synchronize()
+    after = dtorch.stats()
+    assert (after["bytes_sent"] - before["bytes_sent"]) + (after["bytes_received"] - before["bytes_received"]) < 4096
+    del y

@@ -65,6 +65,15 @@ class GlooCommunicator:
         self.group(ranks).alltoall_base(receive, send, [], [], dist.AllToAllOptions()).wait()
         return receive
 
+    def exchange(self, ranks: tuple, sends: list, receives: list) -> None:
+        """Point-to-point within the group `ranks`: sends/receives are (peer rank, tensor) pairs;
+        all are posted before any is waited on, so no ordering between peers can deadlock."""
+        pg = self.group(ranks)
+        works = [pg.send([tensor], ranks.index(peer), 0) for peer, tensor in sends]
+        works += [pg.recv([tensor], ranks.index(peer), 0) for peer, tensor in receives]
+        for work in works:
+            work.wait()
+
     def agree_max(self, ranks: tuple, value: int) -> int:
         """The largest `value` any member passed (used to agree on failures before moving data)."""
         flag = torch.tensor([value], dtype=torch.int64)

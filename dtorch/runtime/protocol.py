@@ -99,6 +99,18 @@ class Redistribute(NamedTuple):
     steps: tuple         # ((mesh_dim, before, after), ...) from dtorch.redistribute
 
 
+class Transfer(NamedTuple):
+    seq: int
+    out_id: int
+    src_id: int
+    src_mesh_id: int
+    dst_mesh_id: int
+    shape: tuple
+    dtype: str
+    src_placements: tuple   # no Partial: the controller reduces first
+    dst_placements: tuple   # no Partial: the controller re-partializes after, locally
+
+
 class Fetch(NamedTuple):
     seq: int
     tensor_id: int
@@ -119,7 +131,7 @@ class Shutdown(NamedTuple):
     seq: int
 
 
-COMMANDS = (DefineMesh, Factory, Upload, RunOp, Redistribute, Fetch, Free, Sync, Shutdown)
+COMMANDS = (DefineMesh, Factory, Upload, RunOp, Redistribute, Transfer, Fetch, Free, Sync, Shutdown)
 OPCODE = {cls: i for i, cls in enumerate(COMMANDS)}
 _BY_OPCODE = dict(enumerate(COMMANDS))
 

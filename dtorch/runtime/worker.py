@@ -25,7 +25,8 @@ from ..distributed_spec import DeviceMesh, local_region
 from ..errors import ProtocolError
 from ..ops import KERNELS
 from . import protocol as wire
-from ..redistribute import LOCAL_ONLY, step_kind
+from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
+from .comm import GlooCommunicator
 from .devices import make_device
 from .kernels import apply_steps, make_factory
 from .protocol import Kind, TensorRef
@@ -43,8 +44,9 @@ class Poisoned(Exception):
 
 
 class Worker:
-    def __init__(self, rank: int, sockets: WorkerSockets, comm, device, start_seq: int):
+    def __init__(self, rank: int, sockets: WorkerSockets, comm, device, start_seq: int, host_comm=None):
         self.rank, self.sockets, self.comm, self.device = rank, sockets, comm, device
+        self.host_comm = host_comm or comm   # Gloo: transfers between meshes, CPU or not
         self.next_seq = start_seq
         self.tensors: dict[int, torch.Tensor] = {}
         self.poisoned: dict[int, int] = {}          # tensor id -> seq of the command that failed
@@ -122,11 +124,11 @@ class Worker:
             raise KeyError(f"tensor #{tensor_id} is not on rank {self.rank} (freed, or never created)")
         return tensor
 
-    def _agree_on_failure(self, mesh: DeviceMesh, source_id: int) -> None:
-        """Before collectives, every rank of the mesh learns whether any rank's input is
+    def _agree_on_failure(self, ranks: tuple, source_id: int, comm=None) -> None:
+        """Before collectives, every rank involved learns whether any rank's input is
         poisoned, so all of them skip the data movement together instead of deadlocking."""
         origin = self.poisoned.get(source_id, -1)
-        agreed = self.comm.agree_max(mesh.ranks, origin + 1) if len(mesh.ranks) > 1 else origin + 1
+        agreed = (comm or self.comm).agree_max(ranks, origin + 1) if len(ranks) > 1 else origin + 1
         if agreed:
             raise Poisoned(agreed - 1)
 
@@ -179,10 +181,41 @@ class Worker:
         if mesh is None:
             return
         if any(step_kind(before, after) not in LOCAL_ONLY for _, before, after in command.steps):
-            self._agree_on_failure(mesh, command.src_id)
+            self._agree_on_failure(mesh.ranks, command.src_id)
         source = self._tensor(command.src_id)
         self.tensors[command.out_id] = apply_steps(source, command.shape, mesh, command.placements,
                                                    command.steps, self.rank, self.comm)
+
+    def handle_transfer(self, command: wire.Transfer) -> None:
+        """Move a tensor to another mesh: point-to-point blocks over host (Gloo) channels, so
+        it also works between a CPU mesh and a CUDA mesh."""
+        src_mesh, dst_mesh = self.meshes.get(command.src_mesh_id), self.meshes.get(command.dst_mesh_id)
+        src_ranks = src_mesh.ranks if src_mesh is not None else ()
+        involved = tuple(sorted(set(src_ranks) | set(dst_mesh.ranks if dst_mesh is not None else ())))
+        if self.rank not in involved:
+            return
+        self._agree_on_failure(involved, command.src_id, self.host_comm)
+        moves = plan_transfer(command.shape, src_mesh, command.src_placements, dst_mesh, command.dst_placements)
+        source = self._tensor(command.src_id) if self.rank in src_ranks else None
+        held = _region_of(command.shape, src_mesh, command.src_placements, self.rank) if source is not None else None
+        out, wanted = None, None
+        if dst_mesh is not None and self.rank in dst_mesh.ranks:
+            wanted = _region_of(command.shape, dst_mesh, command.dst_placements, self.rank)
+            out = torch.empty(wanted[1], dtype=wire.dtype_from_name(command.dtype),
+                              device=self.device.torch_device)
+        sends, receives = [], []
+        for sender, receiver, offset, box in moves:
+            if sender == self.rank and receiver == self.rank:
+                _block(out, wanted[0], offset, box).copy_(_block(source, held[0], offset, box))
+            elif sender == self.rank:
+                sends.append((receiver, _block(source, held[0], offset, box).contiguous().cpu()))
+            elif receiver == self.rank:
+                receives.append((sender, torch.empty(box, dtype=out.dtype), offset, box))
+        self.host_comm.exchange(involved, sends, [(peer, buffer) for peer, buffer, _, _ in receives])
+        for _, buffer, offset, box in receives:
+            _block(out, wanted[0], offset, box).copy_(buffer)
+        if out is not None:
+            self.tensors[command.out_id] = out
 
     def handle_fetch(self, command: wire.Fetch) -> None:
         mesh = self._member(command.mesh_id)
@@ -227,6 +260,18 @@ def _outputs_of(command) -> tuple:
     if hasattr(command, "out_ids"):
         return command.out_ids
     return (command.out_id,) if hasattr(command, "out_id") else ()
+
+
+def _region_of(shape, mesh: DeviceMesh, placements, rank: int):
+    return local_region(shape, mesh, placements, mesh.coordinate_of(rank))
+
+
+def _block(tensor: torch.Tensor, origin, offset, box) -> torch.Tensor:
+    """The view of `tensor` (which holds the block starting at global `origin`) covering the
+    global box (offset, box)."""
+    for dim, (start, held_start, length) in enumerate(zip(offset, origin, box)):
+        tensor = tensor.narrow(dim, start - held_start, length)
+    return tensor
 
 
 def _map_refs(value, fn):
@@ -316,11 +361,14 @@ def main() -> None:
                      name="heartbeat", daemon=True).start()
     device = make_device(config["device"])
     comm = device.communicator(store_address, rank, _gloo_host(config), gloo_timeout)
-    worker = Worker(rank, sockets, comm, device, start_seq)
+    host_comm = comm if device.kind == "cpu" else GlooCommunicator(store_address, rank, _gloo_host(config),
+                                                                   gloo_timeout)
+    worker = Worker(rank, sockets, comm, device, start_seq, host_comm)
     try:
         worker.run()
     finally:
-        comm.close()
+        for closing in {id(comm): comm, id(host_comm): host_comm}.values():
+            closing.close()
         device.close()
         sockets.close()
         sys.stdout.flush()
