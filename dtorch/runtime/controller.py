@@ -67,7 +67,7 @@ class Controller:
         self.failures: dict[int, RemoteFailure] = {}
         self.workers: dict[int, WorkerRecord] = {}
         self._registered = threading.Condition(self._lock)
-        self.commands_sent = 0
+        self.commands_sent = self.batches_sent = 0
         self.gloo_timeout_s = gloo_timeout_s
         self.closed = False
         self._loop = asyncio.new_event_loop()
@@ -163,7 +163,8 @@ class Controller:
 
     def stats(self) -> dict:
         s = self.sockets
-        return {"commands_sent": self.commands_sent, "messages_sent": s.messages_sent,
+        return {"commands_sent": self.commands_sent, "batches_sent": self.batches_sent,
+                "messages_sent": s.messages_sent,
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
                 "workers": len(self.workers), "pending_reads": len(self._reads)}
 
@@ -242,6 +243,7 @@ class Controller:
         self.sockets.publish(wire.encode_batch(batch[0].seq, batch))
         self._published_upto = batch[-1].seq + 1
         self.commands_sent += len(batch)
+        self.batches_sent += 1
 
     async def _probe(self) -> None:
         """Publish probes until every worker has registered: a worker registers only after its
