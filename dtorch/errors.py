@@ -6,9 +6,11 @@ next read of a result that depends on them (RemoteError, DependencyError).
 """
 from __future__ import annotations
 
+import sys
+
 __all__ = [
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError",
-    "RemoteError", "DependencyError", "WorkerLostError", "ProtocolError", "StartupError", "user_site",
+    "RemoteError", "DependencyError", "WorkerLostError", "ProtocolError", "StartupError", "user_site", "user_frame", "format_site",
 ]
 
 
@@ -76,12 +78,18 @@ class StartupError(DTorchError):
 _PACKAGE_DIR = __file__.rsplit("/", 1)[0]
 
 
-def user_site() -> str:
-    """file:line of the first frame outside dtorch: the user's own line that issued a call."""
-    import sys
+def user_frame() -> tuple[str, int] | None:
+    """(file, line) of the first frame outside dtorch: the user's own line that issued a call.
+    Kept unformatted: the controller records it for every command, and formats only on error."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame = frame.f_back
-    if frame is None:
-        return "<unknown>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+
+
+def format_site(site: tuple[str, int] | None) -> str:
+    return "<unknown line>" if site is None else f"{site[0]}:{site[1]}"
+
+
+def user_site() -> str:
+    return format_site(user_frame())

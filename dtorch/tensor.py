@@ -175,23 +175,22 @@ class DTensor:
 
 def call_op(name: str, args: tuple, kwargs: dict):
     """Plan (cached), enqueue one RunOp command, return the output symbol(s). Never waits."""
-    for value in args:
-        if isinstance(value, torch.Tensor):
-            raise TypeError(f"{name}: mixing a local torch.Tensor with DTensors; upload it first with "
-                            "dtorch.tensor(t, device_mesh=..., placements=...)")
     plan = cached_plan(name, args, kwargs)
-    first = plan.out_specs[0]
+    out_specs = plan.out_specs
     owner = session.current()
-    out_ids = owner.new_ids(len(plan.out_specs))
-    wire_args = tuple(TensorRef(a._id) if type(a) is DTensor else
-                      map_tensors(a, _ref) if type(a) in (list, tuple) else a for a in args)
+    wire_args = tuple([TensorRef(a._id) if type(a) is DTensor else
+                       map_tensors(a, _ref) if type(a) in (list, tuple) else a for a in args])
     wire_kwargs = map_tensors(kwargs, _ref) if kwargs else {}
     if plan.extra_kwargs:
         wire_kwargs.update(plan.extra_kwargs)
-    seq = owner.submit(RunOp, out_ids, owner.mesh_id(first.mesh), plan.kernel, wire_args, wire_kwargs,
-                       plan.input_steps)
-    outputs = tuple(DTensor(i, spec, seq, owner) for i, spec in zip(out_ids, plan.out_specs))
-    return outputs[0] if len(outputs) == 1 else outputs
+    mesh_id = owner.mesh_id(out_specs[0].mesh)
+    if len(out_specs) == 1:
+        out_id = owner.new_id()
+        seq = owner.submit(RunOp, (out_id,), mesh_id, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
+        return DTensor(out_id, out_specs[0], seq, owner)
+    out_ids = owner.new_ids(len(out_specs))
+    seq = owner.submit(RunOp, out_ids, mesh_id, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
+    return tuple(DTensor(i, spec, seq, owner) for i, spec in zip(out_ids, out_specs))
 
 
 def _ref(tensor: "DTensor") -> TensorRef:

@@ -5,6 +5,8 @@ never re-runs meta inference or the rules.
 from __future__ import annotations
 
 from numbers import Number
+
+import torch
 from typing import NamedTuple
 
 from ..distributed_spec import format_placements
@@ -55,6 +57,9 @@ def plan_call(op: OpSpec, args: tuple, kwargs: dict, specs: list[TensorSpec]) ->
     """Build the plan for one call (cold path: runs meta inference and the rules)."""
     if not specs:
         raise ShapeError(f"{op.name}: no dtorch tensor among the arguments")
+    if any(isinstance(value, torch.Tensor) for value in list(args) + list(kwargs.values())):
+        raise TypeError(f"{op.name}: mixing a local torch.Tensor with DTensors; upload it first with "
+                        "dtorch.tensor(t, device_mesh=..., placements=...)")
     mesh = specs[0].mesh
     for spec in specs[1:]:
         if spec.mesh != mesh:

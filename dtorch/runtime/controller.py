@@ -22,7 +22,7 @@ import time
 import torch.distributed as dist
 
 from ..distributed_spec import DeviceMesh, Replicate
-from ..errors import ProtocolError, StartupError, WorkerLostError, user_site
+from ..errors import ProtocolError, StartupError, WorkerLostError, format_site, user_frame
 from . import protocol as wire
 from .protocol import Kind
 from .reads import FetchRead, Future, RemoteFailure, SyncRead
@@ -30,6 +30,11 @@ from .transport import ControllerSockets, CurveKeys
 
 __all__ = ["Controller", "WorkerRecord"]
 
+# Batching: a read flushes at once; otherwise commands leave after a short idle or when a batch is
+# full. Dropped symbols are freed FREE_BATCH at a time, in program order (and at every flush).
+IDLE_FLUSH_S = 0.0005
+BATCH_LIMIT = 4096
+FREE_BATCH = 16
 SITE_RING = 1 << 16          # commands whose issuing line is remembered for error messages
 WORKER_SILENCE_S = 3.0       # a worker without heartbeats this long is reported lost
 WATCH_PERIOD_S = 0.1
@@ -58,7 +63,8 @@ class Controller:
         self._released: collections.deque = collections.deque()
         self._next_seq = 0
         self._published_upto = 0
-        self._flush_scheduled = False
+        self._flush_scheduled = False   # a flush after a short idle is on its way
+        self._flush_now = False         # an immediate flush (a read, a full batch) is on its way
         self._ids = itertools.count(1)
         self._sites: list = [None] * SITE_RING
         self._mesh_ids: dict[DeviceMesh, int] = {}
@@ -82,9 +88,9 @@ class Controller:
     # --- user thread ----------------------------------------------------------------------------
     def submit(self, command_type, *fields, read=None, private=None) -> int:
         """Append one command; returns its seq. Never waits on a worker."""
-        site = user_site()
+        site = user_frame()
         with self._lock:
-            if self._released:
+            if len(self._released) >= FREE_BATCH:
                 self._free_released()
             seq = self._next_seq
             self._next_seq = seq + 1
@@ -94,9 +100,13 @@ class Controller:
                 self._reads[seq] = read
             if private is not None:
                 self._private[seq] = private
-            if not self._flush_scheduled:
+            if read is not None or len(self._pending) >= BATCH_LIMIT:
+                if not self._flush_now:
+                    self._flush_now = True
+                    self._loop.call_soon_threadsafe(self._flush)
+            elif not self._flush_scheduled:
                 self._flush_scheduled = True
-                self._loop.call_soon_threadsafe(self._flush)
+                self._loop.call_soon_threadsafe(self._flush_soon)
         return seq
 
     def curve_for_worker(self) -> dict | None:
@@ -228,9 +238,12 @@ class Controller:
             task.cancel()
         self.sockets.close()
 
+    def _flush_soon(self) -> None:
+        self._loop.call_later(IDLE_FLUSH_S, self._flush)
+
     def _flush(self) -> None:
         with self._lock:
-            self._flush_scheduled = False
+            self._flush_scheduled = self._flush_now = False
             if self._released:
                 self._free_released()
             batch, self._pending = self._pending, []
@@ -315,7 +328,7 @@ class Controller:
             return
         failure = self.failures.get(seq)
         if failure is None:
-            site = self._sites[seq % SITE_RING] or "<unknown line>"
+            site = format_site(self._sites[seq % SITE_RING])
             failure = self.failures[seq] = RemoteFailure(seq, op, site, exception_type, message, traceback_text)
         failure.ranks.append(rank)
         for waiting in self._waiting_for_failure.pop(seq, []):
