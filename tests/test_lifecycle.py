@@ -13,14 +13,14 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Replicate, Shard, init_device_mesh
-from conftest import REPO, _alive, run_script
+from dtorch.distributed_spec import Replicate, Shard
+from support import REPO, alive, run_script
 
 
 def _wait_gone(pids, seconds):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
+        if not any(alive(p) for p in pids):
             return True
         time.sleep(0.1)
     return False
@@ -58,7 +58,7 @@ def test_controller_sigkill_stops_every_worker_within_10s():
                                   env={**os.environ, "PYTHONPATH": REPO})
     try:
         pids = json.loads(controller.stdout.readline())
-        assert all(_alive(p) for p in pids)
+        assert all(alive(p) for p in pids)
         controller.send_signal(signal.SIGKILL)
         controller.wait(10)
         assert _wait_gone(pids, 10), "workers outlived their controller"

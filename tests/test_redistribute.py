@@ -7,7 +7,7 @@ import torch
 
 import dtorch
 from dtorch.distributed_spec import Partial, Replicate, Shard
-from conftest import assert_same
+from support import assert_same
 
 R = Replicate()
 

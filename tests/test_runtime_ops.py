@@ -8,7 +8,7 @@ import torch
 import dtorch
 from dtorch.distributed_spec import Partial, Replicate, Shard
 from dtorch.errors import PlacementError
-from conftest import assert_same
+from support import assert_same
 
 SHAPES = [(8, 12), (7, 5)]  # even, uneven on a 4-way split
 

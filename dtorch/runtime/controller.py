@@ -186,19 +186,28 @@ class Controller:
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._probe()))
 
     def wait_registered(self, ranks, timeout: float, progress=None) -> None:
+        """Block until `ranks` registered; a failed start raises StartupError naming the host and
+        the cause (the spawner's explanation when it has one, e.g. an ssh failure)."""
         deadline = time.monotonic() + timeout
+        reported: set = set()
+        for rank in ranks:
+            progress and progress.worker_started(rank, self.workers[rank].host)
         with self._registered:
             while True:
-                pending = [r for r in ranks if not self.workers[r].registered]
+                for w in (self.workers[r] for r in ranks if self.workers[r].registered and r not in reported):
+                    reported.add(w.rank)
+                    progress and progress.worker_registered(w.rank, w.host)
                 failed = [self.workers[r] for r in ranks if self.workers[r].lost]
                 if failed:
-                    w = failed[0]
-                    raise StartupError(f"worker rank {w.rank} on {w.host} failed to start: {w.lost}")
-                if not pending:
+                    raise StartupError(_start_failure(failed[0], progress))
+                if len(reported) == len(ranks):
+                    progress and progress.done()
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise StartupError(f"worker rank(s) {pending} did not register within {timeout:.0f}s")
+                    pending = [r for r in ranks if r not in reported]
+                    raise StartupError(f"worker rank(s) {pending} on {sorted({self.workers[r].host for r in pending})} "
+                                       f"did not register within {timeout:.0f}s")
                 self._registered.wait(min(left, 0.5))
 
     def _lost_among(self, ranks) -> WorkerLostError | None:
@@ -296,7 +305,9 @@ class Controller:
         worker = self.workers.get(rank)
         if worker is None or identity != b"w%d" % rank:
             raise ProtocolError(f"registration from unknown rank {rank}")
-        worker.host, worker.pid, worker.device = host, pid, device
+        if worker.host == "localhost":
+            worker.host = host
+        worker.pid, worker.device = pid, device
         worker.last_heartbeat = time.monotonic()
         self.sockets.send_to(identity, [wire.header(Kind.WELCOME, self._published_upto, self.store_address,
                                                     self.gloo_timeout_s)])
@@ -352,11 +363,20 @@ class Controller:
         with self._registered:
             worker.lost = reason
             self._registered.notify_all()
+        self.store.set(wire.lost_worker_key(worker.rank), reason)
         error = WorkerLostError(worker.rank, worker.host, worker.pid, reason)
         for seq, read in list(self._reads.items()):
             if worker.rank in read.waiting:
                 read.fail(error)
                 self._reads.pop(seq, None)
+
+
+def _start_failure(worker: WorkerRecord, progress) -> str:
+    explain = getattr(worker.handle, "failure_message", None)
+    message = (explain() if explain else None) or f"worker rank {worker.rank} on {worker.host} failed to start: {worker.lost}"
+    if progress is not None:
+        progress.host_failed(worker.host, message)
+    return message
 
 
 def _loss_reason(worker: WorkerRecord, now: float) -> str | None:

@@ -50,6 +50,12 @@ HEARTBEAT_INTERVAL = 0.5
 PROTOCOL_FAILURE = "<protocol>"
 
 
+def lost_worker_key(rank: int) -> str:
+    """The rendezvous-store key the controller sets when worker `rank` is lost (NCCL peers
+    watch it so that no collective waits for a dead peer)."""
+    return f"dtorch/lost/{rank}"
+
+
 # --- commands: one small record each, (seq, ...) ------------------------------------------------
 class DefineMesh(NamedTuple):
     seq: int
@@ -286,6 +292,8 @@ def read_header(frame) -> tuple:
 def tensor_frame(tensor: torch.Tensor) -> memoryview:
     """Zero-copy view of a CPU tensor's bytes (bfloat16 included, which numpy lacks)."""
     flat = tensor.detach().contiguous().reshape(-1)
+    # contiguous() keeps any stride on a 0- or 1-element tensor; view(uint8) needs stride 1
+    flat = flat.as_strided((flat.numel(),), (1,))
     return memoryview(flat.view(torch.uint8).numpy())
 
 

@@ -13,6 +13,7 @@ import threading
 from ..errors import DTorchError, MeshError
 from .cluster import LocalSpawner, worker_config
 from .controller import Controller
+from .transport import make_curve_keys
 
 __all__ = ["current", "init", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random"]
 
@@ -30,8 +31,14 @@ def current() -> Controller:
 
 
 def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str | None = None,
-         controller_address: str | None = None, startup_timeout: float = 120.0) -> Controller:
-    """Start the controller and `num_workers` workers (default: the hostfile's slots, or 1)."""
+         controller_address: str | None = None, startup_timeout: float = 120.0,
+         curve: bool | None = None) -> Controller:
+    """Start the controller and `num_workers` workers (default: the hostfile's slots, or 1).
+
+    hostfile: start workers over SSH (also set by dtorch-launch through DTORCH_HOSTFILE).
+    controller_address: where workers reach this process (default: detected from the hostfile).
+    curve: encrypt and authenticate every ZeroMQ channel with fresh CURVE keys. Default: on
+    whenever the controller listens off loopback."""
     global _controller, _spawner
     with _lock:
         if _controller is not None:
@@ -40,22 +47,22 @@ def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str
             return _controller
         hostfile = hostfile or os.environ.get("DTORCH_HOSTFILE")
         if hostfile:
-            _controller, _spawner = _start_remote(hostfile, controller_address)
+            _controller, _spawner = _start_remote(hostfile, controller_address, curve)
             num_workers = num_workers or _spawner.capacity
         else:
-            _controller, _spawner = Controller(), LocalSpawner()
+            _controller, _spawner = Controller(curve=make_curve_keys() if curve else None), LocalSpawner()
         _grow(device_type, num_workers or 1, startup_timeout)
         return _controller
 
 
-def _start_remote(hostfile: str, controller_address: str | None):
-    from dtorch_launcher.hostfile import parse_hostfile
-    from dtorch_launcher.ssh import SshOptions, SshSpawner, controller_host
-    from .transport import make_curve_keys
+def _start_remote(hostfile: str, controller_address: str | None, curve: bool | None):
+    from dtorch_launcher import SshOptions, SshSpawner, controller_host, parse_hostfile
     options = SshOptions.from_environment()
-    bind = controller_address or os.environ.get("DTORCH_CONTROLLER_ADDRESS") or controller_host(hostfile)
-    keys = None if bind.startswith("127.") else make_curve_keys()
-    return Controller(bind_host=bind, curve=keys), SshSpawner(parse_hostfile(hostfile), options)
+    hosts = parse_hostfile(hostfile)
+    bind = controller_address or os.environ.get("DTORCH_CONTROLLER_ADDRESS") or controller_host(hosts, options)
+    if curve is None:
+        curve = not bind.startswith("127.")
+    return Controller(bind_host=bind, curve=make_curve_keys() if curve else None), SshSpawner(hosts, options)
 
 
 def acquire_workers(device_type: str, count: int) -> list[int]:
@@ -76,23 +83,32 @@ def _ranks_of(device_type: str) -> list[int]:
 
 
 def _grow(device_type: str, extra: int, timeout: float) -> None:
-    if device_type != "cpu":
-        from . import cuda
-        cuda.check_available(device_type, extra, _controller)
     capacity = getattr(_spawner, "capacity", None)
     first = len(_controller.workers)
     if capacity is not None and first + extra > capacity:
         raise MeshError(f"a mesh needs {first + extra} workers but the hostfile has {capacity} slots: "
                         "add hosts or slots to the hostfile")
+    ranks = range(first, first + extra)
+    devices = [device_type] * extra
+    if device_type != "cpu":  # runtime/cuda.py: checks at the call, then one GPU per worker
+        from . import cuda
+        devices = cuda.assign_devices(device_type, ranks, _controller, _spawner)
     threads = max(1, (os.cpu_count() or 1) // max(1, first + extra))
     handles = []
-    for rank in range(first, first + extra):
-        device = device_type if device_type == "cpu" else f"{device_type}:{rank - first}"
+    for rank, device in zip(ranks, devices):
         config = worker_config(_controller, rank, device, threads, _controller.curve_for_worker(),
                                gloo_host="auto" if capacity is not None else "127.0.0.1")
         handles.append(_spawner.spawn(rank, config))
     _controller.add_workers(handles, device_type)
-    _controller.wait_registered([h.rank for h in handles], timeout)
+    _controller.wait_registered([h.rank for h in handles], timeout, _progress(handles))
+
+
+def _progress(handles):
+    """The live start-up display for workers on remote hosts (local ones start in a second)."""
+    if isinstance(_spawner, LocalSpawner):
+        return None
+    from dtorch_launcher import StartupProgress
+    return StartupProgress(len(handles), _spawner.hosts)
 
 
 def shutdown() -> None:

@@ -171,6 +171,9 @@ class Worker:
                 tensor = apply_steps(tensor, shape, mesh, placements, steps, self.rank, self.comm)
             return tensor
         args, kwargs = _map_refs(command.args, local), _map_refs(command.kwargs, local)
+        if "_dtorch_region" in kwargs:  # (global shape, placements) -> where this rank's block sits
+            shape, placements = kwargs["_dtorch_region"]
+            kwargs["_dtorch_region"] = local_region(shape, mesh, placements, mesh.coordinate_of(self.rank))
         result = KERNELS[command.op](*args, **kwargs)
         results = result if isinstance(result, (tuple, list)) else (result,)
         for tensor_id, value in zip(command.out_ids, results):
@@ -238,10 +241,17 @@ class Worker:
     def _send_ready(self) -> None:
         waiting = []
         for copy, header in self.outgoing:
-            if copy.ready():
-                self.sockets.send([header, wire.tensor_frame(copy.tensor)])
-            else:
+            if not copy.ready():
                 waiting.append((copy, header))
+                continue
+            try:
+                frame = wire.tensor_frame(copy.tensor)
+            except Exception as error:  # the read fails, the worker goes on
+                seq = wire.read_header(header)[2]
+                self._report(wire.Fetch(seq, -1, -1, ()), error)
+                self.sockets.send([wire.header(Kind.REPLY, seq, self.rank, "poisoned", seq)])
+                continue
+            self.sockets.send([header, frame])
         self.outgoing = waiting
 
     def handle_free(self, command: wire.Free) -> None:
@@ -355,17 +365,22 @@ def main() -> None:
     torch.set_num_threads(max(1, int(config.get("threads", 1))))
     rank = config["rank"]
     topics = [wire.TOPIC_ALL, wire.TOPIC_PROBE, wire.topic_for_rank(rank)]
+    # The device first: a host without a GPU or without cupy fails here, before registering,
+    # and the controller reports it as a failed start naming the host.
+    device = make_device(config["device"])
     sockets = WorkerSockets(config["command_address"], config["reply_address"], rank, topics, config.get("curve"))
     start_seq, store_address, gloo_timeout = _register(sockets, config)
     threading.Thread(target=_heartbeat, args=(sockets, rank, config.get("controller_timeout", 6.0)),
                      name="heartbeat", daemon=True).start()
-    device = make_device(config["device"])
     comm = device.communicator(store_address, rank, _gloo_host(config), gloo_timeout)
-    host_comm = comm if device.kind == "cpu" else GlooCommunicator(store_address, rank, _gloo_host(config),
-                                                                   gloo_timeout)
+    host_comm = comm if isinstance(comm, GlooCommunicator) else comm.host
     worker = Worker(rank, sockets, comm, device, start_seq, host_comm)
+    exit_code = 0
     try:
         worker.run()
+    except BaseException:
+        traceback.print_exc()
+        exit_code = 1
     finally:
         for closing in {id(comm): comm, id(host_comm): host_comm}.values():
             closing.close()
@@ -375,7 +390,7 @@ def main() -> None:
         sys.stderr.flush()
         # Daemon threads (stdin watch, heartbeat) hold locks that a normal interpreter
         # shutdown would wait on; nothing is left to clean up, so leave at once.
-        os._exit(0)
+        os._exit(exit_code)
 
 
 if __name__ == "__main__":

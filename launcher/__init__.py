@@ -1,0 +1,18 @@
+"""dtorch-launch: start dtorch workers on the hosts of a hostfile over OpenSSH.
+
+Installed as ``dtorch_launcher`` (a top-level ``launcher`` would collide in site-packages).
+The runtime uses ``spawner_from_environment()`` to get the SshSpawner that dtorch-launch asked
+for, and StartupProgress / explain_ssh_failure to report workers coming up. See docs/launcher.md.
+"""
+from .addresses import controller_host
+from .failures import explain_ssh_failure
+from .hostfile import Host, HostfileError, parse_hostfile
+from .options import ENV_CONTROLLER_ADDRESS, ENV_HOSTFILE, ENV_OPTIONS, SshOptions
+from .progress import StartupProgress
+from .ssh import SshSpawner, SshWorker, spawner_from_environment
+
+__all__ = [
+    "ENV_CONTROLLER_ADDRESS", "ENV_HOSTFILE", "ENV_OPTIONS", "Host", "HostfileError", "SshOptions",
+    "SshSpawner", "SshWorker", "StartupProgress", "controller_host", "explain_ssh_failure", "parse_hostfile",
+    "spawner_from_environment",
+]

@@ -1,0 +1,98 @@
+"""dtorch-launch: run a dtorch script whose workers start on the hosts of a hostfile.
+
+    dtorch-launch --hostfile hosts [--python P] [--chdir D] [--env NAME]... [--ssh-option "..."]...
+                  [--log-dir D] [--controller-address ADDR] [--connect-timeout S] script.py [args...]
+
+The script runs IN THIS PROCESS as ``__main__`` (it is the controller). The launcher only writes
+the options into the environment; the runtime reads them when the script builds its first mesh.
+Without --hostfile the script runs with local workers, exactly as ``python script.py`` would.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import shlex
+import sys
+
+from .hostfile import parse_hostfile
+from .options import DEFAULT_WORKER_MODULE, ENV_CONTROLLER_ADDRESS, ENV_HOSTFILE, SshOptions
+
+__all__ = ["main", "build_parser"]
+
+USAGE_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dtorch-launch",
+        description="Run a dtorch script as the controller, with workers started over ssh.")
+    parser.add_argument("--hostfile", help="hosts and slots, one `host slots=N` per line")
+    parser.add_argument("--python", help="python on the hosts (default: this interpreter's path)")
+    parser.add_argument("--chdir", help="working directory on the hosts (default: the current one)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME",
+                        help="forward this environment variable to the workers (repeatable); "
+                             "values travel over ssh's stdin, never on a command line")
+    parser.add_argument("--ssh-option", action="append", default=[], metavar="OPTIONS",
+                        help='extra ssh arguments, split like a shell would, e.g. "-F ssh_config" '
+                             'or "-o ProxyJump=gateway" (repeatable)')
+    parser.add_argument("--log-dir", help="also write each worker's output to LOG_DIR/rank<N>.log")
+    parser.add_argument("--controller-address", help="address the workers connect back to")
+    parser.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="seconds ssh may take to connect to a host (default: 10)")
+    parser.add_argument("--worker-module", default=DEFAULT_WORKER_MODULE, help=argparse.SUPPRESS)
+    parser.add_argument("script", help="the dtorch program to run")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        os.environ.update(launch_environment(args))
+    except (OSError, ValueError) as error:
+        parser.exit(USAGE_ERROR, f"dtorch-launch: error: {error}\n")
+    run_script(args.script, args.script_args)
+    return 0
+
+
+def launch_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The variables the runtime reads; parsing the hostfile here reports its errors up front."""
+    environment = options_from_arguments(args).to_environment()
+    if args.hostfile:
+        path = os.path.abspath(args.hostfile)
+        parse_hostfile(path)
+        environment[ENV_HOSTFILE] = path
+    if args.controller_address:
+        environment[ENV_CONTROLLER_ADDRESS] = args.controller_address
+    return environment
+
+
+def options_from_arguments(args: argparse.Namespace) -> SshOptions:
+    defaults = SshOptions()
+    ssh_options = [word for option in args.ssh_option for word in shlex.split(option)]
+    return SshOptions(
+        python=args.python or defaults.python,
+        chdir=args.chdir or defaults.chdir,
+        env=args.env,
+        ssh_options=ssh_options,
+        log_dir=os.path.abspath(args.log_dir) if args.log_dir else None,
+        connect_timeout=args.connect_timeout,
+        worker_module=args.worker_module,
+    )
+
+
+def run_script(script: str, script_args: list[str]) -> None:
+    """Run ``script`` as ``__main__`` the way ``python script.py args`` would."""
+    if not os.path.isfile(script):
+        raise SystemExit(f"dtorch-launch: error: no such script: {script}")
+    sys.argv = [script, *script_args]
+    # `python script.py` puts the script's folder first on sys.path; here that slot holds the
+    # folder of the dtorch-launch entry point, which the script has no use for.
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

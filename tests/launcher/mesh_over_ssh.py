@@ -1,0 +1,33 @@
+"""Run by dtorch-launch in the end-to-end tests: a (2,) mesh over the hosts of the hostfile.
+
+Prints ``WORKERS <json>`` (rank, host, pid of every worker), checks an op and a redistribute
+against torch, then either shuts down and prints OK, or (with --wait) waits on stdin for a test
+to kill it.
+"""
+import json
+import sys
+
+import torch
+
+import dtorch
+from dtorch import Replicate, Shard, init_device_mesh
+
+
+def main() -> None:
+    mesh = init_device_mesh("cpu", (2,))
+    print("WORKERS " + json.dumps([{k: w[k] for k in ("rank", "host", "pid")} for w in dtorch.workers()]),
+          flush=True)
+    expected = torch.arange(12.0).reshape(6, 2)
+    x = dtorch.tensor(expected, device_mesh=mesh, placements=[Shard(0)])
+    y = (x * 3 + x).redistribute(mesh, [Replicate()])
+    assert y.placements == (Replicate(),), y.placements
+    torch.testing.assert_close(y.to_torch(), expected * 3 + expected)
+    if "--wait" in sys.argv:
+        print("WAITING", flush=True)
+        sys.stdin.read()
+    dtorch.shutdown()
+    print("OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""dtorch-launch with the real core runtime: a (2,) mesh on two ssh hosts, checked against torch."""
+import json
+import signal
+
+import pytest
+
+from launch_helpers import (launch_mesh_script, read_tagged_line, ssh_server_address, stop_controller,
+                            wait_gone)
+
+pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.timeout(60)]
+
+
+def test_mesh_over_two_hosts_matches_torch(sshd_hosts, tmp_path):
+    controller, stderr_path = launch_mesh_script(sshd_hosts.ssh_config, ["host-a", "host-b"], tmp_path)
+    pids = []
+    try:
+        workers = json.loads(read_tagged_line(controller.stdout, "WORKERS ", stderr_path))
+        pids = [worker["pid"] for worker in workers]
+        # dtorch.workers() shows each worker's own host name; the ssh session tells which host it is.
+        assert [w["rank"] for w in workers] == [0, 1]
+        assert [ssh_server_address(pid) for pid in pids] == ["127.0.0.2", "127.0.0.3"]
+        assert read_tagged_line(controller.stdout, "OK", stderr_path) == ""
+        assert controller.wait(20) == 0, stderr_path.read_text()
+        assert all(wait_gone(pid, 10) for pid in pids), "workers outlived dtorch.shutdown()"
+        assert (tmp_path / "logs" / "rank1.log").exists()
+    finally:
+        stop_controller(controller, pids)
+
+
+def test_controller_sigkill_ends_remote_workers(sshd_hosts, tmp_path):
+    controller, stderr_path = launch_mesh_script(sshd_hosts.ssh_config, ["host-a", "host-b"], tmp_path, "--wait")
+    pids = []
+    try:
+        pids = [worker["pid"] for worker in json.loads(read_tagged_line(controller.stdout, "WORKERS ", stderr_path))]
+        read_tagged_line(controller.stdout, "WAITING", stderr_path)
+        controller.send_signal(signal.SIGKILL)
+        controller.wait(10)
+        for pid in pids:
+            assert wait_gone(pid, 10), f"worker {pid} still running 10 s after its controller was killed"
+    finally:
+        stop_controller(controller, pids)

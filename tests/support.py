@@ -1,0 +1,36 @@
+"""Helpers the tests share (kept out of conftest.py: tests/launcher has a conftest of its own,
+and `from conftest import ...` would pick whichever was imported first)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def run_script(source: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run a fresh controller in its own process (for tests that kill things)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(source)], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": REPO})
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, exact: bool = False) -> None:
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    if exact or not expected.dtype.is_floating_point:
+        assert torch.equal(actual, expected), (actual, expected)
+    else:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
