@@ -172,6 +172,88 @@ class DTensor:
     def __rmatmul__(self, other):
         return call_op("matmul", (other, self), {})
 
+    # --- shape methods (op coverage) ---
+    # Forms torch spells differently from one registry op; the rules live in dtorch/ops/view.py
+    # and dtorch/ops/indexing.py. Imports are local to keep this block self-contained.
+    def __getitem__(self, index) -> "DTensor":
+        """Basic indexing with torch's semantics: ints, slices (step > 0), None and Ellipsis.
+        Any index works on a Replicate or unsharded dim; a sharded dim takes only a whole
+        slice `:`, anything else raises PlacementError naming the redistribute that fixes it.
+        Tensor (advanced) indices are not supported: use index_select or gather."""
+        from .ops.indexing import canonical_index
+        return call_op("getitem", (self, canonical_index(index, self._spec.shape)), {})
+
+    def view(self, *shape) -> "DTensor":
+        """x.view(4, 6) or x.view((4, 6)). The same as reshape: dtorch results never share
+        storage visibly, so view's no-copy promise has nothing to keep."""
+        if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+            raise UnsupportedOpError("view(dtype) reinterprets bytes, which dtorch does not support; "
+                                     "use x.to(dtype) to convert values")
+        return call_op("view", (self, self._shape_of(shape)), {})
+
+    def reshape(self, *shape) -> "DTensor":
+        """x.reshape(4, 6) or x.reshape((4, 6)); one size may be -1."""
+        return call_op("reshape", (self, self._shape_of(shape)), {})
+
+    @staticmethod
+    def _shape_of(shape) -> tuple:
+        """(4, 6), ((4, 6),) and (torch.Size([4, 6]),) alike, as one hashable tuple of ints."""
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+            shape = shape[0]
+        return tuple(int(size) for size in shape)
+
+    @property
+    def T(self) -> "DTensor":
+        """All dims reversed (torch deprecates T for ndim other than 2, dtorch follows the rule)."""
+        return call_op("permute", (self, tuple(reversed(range(self.ndim)))), {})
+
+    @property
+    def mT(self) -> "DTensor":
+        """The last two dims swapped (a batch of matrices transposed)."""
+        return call_op("transpose", (self, -2, -1), {})
+
+    def redistribute_like(self, other: "DTensor") -> "DTensor":
+        """The same logical tensor with `other`'s placements on `other`'s mesh (e.g. to match an
+        operand before an op). Other meshes follow whatever `redistribute` supports."""
+        return self.redistribute(other.device_mesh, other.placements)
+
+    def redistribute_by_dict(self, placements_by_dim: dict) -> "DTensor":
+        """Redistribute naming mesh dims: x.redistribute_by_dict({"dp": Shard(0), "tp": Replicate()}).
+
+        Keys are mesh dim names or indices (an unnamed mesh takes indices only). A mesh dim that
+        the dict does not list keeps its current placement. An unknown name raises MeshError,
+        and so does naming one mesh dim twice (by name and by index)."""
+        from .errors import MeshError
+        placements, given = list(self.placements), set()
+        for key, placement in placements_by_dim.items():
+            mesh_dim = self.device_mesh.dim_index(key)
+            if mesh_dim in given:
+                raise MeshError(f"redistribute_by_dict: mesh dim {key!r} is given twice in {placements_by_dim}")
+            given.add(mesh_dim)
+            placements[mesh_dim] = placement
+        return self.redistribute(placements=placements)
+
+    # --- casts (op coverage) ---
+    # torch's cast methods, each the one to_dtype op (its rule: dtorch/ops/pointwise.py).
+    # Defined last in the class: the names `int` and `bool` shadow the builtins in its body.
+    def double(self) -> "DTensor":
+        return self.to(torch.float64)
+
+    def half(self) -> "DTensor":
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> "DTensor":
+        return self.to(torch.bfloat16)
+
+    def long(self) -> "DTensor":
+        return self.to(torch.int64)
+
+    def int(self) -> "DTensor":
+        return self.to(torch.int32)
+
+    def bool(self) -> "DTensor":
+        return self.to(torch.bool)
+
 
 def call_op(name: str, args: tuple, kwargs: dict):
     """Plan (cached), enqueue one RunOp command, return the output symbol(s). Never waits."""
@@ -184,7 +266,7 @@ def call_op(name: str, args: tuple, kwargs: dict):
     if plan.extra_kwargs:
         wire_kwargs.update(plan.extra_kwargs)
     mesh_id = owner.mesh_id(out_specs[0].mesh)
-    if len(out_specs) == 1:
+    if not plan.sequence:
         out_id = owner.new_id()
         seq = owner.submit(RunOp, (out_id,), mesh_id, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
         return DTensor(out_id, out_specs[0], seq, owner)

@@ -24,6 +24,7 @@ class OpPlan(NamedTuple):
     out_specs: tuple          # TensorSpec per output
     input_steps: tuple        # ((tensor_index, shape, placements, ((mesh_dim, before, after), ...)), ...)
     extra_kwargs: dict
+    sequence: bool = False    # torch returns a tuple/list (split, topk): keep it one even of length 1
 
 
 PLAN_CACHE: dict[tuple, OpPlan] = {}
@@ -66,14 +67,14 @@ def plan_call(op: OpSpec, args: tuple, kwargs: dict, specs: list[TensorSpec]) ->
             raise MeshError(f"{op.name}: inputs live on different meshes ({mesh} and {spec.mesh}) at "
                             f"{user_site()}; move one with x.redistribute(device_mesh=..., placements=...)")
     slot_args, slot_kwargs = _with_slots(args, kwargs)
-    outputs = _infer(op, args, kwargs, specs)
+    outputs, sequence = _infer(op, args, kwargs, specs)
     call = Call(op.name, tuple(specs), slot_args, slot_kwargs, outputs)
     required, out_placements = expand(op.rule, call)
     input_steps = _local_input_steps(call, required)
     kernel, extra = op.local(call, required) if op.local else (op.name, {})
     out_specs = tuple(tensor_spec(shape, dtype, mesh, placements)
                       for (shape, dtype), placements in zip(outputs, out_placements))
-    return OpPlan(kernel, out_specs, input_steps, extra)
+    return OpPlan(kernel, out_specs, input_steps, extra, sequence)
 
 
 def map_tensors(value, fn):
@@ -94,16 +95,18 @@ def _with_slots(args, kwargs):
     return map_tensors(args, slot), map_tensors(kwargs, slot)
 
 
-def _infer(op: OpSpec, args, kwargs, specs) -> tuple:
-    """Output (shape, dtype) pairs from running the torch function on meta tensors."""
+def _infer(op: OpSpec, args, kwargs, specs) -> tuple[tuple, bool]:
+    """Output (shape, dtype) pairs from running the torch function on meta tensors, and whether
+    torch returned a sequence."""
     meta = lambda value: value._spec.meta()  # noqa: E731
     try:
         result = op.torch_fn(*map_tensors(args, meta), **map_tensors(kwargs, meta))
     except Exception as error:
         shapes = ", ".join(f"{tuple(s.shape)} {str(s.dtype)[6:]}" for s in specs)
         raise ShapeError(f"{op.name}: torch rejects inputs of shape {shapes} at {user_site()}: {error}") from None
-    results = result if isinstance(result, (tuple, list)) else (result,)
-    return tuple((tuple(r.shape), r.dtype) for r in results)
+    sequence = isinstance(result, (tuple, list))
+    results = result if sequence else (result,)
+    return tuple((tuple(r.shape), r.dtype) for r in results), sequence
 
 
 def _local_input_steps(call: Call, required: list) -> tuple:

@@ -7,6 +7,11 @@ On one mesh dim, with the equation's letters:
                                    inputs without L stay R; L kept in the output -> S(L's position),
                                    L contracted away -> P(sum)
 "mk,kn->mn" thus gives S(0)xR -> S(0), RxS(1) -> S(1), S(1)xS(0) -> P(sum).
+
+Ops that add a term to a product (linear's bias, baddbmm's input) place it like the product's
+result: R with R, S on the matching dim (or R when broadcast), P(sum) with P(sum); a P(avg)
+product takes an R term (averaging keeps an added constant); an R product takes a P(avg|max|min)
+term (a shift keeps averages and order).
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from ..distributed_spec import Partial, Shard
 from .registry import OpSpec, register
 from .rules import Call, Decision, R, RuleRejected
 
-__all__ = ["einsum_rule", "matmul_equation"]
+__all__ = ["einsum_rule", "einsum_decision", "matmul_equation", "explicit_equation"]
 
 _LEGAL = "all R; one P(sum) with R; S on one einsum letter (inputs without it R)"
 
@@ -86,6 +91,97 @@ def matmul_equation(call: Call) -> str:
     return f"{a_batch}xy,{b_batch}yz->{batch}xz"
 
 
-register(OpSpec("matmul", torch.matmul, einsum_rule(matmul_equation), "matrix"))
-register(OpSpec("mm", torch.mm, einsum_rule(lambda call: "xy,yz->xz"), "matrix"))
-register(OpSpec("bmm", torch.bmm, einsum_rule(lambda call: "bxy,byz->bxz"), "matrix"))
+# --- einsum: the user's equation, made explicit -------------------------------------------------
+def explicit_equation(equation: str, ranks) -> str:
+    """`...` expanded to fresh letters (broadcast from the right) and the implicit output made
+    explicit (torch's order: ellipsis dims, then letters used once, sorted)."""
+    equation = equation.replace(" ", "")
+    inputs, arrow, output = equation.partition("->")
+    terms = inputs.split(",")
+    free = [c for c in string.ascii_letters if c not in equation]
+    widest = max((rank - len(t.replace("...", "")) for t, rank in zip(terms, ranks) if "..." in t), default=0)
+    ellipsis = "".join(free[:widest])
+    expanded = [t.replace("...", ellipsis[widest - (rank - len(t.replace("...", ""))):])
+                for t, rank in zip(terms, ranks)]
+    if not arrow:
+        letters = "".join(t.replace("...", "") for t in terms)
+        output = "..." * ("..." in inputs) + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return ",".join(expanded) + "->" + output.replace("...", ellipsis)
+
+
+def _einsum_rule(call: Call, placements) -> Decision:
+    equation = explicit_equation(call.args[0], [len(spec.shape) for spec in call.inputs])
+    terms, out = equation.split("->")
+    terms = terms.split(",")
+    if len(terms) == 1 and set(terms[0]) <= set(out) and isinstance(placements[0], Partial):
+        return Decision(placements, placements)   # a transpose or diagonal copies: any Partial passes
+    for p, term in zip(placements, terms):
+        if isinstance(p, Shard) and term.count(term[p.dim]) > 1:
+            raise RuleRejected(f"letter {term[p.dim]!r} repeats in {term!r} (a diagonal) and is sharded",
+                               "R on repeated letters; " + _LEGAL)
+    return einsum_decision(call, placements, equation)
+
+
+# --- a product plus a term: linear's bias, baddbmm's input -----------------------------------------
+def _term_placement(product: Decision, out_letters: str, term_letters: str, term_shape, out_shape, given):
+    """The placement the added term needs next to the product's output placement."""
+    out = product.outputs[0]
+    if out.is_replicate() and isinstance(given, Partial) and given.reduce_op != "sum":
+        return given      # R + P(avg|max|min): an average keeps the shift, max and min keep order
+    if isinstance(out, Partial):
+        if given == out or (out.reduce_op == "avg" and given.is_replicate()):
+            return given
+        raise RuleRejected(f"the product is {out!r}, so the added term must be {out!r} too "
+                           f"(an R term would be added once per rank)", "the term with the product's Partial")
+    if isinstance(out, Shard):
+        letter = out_letters[out.dim]
+        if letter in term_letters:
+            dim = term_letters.index(letter)
+            if term_shape[dim] == out_shape[out.dim] and (given.is_replicate() or given == Shard(dim)):
+                return Shard(dim)
+    if given.is_replicate():
+        return given
+    raise RuleRejected(f"the added term is {given!r} but the product is {out!r}",
+                       "the term placed like the product (R, or S on the same letter)")
+
+
+def _product_plus_term(product_equation, term_index: int):
+    """A rule for `term + product(inputs)` where the term is tensor input `term_index`, if given."""
+    def rule(call: Call, placements) -> Decision:
+        equation = product_equation(call)
+        has_term = len(call.inputs) > 2
+        factors = [i for i in range(len(call.inputs)) if not (has_term and i == term_index)]
+        product_call = call._replace(inputs=tuple(call.inputs[i] for i in factors))
+        product = einsum_decision(product_call, tuple(placements[i] for i in factors), equation)
+        if not has_term:
+            return product
+        out_letters = equation.split("->")[1]
+        spec = call.inputs[term_index]
+        term_letters = out_letters[len(out_letters) - len(spec.shape):] if spec.shape else ""
+        given = placements[term_index]
+        if call.kwargs.get("beta", 1) < 0 and isinstance(given, Partial) and given.reduce_op in ("max", "min"):
+            raise RuleRejected(f"a term scaled by beta < 0 turns {given!r} around", _LEGAL)
+        term = _term_placement(product, out_letters, term_letters, spec.shape, call.out_shape, placements[term_index])
+        required = list(product.inputs)
+        required.insert(term_index, term)
+        outputs = (term,) if isinstance(term, Partial) else product.outputs
+        return Decision(tuple(required), outputs)
+    return rule
+
+
+def _linear_equation(call: Call) -> str:
+    x, w = (len(call.inputs[i].shape) for i in (0, 1))
+    batch = string.ascii_lowercase[:x - 1]
+    return f"{batch}k,nk->{batch}n" if w == 2 else f"{batch}k,k->{batch}"
+
+
+register(OpSpec("matmul", torch.matmul, einsum_rule(matmul_equation), "matrix", doc="torch's rank cases as einsum"))
+register(OpSpec("mm", torch.mm, einsum_rule(lambda call: "xy,yz->xz"), "matrix", doc="xy,yz->xz"))
+register(OpSpec("bmm", torch.bmm, einsum_rule(lambda call: "bxy,byz->bxz"), "matrix", doc="bxy,byz->bxz"))
+register(OpSpec("einsum", torch.einsum, _einsum_rule, "matrix", method=False,
+                doc="derived from the equation; a sharded repeated letter (diagonal) needs R"))
+register(OpSpec("outer", torch.outer, einsum_rule(lambda call: "x,y->xy"), "matrix", doc="x,y->xy"))
+register(OpSpec("linear", torch.nn.functional.linear, _product_plus_term(_linear_equation, 2), "matrix",
+                method=False, doc="...k,nk->...n plus bias placed like the result"))
+register(OpSpec("baddbmm", torch.baddbmm, _product_plus_term(lambda call: "bxy,byz->bxz", 0), "matrix",
+                doc="bxy,byz->bxz plus input placed like the result"))

@@ -1,0 +1,302 @@
+"""PURE: torch.nn.functional ops. One table: op -> (reference function, rule, local hook).
+
+Most rules name each input's dims with letters and reuse the einsum derivation of matrix.py,
+then forbid the letters the op mixes nonlinearly (a softmax's keys, a loss's classes):
+  layer_norm / rms_norm   normalized (trailing) dims R; other dims' shards pass
+  embedding               indices S(d) -> S(d); weight S(1) -> S(last); weight S(0) (vocabulary
+                          split) -> P(sum), each rank looking up only the rows it holds
+  dropout                 any placement: the mask is a pure function of (seed, counter, global
+                          index), so it is the same on replicas and partial contributions
+  scaled_dot_product_attention   shards on batch/head dims, on queries (not causal), on values'
+                          features; never on keys or the contracted head dim
+  cross_entropy / mse_loss       shards on batch (and spatial) dims; reduction 'sum' gives P(sum)
+  pad                     padded dims R; Partial passes where the fill value allows
+Kernels that need where their shard sits in the global tensor ask for `_dtorch_region`: the
+controller sends (global shape, placements), the worker substitutes this rank's (offset, shape).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..distributed_spec import Partial, Shard
+from ..errors import UnsupportedOpError
+from .matrix import einsum_decision
+from .pointwise import Laws, partial_output, shard_decision
+from .registry import OpSpec, kernel, register
+from .rules import Call, Decision, R, RuleRejected
+
+__all__ = ["NN"]
+
+
+def _no_partial(call: Call, placements, legal: str) -> None:
+    for p in placements:
+        if isinstance(p, Partial):
+            raise RuleRejected(f"{call.op} is not linear in an input that is {p!r}", legal)
+
+
+def _letters_decision(call: Call, placements, equation: str, forbidden: str, legal: str) -> Decision:
+    """einsum_decision with no Partial input and no shard on a `forbidden` letter (one the op
+    mixes nonlinearly) or on a letter whose sizes differ between inputs (grouped heads)."""
+    _no_partial(call, placements, legal)
+    terms = equation.split("->")[0].split(",")
+    for p, term in zip(placements, terms):
+        if not isinstance(p, Shard):
+            continue
+        letter = term[p.dim]
+        if letter in forbidden:
+            raise RuleRejected(f"{call.op} mixes dim {p.dim} ({letter!r} of {term!r}) nonlinearly", legal)
+        sizes = {spec.shape[t.index(letter)] for spec, t in zip(call.inputs, terms) if letter in t} - {1}
+        if len(sizes) > 1:
+            raise RuleRejected(f"dim {p.dim} has different sizes {sorted(sizes)} across inputs", legal)
+    return einsum_decision(call, placements, equation)
+
+
+# --- normalization ---------------------------------------------------------------------------------
+# The output is norm(x) * weight + bias: linear in (weight, bias), rising in bias.
+_NORM_LAWS = {"layer_norm": Laws(params=("input", "normalized_shape", "weight", "bias"), linear=((2, 3),),
+                                 monotone=(0, 0, 0, 1)),
+              "rms_norm": Laws(params=("input", "normalized_shape", "weight"), linear=((2,),))}
+
+
+def _norm_rule(call: Call, placements) -> Decision:
+    """Trailing len(normalized_shape) dims are normalized together: they must be whole."""
+    legal = "R on the normalized dims, S on leading dims; weight and bias R (or Partial with x R)"
+    if any(isinstance(p, Partial) for p in placements):
+        out = partial_output(call, placements, _NORM_LAWS[call.op])
+        if out is None:
+            raise RuleRejected(f"{call.op} does not commute with these Partial inputs", legal)
+        return Decision(placements, (out,))
+    ndim, normalized = len(call.inputs[0].shape), len(call.param(1, "normalized_shape"))
+    p = placements[0]
+    if isinstance(p, Shard) and p.dim >= ndim - normalized:
+        raise RuleRejected(f"{call.op} normalizes over sharded dim {p.dim}", legal)
+    if any(not q.is_replicate() for q in placements[1:]):
+        raise RuleRejected(f"{call.op}'s weight and bias span the normalized dims", legal)
+    return Decision(placements, (p,))
+
+
+# --- embedding ------------------------------------------------------------------------------------
+def _embedding_rule(call: Call, placements) -> Decision:
+    if call.param(3, "max_norm") is not None:
+        raise UnsupportedOpError("embedding(max_norm=...) renormalizes the weight in place; dtorch tensors "
+                                 "are immutable: renormalize explicitly instead")
+    indices, weight = placements
+    legal = "indices S(d) with weight R; indices R with weight S(0), S(1) or any Partial"
+    if isinstance(indices, Partial):
+        raise RuleRejected("indices cannot be Partial", legal)
+    if isinstance(indices, Shard):
+        if not weight.is_replicate():
+            raise RuleRejected("indices and weight are both split", legal)
+        return Decision(placements, (indices,))
+    if isinstance(weight, Partial):     # a lookup copies rows: it commutes with every reduction
+        return Decision(placements, (weight,))
+    if weight == Shard(1):
+        return Decision(placements, (Shard(len(call.inputs[0].shape)),))
+    if weight == Shard(0):
+        return Decision(placements, (Partial("sum"),))
+    return Decision(placements, (R,))
+
+
+def _embedding_local(call: Call, required):
+    if any(p == Shard(0) for p in required[1]):
+        return "embedding_vocabulary_split", {"_dtorch_region": (call.inputs[1].shape, required[1])}
+    return "embedding", {}
+
+
+@kernel("embedding_vocabulary_split")
+def embedding_vocabulary_split(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
+                               scale_grad_by_freq=False, sparse=False, *, _dtorch_region):
+    """Rows this rank holds are looked up; every other index yields zeros (summed later)."""
+    (first, _), (rows, width) = _dtorch_region
+    local = input - first
+    outside = (local < 0) | (local >= rows)
+    if rows == 0:
+        return weight.new_zeros(tuple(input.shape) + (weight.shape[1],))
+    found = F.embedding(local.masked_fill(outside, 0), weight)
+    return found.masked_fill(outside.unsqueeze(-1), 0)
+
+
+# --- dropout ----------------------------------------------------------------------------------------
+def dropout(input, p=0.5, training=True, inplace=False, seed=None, counter=None):
+    """The reference (and meta function): the whole tensor as one block."""
+    shape = tuple(input.shape)
+    return _dropout_block(input, p, training, seed, counter, shape, ((0,) * len(shape), shape))
+
+
+@kernel("dropout_counter")
+def dropout_counter(input, p=0.5, training=True, inplace=False, seed=None, counter=None, *,
+                    _dtorch_region, global_shape):
+    return _dropout_block(input, p, training, seed, counter, global_shape, _dtorch_region)
+
+
+def _dropout_block(input, p, training, seed, counter, global_shape, region):
+    """Keep element i when uniform(seed, counter, global index i) >= p, scaled by 1 / (1 - p)."""
+    if not training or p == 0:
+        return input
+    if p == 1 or input.device.type == "meta":
+        return torch.zeros_like(input)
+    from ..runtime import rng   # pure torch; imported late so this module's imports stay pure
+    offset, local = region
+    index = rng.global_indices(global_shape, offset, local, input.device)
+    keep = rng.uniform(index, seed, counter, torch.float64) >= p
+    # where(), not a product with the mask: a dropped -inf (an empty shard's max) must give 0, not nan
+    return torch.where(keep, input * (1.0 / (1.0 - p)), 0.0).to(input.dtype)
+
+
+def _dropout_rule(call: Call, placements) -> Decision:
+    if call.param(4, "seed") is None:
+        raise UnsupportedOpError("dropout on a DTensor draws from dtorch's random stream: call "
+                                 "dtorch.nn.functional.dropout (torch.nn.functional.dropout cannot pass it)")
+    return Decision(placements, (placements[0],))
+
+
+def _dropout_local(call: Call, required):
+    return "dropout_counter", {"_dtorch_region": (call.inputs[0].shape, required[0]),
+                               "global_shape": call.inputs[0].shape}
+
+
+# --- attention --------------------------------------------------------------------------------------
+def _attention_rule(call: Call, placements) -> Decision:
+    if call.param(4, "dropout_p", 0.0):
+        raise UnsupportedOpError("scaled_dot_product_attention(dropout_p>0) would draw torch's random "
+                                 "numbers on each worker; apply dtorch.nn.functional.dropout instead")
+    ranks = [len(spec.shape) for spec in call.inputs]
+    batch = _BATCH_LETTERS[:max(ranks[:3]) - 2]
+    terms = [batch[len(batch) - (r - 2):] + tail for r, tail in zip(ranks, ("le", "se", "sf"))]
+    if len(ranks) > 3:
+        terms.append((batch + "ls")[len(batch) + 2 - ranks[3]:])
+    value, others = placements[2], placements[:2] + placements[3:]
+    if isinstance(value, Partial) and value.reduce_op in ("sum", "avg") and all(p.is_replicate() for p in others):
+        return Decision(placements, (value,))   # softmax(q k) v is linear in v
+    causal = call.param(5, "is_causal", False)
+    forbidden = "se" + ("l" if causal else "")
+    legal = "S on batch/head dims of q, k, v alike; S on q's sequence dim (not causal) with k, v R; " \
+            "S on v's feature dim with q, k R"
+    return _letters_decision(call, placements, ",".join(terms) + "->" + batch + "lf", forbidden, legal)
+
+
+_BATCH_LETTERS = "ABCDEFGHIJ"
+
+
+# --- losses -----------------------------------------------------------------------------------------
+_REDUCTION_AT = {"cross_entropy": (3, 5, 6), "mse_loss": (2, 3, 4)}  # size_average, reduce, reduction
+
+
+def _reduction(call: Call) -> str:
+    size_average_at, reduce_at, reduction_at = _REDUCTION_AT[call.op]
+    size_average, reduce = call.param(size_average_at, "size_average"), call.param(reduce_at, "reduce")
+    if size_average is not None or reduce is not None:   # torch's deprecated spelling
+        return torch.nn._reduction.legacy_get_string(size_average, reduce, emit_warning=False)
+    return call.param(reduction_at, "reduction", "mean")
+
+
+def _cross_entropy_laws(call: Call) -> Laws:
+    """The loss is -sum t' w log softmax(x) with t' = (1 - eps) t + eps / C: linear in the weight
+    (unless 'mean' divides by the targets' weights) and affine in probability targets."""
+    class_targets = not call.inputs[1].dtype.is_floating_point
+    weight = () if class_targets and _reduction(call) == "mean" else ((2,),)
+    target = () if class_targets else ((1,),)
+    return Laws(params=("input", "target", "weight"), linear=weight + target,
+                affine=bool(call.param(7, "label_smoothing", 0.0)) and not class_targets)
+
+
+def _cross_entropy_rule(call: Call, placements) -> Decision:
+    if any(isinstance(p, Partial) for p in placements):
+        out = partial_output(call, placements, _cross_entropy_laws(call))
+        if out is None:
+            raise RuleRejected("cross_entropy does not commute with these Partial inputs",
+                               "input R with a P(sum|avg) weight or probability target")
+        return Decision(placements, (out,))
+    x, target = call.inputs[:2]
+    rank = len(x.shape)
+    letters = "c" if rank == 1 else "nc" + "ghijk"[:rank - 2]
+    target_letters = letters if target.dtype.is_floating_point else letters.replace("c", "")
+    terms = [letters, target_letters] + ["c"] * (len(call.inputs) - 2)
+    reduction = _reduction(call)
+    out = letters.replace("c", "") if reduction == "none" else ""
+    legal = "S on the batch or spatial dims of input and target alike (class dim R, weight R); " \
+            "reduction 'none' or 'sum', or 'mean' with probability targets"
+    decision = _letters_decision(call, placements, ",".join(terms) + "->" + out, "c", legal)
+    if reduction == "mean" and decision.outputs[0].is_partial() and not target.dtype.is_floating_point:
+        raise RuleRejected("reduction='mean' over a sharded batch divides by the count of targets that "
+                           "are not ignore_index, which no rank knows alone; use reduction='sum' and divide",
+                           legal)
+    return decision
+
+
+def _mse_rule(call: Call, placements) -> Decision:
+    legal = "input and target sharded alike (or R), no Partial"
+    _no_partial(call, placements, legal)
+    reduction = _reduction(call)
+    if reduction == "none":
+        return shard_decision(call, placements)
+    whole = torch.broadcast_shapes(*(spec.shape for spec in call.inputs))
+    decision = shard_decision(call._replace(outputs=((tuple(whole), call.outputs[0][1]),)), placements)
+    if not isinstance(decision.outputs[0], Shard):
+        return decision
+    if reduction == "mean" and len(call.inputs) > 2:
+        raise RuleRejected("a weighted mean divides by the weights' sum; use reduction='sum'", legal)
+    return Decision(decision.inputs, (Partial("sum"),))
+
+
+def _mean_as_partial_sum(count_of):
+    """A loss's 'mean' over sharded elements: each rank sums and divides by the global count."""
+    def local(call: Call, required):
+        reduction = _reduction(call)
+        if reduction != "mean" or not any(isinstance(p, Shard) for p in required[0]):
+            return call.op, {}
+        return "loss_mean_as_partial_sum", {"loss": call.op, "count": count_of(call)}
+    return local
+
+
+@kernel("loss_mean_as_partial_sum")
+def loss_mean_as_partial_sum(*args, loss, count, **kwargs):
+    kwargs.update(reduction="sum", size_average=None, reduce=None)
+    return _LOSSES[loss](*args, **kwargs) / count
+
+
+_LOSSES = {"cross_entropy": F.cross_entropy, "mse_loss": F.mse_loss}
+
+
+def _cross_entropy_count(call: Call) -> int:
+    shape = call.inputs[0].shape
+    return math.prod(shape) // shape[1 if len(shape) > 1 else 0]
+
+
+def _mse_count(call: Call) -> int:
+    return math.prod(torch.broadcast_shapes(*(spec.shape for spec in call.inputs)))
+
+
+# --- pad --------------------------------------------------------------------------------------------
+def _pad_rule(call: Call, placements) -> Decision:
+    amounts, ndim = call.param(1, "pad"), len(call.inputs[0].shape)
+    padded = {ndim - 1 - i // 2 for i, amount in enumerate(amounts) if amount}
+    constant = call.param(2, "mode", "constant") == "constant"
+    value = call.param(3, "value", None)
+    p = placements[0]
+    legal = "R on padded dims, S elsewhere; P(avg|max|min); P(sum) unless padding with a nonzero constant"
+    if isinstance(p, Shard) and p.dim in padded:
+        raise RuleRejected(f"dim {p.dim} is padded and sharded: its chunks would move", legal)
+    if isinstance(p, Partial) and p.reduce_op == "sum" and constant and value:
+        raise RuleRejected(f"the pad value {value} would be added once per rank", legal)
+    return Decision(placements, (p,))
+
+
+# name: (reference function, rule, local hook, plans keyed by scalar type)
+NN = {
+    "layer_norm": (F.layer_norm, _norm_rule, None, False),
+    "rms_norm": (F.rms_norm, _norm_rule, None, False),
+    "embedding": (F.embedding, _embedding_rule, _embedding_local, False),
+    "dropout": (dropout, _dropout_rule, _dropout_local, True),   # seed and counter vary every call
+    "scaled_dot_product_attention": (F.scaled_dot_product_attention, _attention_rule, None, False),
+    "cross_entropy": (F.cross_entropy, _cross_entropy_rule, _mean_as_partial_sum(_cross_entropy_count), False),
+    "mse_loss": (F.mse_loss, _mse_rule, _mean_as_partial_sum(_mse_count), False),
+    "pad": (F.pad, _pad_rule, None, False),
+}
+
+for _name, (_fn, _rule, _local, _by_type) in NN.items():
+    register(OpSpec(_name, _fn, _rule, "nn", local=_local, scalars_by_type=_by_type, method=False,
+                    doc=(_rule.__doc__ or "").strip()))

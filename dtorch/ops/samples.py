@@ -1,0 +1,317 @@
+"""PURE: small sample calls per op, shared by the differential sweep (tests/test_ops_sweep.py),
+the rule validator (dtorch.ops.validate) and the docs generator (dtorch.ops.docs).
+
+A sample is one torch call on whole tensors; the op's registered torch function on the same
+arguments is the reference. `samples(op, uneven)` builds them: `uneven=False` sizes every dim
+to divide by 4, `uneven=True` leaves remainders (and empty shards on a 4-way split).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+
+__all__ = ["Sample", "samples", "SAMPLED_FAMILIES", "covered_ops"]
+
+SAMPLED_FAMILIES = ("pointwise", "reduction", "matrix", "nn")
+
+
+class Sample(NamedTuple):
+    args: tuple
+    kwargs: dict
+    exact: bool = False     # correctly rounded per element: a shard's bits equal the whole's
+
+
+class _Make:
+    """Random inputs from one seeded generator, sized for an even or an uneven split."""
+
+    def __init__(self, uneven: bool, seed: int = 0):
+        self.g = torch.Generator().manual_seed(seed)
+        self.uneven = uneven
+
+    def shape(self, even, uneven=None):
+        return tuple(uneven) if self.uneven and uneven is not None else tuple(even)
+
+    def x(self, *shape, positive=False, nonzero=False, zeros=False, dtype=torch.float32):
+        value = torch.randn(shape, generator=self.g)
+        if positive or nonzero:
+            value = value.sign() * (value.abs() + 0.25) if nonzero else value.abs() + 0.25
+        if zeros:   # exact zeros, so that a count of nonzeros or a cast to bool is not constant
+            value = torch.where(value.abs() < 0.4, 0.0, value)
+        return value.to(dtype)
+
+    def ints(self, *shape, low=-6, high=6, dtype=torch.int64):
+        return torch.randint(low, high, shape, generator=self.g, dtype=dtype)
+
+    def bools(self, *shape, density=0.5):
+        return torch.rand(shape, generator=self.g) < density
+
+
+def _matrix(m: _Make):
+    return m.shape((8, 4), (7, 5))
+
+
+def _one(*kwargs_variants, positive=False, exact=False, extra=()):
+    """A unary op on a 2-D float input, once per kwargs variant."""
+    def build(m: _Make):
+        x = m.x(*_matrix(m), positive=positive)
+        return [Sample((x,) + tuple(extra), dict(kw), exact) for kw in (kwargs_variants or ({},))]
+    return build
+
+
+def _two(broadcast=False, positive=False, exact=False, kwargs=(), dtype=torch.float32, high=16):
+    """A binary op on two same-shape inputs (and a row broadcast against a matrix)."""
+    def build(m: _Make):
+        shape = _matrix(m)
+        make = (lambda s: m.bools(*s)) if dtype == torch.bool else \
+               (lambda s: m.ints(*s, low=0, high=high)) if dtype == torch.int64 else \
+               (lambda s: m.x(*s, positive=positive))
+        out = [Sample((make(shape), make(shape)), dict(kw), exact) for kw in (kwargs or ({},))]
+        if broadcast:
+            out.append(Sample((make(shape), make(shape[-1:])), {}, exact))
+        return out
+    return build
+
+
+def _with_scalar(scalar, positive=False, nonzero=False):
+    return lambda m: [Sample((m.x(*_matrix(m), positive=positive, nonzero=nonzero), scalar), {}, True)]
+
+
+def _divide(m: _Make):
+    shape = _matrix(m)
+    return [Sample((m.x(*shape), m.x(*shape, nonzero=True)), kw, True) for kw in ({}, {"rounding_mode": "floor"})]
+
+
+def _power(m: _Make):
+    shape = _matrix(m)
+    return [Sample((m.x(*shape, positive=True), m.x(*shape)), {})]
+
+
+def _where(m: _Make):
+    shape = _matrix(m)
+    return [Sample((m.bools(*shape), m.x(*shape), m.x(*shape)), {}, True),
+            Sample((m.bools(*shape), m.x(*shape), 0.0), {}, True)]
+
+
+def _masked_fill(m: _Make):
+    shape = _matrix(m)
+    return [Sample((m.x(*shape), m.bools(*shape), 0.5), {}, True),
+            Sample((m.x(*shape), m.bools(shape[-1]), -1.0), {}, True)]
+
+
+def _clamp(m: _Make):
+    shape = _matrix(m)
+    return [Sample((m.x(*shape), -0.5, 0.5), {}, True), Sample((m.x(*shape),), {"min": m.x(shape[-1])}, True)]
+
+
+def _casts(m: _Make):
+    x, n = m.x(*_matrix(m), zeros=True), m.ints(*_matrix(m))
+    return [Sample((x, dtype), {}, True) for dtype in (torch.float16, torch.bfloat16, torch.int64, torch.bool)] + \
+           [Sample((n, torch.float32), {}, True)]
+
+
+def _logical_not(m: _Make):
+    return [Sample((m.bools(*_matrix(m)),), {}, True), Sample((m.x(*_matrix(m), zeros=True),), {}, True)]
+
+
+def _bitwise_not(m: _Make):
+    return [Sample((m.ints(*_matrix(m)),), {}, True), Sample((m.bools(*_matrix(m)),), {}, True)]
+
+
+def _special_values(m: _Make):
+    x = m.x(*_matrix(m))
+    x[0, 0], x[-1, -1], x[1, 0] = math.nan, math.inf, -math.inf
+    return [Sample((x,), {}, True)]
+
+
+# --- reductions -------------------------------------------------------------------------------------
+def _reduce(*variants, kind="x", exact=False):
+    """(args after the input, kwargs) variants over one 2-D input of `kind` x / ints / bools."""
+    def build(m: _Make):
+        shape = _matrix(m)
+        value = {"x": lambda: m.x(*shape), "ints": lambda: m.ints(*shape), "bools": lambda: m.bools(*shape),
+                 "zeros": lambda: m.x(*shape, zeros=True), "sparse": lambda: m.bools(*shape, density=0.1),
+                 "dense": lambda: m.bools(*shape, density=0.9), "all": lambda: torch.ones(shape, dtype=torch.bool),
+                 "none": lambda: torch.zeros(shape, dtype=torch.bool), "zero row": lambda: _zero_row(m.x(*shape))}[kind]
+        return [Sample((value(),) + tuple(args), dict(kwargs), exact) for args, kwargs in variants]
+    return build
+
+
+def _zero_row(value: torch.Tensor) -> torch.Tensor:
+    value[0] = 0.0
+    return value
+
+
+_ALL_DIMS = [((), {}), ((0,), {}), ((1,), {"keepdim": True}), (((0, 1),), {})]
+_ONE_DIM = [((0,), {}), ((1,), {"keepdim": True}), ((-1,), {})]
+
+
+def _max_like(m: _Make):
+    shape = _matrix(m)
+    return [Sample((m.x(*shape),), {}, True), Sample((m.x(*shape), 1), {}, True),
+            Sample((m.x(*shape), 0, True), {}, True), Sample((m.x(*shape), m.x(*shape)), {}, True)]
+
+
+# --- matrix -----------------------------------------------------------------------------------------
+def _mm(m: _Make):
+    a, k, b = m.shape((8, 4, 4), (7, 5, 3))
+    return [Sample((m.x(a, k), m.x(k, b)), {})]
+
+
+def _bmm(m: _Make):
+    n, a, k, b = m.shape((4, 4, 8, 4), (3, 5, 2, 7))
+    return [Sample((m.x(n, a, k), m.x(n, k, b)), {})]
+
+
+def _matmul(m: _Make):
+    n, a, k, b = m.shape((4, 4, 8, 4), (3, 5, 2, 7))
+    return [Sample((m.x(a, k), m.x(k, b)), {}), Sample((m.x(k), m.x(k, b)), {}),
+            Sample((m.x(n, a, k), m.x(k, b)), {}), Sample((m.x(n, a, k), m.x(k)), {})]
+
+
+def _linear(m: _Make):
+    n, a, k, b = m.shape((4, 4, 8, 4), (3, 5, 2, 7))
+    return [Sample((m.x(a, k), m.x(b, k), m.x(b)), {}), Sample((m.x(n, a, k), m.x(b, k)), {})]
+
+
+def _einsum(m: _Make):
+    n, a, k, b = m.shape((4, 4, 8, 4), (3, 5, 2, 7))
+    return [Sample(("ij,jk->ik", m.x(a, k), m.x(k, b)), {}), Sample(("bij,bjk", m.x(n, a, k), m.x(n, k, b)), {}),
+            Sample(("...j,j->...", m.x(n, a, k), m.x(k)), {}), Sample(("ii->i", m.x(a, a)), {}, True),
+            Sample(("i,j->ij", m.x(a), m.x(b)), {}, True)]
+
+
+def _outer(m: _Make):
+    a, b = m.shape((8, 4), (7, 5))
+    return [Sample((m.x(a), m.x(b)), {}, True)]
+
+
+def _baddbmm(m: _Make):
+    n, a, k, b = m.shape((4, 4, 8, 4), (3, 5, 2, 7))
+    return [Sample((m.x(n, a, b), m.x(n, a, k), m.x(n, k, b)), {"beta": 0.5, "alpha": 2.0}),
+            Sample((m.x(b), m.x(n, a, k), m.x(n, k, b)), {})]
+
+
+# --- nn.functional ----------------------------------------------------------------------------------
+def _layer_norm(m: _Make):
+    n, a, d = m.shape((4, 4, 8), (3, 5, 6))
+    return [Sample((m.x(n, a, d), [d], m.x(d), m.x(d)), {}), Sample((m.x(n, a, d), [a, d]), {"eps": 1e-3})]
+
+
+def _rms_norm(m: _Make):
+    n, a, d = m.shape((4, 4, 8), (3, 5, 6))
+    return [Sample((m.x(n, a, d), [d], m.x(d)), {}), Sample((m.x(n, a, d), [a, d]), {"eps": 1e-6})]
+
+
+def _embedding(m: _Make):
+    vocab, width, n, a = m.shape((8, 4, 4, 4), (7, 5, 3, 5))
+    return [Sample((m.ints(n, a, low=0, high=vocab), m.x(vocab, width)), {}, True),
+            Sample((m.ints(n, low=0, high=vocab), m.x(vocab, width)), {"padding_idx": 0}, True)]
+
+
+def _dropout(m: _Make):
+    x = m.x(*m.shape((8, 4, 4), (7, 5, 3)))
+    return [Sample((x, 0.5, True, False, 1234, 7), {}, True), Sample((x, 0.25, False, False, 0, 0), {}, True)]
+
+
+def _attention(m: _Make):
+    n, h, length, keys, e, f = m.shape((4, 4, 4, 4, 4, 4), (2, 3, 5, 6, 3, 2))
+    q, k, v = m.x(n, h, length, e), m.x(n, h, keys, e), m.x(n, h, keys, f)
+    return [Sample((q, k, v), {}), Sample((q, k, v), {"is_causal": True}),
+            Sample((q, k, v, m.x(length, keys)), {})]
+
+
+def _cross_entropy(m: _Make):
+    n, c, d = m.shape((8, 4, 4), (7, 5, 3))
+    x, target = m.x(n, c), m.ints(n, low=0, high=c)
+    ignored = target.clone()
+    ignored[1] = -100
+    probabilities = torch.softmax(m.x(n, c), 1)
+    return [Sample((x, target), {"reduction": reduction}) for reduction in ("none", "sum", "mean")] + [
+        Sample((x, ignored, m.x(c, positive=True)), {"reduction": "sum"}),
+        Sample((x, probabilities), {"label_smoothing": 0.1}),
+        Sample((m.x(n, c, d), m.ints(n, d, low=0, high=c)), {"reduction": "none"})]
+
+
+def _mse_loss(m: _Make):
+    shape = _matrix(m)
+    return [Sample((m.x(*shape), m.x(*shape)), {"reduction": r}) for r in ("none", "sum", "mean")]
+
+
+def _pad(m: _Make):
+    shape = _matrix(m)
+    return [Sample((m.x(*shape), (1, 2)), {}, True), Sample((m.x(*shape), (0, 0, 1, 1), "constant", 0.5), {}, True),
+            Sample((m.x(2, *shape), (1, 1)), {"mode": "reflect"}, True)]
+
+
+def _both(*builders):
+    return lambda m: [sample for build in builders for sample in build(m)]
+
+
+_EXACT_UNARY = ("neg", "abs", "square", "relu")
+_CLOSE_UNARY = ("exp", "sin", "cos", "tanh", "sigmoid", "erf", "silu", "softplus")
+_POSITIVE = ("log", "log1p", "sqrt", "rsqrt")
+_COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge", "minimum", "maximum")
+_BOOLEAN = ("logical_and", "logical_or", "logical_xor")
+_BITWISE = ("bitwise_and", "bitwise_or", "bitwise_xor")
+
+_BUILDERS: dict[str, Callable] = {
+    **{name: _one(exact=True) for name in _EXACT_UNARY},
+    **{name: _one() for name in _CLOSE_UNARY},
+    **{name: _one(positive=True, exact=name == "sqrt") for name in _POSITIVE},
+    **{name: _two(broadcast=name in ("maximum", "lt"), exact=True) for name in _COMPARISONS},
+    "eq": _two(dtype=torch.int64, high=4, exact=True), "ne": _two(dtype=torch.int64, high=4, exact=True),
+    **{name: _two(dtype=torch.bool, exact=True) for name in _BOOLEAN},
+    **{name: _both(_two(dtype=torch.int64, exact=True), _two(dtype=torch.bool, exact=True)) for name in _BITWISE},
+    "add": _both(_two(broadcast=True, exact=True, kwargs=({}, {"alpha": -1.5})), _with_scalar(1.5)),
+    "sub": _both(_two(exact=True, kwargs=({}, {"alpha": 2.0})), _with_scalar(0.5)),
+    "mul": _both(_two(broadcast=True, exact=True), _with_scalar(2.5)),
+    "div": _both(_divide, _with_scalar(4.0)),
+    "pow": _both(_power, _with_scalar(2.0)),
+    "gelu": _one({}, {"approximate": "tanh"}),
+    "leaky_relu": _one(exact=True, extra=(0.2,)),
+    "elu": _one(extra=(0.5,)),
+    "clamp": _clamp, "where": _where, "masked_fill": _masked_fill, "to_dtype": _casts,
+    "logical_not": _logical_not, "bitwise_not": _bitwise_not,
+    "isnan": _special_values, "isinf": _special_values, "isfinite": _special_values,
+    "rsub": _with_scalar(2.0), "rdiv": _with_scalar(2.0, nonzero=True), "rpow": _with_scalar(2.0),
+    # reductions
+    "sum": _both(_reduce(*_ALL_DIMS), _reduce(((1,), {}), ((), {}), kind="ints", exact=True),
+                 _reduce(((0,), {"dtype": torch.float64}),)),
+    "mean": _reduce(*_ALL_DIMS),
+    "amax": _both(_reduce(*_ALL_DIMS, exact=True), _reduce(((0,), {}), kind="sparse", exact=True)),
+    "amin": _reduce(*_ALL_DIMS, exact=True),
+    "prod": _reduce(((), {}), ((1,), {}), ((0,), {"keepdim": True})),
+    "var": _reduce(((), {}), ((1,), {}), ((0,), {"correction": 0}), ((1, True, True), {})),
+    "std": _reduce(((1,), {"keepdim": True}), ((0,), {})),
+    "logsumexp": _reduce(((1,), {}), ((0, True), {})),
+    "argmax": _reduce(((), {}), ((1,), {}), ((0, True), {}), exact=True),
+    "argmin": _reduce(((1,), {}), exact=True),
+    "norm": _reduce(((), {}), ((1, 1), {}), ((math.inf, 0), {}), ((0, (0, 1)), {}), (("fro", 1), {}), kind="zeros"),
+    # Reducing every dim of random booleans almost always gives the same answer: whole
+    # reductions get the one input that decides them (all True / all False) instead.
+    "any": _both(_reduce(*_ONE_DIM, kind="sparse", exact=True), _reduce(((1,), {}), kind="zero row", exact=True),
+                 _reduce(((), {}), (((0, 1),), {}), kind="none", exact=True)),
+    "all": _both(_reduce(*_ONE_DIM, kind="dense", exact=True), _reduce(((), {}), (((0, 1),), {}), kind="all", exact=True)),
+    "max": _max_like, "min": _max_like,
+    "cumsum": _both(_reduce(((0,), {}), ((1,), {})), _reduce(((1,), {}), kind="ints", exact=True)),
+    "softmax": _reduce(((1,), {}), ((0,), {}), ((-1,), {"dtype": torch.float64})),
+    "log_softmax": _reduce(((-1,), {}), ((0,), {})),
+    # matrix
+    "matmul": _matmul, "mm": _mm, "bmm": _bmm, "linear": _linear, "einsum": _einsum, "outer": _outer,
+    "baddbmm": _baddbmm,
+    # nn
+    "layer_norm": _layer_norm, "rms_norm": _rms_norm, "embedding": _embedding, "dropout": _dropout,
+    "scaled_dot_product_attention": _attention, "cross_entropy": _cross_entropy, "mse_loss": _mse_loss,
+    "pad": _pad,
+}
+
+
+def samples(op: str, uneven: bool = False, seed: int = 0) -> list[Sample]:
+    """The sample calls of `op`, sized for an even or uneven split (KeyError: none yet)."""
+    return _BUILDERS[op](_Make(uneven, seed))
+
+
+def covered_ops() -> frozenset:
+    return frozenset(_BUILDERS)

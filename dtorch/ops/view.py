@@ -1,0 +1,279 @@
+"""PURE: shape and view ops. They move values without combining them, so every rule is a map from
+input dims to output dims: S(d) -> S(where d goes), R -> R, and a Partial passes unchanged (the
+reduction over ranks commutes with any rearrangement of elements).
+
+  reshape family   view, reshape, flatten, unflatten, squeeze, unsqueeze: input and output dims
+                   pair up in groups of equal product (`reshape_groups`). A shard survives only on
+                   the first (outermost) input dim of its group, and only when every rank's block
+                   is a whole run of first-output-dim slices of the result (checked on every rank
+                   with the workers' own chunk arithmetic): (8,6) S(0) -> (48,) S(0) on 4 ranks,
+                   (48,) S(0) -> (8,6) S(0); but (7,6) S(0) -> (42,) is refused.
+  permutations     transpose, permute: S(d) follows d.
+  broadcasts       expand (S on an expanded size-1 dim refused), repeat (S on a repeated dim
+                   refused).
+  identity         contiguous, clone.
+  joins            cat: S(d) off the cat dim (R inputs sliced to match), all-R, or all the same
+                   Partial; stack: the same, S(d) shifted past the new dim.
+  splits           split, chunk, unbind: S(d) off the split dim; one placement for every piece.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from ..distributed_spec import Partial, Shard, local_region
+from .registry import OpSpec, kernel, register
+from .rules import Call, Decision, R, RuleRejected
+
+__all__ = ["reshape_groups", "follow_rule", "off_dim", "unshard_fix", "placement_code", "normalize_dim"]
+
+
+# --- shared by the rules of this family and of indexing.py ------------------------------------
+def placement_code(placement) -> str:
+    """A placement as the Python that builds it, for fixes the user can paste."""
+    if isinstance(placement, Shard):
+        return f"Shard({placement.dim})"
+    if isinstance(placement, Partial):
+        return "Partial()" if placement.reduce_op == "sum" else f"Partial({placement.reduce_op!r})"
+    return "Replicate()"
+
+
+def unshard_fix(call: Call, replaced, input_index: int = 0, name: str = "x") -> str:
+    """The redistribute that makes the op legal: `replaced` placements of one input -> Replicate."""
+    placements = call.inputs[input_index].placements
+    codes = ", ".join("Replicate()" if p == replaced else placement_code(p) for p in placements)
+    return f"redistribute with {name}.redistribute(placements=[{codes}]) first"
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    return dim % max(ndim, 1)
+
+
+def follow_rule(out_dim_of, legal: str, partial_ok: bool = True):
+    """A rule for one-input ops whose result dims follow the input's: S(d) -> S(out_dim_of(call,
+    d)) (which raises RuleRejected where d cannot follow), R -> R, Partial -> the same Partial
+    unless the op compares values (topk, sort). Every output gets the same placement."""
+    def rule(call: Call, placements) -> Decision:
+        (p,) = placements
+        if isinstance(p, Shard):
+            p_out = Shard(out_dim_of(call, p.dim))
+        elif isinstance(p, Partial) and not partial_ok:
+            raise RuleRejected(f"{call.op} compares values, so a {p!r} input must be reduced first: "
+                               f"{unshard_fix(call, p)}", legal)
+        else:
+            p_out = p
+        return Decision(placements, (p_out,) * len(call.outputs))
+    return rule
+
+
+# --- reshape family ----------------------------------------------------------------------------
+def reshape_groups(in_shape, out_shape) -> list[tuple[tuple, tuple]]:
+    """Pair runs of input dims with runs of output dims of equal product, in order. A size-1 dim
+    that starts a run stands alone (paired with nothing); an empty tensor is one group."""
+    if math.prod(in_shape) == 0:
+        return [(tuple(range(len(in_shape))), tuple(range(len(out_shape))))]
+    groups, i, j = [], 0, 0
+    while i < len(in_shape) or j < len(out_shape):
+        if i < len(in_shape) and in_shape[i] == 1:
+            groups.append(((i,), ()))
+            i += 1
+        elif j < len(out_shape) and out_shape[j] == 1:
+            groups.append(((), (j,)))
+            j += 1
+        else:
+            ins, outs, have, want = [i], [j], in_shape[i], out_shape[j]
+            i, j = i + 1, j + 1
+            while have != want:
+                if have < want:
+                    ins, have, i = ins + [i], have * in_shape[i], i + 1
+                else:
+                    outs, want, j = outs + [j], want * out_shape[j], j + 1
+            groups.append((tuple(ins), tuple(outs)))
+    return groups
+
+
+_RESHAPE_LEGAL = ("R; any Partial; S(d) on the outermost dim of a merged or split group when every "
+                  "shard is a whole number of the result's rows along that group")
+
+
+def _group_of(call: Call, dim: int) -> tuple[tuple, tuple, int, int]:
+    """The group holding input dim `dim`, with the element counts one step of its first input
+    dim and one step of its first output dim stand for."""
+    in_shape, out_shape = call.inputs[0].shape, call.out_shape
+    ins, outs = next(group for group in reshape_groups(in_shape, out_shape) if dim in group[0])
+    return ins, outs, math.prod(in_shape[k] for k in ins[1:]), math.prod(out_shape[k] for k in outs[1:])
+
+
+def _blocks_stay_whole(call: Call, dim: int, out_dim: int, in_inner: int, out_inner: int) -> bool:
+    """On every rank, does the block of input dim `dim` cover exactly the elements of the block of
+    `out_dim` that S(out_dim) gives it (in row-major order)? Nested shards included."""
+    spec = call.inputs[0]
+    mesh = spec.mesh
+    out_placements = [Shard(out_dim) if p == Shard(dim) else R for p in spec.placements]
+    for coordinate in itertools.product(*map(range, mesh.shape)):
+        in_offset, in_size = local_region(spec.shape, mesh, spec.placements, coordinate)
+        out_offset, out_size = local_region(call.out_shape, mesh, out_placements, coordinate)
+        if (in_offset[dim] * in_inner != out_offset[out_dim] * out_inner
+                or in_size[dim] * in_inner != out_size[out_dim] * out_inner):
+            return False
+    return True
+
+
+def _reshape_out_dim(call: Call, dim: int) -> int:
+    ins, outs, in_inner, out_inner = _group_of(call, dim)
+    fix = unshard_fix(call, Shard(dim))
+    if math.prod(call.inputs[0].shape) == 0:
+        raise RuleRejected(f"S({dim}) of an empty tensor has no shard layout in the result; {fix}",
+                           _RESHAPE_LEGAL)
+    if not outs:
+        raise RuleRejected(f"S({dim}) is on a size-1 dim the result drops; {fix}", _RESHAPE_LEGAL)
+    if dim != ins[0]:
+        raise RuleRejected(f"S({dim}) is an inner dim of the merged dims {list(ins)}, so its shards "
+                           f"are not contiguous in the result; {fix}", _RESHAPE_LEGAL)
+    if not _blocks_stay_whole(call, dim, outs[0], in_inner, out_inner):
+        raise RuleRejected(f"the S({dim}) shards of shape {tuple(call.inputs[0].shape)} do not fall on "
+                           f"S({outs[0]}) shard boundaries of shape {tuple(call.out_shape)}; {fix}",
+                           _RESHAPE_LEGAL)
+    return outs[0]
+
+
+def _reshape_local(call: Call, placements_nd):
+    """Each rank reshapes its block. A sharded group's first output dim is sized from the local
+    input (the command is the same on every rank): local * in_inner // out_inner."""
+    sizes = list(call.out_shape)
+    for p in placements_nd[0]:
+        if isinstance(p, Shard):
+            ins, outs, in_inner, out_inner = _group_of(call, p.dim)
+            sizes[outs[0]] = (p.dim, in_inner, out_inner)
+    return "reshape_local", {"view_sizes": tuple(sizes)}
+
+
+@kernel("reshape_local")
+def reshape_local(input, *args, view_sizes, **kwargs):
+    shape = [s if isinstance(s, int) else input.shape[s[0]] * s[1] // s[2] for s in view_sizes]
+    return input.reshape(shape)
+
+
+# view is reshape here: dtorch symbols are immutable, so no one can observe whether storage is shared
+RESHAPES = {
+    "view": lambda input, *shape: input.reshape(*shape),
+    "reshape": lambda input, *shape: input.reshape(*shape),
+    "flatten": torch.flatten,
+    "unflatten": torch.unflatten,
+    "squeeze": torch.squeeze,
+    "unsqueeze": torch.unsqueeze,
+}
+for _name, _fn in RESHAPES.items():
+    register(OpSpec(_name, _fn, follow_rule(_reshape_out_dim, _RESHAPE_LEGAL), "view", local=_reshape_local))
+
+
+# --- permutations, broadcasts, identities --------------------------------------------------------
+def _dims_arg(call: Call) -> tuple:
+    """permute(x, 1, 0) and permute(x, (1, 0)) alike; also repeat's sizes."""
+    rest = call.args[1:] or (call.kwargs.get("dims"),)
+    return tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else tuple(rest)
+
+
+def _transpose_out_dim(call: Call, dim: int) -> int:
+    ndim = len(call.inputs[0].shape)
+    a, b = (normalize_dim(call.param(k, name), ndim) for k, name in ((1, "dim0"), (2, "dim1")))
+    return b if dim == a else a if dim == b else dim
+
+
+def _permute_out_dim(call: Call, dim: int) -> int:
+    ndim = len(call.inputs[0].shape)
+    return [normalize_dim(d, ndim) for d in _dims_arg(call)].index(dim)
+
+
+def _expand_out_dim(call: Call, dim: int) -> int:
+    out_dim = dim + len(call.out_shape) - len(call.inputs[0].shape)
+    if call.inputs[0].shape[dim] != call.out_shape[out_dim]:
+        raise RuleRejected(f"S({dim}) is on a size-1 dim that expand broadcasts; "
+                           f"{unshard_fix(call, Shard(dim))}", "S(d) on a dim expand keeps, R, Partial")
+    return out_dim
+
+
+def _expand_local(call: Call, placements_nd):
+    """Sharded dims keep each rank's own size (-1); the command is the same on every rank."""
+    lead = len(call.out_shape) - len(call.inputs[0].shape)
+    sizes = list(call.out_shape)
+    for p in placements_nd[0]:
+        if isinstance(p, Shard):
+            sizes[p.dim + lead] = -1
+    return "expand_local", {"expand_sizes": tuple(sizes)}
+
+
+@kernel("expand_local")
+def expand_local(input, *args, expand_sizes, **kwargs):
+    return input.expand(*expand_sizes)
+
+
+def _repeat_out_dim(call: Call, dim: int) -> int:
+    repeats = _dims_arg(call)
+    out_dim = dim + len(repeats) - len(call.inputs[0].shape)
+    if repeats[out_dim] != 1:
+        raise RuleRejected(f"repeat tiles sharded dim {dim} {repeats[out_dim]} times, which interleaves "
+                           f"shards; {unshard_fix(call, Shard(dim))}", "S(d) on a dim repeated once, R, Partial")
+    return out_dim
+
+
+_SAME = lambda call, dim: dim  # noqa: E731
+register(OpSpec("transpose", torch.transpose, follow_rule(_transpose_out_dim, "any"), "view"))
+register(OpSpec("permute", torch.Tensor.permute, follow_rule(_permute_out_dim, "any"), "view"))
+register(OpSpec("expand", torch.Tensor.expand, follow_rule(_expand_out_dim, "S(d) on a kept dim, R, Partial"),
+                "view", local=_expand_local))
+register(OpSpec("repeat", torch.Tensor.repeat, follow_rule(_repeat_out_dim, "S(d) on a dim repeated once, R, "
+                                                                           "Partial"), "view"))
+register(OpSpec("contiguous", torch.Tensor.contiguous, follow_rule(_SAME, "any"), "view"))
+register(OpSpec("clone", torch.clone, follow_rule(_SAME, "any"), "view"))
+
+
+# --- joins and splits ----------------------------------------------------------------------------
+_JOIN_LEGAL = "S(d) off the joined dim on every input (R inputs are sliced), all R, or all the same Partial"
+
+
+def join_rule(stack: bool):
+    """cat (stack=False) and stack: inputs are the tensors of the list, in order."""
+    def rule(call: Call, placements) -> Decision:
+        partials = {p for p in placements if isinstance(p, Partial)}
+        if partials:
+            if len(partials) == 1 and all(isinstance(p, Partial) for p in placements):
+                return Decision(placements, (partials.pop(),))
+            raise RuleRejected("mixing Partial and non-Partial inputs would count the others once per "
+                               "rank", _JOIN_LEGAL)
+        shard_dims = {p.dim for p in placements if isinstance(p, Shard)}
+        if not shard_dims:
+            return Decision(placements, (R,))
+        if len(shard_dims) > 1:
+            raise RuleRejected(f"inputs are sharded on different dims {sorted(shard_dims)}", _JOIN_LEGAL)
+        dim = shard_dims.pop()
+        joined = normalize_dim(call.param(1, "dim", 0), len(call.out_shape))
+        if not stack and dim == joined:
+            raise RuleRejected(f"cat along sharded dim {dim} would interleave the inputs' shards; "
+                               f"{unshard_fix(call, Shard(dim))} (for every input)", _JOIN_LEGAL)
+        out_dim = dim + 1 if stack and dim >= joined else dim
+        return Decision((Shard(dim),) * len(placements), (Shard(out_dim),))
+    return rule
+
+
+def off_dim(position: int, default: int = 0, why: str = "the pieces would not be shards of the pieces",
+            drops: bool = False, legal: str = "S(d) off the op's dim, R, Partial"):
+    """out_dim_of for ops that work along one dim (argument `position`/"dim"): that dim must not
+    be sharded; with `drops` the op removes it (unbind), so later dims shift down."""
+    def out_dim_of(call: Call, dim: int) -> int:
+        along = normalize_dim(call.param(position, "dim", default), len(call.inputs[0].shape))
+        if dim == along:
+            raise RuleRejected(f"{call.op} along sharded dim {dim}: {why}; {unshard_fix(call, Shard(dim))}",
+                               legal)
+        return dim - 1 if drops and dim > along else dim
+    return out_dim_of
+
+
+_SPLIT_LEGAL = "S(d) off the split dim, R, Partial"
+register(OpSpec("cat", torch.cat, join_rule(stack=False), "view", method=False))
+register(OpSpec("stack", torch.stack, join_rule(stack=True), "view", method=False))
+register(OpSpec("split", torch.split, follow_rule(off_dim(2), _SPLIT_LEGAL), "view"))
+register(OpSpec("chunk", torch.chunk, follow_rule(off_dim(2), _SPLIT_LEGAL), "view"))
+register(OpSpec("unbind", torch.unbind, follow_rule(off_dim(1, drops=True), _SPLIT_LEGAL), "view"))
