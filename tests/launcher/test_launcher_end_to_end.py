@@ -1,5 +1,6 @@
 """dtorch-launch with the real core runtime: a (2,) mesh on two ssh hosts, checked against torch."""
 import json
+import os
 import signal
 
 import pytest
@@ -39,3 +40,33 @@ def test_controller_sigkill_ends_remote_workers(sshd_hosts, tmp_path):
             assert wait_gone(pid, 10), f"worker {pid} still running 10 s after its controller was killed"
     finally:
         stop_controller(controller, pids)
+
+
+def test_a_host_dying_mid_run_is_reported_within_seconds(sshd_hosts, tmp_path):
+    controller, stderr_path = launch_mesh_script(sshd_hosts.ssh_config, ["host-a", "host-b"], tmp_path, "--lose")
+    pids = []
+    try:
+        pids = [worker["pid"] for worker in json.loads(read_tagged_line(controller.stdout, "WORKERS ", stderr_path))]
+        read_tagged_line(controller.stdout, "READY", stderr_path)
+        os.kill(pids[1], signal.SIGKILL)               # the remote worker of rank 1, on host-b
+        controller.stdin.write("go\n")
+        controller.stdin.flush()
+        seconds, message = read_tagged_line(controller.stdout, "LOST ", stderr_path).split(" ", 1)
+        assert float(seconds) < 5, message
+        assert "rank 1" in message and "host-b" in message and str(pids[1]) in message, message
+        assert controller.wait(20) == 0, stderr_path.read_text()
+    finally:
+        stop_controller(controller, pids)
+
+
+def test_an_unreachable_host_fails_the_start_naming_it(sshd_hosts, tmp_path):
+    with open(sshd_hosts.ssh_config, "a") as config:   # a host whose address nobody listens on
+        config.write("\nHost host-gone\n    HostName 127.0.0.9\n    Port 9\n")
+    controller, stderr_path = launch_mesh_script(sshd_hosts.ssh_config, ["host-a", "host-gone"], tmp_path)
+    try:
+        seconds, message = read_tagged_line(controller.stdout, "STARTUP ", stderr_path).split(" ", 1)
+        assert float(seconds) < 30, message
+        assert "host-gone" in message or "127.0.0.9" in message, message
+        assert controller.wait(20) == 0, stderr_path.read_text()
+    finally:
+        stop_controller(controller, [])
