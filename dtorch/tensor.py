@@ -9,7 +9,8 @@ from typing import Sequence
 
 import torch
 
-from .distributed_spec import DeviceMesh, Partial, Placement, Replicate, format_placements
+from .distributed_spec import (DeviceMesh, Partial, Placement, Replicate, format_placements, local_offset,
+                               local_shape)
 from .errors import UnsupportedOpError
 from .ops import REGISTRY, cached_plan
 from .ops.dispatch import map_tensors
@@ -70,11 +71,10 @@ class DTensor:
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of the shard that worker `rank` holds."""
-        from .distributed_spec import local_shape
         return local_shape(self._spec.shape, self.device_mesh, self.placements, rank)
 
     def local_offset(self, rank: int) -> tuple[int, ...]:
-        from .distributed_spec import local_offset
+        """Where the shard of worker `rank` starts in the global tensor."""
         return local_offset(self._spec.shape, self.device_mesh, self.placements, rank)
 
     def __repr__(self) -> str:

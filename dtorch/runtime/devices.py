@@ -34,9 +34,11 @@ class CpuDevice:
         from .comm import GlooCommunicator
         return GlooCommunicator(store_address, rank, hostname, timeout_s)
 
+    _NO_STREAM = contextlib.nullcontext()
+
     def compute(self):
         """Context in which a command's kernels run (a CUDA stream on GPUs)."""
-        return contextlib.nullcontext()
+        return self._NO_STREAM
 
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
         return HostCopy(tensor.contiguous())

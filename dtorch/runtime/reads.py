@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..distributed_spec import local_region
 from ..errors import DependencyError, DTorchError, RemoteError
 from ..ops.spec import TensorSpec
 from . import protocol as wire
@@ -138,9 +139,7 @@ class FetchRead(_Read):
             return _piece(self.frames.get(rank), spec, rank).clone()
         out = torch.empty(spec.shape, dtype=spec.dtype)
         for rank in self.senders:
-            offset = spec.mesh.coordinate_of(rank)
-            from ..distributed_spec import local_region
-            start, shape = local_region(spec.shape, spec.mesh, spec.placements, offset)
+            start, shape = local_region(spec.shape, spec.mesh, spec.placements, spec.mesh.coordinate_of(rank))
             view = out
             for dim, (begin, length) in enumerate(zip(start, shape)):
                 view = view.narrow(dim, begin, length)

@@ -161,23 +161,34 @@ class Worker:
         mesh = self._member(command.mesh_id)
         if mesh is None:
             return
+        if command.input_steps or not _flat(command.args):
+            args, kwargs = self._localized_args(command, mesh)
+        else:  # the common case: top-level tensors and scalars, nothing to slice
+            tensor = self._tensor
+            args = [tensor(a.id) if type(a) is TensorRef else a for a in command.args]
+            kwargs = _map_refs(command.kwargs, lambda ref: tensor(ref.id)) if command.kwargs else {}
+        if "_dtorch_region" in kwargs:  # (global shape, placements) -> where this rank's block sits
+            shape, placements = kwargs["_dtorch_region"]
+            kwargs["_dtorch_region"] = local_region(shape, mesh, placements, mesh.coordinate_of(self.rank))
+        result = KERNELS[command.op](*args, **kwargs)
+        if isinstance(result, (tuple, list)):
+            for tensor_id, value in zip(command.out_ids, result):
+                self.tensors[tensor_id] = value
+        else:
+            self.tensors[command.out_ids[0]] = result
+
+    def _localized_args(self, command: wire.RunOp, mesh: DeviceMesh):
+        """Resolve tensors depth-first; slice the Replicate inputs the op needs as shards."""
         local_steps = {index: rest for index, *rest in command.input_steps}
         numbering = itertools.count()
 
         def local(ref: TensorRef) -> torch.Tensor:
             tensor, index = self._tensor(ref.id), next(numbering)
-            if index in local_steps:  # a Replicate input sliced to the shard the op needs
+            if index in local_steps:
                 shape, placements, steps = local_steps[index]
                 tensor = apply_steps(tensor, shape, mesh, placements, steps, self.rank, self.comm)
             return tensor
-        args, kwargs = _map_refs(command.args, local), _map_refs(command.kwargs, local)
-        if "_dtorch_region" in kwargs:  # (global shape, placements) -> where this rank's block sits
-            shape, placements = kwargs["_dtorch_region"]
-            kwargs["_dtorch_region"] = local_region(shape, mesh, placements, mesh.coordinate_of(self.rank))
-        result = KERNELS[command.op](*args, **kwargs)
-        results = result if isinstance(result, (tuple, list)) else (result,)
-        for tensor_id, value in zip(command.out_ids, results):
-            self.tensors[tensor_id] = value
+        return _map_refs(command.args, local), _map_refs(command.kwargs, local)
 
     def handle_redistribute(self, command: wire.Redistribute) -> None:
         mesh = self._member(command.mesh_id)
@@ -282,6 +293,10 @@ def _block(tensor: torch.Tensor, origin, offset, box) -> torch.Tensor:
     for dim, (start, held_start, length) in enumerate(zip(offset, origin, box)):
         tensor = tensor.narrow(dim, start - held_start, length)
     return tensor
+
+
+def _flat(args) -> bool:
+    return not any(type(a) in (tuple, list, dict) for a in args)
 
 
 def _map_refs(value, fn):
