@@ -1,0 +1,14 @@
+"""dtorch's benchmark suite: `python -m benchmarks [--full | --smoke] [--only NAME]`.
+
+One module per benchmark, each with NAME, TITLE and run(suite) -> list[Row]; every dtorch
+number sits next to a reference measured in the same run. See docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+from . import dispatch, end_to_end, fetch, mlp_step, peers, redistribute, torch_dtensor
+
+__all__ = ["BENCHMARKS"]
+
+# In the order the table prints them.
+BENCHMARKS = {module.NAME: module for module in (
+    dispatch, end_to_end, fetch, redistribute, mlp_step, torch_dtensor, peers)}

@@ -1,0 +1,55 @@
+"""The three sizes of the suite. Each benchmark reads only the fields it needs.
+
+quick  -- the default: a few minutes on a 2-core laptop, enough repetitions for a stable median.
+full   -- longer chains, more repetitions, the larger redistribute sizes.
+smoke  -- a handful of iterations so tests/test_benchmarks_smoke.py proves every path runs; its
+          world sizes are chosen so the 4-worker pool restarts only once (starting workers
+          dominates its run time).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["Suite", "QUICK", "FULL", "SMOKE", "PRESETS"]
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    chain_ops: int                  # elementwise ops per chain (each `z * a + b` line is two)
+    chain_shapes: tuple             # global shapes the chain runs on
+    reps: int                       # timed repetitions of one chain
+    collective_reps: int            # timed repetitions of one redistribute / MLP step (cheap, noisy)
+    end_to_end_worlds: tuple        # worker counts for the end-to-end chain
+    fetch_reads: int                # timed reads of a ready (1,) tensor
+    fetch_worlds: tuple             # worker counts for the read (a read waits on every rank)
+    redistribute_bytes: tuple       # float32 tensor sizes for the redistribute benchmark
+    redistribute_worlds: tuple
+    mlp_layers: int
+    mlp_hidden: int
+    mlp_batch: int
+    process_timeout_s: float        # a baseline process group that runs longer is killed
+
+
+QUICK = Suite(
+    name="quick", chain_ops=10_000, chain_shapes=((1,), (64, 128)), reps=5, collective_reps=20,
+    end_to_end_worlds=(1, 2, 4, 8), fetch_reads=300, fetch_worlds=(1, 4),
+    redistribute_bytes=(1 * MIB, 16 * MIB), redistribute_worlds=(2, 4),
+    mlp_layers=3, mlp_hidden=512, mlp_batch=64, process_timeout_s=300,
+)
+
+FULL = replace(
+    QUICK, name="full", chain_ops=50_000, reps=15, collective_reps=50, fetch_reads=2_000,
+    redistribute_bytes=(1 * MIB, 16 * MIB, 64 * MIB), mlp_hidden=1024, mlp_batch=256,
+    process_timeout_s=900,
+)
+
+SMOKE = replace(
+    QUICK, name="smoke", chain_ops=40, reps=2, collective_reps=2, end_to_end_worlds=(1, 4),
+    fetch_reads=5, fetch_worlds=(4,), redistribute_bytes=(64 * 1024,), redistribute_worlds=(4,),
+    mlp_layers=1, mlp_hidden=64, mlp_batch=8, process_timeout_s=60,
+)
+
+PRESETS = {suite.name: suite for suite in (QUICK, FULL, SMOKE)}

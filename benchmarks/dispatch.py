@@ -1,0 +1,50 @@
+"""1. Dispatch cost per op: the time the user's thread spends issuing one small elementwise op.
+
+Only the issuing loop is timed, not the final read: this is the price of the single-controller
+model on the user's critical path. The floor is the same chain on a local torch tensor.
+"""
+from __future__ import annotations
+
+from . import dtorch_session
+from .chain import seconds_per_op, torch_eager_per_op
+from .timing import Row, guarded, repeat
+
+NAME = "dispatch"
+TITLE = "1. Dispatch cost per op (issuing loop only)"
+WORKERS = 4
+EAGER = "torch eager (local)"
+DTORCH = f"dtorch S(0), {WORKERS} workers"
+
+
+def run(suite) -> list[Row]:
+    rows = []
+    for shape in suite.chain_shapes:
+        case = str(tuple(shape))
+        rows.append(guarded(lambda: _eager_row(suite, shape, case), NAME, case, EAGER, "op"))
+        rows.append(guarded(lambda: _dtorch_row(suite, shape, case), NAME, case, DTORCH, "op"))
+    return rows
+
+
+def _eager_row(suite, shape, case: str) -> Row:
+    samples = repeat(lambda: torch_eager_per_op(shape, suite.chain_ops), suite.reps)
+    return Row(NAME, case, EAGER, "op", samples)
+
+
+def _dtorch_row(suite, shape, case: str) -> Row:
+    mesh = dtorch_session.mesh((WORKERS,), ("dp",))
+    before = dtorch_session.traffic()
+    samples = repeat(lambda: issue_chain_once(mesh, shape, suite.chain_ops), suite.reps)
+    after = dtorch_session.traffic()
+    note = dtorch_session.traffic_note(before, after, suite.chain_ops * (suite.reps + 1))
+    return Row(NAME, case, DTORCH, "op", samples, reference=(case, EAGER), note=note)
+
+
+def issue_chain_once(mesh, shape, ops: int) -> float:
+    """Seconds per op to issue the chain, starting and ending with idle workers (untimed)."""
+    import dtorch
+    from dtorch.distributed_spec import Shard
+    z = dtorch.zeros(*shape, device_mesh=mesh, placements=[Shard(0)])
+    dtorch.synchronize()
+    per_op, z = seconds_per_op(z, ops)
+    dtorch.synchronize()
+    return per_op

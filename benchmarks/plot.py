@@ -1,0 +1,63 @@
+"""The PNG: one panel per benchmark, a bar per row at its median with a whisker to its p90.
+
+Imported only when matplotlib is installed (the `bench` extra); report.py says so otherwise.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on CI machines or over SSH
+import matplotlib.pyplot as plt  # noqa: E402
+
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+
+from .report import format_seconds  # noqa: E402
+from .timing import Row  # noqa: E402
+
+__all__ = ["draw"]
+
+REFERENCE_COLOR, DTORCH_COLOR, OTHER_COLOR = "#9e9e9e", "#1f77b4", "#ff7f0e"
+
+
+def draw(rows: list[Row], titles: dict[str, str], path: Path) -> None:
+    panels = [(title, [r for r in rows if r.benchmark == name and r.status == "ok"])
+              for name, title in titles.items()]
+    panels = [(title, section) for title, section in panels if section]
+    heights = [0.6 + 0.28 * len(section) for _, section in panels]
+    figure, axes = plt.subplots(len(panels), 1, figsize=(11, sum(heights) + 0.5),
+                                gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for axis, (title, section) in zip(axes[:, 0], panels):
+        _panel(axis, title, section)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def _panel(axis, title: str, section: list[Row]) -> None:
+    positions = list(range(len(section)))[::-1]
+    medians = [row.median for row in section]
+    whiskers = [[0] * len(section), [row.p90 - row.median for row in section]]
+    axis.barh(positions, medians, xerr=whiskers, color=[_color(row) for row in section], capsize=2)
+    axis.set_yticks(positions, [f"{row.case} | {row.variant}" for row in section], fontsize=7)
+    _log_axis(axis, min(medians) / 3, max(row.p90 for row in section) * 3)
+    axis.set_xlabel(f"time per {section[0].per} (median, whisker to p90; log scale)", fontsize=7)
+    axis.set_title(title, fontsize=9, loc="left")
+    axis.tick_params(axis="x", labelsize=7)
+
+
+def _log_axis(axis, low: float, high: float) -> None:
+    # Bars on a log axis start at the left limit, so the limit is set from the data, and the
+    # ticks print as "3 us" / "2 ms" rather than powers of ten.
+    axis.set_xscale("log")
+    axis.set_xlim(low, high)
+    axis.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.xaxis.set_minor_formatter(NullFormatter())
+    axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _: format_seconds(value)))
+
+
+def _color(row: Row) -> str:
+    if row.variant.startswith("dtorch"):
+        return DTORCH_COLOR
+    return REFERENCE_COLOR if row.reference is None else OTHER_COLOR

@@ -1,0 +1,85 @@
+"""Result rows and the statistics the report prints: median and p90 over repetitions.
+
+Every sample is in seconds for ONE unit of work (one op, one read, one step), so rows of the
+same benchmark compare directly and the ratio to the reference row is a plain division.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+__all__ = ["Row", "median", "p90", "repeat", "stopwatch", "guarded", "not_installed", "failed"]
+
+
+@dataclass
+class Row:
+    benchmark: str
+    case: str                       # what was measured, e.g. "(64, 128)" or "P->R, 1 MiB, 2 workers"
+    variant: str                    # who ran it, e.g. "dtorch S(0), 4 workers", "raw Gloo all_reduce"
+    per: str                        # the unit of work one sample covers: "op", "read", "step"
+    samples: list[float] = field(default_factory=list)
+    reference: tuple[str, str] | None = None   # (case, variant) of the row to divide by
+    note: str = ""
+    status: str = "ok"              # "ok", "not installed", or "error: ..."
+
+    @property
+    def median(self) -> float:
+        return median(self.samples)
+
+    @property
+    def p90(self) -> float:
+        return p90(self.samples)
+
+
+def median(samples: list[float]) -> float:
+    return _quantile(samples, 0.5)
+
+
+def p90(samples: list[float]) -> float:
+    return _quantile(samples, 0.9)
+
+
+def _quantile(samples: list[float], q: float) -> float:
+    # Linear interpolation between closest ranks: stable for the handful of samples we take.
+    if not samples:
+        return math.nan
+    ordered = sorted(samples)
+    position = q * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def repeat(measure_once: Callable[[], float], reps: int, warmup: int = 1) -> list[float]:
+    """Call `measure_once` (which times only the part it cares about) warmup + reps times."""
+    for _ in range(warmup):
+        measure_once()
+    return [measure_once() for _ in range(reps)]
+
+
+def stopwatch() -> Callable[[], float]:
+    """Start a timer; calling the result returns the seconds elapsed since."""
+    start = time.perf_counter()
+    return lambda: time.perf_counter() - start
+
+
+def not_installed(benchmark: str, case: str, variant: str, per: str, package: str) -> Row:
+    return Row(benchmark, case, variant, per, status="not installed", note=f"`{package}` is not importable")
+
+
+def failed(benchmark: str, case: str, variant: str, per: str, error: BaseException) -> Row:
+    message = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+    return Row(benchmark, case, variant, per, status=f"error: {message}")
+
+
+def guarded(make_row: Callable[[], "Row"], benchmark: str, case: str, variant: str, per: str) -> Row:
+    """Run one measurement; a failure becomes an error row so the rest of the suite still runs."""
+    try:
+        return make_row()
+    except Exception as error:  # noqa: BLE001 -- reported in the table and on stderr
+        import sys
+        import traceback
+        traceback.print_exc(file=sys.stderr)
+        return failed(benchmark, case, variant, per, error)

@@ -1,0 +1,104 @@
+"""Every benchmark runs end to end with a handful of iterations (`--smoke`).
+
+Nothing here asserts anything about speed: only that each benchmark produces rows, that no
+row is an error (a missing optional peer reads "not installed"), that the report files are
+written, and that every process the suite started is gone afterwards.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from benchmarks import BENCHMARKS
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITE_TIMEOUT_S = 85
+EXIT_GRACE_S = 10
+# dtorch workers start in their own session, so the suite's process group cannot find them;
+# this variable, inherited by everything the suite starts, can.
+TOKEN_VARIABLE = "DTORCH_BENCHMARK_SMOKE_TOKEN"
+
+
+def run_smoke_suite(out: Path, token: str) -> subprocess.CompletedProcess:
+    # A new session makes the suite and the baselines it spawns one process group to reap.
+    process = subprocess.Popen([sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, env=dict(os.environ, **{TOKEN_VARIABLE: token}))
+    try:
+        output, _ = process.communicate(timeout=SUITE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"smoke suite ran past {SUITE_TIMEOUT_S} s:\n{output[-4000:]}")
+    finally:
+        _kill_group(process.pid)
+    return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+
+def _kill_group(group: int) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def processes_carrying(token: str) -> list[int]:
+    marker = f"{TOKEN_VARIABLE}={token}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # exited meanwhile, or not ours to read
+            continue
+    return found
+
+
+def survivors_after_grace(token: str) -> list[int]:
+    """Processes started by the suite still alive after a grace period; they are killed."""
+    deadline = time.monotonic() + EXIT_GRACE_S
+    while (left := processes_carrying(token)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SUITE_TIMEOUT_S + EXIT_GRACE_S + 15)
+def test_every_benchmark_runs_in_smoke_mode(tmp_path):
+    token = uuid.uuid4().hex
+    try:
+        finished = run_smoke_suite(tmp_path, token)
+    finally:
+        survivors = survivors_after_grace(token) if Path("/proc/self/environ").exists() else []
+    tail = finished.stdout[-4000:]
+    results = json.loads((tmp_path / "latest.json").read_text())
+    errors = [f"{r['benchmark']} / {r['case']} / {r['variant']}: {r['status']}"
+              for r in results["rows"] if r["status"].startswith("error")]
+    assert not errors, "benchmark rows failed:\n" + "\n".join(errors) + "\n" + tail
+    assert finished.returncode == 0, tail
+    assert not survivors, f"processes left running after the suite (killed now): {survivors}"
+    assert {r["benchmark"] for r in results["rows"]} == set(BENCHMARKS)
+    assert all(r["samples"] for r in results["rows"] if r["status"] == "ok")
+    assert (tmp_path / "latest.md").read_text().count("####") == len(BENCHMARKS)
+
+
+def test_ratio_uses_the_reference_from_the_same_run():
+    from benchmarks.report import ratio
+    from benchmarks.timing import Row
+    reference = Row("b", "case", "floor", "op", [1.0, 2.0, 3.0])
+    measured = Row("b", "case", "system", "op", [4.0, 4.0, 8.0], reference=("case", "floor"))
+    assert ratio(measured, [reference, measured]) == pytest.approx(2.0)
+    assert ratio(reference, [reference, measured]) is None
