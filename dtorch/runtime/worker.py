@@ -113,8 +113,10 @@ class Worker:
 
     # --- helpers shared by handlers -------------------------------------------------------------
     def _member(self, mesh_id: int) -> DeviceMesh | None:
-        mesh = self.meshes[mesh_id]
-        return mesh if self.rank in mesh.ranks else None
+        """The mesh if this rank belongs to it. A mesh defined before this worker joined the
+        pool is unknown here, and cannot include it."""
+        mesh = self.meshes.get(mesh_id)
+        return mesh if mesh is not None and self.rank in mesh.ranks else None
 
     def _tensor(self, tensor_id: int) -> torch.Tensor:
         tensor = self.tensors.get(tensor_id)
