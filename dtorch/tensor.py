@@ -101,7 +101,7 @@ class DTensor:
         owner = self._session
         out_id = owner.new_id()
         seq = owner.submit(Redistribute, out_id, self._id, owner.mesh_id(mesh), self._spec.shape,
-                           self.placements, steps)
+                           dtype_name(self.dtype), self.placements, steps)
         return DTensor(out_id, spec, seq, owner)
 
     def _move_to(self, mesh: DeviceMesh, placements) -> "DTensor":

@@ -47,6 +47,16 @@ def _failing_division(mesh):
     return numerator, dtorch.div(numerator, denominator, rounding_mode="floor")  # line of the failing op
 
 
+def test_moving_a_failed_result_to_a_mesh_without_the_failed_rank_still_raises(mesh4, mesh1):
+    _, quotient = _failing_division(mesh4)           # fails on rank 3; mesh1 is rank 0 alone
+    moved = quotient.redistribute(device_mesh=mesh1, placements=[Replicate()])
+    with pytest.raises(DependencyError, match="div"):
+        moved.to_torch()
+    shifted = quotient * 1
+    with pytest.raises(DependencyError):
+        shifted.redistribute(placements=[Replicate()]).redistribute(device_mesh=mesh1, placements=[Replicate()]).to_torch()
+
+
 def test_worker_exception_surfaces_at_the_read_with_rank_and_user_line(mesh4):
     numerator, quotient = _failing_division(mesh4)
     dependent = quotient + 1

@@ -101,6 +101,7 @@ class Redistribute(NamedTuple):
     src_id: int
     mesh_id: int
     shape: tuple         # global shape: nested uneven shards need it to size each step
+    dtype: str           # a rank whose input failed joins the collectives with zeros of it
     placements: tuple    # placements before the first step
     steps: tuple         # ((mesh_dim, before, after), ...) from dtorch.redistribute
 

@@ -196,11 +196,25 @@ class Worker:
         mesh = self._member(command.mesh_id)
         if mesh is None:
             return
-        if any(step_kind(before, after) not in LOCAL_ONLY for _, before, after in command.steps):
-            self._agree_on_failure(mesh.ranks, command.src_id)
+        source = self.tensors.get(command.src_id)
+        if source is None and command.src_id in self.poisoned:
+            self._stand_in(command, mesh)
+            raise Poisoned(self.poisoned[command.src_id])
         source = self._tensor(command.src_id)
         self.tensors[command.out_id] = apply_steps(source, command.shape, mesh, command.placements,
                                                    command.steps, self.rank, self.comm)
+
+    def _stand_in(self, command: wire.Redistribute, mesh: DeviceMesh) -> None:
+        """A poisoned input still joins its collectives, with zeros, so the peers never wait.
+
+        The peers' results are then meaningless but never readable: the poison stays on this
+        rank's output, a read gathers every rank's status, and a move to another mesh (where
+        this rank may not be) agrees on failures first. That saves a collective per redistribute."""
+        if all(step_kind(before, after) in LOCAL_ONLY for _, before, after in command.steps):
+            return
+        _, shape = _region_of(command.shape, mesh, command.placements, self.rank)
+        zeros = torch.zeros(shape, dtype=wire.dtype_from_name(command.dtype), device=self.device.torch_device)
+        apply_steps(zeros, command.shape, mesh, command.placements, command.steps, self.rank, self.comm)
 
     def handle_transfer(self, command: wire.Transfer) -> None:
         """Move a tensor to another mesh: point-to-point blocks over host (Gloo) channels, so
