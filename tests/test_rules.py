@@ -130,3 +130,146 @@ def test_planner_one_step(name):
 def test_planner_nested_sharding_gathers_inner_first():
     steps = plan_redistribute([Shard(0), Shard(0)], [R, Shard(0)])
     assert [(m, repr(b), repr(a)) for m, b, a in steps] == [(1, "S(0)", "R"), (0, "S(0)", "R"), (1, "R", "S(0)")]
+
+
+# --- op coverage: Partial laws, reductions, products, nn (issue 3) -------------------------------
+MAX, MIN, AVG = Partial("max"), Partial("min"), Partial("avg")
+
+
+@pytest.mark.parametrize("op,given,out", [
+    ("exp", MAX, MAX), ("neg", MAX, MIN), ("relu", MIN, MIN), ("log", MIN, MIN), ("rsqrt", MIN, MAX),
+    ("neg", P, P), ("sigmoid", AVG, None), ("log", MAX, None), ("abs", MAX, None), ("gelu", MAX, None),
+])
+def test_unary_partial_laws(op, given, out):
+    x = Symbol((8, 6), [given])
+    if out is None:
+        with pytest.raises(PlacementError, match="Legal there"):
+            plan(op, x)
+    else:
+        assert placements_of(plan(op, x)) == [(out,)]
+
+
+def test_selection_and_shift_laws():
+    cond, a, b = Symbol((4, 3), [R], dtype=torch.bool), Symbol((4, 3), [P]), Symbol((4, 3), [P])
+    assert placements_of(plan("where", cond, a, b)) == [(P,)]
+    assert placements_of(plan("where", cond, a, 0.0)) == [(P,)]          # a zero adds nothing
+    with pytest.raises(PlacementError):
+        plan("where", cond, a, 1.0)                                      # 1.0 once per rank
+    assert placements_of(plan("masked_fill", Symbol((4, 3), [MAX]), cond, float("-inf"))) == [(MAX,)]
+    assert placements_of(plan("sub", Symbol((4, 3), [R]), Symbol((4, 3), [MAX]))) == [(MIN,)]
+    assert placements_of(plan("add", Symbol((4, 3), [R]), Symbol((4, 3), [MAX]), alpha=-1)) == [(MIN,)]
+    assert placements_of(plan("maximum", Symbol((4, 3), [MAX]), Symbol((4, 3), [MAX]))) == [(MAX,)]
+    with pytest.raises(PlacementError):
+        plan("minimum", Symbol((4, 3), [MAX]), Symbol((4, 3), [MAX]))
+
+
+def test_shifts_refuse_infinities_that_could_meet():
+    # an empty shard's max is -inf: on another mesh dim, -inf - -inf would be nan
+    x, y = Symbol((4, 3), [R, MAX], MESH2), Symbol((4, 3), [MAX, R], MESH2)
+    assert placements_of(plan("add", x, y)) == [(MAX, MAX)]
+    with pytest.raises(PlacementError):
+        plan("sub", x, y)
+    with pytest.raises(PlacementError):   # integers wrap around their stand-in for -inf
+        plan("add", Symbol((4, 3), [MAX], dtype=torch.int64), 1)
+
+
+def test_casts_keep_order_but_sum_only_when_widening():
+    x = Symbol((4, 3), [P], dtype=torch.float16)
+    assert placements_of(plan("to_dtype", x, torch.float32)) == [(P,)]
+    with pytest.raises(PlacementError):
+        plan("to_dtype", Symbol((4, 3), [P]), torch.bfloat16)
+    assert placements_of(plan("to_dtype", Symbol((4, 3), [MAX]), torch.float16)) == [(MAX,)]
+    with pytest.raises(PlacementError):
+        plan("to_dtype", Symbol((4, 3), [MAX]), torch.bool)
+
+
+def test_reductions_over_sharded_dims():
+    x = Symbol((8, 6), [Shard(0)])
+    assert placements_of(plan("any", Symbol((8, 6), [Shard(0)], dtype=torch.bool))) == [(MAX,)]
+    assert placements_of(plan("norm", x, 1, 0)) == [(P,)]
+    infinity = plan("norm", x, float("inf"), 0)
+    assert placements_of(infinity) == [(MAX,)] and infinity.kernel == "norm_inf_safe"
+    assert placements_of(plan("max", x)) == [(MAX,)] and plan("max", x).kernel == "amax_safe"
+    assert placements_of(plan("max", x, 1)) == [(Shard(0),), (Shard(0),)]
+    for op, args in [("max", (0,)), ("argmax", ()), ("var", (0,)), ("norm", (2, 0)), ("logsumexp", (0,)),
+                     ("softmax", (0,)), ("cumsum", (0,))]:
+        with pytest.raises(PlacementError):
+            plan(op, x, *args)
+    assert placements_of(plan("softmax", x, 1)) == [(Shard(0),)]
+    assert placements_of(plan("cumsum", Symbol((8, 6), [P]), 1)) == [(P,)]
+
+
+def test_plans_tell_dims_from_tensors_and_bools_from_ints():
+    x, y = Symbol((8, 6), [Shard(0)]), Symbol((8, 6), [R])
+    assert len(plan("max", x, 1).out_specs) == 2
+    assert placements_of(plan("max", x, y)) == [(Shard(0),)]
+    from dtorch.ops.dispatch import cached_plan
+    assert cached_plan("var", (y, True), {}).out_specs[0].shape == ()
+    assert cached_plan("var", (y, 1), {}).out_specs[0].shape == (8,)
+
+
+def test_linear_bias_follows_the_product():
+    x, w = Symbol((8, 6), [Shard(1)]), Symbol((4, 6), [Shard(1)])
+    with pytest.raises(PlacementError, match="once per rank"):
+        plan("linear", x, w, Symbol((4,), [R]))
+    assert placements_of(plan("linear", x, w, Symbol((4,), [P]))) == [(P,)]
+    column = plan("linear", Symbol((8, 6), [R]), Symbol((4, 6), [Shard(0)]), Symbol((4,), [R]))
+    assert placements_of(column) == [(Shard(1),)] and [i for i, *_ in column.input_steps] == [2]
+    assert placements_of(plan("linear", Symbol((8, 6), [R]), Symbol((4, 6), [R]), Symbol((4,), [MAX]))) == [(MAX,)]
+
+
+def test_einsum_rule_from_the_equation():
+    from dtorch.ops.matrix import explicit_equation
+    assert explicit_equation("...ij,...jk", [4, 3]) == "abij,bjk->abik"
+    assert explicit_equation("ij,jk", [2, 2]) == "ij,jk->ik"
+    a, b = Symbol((4, 5, 6), [Shard(0)]), Symbol((4, 6, 3), [R])
+    assert placements_of(plan("einsum", "bij,bjk->bik", a, b)) == [(Shard(0),)]
+    assert placements_of(plan("einsum", "bij,bjk->bik", Symbol((4, 5, 6), [Shard(2)]),
+                              Symbol((4, 6, 3), [Shard(1)]))) == [(P,)]
+    with pytest.raises(PlacementError, match="repeats"):
+        plan("einsum", "ii->i", Symbol((6, 6), [Shard(0)]))
+    assert placements_of(plan("einsum", "ii->i", Symbol((6, 6), [MAX]))) == [(MAX,)]
+
+
+def test_attention_shards_queries_but_not_keys():
+    q, k, v = Symbol((2, 4, 8, 4), [Shard(2)]), Symbol((2, 4, 6, 4), [R]), Symbol((2, 4, 6, 4), [R])
+    assert placements_of(plan("scaled_dot_product_attention", q, k, v)) == [(Shard(2),)]
+    with pytest.raises(PlacementError):
+        plan("scaled_dot_product_attention", q, k, v, is_causal=True)
+    with pytest.raises(PlacementError):
+        plan("scaled_dot_product_attention", Symbol((2, 4, 8, 4), [R]), Symbol((2, 4, 6, 4), [Shard(2)]), v)
+    heads = [Symbol((2, 4, 8, 4), [Shard(1)]), Symbol((2, 4, 6, 4), [Shard(1)]), Symbol((2, 4, 6, 4), [Shard(1)])]
+    assert placements_of(plan("scaled_dot_product_attention", *heads)) == [(Shard(1),)]
+
+
+def test_embedding_split_vocabulary_is_a_partial_sum_with_a_region():
+    ids, table = Symbol((3, 5), [R], dtype=torch.int64), Symbol((10, 4), [Shard(0)])
+    result = plan("embedding", ids, table)
+    assert placements_of(result) == [(P,)] and result.kernel == "embedding_vocabulary_split"
+    assert result.extra_kwargs["_dtorch_region"] == ((10, 4), (Shard(0),))
+    assert placements_of(plan("embedding", ids, Symbol((10, 4), [Shard(1)]))) == [(Shard(2),)]
+    assert placements_of(plan("embedding", Symbol((3, 5), [Shard(1)], dtype=torch.int64),
+                              Symbol((10, 4), [R]))) == [(Shard(1),)]
+
+
+def test_losses_and_pad():
+    x, t = Symbol((8, 5), [Shard(0)]), Symbol((8,), [Shard(0)], dtype=torch.int64)
+    assert placements_of(plan("cross_entropy", x, t, reduction="sum")) == [(P,)]
+    assert placements_of(plan("cross_entropy", x, t, reduction="none")) == [(Shard(0),)]
+    with pytest.raises(PlacementError, match="reduction='sum'"):
+        plan("cross_entropy", x, t)
+    with pytest.raises(PlacementError):
+        plan("cross_entropy", Symbol((8, 5), [Shard(1)]), Symbol((8,), [R], dtype=torch.int64))
+    mean = plan("mse_loss", Symbol((8, 5), [Shard(1)]), Symbol((8, 5), [R]))
+    assert placements_of(mean) == [(P,)] and mean.extra_kwargs == {"loss": "mse_loss", "count": 40}
+    assert placements_of(plan("pad", Symbol((8, 5), [Shard(0)]), (1, 1))) == [(Shard(0),)]
+    with pytest.raises(PlacementError, match="padded"):
+        plan("pad", Symbol((8, 5), [Shard(1)]), (1, 1))
+
+
+def test_dropout_through_torch_cannot_draw_dtorch_randomness():
+    from dtorch.errors import UnsupportedOpError
+    with pytest.raises(UnsupportedOpError, match="dtorch.nn.functional.dropout"):
+        plan("dropout", Symbol((8, 5), [Shard(0)]), 0.5, True)
+    seeded = plan("dropout", Symbol((8, 5), [Shard(0)]), 0.5, True, False, 1, 2)
+    assert seeded.kernel == "dropout_counter" and seeded.extra_kwargs["global_shape"] == (8, 5)

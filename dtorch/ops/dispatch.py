@@ -46,11 +46,11 @@ def _key_of(value, specs: list, scalars_by_type: bool):
     spec = getattr(value, "_spec", None)
     if spec is not None:
         specs.append(spec)
-        return spec.key
+        return (spec.key,)   # never a bare int: max(x, y) must not share max(x, 1)'s plan
     if type(value) in (list, tuple):
         return (type(value),) + tuple(_key_of(v, specs, scalars_by_type) for v in value)
-    if scalars_by_type and isinstance(value, Number):
-        return type(value)
+    if isinstance(value, Number):   # 1 == 1.0 == True as keys: var(x, True) is not var(x, 1)
+        return type(value) if scalars_by_type else (type(value), value)
     return value
 
 

@@ -161,7 +161,7 @@ def _product_plus_term(product_equation, term_index: int):
         given = placements[term_index]
         if call.kwargs.get("beta", 1) < 0 and isinstance(given, Partial) and given.reduce_op in ("max", "min"):
             raise RuleRejected(f"a term scaled by beta < 0 turns {given!r} around", _LEGAL)
-        term = _term_placement(product, out_letters, term_letters, spec.shape, call.out_shape, placements[term_index])
+        term = _term_placement(product, out_letters, term_letters, spec.shape, call.out_shape, given)
         required = list(product.inputs)
         required.insert(term_index, term)
         outputs = (term,) if isinstance(term, Partial) else product.outputs
@@ -175,7 +175,8 @@ def _linear_equation(call: Call) -> str:
     return f"{batch}k,nk->{batch}n" if w == 2 else f"{batch}k,k->{batch}"
 
 
-register(OpSpec("matmul", torch.matmul, einsum_rule(matmul_equation), "matrix", doc="torch's rank cases as einsum"))
+register(OpSpec("matmul", torch.matmul, einsum_rule(matmul_equation), "matrix",
+                doc="torch's rank cases as einsum equations"))
 register(OpSpec("mm", torch.mm, einsum_rule(lambda call: "xy,yz->xz"), "matrix", doc="xy,yz->xz"))
 register(OpSpec("bmm", torch.bmm, einsum_rule(lambda call: "bxy,byz->bxz"), "matrix", doc="bxy,byz->bxz"))
 register(OpSpec("einsum", torch.einsum, _einsum_rule, "matrix", method=False,

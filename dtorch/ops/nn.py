@@ -110,7 +110,7 @@ def _embedding_local(call: Call, required):
 def embedding_vocabulary_split(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
                                scale_grad_by_freq=False, sparse=False, *, _dtorch_region):
     """Rows this rank holds are looked up; every other index yields zeros (summed later)."""
-    (first, _), (rows, width) = _dtorch_region
+    (first, _), (rows, _) = _dtorch_region
     local = input - first
     outside = (local < 0) | (local >= rows)
     if rows == 0:
@@ -285,6 +285,16 @@ def _pad_rule(call: Call, placements) -> Decision:
     return Decision(placements, (p,))
 
 
+def _pad(input, pad, mode="constant", value=None):
+    """F.pad, also on an empty shard (reflect/replicate refuse one even where padded dims are whole)."""
+    if input.numel() == 0 and input.device.type != "meta":
+        shape = list(input.shape)
+        for i in range(len(pad) // 2):
+            shape[-1 - i] += pad[2 * i] + pad[2 * i + 1]
+        return input.new_zeros(shape)
+    return F.pad(input, pad, mode, value)
+
+
 # name: (reference function, rule, local hook, plans keyed by scalar type)
 NN = {
     "layer_norm": (F.layer_norm, _norm_rule, None, False),
@@ -294,7 +304,7 @@ NN = {
     "scaled_dot_product_attention": (F.scaled_dot_product_attention, _attention_rule, None, False),
     "cross_entropy": (F.cross_entropy, _cross_entropy_rule, _mean_as_partial_sum(_cross_entropy_count), False),
     "mse_loss": (F.mse_loss, _mse_rule, _mean_as_partial_sum(_mse_count), False),
-    "pad": (F.pad, _pad_rule, None, False),
+    "pad": (_pad, _pad_rule, None, False),
 }
 
 for _name, (_fn, _rule, _local, _by_type) in NN.items():

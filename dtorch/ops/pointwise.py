@@ -27,7 +27,8 @@ from ..distributed_spec import Partial, Shard
 from .registry import OpSpec, register
 from .rules import Call, Decision, R, RuleRejected, TensorSlot
 
-__all__ = ["POINTWISE", "Laws", "pointwise_rule", "partial_output", "shard_decision", "BINARY_OPERATORS", "UNARY_OPERATORS"]
+__all__ = ["POINTWISE", "Laws", "pointwise_rule", "partial_output", "shard_decision", "BINARY_OPERATORS",
+           "UNARY_OPERATORS"]
 
 _LEGAL = "matching S(d) on every input, R with S(d) (R is sliced locally), all R"
 
@@ -65,7 +66,7 @@ class Laws(NamedTuple):
     monotone: tuple | Callable = ()       # per position +1 / -1 / 0, or call -> that tuple
     monotone_ops: frozenset = frozenset({"max", "min"})   # P(min) only where f has a domain edge
     lattice: dict = {}                    # reduce op -> positions f distributes it over all at once
-    wraps: bool = False                   # integer results may wrap past -inf's stand-in: no order
+    arithmetic: bool = False              # order laws need infinities that cannot meet or wrap (below)
     when: Callable | None = None          # call -> bool: the laws hold at all (dtype, kwargs)
     by_value: bool = False                # plans key scalars by value, so laws may read them
 
@@ -79,7 +80,7 @@ class Laws(NamedTuple):
         if self.monotone:
             ops = "|".join(sorted(self.monotone_ops))
             parts.append(f"monotone: one P({ops})" + (" (flips where decreasing)" if self.monotone != (1,) else "")
-                         + (" on floats" if self.wraps else ""))
+                         + (" on floats, other operands without P(max|min)" if self.arithmetic else ""))
         for op, positions in self.lattice.items():
             parts.append(f"distributes over {op}: P({op}) on " + ", ".join(self.params[i] for i in positions))
         if self.when is not None and self.when.__doc__:
@@ -130,9 +131,9 @@ def partial_output(call: Call, placements, laws: Laws):
     (op,) = ops
     if op in ("sum", "avg"):
         return _linear_output(call, laws, op, set(partial_at))
-    if laws.wraps and not call.outputs[0][1].is_floating_point:
-        return None
     signs = laws.monotone(call) if callable(laws.monotone) else laws.monotone
+    if laws.arithmetic and not _order_safe(call, _positions(call, laws.params), signs):
+        return None
     if len(partial_at) == 1 and op in laws.monotone_ops:
         (position,) = partial_at
         sign = signs[position] if position < len(signs) else 0
@@ -141,6 +142,23 @@ def partial_output(call: Call, placements, laws: Laws):
     if set(partial_at) <= set(laws.lattice.get(op, ())):
         return Partial(op)
     return None
+
+
+def _order_safe(call: Call, positions, signs) -> bool:
+    """x + y keeps a max only while the identities P(max|min) contributions may hold (-inf, +inf,
+    an integer's minimum on an empty shard) stay put: not when integers wrap around, and not when
+    two operands' infinities meet with opposite signs (on other mesh dims: -inf - -inf is nan)."""
+    if not call.outputs[0][1].is_floating_point:
+        return False
+    infinities = []   # per operand: the signs of the infinities it may add
+    for position, spec in zip(positions, call.inputs):
+        ops = {p.reduce_op for p in spec.placements if isinstance(p, Partial) and p.reduce_op in ("max", "min")}
+        sign = signs[position] if 0 <= position < len(signs) else 0
+        if ops and not sign:
+            return False          # alpha=0: 0 * inf is nan
+        infinities.append({sign if op == "min" else -sign for op in ops})
+    return not any(a != b for i, mine in enumerate(infinities) for theirs in infinities[i + 1:]
+                   for a in mine for b in theirs)
 
 
 def _linear_output(call: Call, laws: Laws, op: str, partial_positions: set):
@@ -188,8 +206,8 @@ def _cast_linear(call: Call) -> tuple:
     source, target = call.inputs[0].dtype, call.outputs[0][1]
     if not (source.is_floating_point and target.is_floating_point):
         return ()    # rounding each contribution of a sum loses more than rounding the sum
-    wider = torch.finfo(target).eps <= torch.finfo(source).eps and torch.finfo(target).max >= torch.finfo(source).max
-    return ((0,),) if wider else ()
+    wide, narrow = torch.finfo(target), torch.finfo(source)
+    return ((0,),) if wide.eps <= narrow.eps and wide.max >= narrow.max else ()
 
 
 def _cast_signs(call: Call) -> tuple:
@@ -224,8 +242,8 @@ UP = Laws(monotone=(1,))
 # Rising only on part of the line: all contributions of a P(min) are >= its value, so they stay
 # inside the domain whenever the value does (an empty shard holds +inf, also inside).
 UP_ON_DOMAIN = Laws(monotone=(1,), monotone_ops=frozenset({"min"}))
-ADD = Laws(linear=((0, 1),), monotone=lambda call: (1, _alpha(call)), wraps=True)
-SUB = Laws(linear=((0, 1),), monotone=lambda call: (1, -_alpha(call)), wraps=True)
+ADD = Laws(linear=((0, 1),), monotone=lambda call: (1, _alpha(call)), arithmetic=True)
+SUB = Laws(linear=((0, 1),), monotone=lambda call: (1, -_alpha(call)), arithmetic=True)
 WHERE = Laws(params=("condition", "input", "other"), linear=((1, 2),), monotone=(0, 1, 1),
              lattice={"max": (1, 2), "min": (1, 2)}, by_value=True)
 INCREASING_BOTH = Laws(monotone=(1, -1))        # a > b rises with a, falls with b
@@ -247,7 +265,7 @@ def _elu(input, alpha=1.0, inplace=False):
 POINTWISE = {
     "add": (torch.add, ADD),
     "sub": (torch.sub, SUB),
-    "neg": (torch.neg, Laws(linear=((0,),), monotone=(-1,), wraps=True)),
+    "neg": (torch.neg, Laws(linear=((0,),), monotone=(-1,), arithmetic=True)),
     "mul": (torch.mul, Laws(linear=((0,), (1,)))),
     "div": (torch.div, Laws(linear=((0,),), when=_true_division)),
     "pow": (torch.pow, NONE),
@@ -294,7 +312,7 @@ POINTWISE = {
     "isinf": (torch.isinf, NONE),
     "isfinite": (torch.isfinite, NONE),
     "rsub": (lambda input, other, alpha=1: torch.sub(other, input, alpha=alpha),
-             Laws(linear=((0, 1),), monotone=lambda call: (-_alpha(call), 1), wraps=True)),
+             Laws(linear=((0, 1),), monotone=lambda call: (-_alpha(call), 1), arithmetic=True)),
     "rdiv": (lambda input, other: torch.div(other, input), NONE),
     "rpow": (lambda input, other: torch.pow(other, input), Laws(monotone=_rpow_signs, by_value=True)),
     "to_dtype": (lambda input, dtype: input.to(dtype), Laws(params=("input", "dtype"), linear=_cast_linear,

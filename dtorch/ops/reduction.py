@@ -87,12 +87,20 @@ def mean_as_partial_sum(input, dim=None, keepdim=False, *, dtype=None, count):
     return torch.sum(input, dim, keepdim, dtype=dtype) / count
 
 
+def _reduced_shape(shape, dim, keepdim) -> tuple:
+    """The shape a reduction over `dim` (None or () for every dim) leaves; torch cannot tell us
+    for an empty input, not even on meta tensors."""
+    ndim = len(shape)
+    every = dim is None or (not isinstance(dim, int) and len(dim) == 0)
+    dims = set(range(ndim)) if every else {d % max(ndim, 1) for d in ((dim,) if isinstance(dim, int) else dim)}
+    return tuple(1 if d in dims else size for d, size in enumerate(shape) if keepdim or d not in dims)
+
+
 def _identity_fill(torch_fn, identity):
     """amax/amin of an empty local shard (uneven tails) is the reduction's identity, not an error."""
     def local(input, dim=None, keepdim=False):
         if input.numel() == 0:
-            shape = torch_fn(torch.empty(input.shape, dtype=input.dtype, device="meta"),
-                             dim if dim is not None else (), keepdim).shape
+            shape = _reduced_shape(input.shape, dim, keepdim)
             return torch.full(shape, identity(input.dtype), dtype=input.dtype, device=input.device)
         return torch_fn(input, dim if dim is not None else (), keepdim)
     return local
@@ -118,7 +126,7 @@ kernel("amin_safe")(_identity_fill(torch.amin, _highest))
 def norm_inf_safe(input, p="fro", dim=None, keepdim=False, dtype=None):
     """max |x| (min |x| for p=-inf) of a shard; an empty shard holds the identity."""
     if input.numel() == 0:
-        shape = torch.norm(torch.empty(input.shape, device="meta"), p, dim, keepdim).shape
+        shape = _reduced_shape(input.shape, dim, keepdim)
         return torch.full(shape, 0.0 if p > 0 else math.inf, dtype=dtype or input.dtype, device=input.device)
     return torch.norm(input, p, dim, keepdim, dtype=dtype)
 
@@ -236,5 +244,6 @@ ALONG_DIM = {
 }
 
 for _name, (_fn, _inputs) in ALONG_DIM.items():
+    passes = "".join(f"; P({op}) passes" for op in sorted(_inputs))
     register(OpSpec(_name, _fn, along_dim_rule(_inputs), "reduction",
-                    doc="R on the op's dim; S elsewhere passes" + "".join(f"; P({o}) passes" for o in sorted(_inputs))))
+                    doc="R on the op's dim; S elsewhere passes" + passes))

@@ -74,8 +74,8 @@ def _two(broadcast=False, positive=False, exact=False, kwargs=(), dtype=torch.fl
     return build
 
 
-def _with_scalar(scalar, positive=False, nonzero=False):
-    return lambda m: [Sample((m.x(*_matrix(m), positive=positive, nonzero=nonzero), scalar), {}, True)]
+def _with_scalar(scalar, positive=False, nonzero=False, exact=True):
+    return lambda m: [Sample((m.x(*_matrix(m), positive=positive, nonzero=nonzero), scalar), {}, exact)]
 
 
 def _divide(m: _Make):
@@ -132,8 +132,9 @@ def _reduce(*variants, kind="x", exact=False):
         shape = _matrix(m)
         value = {"x": lambda: m.x(*shape), "ints": lambda: m.ints(*shape), "bools": lambda: m.bools(*shape),
                  "zeros": lambda: m.x(*shape, zeros=True), "sparse": lambda: m.bools(*shape, density=0.1),
-                 "dense": lambda: m.bools(*shape, density=0.9), "all": lambda: torch.ones(shape, dtype=torch.bool),
-                 "none": lambda: torch.zeros(shape, dtype=torch.bool), "zero row": lambda: _zero_row(m.x(*shape))}[kind]
+                 "dense": lambda: m.bools(*shape, density=0.9), "zero row": lambda: _zero_row(m.x(*shape)),
+                 "all": lambda: torch.ones(shape, dtype=torch.bool),
+                 "none": lambda: torch.zeros(shape, dtype=torch.bool)}[kind]
         return [Sample((value(),) + tuple(args), dict(kwargs), exact) for args, kwargs in variants]
     return build
 
@@ -241,7 +242,8 @@ def _mse_loss(m: _Make):
 
 def _pad(m: _Make):
     shape = _matrix(m)
-    return [Sample((m.x(*shape), (1, 2)), {}, True), Sample((m.x(*shape), (0, 0, 1, 1), "constant", 0.5), {}, True),
+    return [Sample((m.x(*shape), (1, 2)), {}, True),
+            Sample((m.x(*shape), (0, 0, 1, 1), "constant", 0.5), {}, True),
             Sample((m.x(2, *shape), (1, 1)), {"mode": "reflect"}, True)]
 
 
@@ -268,14 +270,14 @@ _BUILDERS: dict[str, Callable] = {
     "sub": _both(_two(exact=True, kwargs=({}, {"alpha": 2.0})), _with_scalar(0.5)),
     "mul": _both(_two(broadcast=True, exact=True), _with_scalar(2.5)),
     "div": _both(_divide, _with_scalar(4.0)),
-    "pow": _both(_power, _with_scalar(2.0)),
+    "pow": _both(_power, _with_scalar(2.0, exact=False)),
     "gelu": _one({}, {"approximate": "tanh"}),
     "leaky_relu": _one(exact=True, extra=(0.2,)),
     "elu": _one(extra=(0.5,)),
     "clamp": _clamp, "where": _where, "masked_fill": _masked_fill, "to_dtype": _casts,
     "logical_not": _logical_not, "bitwise_not": _bitwise_not,
     "isnan": _special_values, "isinf": _special_values, "isfinite": _special_values,
-    "rsub": _with_scalar(2.0), "rdiv": _with_scalar(2.0, nonzero=True), "rpow": _with_scalar(2.0),
+    "rsub": _with_scalar(2.0), "rdiv": _with_scalar(2.0, nonzero=True), "rpow": _with_scalar(2.0, exact=False),
     # reductions
     "sum": _both(_reduce(*_ALL_DIMS), _reduce(((1,), {}), ((), {}), kind="ints", exact=True),
                  _reduce(((0,), {"dtype": torch.float64}),)),
@@ -288,12 +290,14 @@ _BUILDERS: dict[str, Callable] = {
     "logsumexp": _reduce(((1,), {}), ((0, True), {})),
     "argmax": _reduce(((), {}), ((1,), {}), ((0, True), {}), exact=True),
     "argmin": _reduce(((1,), {}), exact=True),
-    "norm": _reduce(((), {}), ((1, 1), {}), ((math.inf, 0), {}), ((0, (0, 1)), {}), (("fro", 1), {}), kind="zeros"),
+    "norm": _reduce(((), {}), ((1, 1), {}), ((math.inf, 0), {}), ((0, (0, 1)), {}), (("fro", 1), {}),
+                    kind="zeros"),
     # Reducing every dim of random booleans almost always gives the same answer: whole
     # reductions get the one input that decides them (all True / all False) instead.
     "any": _both(_reduce(*_ONE_DIM, kind="sparse", exact=True), _reduce(((1,), {}), kind="zero row", exact=True),
                  _reduce(((), {}), (((0, 1),), {}), kind="none", exact=True)),
-    "all": _both(_reduce(*_ONE_DIM, kind="dense", exact=True), _reduce(((), {}), (((0, 1),), {}), kind="all", exact=True)),
+    "all": _both(_reduce(*_ONE_DIM, kind="dense", exact=True),
+                 _reduce(((), {}), (((0, 1),), {}), kind="all", exact=True)),
     "max": _max_like, "min": _max_like,
     "cumsum": _both(_reduce(((0,), {}), ((1,), {})), _reduce(((1,), {}), kind="ints", exact=True)),
     "softmax": _reduce(((1,), {}), ((0,), {}), ((-1,), {"dtype": torch.float64})),
