@@ -272,7 +272,8 @@ def call_op(name: str, args: tuple, kwargs: dict):
         return DTensor(out_id, out_specs[0], seq, owner)
     out_ids = owner.new_ids(len(out_specs))
     seq = owner.submit(RunOp, out_ids, mesh_id, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
-    return tuple(DTensor(i, spec, seq, owner) for i, spec in zip(out_ids, out_specs))
+    # torch's own result type: torch.return_types.max keeps .values / .indices, as in torch
+    return plan.sequence([DTensor(i, spec, seq, owner) for i, spec in zip(out_ids, out_specs)])
 
 
 def _ref(tensor: "DTensor") -> TensorRef:

@@ -22,8 +22,6 @@ The exhaustive 1-D check with P(avg|min) and adversarial contributions is dtorch
 Known gaps (not silently skipped; each is rejected with an error that says so, or noted here):
   - torch.nn.functional.dropout(dtensor) raises UnsupportedOpError: the per-call random counter
     cannot pass through __torch_function__ and the plan cache; dtorch.nn.functional.dropout works.
-  - max/min with dim (and sort/topk) return a plain tuple, not torch.return_types (a one-line
-    change in tensor.call_op, owned elsewhere).
   - no exact Partial form, so Replicate is required on reduced dims: prod, var, std, logsumexp,
     argmax/argmin, max/min with dim, norm with p other than 0, 1, inf, -inf; cumsum and softmax
     need R on their dim; cross_entropy(reduction='mean') with class-index targets needs R on the

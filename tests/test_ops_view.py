@@ -16,8 +16,6 @@ need communication or a non-torch.chunk layout; test_known_gaps_still_refuse pin
   - Partial mixed with Replicate in cat/stack (exact for P(max|min), refused for simplicity).
 Other gaps:
   - tensor (advanced) indexing x[idx] raises UnsupportedOpError: use index_select or gather.
-  - split/chunk/unbind yielding exactly one piece return a DTensor, not a 1-tuple (call_op
-    unwraps single outputs).
   - view never aliases storage (dtorch results are immutable); view(dtype) is unsupported.
 """
 import collections

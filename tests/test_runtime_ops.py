@@ -138,3 +138,14 @@ def test_torch_functions_dispatch_to_dtorch(mesh4):
     x = upload(a, mesh4, [Shard(0)])
     assert_same(torch.add(x, x).to_torch(), a + a)
     assert_same(torch.sum(x, 1).to_torch(), a.sum(1))
+
+
+def test_results_keep_torch_result_types(mesh4):
+    a = torch.randn(6, 5)
+    x = dtorch.tensor(a, device_mesh=mesh4, placements=[Shard(0)])
+    top = x.max(1)
+    assert type(top) is type(a.max(1))
+    assert_same(top.values.to_torch(), a.max(1).values)
+    assert_same(top.indices.to_torch(), a.max(1).indices)
+    (whole,) = x.chunk(1, 1)          # one piece is still a 1-tuple, as in torch
+    assert_same(whole.to_torch(), a)

@@ -24,7 +24,8 @@ class OpPlan(NamedTuple):
     out_specs: tuple          # TensorSpec per output
     input_steps: tuple        # ((tensor_index, shape, placements, ((mesh_dim, before, after), ...)), ...)
     extra_kwargs: dict
-    sequence: bool = False    # torch returns a tuple/list (split, topk): keep it one even of length 1
+    sequence: type | None = None   # torch's result type when it returns several (tuple, list,
+                                   # torch.return_types.max, ...); kept even for one element
 
 
 PLAN_CACHE: dict[tuple, OpPlan] = {}
@@ -97,14 +98,14 @@ def _with_slots(args, kwargs):
 
 def _infer(op: OpSpec, args, kwargs, specs) -> tuple[tuple, bool]:
     """Output (shape, dtype) pairs from running the torch function on meta tensors, and whether
-    torch returned a sequence."""
+    the type of torch's result when it is a sequence (None for a single tensor)."""
     meta = lambda value: value._spec.meta()  # noqa: E731
     try:
         result = op.torch_fn(*map_tensors(args, meta), **map_tensors(kwargs, meta))
     except Exception as error:
         shapes = ", ".join(f"{tuple(s.shape)} {str(s.dtype)[6:]}" for s in specs)
         raise ShapeError(f"{op.name}: torch rejects inputs of shape {shapes} at {user_site()}: {error}") from None
-    sequence = isinstance(result, (tuple, list))
+    sequence = type(result) if isinstance(result, (tuple, list)) else None
     results = result if sequence else (result,)
     return tuple((tuple(r.shape), r.dtype) for r in results), sequence
 
