@@ -13,8 +13,8 @@ from . import distributed_spec
 from .distributed_spec import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
 from .errors import (DependencyError, DTorchError, MeshError, PlacementError, RemoteError, ShapeError,
                      StartupError, UnsupportedOpError, WorkerLostError)
-from .factories import (arange, empty, empty_like, full, full_like, ones, ones_like, rand, rand_like, randint,
-                        randn, randn_like, tensor, zeros, zeros_like)
+from .factories import (arange, empty, empty_like, eye, full, full_like, linspace, ones, ones_like, rand, rand_like,
+                        randint, randn, randn_like, tensor, zeros, zeros_like)
 from .runtime import session as _session
 from .runtime.reads import Future
 from .tensor import DTensor, call_op
@@ -58,7 +58,7 @@ for _name in _REGISTRY:
 __all__ = [
     "DTensor", "DeviceMesh", "Shard", "Replicate", "Partial", "init_device_mesh", "Future",
     "init", "shutdown", "workers", "stats", "synchronize", "manual_seed",
-    "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "tensor",
+    "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
     "DependencyError", "WorkerLostError", "StartupError", "nn",

@@ -16,7 +16,7 @@ from .runtime import session
 from .runtime.protocol import Factory, Upload, dtype_name, tensor_frame
 from .tensor import DTensor
 
-__all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "tensor",
+__all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
            "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"]
 
 
@@ -85,6 +85,14 @@ def arange(start, end=None, step=1, *, dtype=None, device_mesh=None, placements=
         start, end = 0, start
     reference = torch.arange(start, end, step, dtype=dtype, device="meta")
     return _factory("arange", tuple(reference.shape), reference.dtype, device_mesh, placements, (start, step))
+
+
+def linspace(start, end, steps: int, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
+    return _factory("linspace", (int(steps),), dtype, device_mesh, placements, (start, end))
+
+
+def eye(n: int, m: int | None = None, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
+    return _factory("eye", (int(n), int(n if m is None else m)), dtype, device_mesh, placements)
 
 
 def tensor(data, *, dtype=None, device_mesh=None, placements=None) -> DTensor:

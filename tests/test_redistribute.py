@@ -97,3 +97,21 @@ def test_move_moves_no_data_through_the_controller(mesh4, mesh22):
     after = dtorch.stats()
     assert (after["bytes_sent"] - before["bytes_sent"]) + (after["bytes_received"] - before["bytes_received"]) < 4096
     del y
+
+
+@pytest.fixture(scope="module")
+def mesh3d(session):
+    from dtorch.distributed_spec import init_device_mesh
+    return init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=["pp", "dp", "tp"])
+
+
+def test_a_3d_mesh_every_layout_and_a_sample_of_pairs(mesh3d):
+    import random
+    value = torch.randn(7, 6)
+    layouts = list(itertools.product(choices(2), repeat=3))
+    full = [R, R, R]
+    pairs = [(layout, full) for layout in layouts] + [(full, layout) for layout in layouts]
+    pairs += random.Random(0).sample(list(itertools.product(layouts, repeat=2)), 120)
+    for src, dst in pairs:
+        x = dtorch.tensor(value, device_mesh=mesh3d, placements=src)
+        assert_same(x.redistribute(placements=dst).to_torch(), value)

@@ -119,11 +119,14 @@ def test_factories(mesh):
         assert_same(dtorch.zeros(*shape, **kw).to_torch(), torch.zeros(shape))
         assert_same(dtorch.ones(shape, **kw).to_torch(), torch.ones(shape))
         assert_same(dtorch.full(shape, 2.5, **kw).to_torch(), torch.full(shape, 2.5))
-        assert_same(dtorch.empty(shape, **kw).to_torch().shape, torch.Size(shape)) if False else None
+        assert dtorch.empty(shape, **kw).to_torch().shape == torch.Size(shape)
+        assert_same(dtorch.eye(7, 5, **kw).to_torch(), torch.eye(7, 5), exact=True)
+        assert_same(dtorch.zeros_like(dtorch.ones(shape, **kw)).to_torch(), torch.zeros(shape))
     for placements in placement_choices(mesh, 1):
         kw = dict(device_mesh=mesh, placements=placements)
         assert_same(dtorch.arange(11, **kw).to_torch(), torch.arange(11))
         assert_same(dtorch.arange(1.0, 4.0, 0.25, **kw).to_torch(), torch.arange(1.0, 4.0, 0.25))
+        assert_same(dtorch.linspace(-3.3, 7.1, 33, **kw).to_torch(), torch.linspace(-3.3, 7.1, 33), exact=True)
 
 
 def test_item_tolist_and_repr_do_not_fetch(mesh4):

@@ -36,6 +36,20 @@ def _arange(shape, offset, local, dtype, args, device):
     return (start + positions * step).to(dtype)
 
 
+def _linspace(shape, offset, local, dtype, args, device):
+    # torch's vectorized kernel rounds differently from any closed form we could evaluate per
+    # element, so each worker builds the 1-D range (O(steps), like arange) and keeps its slice:
+    # bit-identical to torch.linspace.
+    start, end = args
+    return torch.linspace(start, end, shape[0], dtype=dtype, device=device).narrow(0, offset[0], local[0]).clone()
+
+
+def _eye(shape, offset, local, dtype, args, device):
+    rows = torch.arange(offset[0], offset[0] + local[0], device=device).unsqueeze(1)
+    columns = torch.arange(offset[1], offset[1] + local[1], device=device).unsqueeze(0)
+    return (rows == columns).to(dtype)
+
+
 def _random(sampler):
     def make(shape, offset, local, dtype, args, device):
         seed, counter, *params = args
@@ -46,6 +60,7 @@ def _random(sampler):
 
 _FACTORIES = {
     "zeros": _filled(0), "ones": _filled(1), "empty": _filled(0), "full": _full, "arange": _arange,
+    "linspace": _linspace, "eye": _eye,
     "rand": _random(rng.uniform), "randn": _random(rng.normal), "randint": _random(rng.integers),
 }
 FACTORY_KINDS = frozenset(_FACTORIES)
