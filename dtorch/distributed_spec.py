@@ -89,13 +89,14 @@ class DeviceMesh:
             raise MeshError(f"mesh_dim_names {names} do not match mesh shape {self.shape}")
         self.mesh_dim_names = names
         self._key = (device_type, self.shape, tuple(self._flat))
+        self._hash = hash(self._key)   # meshes key dicts on the per-op path
 
     # --- identity -------------------------------------------------------------------------
     def __eq__(self, other) -> bool:
-        return isinstance(other, DeviceMesh) and self._key == other._key
+        return self is other or (isinstance(other, DeviceMesh) and self._key == other._key)
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return self._hash
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""

@@ -78,10 +78,11 @@ class StartupError(DTorchError):
 _PACKAGE_DIR = __file__.rsplit("/", 1)[0]
 
 
-def user_frame() -> tuple[str, int] | None:
+def user_frame(skip: int = 0) -> tuple[str, int] | None:
     """(file, line) of the first frame outside dtorch: the user's own line that issued a call.
-    Kept unformatted: the controller records it for every command, and formats only on error."""
-    frame = sys._getframe(1)
+    Kept unformatted: the controller records it for every command, and formats only on error.
+    `skip`: callers known to be inside dtorch, not worth testing one by one."""
+    frame = sys._getframe(1 + skip)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame = frame.f_back
     return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)

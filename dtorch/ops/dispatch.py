@@ -37,7 +37,12 @@ def signature(op: OpSpec, args: tuple, kwargs: dict, specs: list) -> tuple:
     `specs` collects the tensor specs in that same order."""
     key = [op.name]
     for a in args:
-        key.append(_key_of(a, specs, op.scalars_by_type))
+        spec = getattr(a, "_spec", None)
+        if spec is not None:   # the common case, inline: this runs for every op
+            specs.append(spec)
+            key.append((spec.key,))
+        else:
+            key.append(_key_of(a, specs, op.scalars_by_type))
     for name, value in kwargs.items():
         key.append((name, _key_of(value, specs, False)))
     return tuple(key)

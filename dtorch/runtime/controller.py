@@ -88,7 +88,7 @@ class Controller:
     # --- user thread ----------------------------------------------------------------------------
     def submit(self, command_type, *fields, read=None, private=None) -> int:
         """Append one command; returns its seq. Never waits on a worker."""
-        site = user_frame()
+        site = user_frame(skip=2)   # skip submit and whichever dtorch function called it
         with self._lock:
             if len(self._released) >= FREE_BATCH:
                 self._free_released()

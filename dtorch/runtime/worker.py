@@ -341,14 +341,23 @@ def _exit_when_stdin_closes() -> None:
     threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
 
 
+_stopping = threading.Event()   # set before the sockets close, so the heartbeat thread goes quietly
+
+
 def _heartbeat(sockets: WorkerSockets, rank: int, timeout_s: float) -> None:
     """Heartbeats both ways on a socket of its own; exit if the controller stops answering,
     even while the main thread is blocked inside a collective."""
     hb = sockets.heartbeat_socket(rank)
     poller, last_answer = Poller(hb), time.monotonic()
-    while True:
-        hb.send_multipart([wire.header(Kind.HEARTBEAT, rank)])
-        if poller.receive(int(wire.HEARTBEAT_INTERVAL * 1000)) is not None:
+    while not _stopping.is_set():
+        try:
+            hb.send_multipart([wire.header(Kind.HEARTBEAT, rank)])
+            answer = poller.receive(int(wire.HEARTBEAT_INTERVAL * 1000))
+        except Exception:
+            if _stopping.is_set():
+                return
+            raise
+        if answer is not None:
             last_answer = time.monotonic()
             time.sleep(wire.HEARTBEAT_INTERVAL)
         elif time.monotonic() - last_answer > timeout_s:
@@ -413,6 +422,7 @@ def main() -> None:
         traceback.print_exc()
         exit_code = 1
     finally:
+        _stopping.set()
         for closing in {id(comm): comm, id(host_comm): host_comm}.values():
             closing.close()
         device.close()
