@@ -20,7 +20,7 @@ import torch
 from ..distributed_spec import Partial, Shard
 from ..errors import UnsupportedOpError
 from .registry import OpSpec, register
-from .rules import Call, Decision, R, RuleRejected
+from .rules import Call, Decision, R, RuleRejected, common_shard_dim
 from .view import follow_rule, normalize_dim, off_dim, unshard_fix
 
 __all__ = ["canonical_index", "getitem"]
@@ -146,12 +146,9 @@ def _gather_rule(call: Call, placements) -> Decision:
 def _aligned(call: Call, placements, dim: int, legal: str) -> Decision:
     """Every tensor sharded on the same dim d != dim, Replicate ones sliced to match: position i
     along d of the index then meets position i of the source on the same rank."""
-    shard_dims = {p.dim for p in placements if isinstance(p, Shard)}
-    if not shard_dims:
+    d = common_shard_dim(placements, legal)
+    if d is None:
         return Decision(placements, (R,))
-    if len(shard_dims) > 1:
-        raise RuleRejected(f"inputs are sharded on different dims {sorted(shard_dims)}", legal)
-    d = shard_dims.pop()
     if d == dim:
         raise RuleRejected(f"{call.op} along sharded dim {d} reaches positions other ranks hold", legal)
     sizes = {spec.shape[d] for spec in call.inputs}

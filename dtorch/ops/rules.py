@@ -96,5 +96,13 @@ def shard_of(placement: Placement) -> int | None:
     return placement.dim if isinstance(placement, Shard) else None
 
 
+def common_shard_dim(placements, legal: str) -> int | None:
+    """The one tensor dim that every sharded input is sharded on (None when none is sharded)."""
+    dims = {p.dim for p in placements if isinstance(p, Shard)}
+    if len(dims) > 1:
+        raise RuleRejected(f"inputs are sharded on different dims {sorted(dims)}", legal)
+    return dims.pop() if dims else None
+
+
 def partial_op(placement: Placement) -> str | None:
     return placement.reduce_op if isinstance(placement, Partial) else None

@@ -25,7 +25,7 @@ import torch
 
 from ..distributed_spec import Partial, Shard, local_region
 from .registry import OpSpec, kernel, register
-from .rules import Call, Decision, R, RuleRejected
+from .rules import Call, Decision, R, RuleRejected, common_shard_dim
 
 __all__ = ["reshape_groups", "follow_rule", "off_dim", "unshard_fix", "placement_code", "normalize_dim"]
 
@@ -243,12 +243,9 @@ def join_rule(stack: bool):
                 return Decision(placements, (partials.pop(),))
             raise RuleRejected("mixing Partial and non-Partial inputs would count the others once per "
                                "rank", _JOIN_LEGAL)
-        shard_dims = {p.dim for p in placements if isinstance(p, Shard)}
-        if not shard_dims:
+        dim = common_shard_dim(placements, _JOIN_LEGAL)
+        if dim is None:
             return Decision(placements, (R,))
-        if len(shard_dims) > 1:
-            raise RuleRejected(f"inputs are sharded on different dims {sorted(shard_dims)}", _JOIN_LEGAL)
-        dim = shard_dims.pop()
         joined = normalize_dim(call.param(1, "dim", 0), len(call.out_shape))
         if not stack and dim == joined:
             raise RuleRejected(f"cat along sharded dim {dim} would interleave the inputs' shards; "
