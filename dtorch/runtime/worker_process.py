@@ -1,0 +1,129 @@
+"""A worker process: start-up, registration, heartbeats and exit. The command loop itself is
+`worker.Worker`; `python -m dtorch.runtime.worker` lands in `main` here.
+
+The config is one line of JSON on stdin (so secrets never show in `ps`); stdin then stays open,
+and EOF on it means the controller (or the ssh session carrying us) is gone: exit at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+from . import protocol as wire
+from .comm import GlooCommunicator
+from .devices import make_device
+from .protocol import Kind
+from .transport import Poller, WorkerSockets
+from .worker import Worker
+
+__all__ = ["main"]
+
+
+def _exit_when_stdin_closes() -> None:
+    """EOF on stdin: the controller (or the ssh session carrying us) is gone."""
+    def watch():
+        while sys.stdin.buffer.read(65536):
+            pass
+        os._exit(0)
+    threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
+
+
+_stopping = threading.Event()   # set before the sockets close, so the heartbeat thread goes quietly
+
+
+def _heartbeat(sockets: WorkerSockets, rank: int, timeout_s: float) -> None:
+    """Heartbeats both ways on a socket of its own; exit if the controller stops answering,
+    even while the main thread is blocked inside a collective."""
+    hb = sockets.heartbeat_socket(rank)
+    poller, last_answer = Poller(hb), time.monotonic()
+    while not _stopping.is_set():
+        try:
+            hb.send_multipart([wire.header(Kind.HEARTBEAT, rank)])
+            answer = poller.receive(int(wire.HEARTBEAT_INTERVAL * 1000))
+        except Exception:
+            if _stopping.is_set():
+                return
+            raise
+        if answer is not None:
+            last_answer = time.monotonic()
+            time.sleep(wire.HEARTBEAT_INTERVAL)
+        elif time.monotonic() - last_answer > timeout_s:
+            print(f"dtorch worker {rank}: controller silent for {timeout_s:.0f}s, exiting", file=sys.stderr)
+            os._exit(3)
+
+
+def _register(sockets: WorkerSockets, config: dict) -> tuple:
+    """Wait until our SUB sees a probe (so no command can be missed), then register."""
+    deadline = time.monotonic() + config.get("register_timeout", 120)
+    while time.monotonic() < deadline:
+        frames = sockets.receive_command(timeout_ms=100)
+        if frames is not None and wire.read_header(frames[1].bytes)[1] == Kind.PROBE:
+            break
+    else:
+        raise SystemExit(f"dtorch worker {config['rank']}: never heard the controller")
+    sockets.send([wire.header(Kind.REGISTER, config["rank"], config.get("host_label") or socket.gethostname(),
+                              os.getpid(), config["device"])])
+    while time.monotonic() < deadline:
+        reply = sockets.receive_reply(timeout_ms=1000)
+        if reply is not None:
+            fields = wire.read_header(reply[0])
+            if fields[1] == Kind.REFUSED:
+                raise SystemExit(f"dtorch worker {config['rank']}: controller refused: {fields[2]}")
+            if fields[1] == Kind.WELCOME:
+                return fields[2:]
+    raise SystemExit(f"dtorch worker {config['rank']}: no welcome from the controller")
+
+
+def _gloo_host(config: dict) -> str:
+    """The address peers reach this worker on: by default the interface that routes to the
+    controller (a UDP connect sends nothing; it only picks the route)."""
+    host = config.get("gloo_host", "auto")
+    if host != "auto":
+        return host
+    controller_host = config["command_address"].split("//", 1)[1].rsplit(":", 1)[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((controller_host, 9))
+        return probe.getsockname()[0]
+
+
+def main() -> None:
+    config = json.loads(sys.stdin.readline())
+    _exit_when_stdin_closes()
+    torch.set_num_threads(max(1, int(config.get("threads", 1))))
+    rank = config["rank"]
+    topics = [wire.TOPIC_ALL, wire.TOPIC_PROBE, wire.topic_for_rank(rank)]
+    # The device first: a host without a GPU or without cupy fails here, before registering,
+    # and the controller reports it as a failed start naming the host.
+    device = make_device(config["device"])
+    sockets = WorkerSockets(config["command_address"], config["reply_address"], rank, topics, config.get("curve"))
+    start_seq, store_address, gloo_timeout = _register(sockets, config)
+    threading.Thread(target=_heartbeat, args=(sockets, rank, config.get("controller_timeout", 6.0)),
+                     name="heartbeat", daemon=True).start()
+    comm = device.communicator(store_address, rank, _gloo_host(config), gloo_timeout)
+    host_comm = comm if isinstance(comm, GlooCommunicator) else comm.host
+    worker = Worker(rank, sockets, comm, device, start_seq, host_comm)
+    exit_code = 0
+    try:
+        worker.run()
+    except BaseException:
+        traceback.print_exc()
+        exit_code = 1
+    finally:
+        _stopping.set()
+        for closing in {id(comm): comm, id(host_comm): host_comm}.values():
+            closing.close()
+        device.close()
+        sockets.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Daemon threads (stdin watch, heartbeat) hold locks that a normal interpreter
+        # shutdown would wait on; nothing is left to clean up, so leave at once.
+        os._exit(exit_code)
+
