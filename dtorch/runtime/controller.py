@@ -18,6 +18,7 @@ import datetime
 import itertools
 import threading
 import time
+import traceback
 
 import torch.distributed as dist
 
@@ -238,11 +239,13 @@ class Controller:
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(30)
 
     def _open(self, bind_host, curve) -> ControllerSockets:
-        sockets = ControllerSockets(bind_host, curve)
-        self._tasks = [self._loop.create_task(self._receive(sockets)), self._loop.create_task(self._watch())]
-        return sockets
+        self.sockets = ControllerSockets(bind_host, curve)
+        self._loop.add_reader(self.sockets.reply_fd, self._receive)
+        self._tasks = [self._loop.create_task(self._watch())]
+        return self.sockets
 
     def _close(self) -> None:
+        self._loop.remove_reader(self.sockets.reply_fd)
         for task in self._tasks:
             task.cancel()
         self.sockets.close()
@@ -274,18 +277,16 @@ class Controller:
             self.sockets.publish([wire.TOPIC_PROBE, wire.header(Kind.PROBE)])
             await asyncio.sleep(0.02)
 
-    async def _receive(self, sockets: ControllerSockets) -> None:
-        while True:
-            frames = await sockets.receive()
+    def _receive(self) -> None:
+        """The ROUTER's descriptor is readable: handle everything queued, then wait again."""
+        for frames in self.sockets.drain():
             identity = frames[0].bytes
             try:
-                fields = wire.read_header(frames[1].bytes)
-                self._on_message(identity, fields, frames[2:])
+                self._on_message(identity, wire.read_header(frames[1].bytes), frames[2:])
             except ProtocolError as error:
                 if identity.startswith(b"w"):
-                    sockets.send_to(identity, [wire.header(Kind.REFUSED, str(error))])
+                    self.sockets.send_to(identity, [wire.header(Kind.REFUSED, str(error))])
             except Exception:  # a bug in one handler must not stop the loop
-                import traceback
                 traceback.print_exc()
 
     def _on_message(self, identity: bytes, fields: tuple, frames: list) -> None:
