@@ -28,9 +28,11 @@ def run_script(source: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def assert_same(actual: torch.Tensor, expected: torch.Tensor, exact: bool = False) -> None:
+    """Same shape and dtype; values bit-equal (exact, integers, bools) or within float tolerance.
+    NaN must sit exactly where torch put it."""
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     if exact or not expected.dtype.is_floating_point:
-        assert torch.equal(actual, expected), (actual, expected)
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
     else:
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, equal_nan=True)

@@ -28,8 +28,9 @@ Known gaps (not silently skipped; each is rejected with an error that says so, o
     batch (its denominator counts non-ignored targets, data no rank knows alone).
   - scaled_dot_product_attention(dropout_p > 0) and embedding(max_norm=...) raise
     UnsupportedOpError (worker-local torch RNG; in-place weight renormalization).
-  - Gloo's MAX/MIN all-reduce drops nan from other ranks: amax/any over a sharded dim of data
-    holding nan reads back without it. The samples keep nan out of max/min reductions.
+  - Gloo's MAX/MIN all-reduce drops nan coming from other ranks; the runtime now carries a nan
+    mask alongside (tests/test_redistribute.py::test_nan_survives_partial_max_and_min), but the
+    samples here still keep nan out of max/min reductions.
   - Mixed P(sum)/P(max) placements on one input (N-D meshes) are uploaded with dtorch.tensor
     (all of the value on one rank) rather than split into random contributions.
 """

@@ -115,3 +115,15 @@ def test_a_3d_mesh_every_layout_and_a_sample_of_pairs(mesh3d):
     for src, dst in pairs:
         x = dtorch.tensor(value, device_mesh=mesh3d, placements=src)
         assert_same(x.redistribute(placements=dst).to_torch(), value)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_nan_survives_partial_max_and_min(mesh4, op):
+    value = torch.randn(8, 6)
+    value[5, 2] = float("nan")              # held by rank 2 of a Shard(0) layout
+    x = dtorch.tensor(value, device_mesh=mesh4, placements=[Shard(0)])
+    reduced = x.amax(0) if op == "max" else x.amin(0)
+    assert reduced.placements == (Partial(op),)
+    expected = value.amax(0) if op == "max" else value.amin(0)
+    assert_same(reduced.to_torch(), expected)                                       # all-reduce
+    assert_same(reduced.redistribute(placements=[Shard(0)]).to_torch(), expected)   # reduce-scatter

@@ -126,13 +126,27 @@ def _all_gather(tensor, before, after, extents, group, index, comm):
 
 
 def _all_reduce(tensor, before, after, extents, group, index, comm):
-    return comm.all_reduce(group, tensor.clone(memory_format=torch.contiguous_format), before.reduce_op)
+    reduced = comm.all_reduce(group, tensor.clone(memory_format=torch.contiguous_format), before.reduce_op)
+    if _drops_nan(tensor, before.reduce_op):
+        seen = comm.all_reduce(group, torch.isnan(tensor).to(torch.uint8), "max")
+        reduced = reduced.masked_fill(seen.bool(), float("nan"))
+    return reduced
 
 
 def _reduce_scatter(tensor, before, after, extents, group, index, comm):
     dim, parts, total = after.dim, len(group), extents[after.dim]
     mine = comm.reduce_scatter(group, _split_padded(tensor, dim, total, parts), before.reduce_op)
+    if _drops_nan(tensor, before.reduce_op):
+        nan = torch.isnan(tensor).to(torch.uint8)
+        seen = comm.reduce_scatter(group, _split_padded(nan, dim, total, parts), "max")
+        mine = mine.masked_fill(seen.bool(), float("nan"))
     return mine.narrow(dim, 0, chunk_bounds(total, parts, index)[1])
+
+
+def _drops_nan(tensor: torch.Tensor, reduce_op: str) -> bool:
+    """Gloo's MAX/MIN ignore a NaN that comes from another rank, where torch.amax returns NaN:
+    a second, one-byte-per-element collective carries where any rank saw one."""
+    return reduce_op in ("max", "min") and tensor.is_floating_point()
 
 
 def _all_to_all(tensor, before, after, extents, group, index, comm):
