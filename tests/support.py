@@ -9,6 +9,9 @@ import textwrap
 
 import torch
 
+from dtorch.distributed_spec import DeviceMesh
+from dtorch.ops.spec import tensor_spec
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -36,3 +39,9 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, exact: bool = Fals
         torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
     else:
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+class Symbol:
+    """Stands in for a DTensor in pure rule tests: the rules only look at `_spec`."""
+    def __init__(self, shape, placements, mesh=DeviceMesh("cpu", [0, 1, 2, 3]), dtype=torch.float32):
+        self._spec = tensor_spec(shape, dtype, mesh, placements)

@@ -31,9 +31,9 @@ from dtorch.errors import MeshError, PlacementError, UnsupportedOpError
 from dtorch.ops.dispatch import plan_call
 from dtorch.ops.indexing import WHOLE, canonical_index
 from dtorch.ops.registry import lookup
-from dtorch.ops.spec import tensor_spec
 from dtorch.ops.view import reshape_groups
 from support import assert_same
+from support import Symbol
 
 R, P = Replicate(), Partial()
 
@@ -51,12 +51,6 @@ def any_mesh(request):
 # --- the pure layer: rules without processes ----------------------------------------------------
 MESH4 = DeviceMesh("cpu", [0, 1, 2, 3])
 MESH22 = DeviceMesh("cpu", [[0, 1], [2, 3]], ["dp", "tp"])
-
-
-class Symbol:
-    """Stands in for a DTensor: the rules only look at `_spec`."""
-    def __init__(self, shape, placements, mesh=MESH4, dtype=torch.float32):
-        self._spec = tensor_spec(shape, dtype, mesh, placements)
 
 
 def out_placements(op, *args, **kwargs):

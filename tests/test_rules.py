@@ -7,18 +7,12 @@ from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard
 from dtorch.errors import PlacementError, ShapeError
 from dtorch.ops.dispatch import plan_call
 from dtorch.ops.registry import lookup
-from dtorch.ops.spec import tensor_spec
 from dtorch.redistribute import plan_redistribute, step_kind
+from support import Symbol
 
 R, P = Replicate(), Partial()
 MESH = DeviceMesh("cpu", [0, 1, 2, 3])
 MESH2 = DeviceMesh("cpu", [[0, 1], [2, 3]], ["dp", "tp"])
-
-
-class Symbol:
-    """Stands in for a DTensor: the rules only look at `_spec`."""
-    def __init__(self, shape, placements, mesh=MESH, dtype=torch.float32):
-        self._spec = tensor_spec(shape, dtype, mesh, placements)
 
 
 def plan(op, *args, **kwargs):

@@ -83,15 +83,20 @@ def plan_call(op: OpSpec, args: tuple, kwargs: dict, specs: list[TensorSpec]) ->
     return OpPlan(kernel, out_specs, input_steps, extra, sequence)
 
 
-def map_tensors(value, fn):
+def _is_symbol(value) -> bool:
+    return hasattr(value, "_spec")
+
+
+def map_tensors(value, fn, is_tensor=_is_symbol):
     """Apply fn to every tensor in an argument structure (lists and tuples nested, dict values),
-    in the depth-first order `signature` numbers them."""
-    if hasattr(value, "_spec"):
+    in the depth-first order `signature` numbers them. Tensors are dtorch symbols by default;
+    the validator passes another test to map plain torch tensors the same way."""
+    if is_tensor(value):
         return fn(value)
     if type(value) in (list, tuple):
-        return type(value)(map_tensors(v, fn) for v in value)
+        return type(value)(map_tensors(v, fn, is_tensor) for v in value)
     if type(value) is dict:
-        return {k: map_tensors(v, fn) for k, v in value.items()}
+        return {k: map_tensors(v, fn, is_tensor) for k, v in value.items()}
     return value
 
 

@@ -15,6 +15,7 @@ import warnings
 import torch
 
 from ..distributed_spec import DeviceMesh, Partial, Replicate, Shard, local_region
+from .dispatch import map_tensors
 from .samples import Sample
 
 __all__ = ["placement_options", "tensor_inputs", "with_inputs", "Symbol", "split_partial", "contributions",
@@ -50,13 +51,8 @@ def with_inputs(sample: Sample, replacements: list) -> tuple[tuple, dict]:
 
 
 def map_torch(value, fn):
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if type(value) in (list, tuple):
-        return type(value)(map_torch(v, fn) for v in value)
-    if type(value) is dict:
-        return {k: map_torch(v, fn) for k, v in value.items()}
-    return value
+    """map_tensors over plain torch tensors (the samples' inputs)."""
+    return map_tensors(value, fn, lambda v: isinstance(v, torch.Tensor))
 
 
 class Symbol:
