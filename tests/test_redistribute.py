@@ -7,7 +7,7 @@ import torch
 
 import dtorch
 from dtorch.distributed_spec import Partial, Replicate, Shard
-from support import assert_same
+from support import assert_same, run_script
 
 R = Replicate()
 
@@ -97,6 +97,43 @@ def test_move_moves_no_data_through_the_controller(mesh4, mesh22):
     after = dtorch.stats()
     assert (after["bytes_sent"] - before["bytes_sent"]) + (after["bytes_received"] - before["bytes_received"]) < 4096
     del y
+
+
+def test_compute_reads_communication_results_in_order(mesh4):
+    """On GPUs redistributes run on a communication stream while independent compute goes on
+    (tests/test_cuda.py reruns this there): every later use of a result must see it complete,
+    even when its inputs are dropped while it is in flight."""
+    value = torch.randn(512, 256)
+    base = dtorch.tensor(value, device_mesh=mesh4, placements=[Partial()])
+    expected, total = torch.zeros(512, 256), dtorch.zeros(512, 256, device_mesh=mesh4)
+    for step in range(12):
+        scaled = base * (step + 1)                                   # compute, then dropped
+        reduced = scaled.redistribute(placements=[Shard(0)])        # communication
+        del scaled
+        busy = dtorch.ones(256, 256, device_mesh=mesh4) @ dtorch.ones(256, 256, device_mesh=mesh4)
+        total = total + reduced.redistribute(placements=[Replicate()]) + busy.sum() * 0
+        expected += value * (step + 1)
+    assert_same(total.to_torch(), expected)
+
+
+def test_move_to_workers_that_joined_after_the_source_mesh_was_made():
+    """Workers started for a later, larger mesh never saw the older mesh defined, yet a move
+    from it names it (as a CPU mesh and a later CUDA mesh do): the controller re-announces."""
+    result = run_script("""
+        import torch, dtorch
+        from dtorch.distributed_spec import init_device_mesh, Shard
+        early = init_device_mesh("cpu", (2,))
+        value = torch.arange(12.0).reshape(4, 3)
+        x = dtorch.tensor(value, device_mesh=early, placements=[Shard(0)])
+        assert x.sum().item() == 66
+        late = init_device_mesh("cpu", (4,))[2:4]          # ranks 2 and 3 joined just now
+        y = x.redistribute(device_mesh=late, placements=[Shard(1)])
+        assert torch.equal(y.to_torch(), value)
+        assert torch.equal(y.redistribute(device_mesh=early, placements=[Shard(1)]).to_torch(), value)
+        dtorch.shutdown()
+        print("moved")
+    """)
+    assert result.returncode == 0 and "moved" in result.stdout, result.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

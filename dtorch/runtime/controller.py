@@ -82,6 +82,7 @@ class Controller:
         self._thread.start()
         self.curve = curve
         self.sockets = self._call(self._open, bind_host, curve)
+        self._sockets_open = True
         self.store = dist.TCPStore(bind_host, 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=gloo_timeout_s))
         self.store_address = f"{bind_host}:{self.store.port}"
@@ -137,6 +138,13 @@ class Controller:
             mesh_id = self._mesh_ids.setdefault(mesh, len(self._mesh_ids))
             self.submit(wire.DefineMesh, mesh_id, mesh.device_type, mesh.shape, mesh.ranks)
         return mesh_id
+
+    def announce_meshes(self) -> None:
+        """Define every mesh again after workers join: one that joined after a mesh was defined
+        never saw it, yet a transfer from that mesh to a mesh it belongs to names both. Workers
+        that knew the mesh define it again identically."""
+        for mesh, mesh_id in list(self._mesh_ids.items()):
+            self.submit(wire.DefineMesh, mesh_id, mesh.device_type, mesh.shape, mesh.ranks)
 
     def _check_ranks(self, mesh: DeviceMesh) -> None:
         from ..errors import MeshError
@@ -245,6 +253,8 @@ class Controller:
         return self.sockets
 
     def _close(self) -> None:
+        self._flush()   # the Shutdown command, if its idle flush has not fired yet
+        self._sockets_open = False
         self._loop.remove_reader(self.sockets.reply_fd)
         for task in self._tasks:
             task.cancel()
@@ -254,6 +264,8 @@ class Controller:
         self._loop.call_later(IDLE_FLUSH_S, self._flush)
 
     def _flush(self) -> None:
+        if not self._sockets_open:   # a flush scheduled before shutdown closed the sockets
+            return
         with self._lock:
             self._flush_scheduled = self._flush_now = False
             if self._released:

@@ -51,7 +51,11 @@ def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str
             num_workers = num_workers or _spawner.capacity
         else:
             _controller, _spawner = Controller(curve=make_curve_keys() if curve else None), LocalSpawner()
-        _grow(device_type, num_workers or 1, startup_timeout)
+        try:
+            _grow(device_type, num_workers or 1, startup_timeout)
+        except BaseException:
+            shutdown()   # a first start that fails (no GPU, a bad host) leaves nothing running
+            raise
         return _controller
 
 
@@ -101,6 +105,7 @@ def _grow(device_type: str, extra: int, timeout: float) -> None:
         handles.append(_spawner.spawn(rank, config))
     _controller.add_workers(handles, device_type)
     _controller.wait_registered([h.rank for h in handles], timeout, _progress(handles))
+    _controller.announce_meshes()
 
 
 def _progress(handles):
