@@ -93,6 +93,7 @@ SHARED_CHECKS = [
     *[("2-D", cpu_redistribute.test_partial_reductions, {"op": op}) for op in ["avg", "max", "min"]],
     ("2-D", cpu_redistribute.test_reduction_results_read_back_exactly_for_integers, {}),
     ("1-D", cpu_redistribute.test_a_16_mib_redistribute_moves_only_commands_through_the_controller, {}),
+    ("any", cpu_redistribute.test_compute_reads_communication_results_in_order, {}),
     *[("all three", cpu_random.test_values_do_not_depend_on_layout, {"factory": f}) for f in ["rand", "randn"]],
     ("1-D", cpu_random.test_replicas_are_identical, {}),
     ("1-D", cpu_random.test_sequence_and_statistics, {}),
@@ -149,6 +150,15 @@ def test_nccl_with_one_rank_in_this_process():
                 assert torch.equal(comm.all_to_all((0,), value.unsqueeze(0))[0], value)
             assert torch.equal(comm.all_reduce((0,), torch.full((5,), 3.0, device="cuda"), "avg"),
                                torch.full((5,), 3.0, device="cuda"))
+            # The worker's path: the whole redistribute on the communication stream, an event back.
+            value = torch.randn(1 << 20, device="cuda")
+            out, done = device.communicate(lambda: comm.all_reduce((0,), value * 2, "sum"), (value,))
+            assert torch.cuda.current_stream() == device.compute_stream
+            device.wait(done, out)
+            assert torch.equal(out, value * 2)
+            fence = device.fence()
+        torch.cuda.synchronize()
+        assert fence.ready() and done.query()
         assert comm.agree_max((0,), 7) == 7
     finally:
         comm.close()
@@ -210,6 +220,18 @@ def test_cpu_and_cuda_meshes_in_one_program(mesh4, cuda1):
 
 
 @pytest.mark.cuda
+def test_move_between_cuda_meshes_goes_over_nccl(cuda22):
+    """Pipeline-style stage to stage on GPUs: blocks go by NCCL send/recv, not through the host."""
+    value = torch.randn(10, 6)
+    stages = cuda22.unbind("dp")
+    x = dtorch.tensor(value, device_mesh=stages[0], placements=[Shard(1)])
+    y = x.redistribute(device_mesh=stages[1], placements=[Shard(0)])
+    assert_same(y.to_torch(), value, exact=True)
+    z = (y * 2).redistribute(device_mesh=cuda22, placements=[Shard(0), Shard(1)])
+    assert_same(z.to_torch(), value * 2, exact=True)
+
+
+@pytest.mark.cuda
 def test_more_gpus_than_exist_fails_at_the_call(session):
     if GPUS == 0:
         pytest.skip("no CUDA device visible to torch")
@@ -248,6 +270,26 @@ def test_cuda_mesh_without_a_gpu_fails_at_the_call(session):
         init_device_mesh("cuda", (2,))
     assert time.monotonic() - started < 5
     assert len(dtorch.workers()) == workers_before
+
+
+def test_a_failed_first_start_leaves_no_session_behind():
+    """The first mesh of a program fails (no GPU): no controller stays half-started, a CPU mesh
+    then works, and exit is quiet."""
+    if GPUS:
+        pytest.skip(f"torch sees {GPUS} GPU(s)")
+    result = run_script("""
+        import dtorch
+        from dtorch.runtime import session
+        from dtorch.distributed_spec import init_device_mesh
+        try:
+            init_device_mesh("cuda", (1,))
+        except dtorch.MeshError:
+            print("refused; session left:", session._controller)
+        print("sum", dtorch.ones(4, device_mesh=init_device_mesh("cpu", (2,))).sum().item())
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "refused; session left: None" in result.stdout and "sum 4.0" in result.stdout
+    assert "Traceback" not in result.stderr and "Exception" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("device_type,message", [("tpu", "'cpu' and 'cuda'"), ("cuda:0", "pass 'cuda'")])

@@ -1,9 +1,12 @@
 """CUDA workers: which GPU each new worker pins, the checks that make a bad "cuda" mesh fail at
 the user's call, and CudaDevice, the worker-side seam (runtime/devices.py) on a GPU.
 
-A worker enqueues every command's kernels on its own compute stream and its collectives on a
-communication stream (runtime/nccl.py); the two are ordered with CUDA events, never with a
-device-wide synchronize. Reads copy to pinned host memory asynchronously: the command loop polls
+A worker enqueues every command's kernels on its own compute stream, and each redistribute or
+transfer as a whole (its packing, NCCL collectives from runtime/nccl.py, and unpacking) on a
+communication stream. The two are ordered with CUDA events, never with a device-wide synchronize:
+the communication stream waits for the compute work issued before it, and the compute stream waits
+for a communication's event only when a later command reads its result. Compute that does not need
+the result runs meanwhile. Reads copy to pinned host memory asynchronously: the command loop polls
 the copy's event and replies when it completes.
 
 This module must import on machines without a GPU or cupy: nothing here touches CUDA or cupy at
@@ -128,6 +131,28 @@ class CudaDevice:
     def compute(self):
         return torch.cuda.stream(self.compute_stream)
 
+    def communicate(self, work, inputs: tuple):
+        """Run `work()` on the communication stream after the compute work issued so far.
+
+        Inputs are recorded on the communication stream: if the controller frees one while the
+        collective still reads it, the caching allocator holds the block until the stream passes."""
+        issued = torch.cuda.Event()
+        issued.record(self.compute_stream)
+        self.comm_stream.wait_event(issued)
+        for tensor in inputs:
+            tensor.record_stream(self.comm_stream)
+        with torch.cuda.stream(self.comm_stream):
+            result = work()
+        done = torch.cuda.Event()
+        done.record(self.comm_stream)
+        return result, done
+
+    def wait(self, done, tensor: torch.Tensor) -> None:
+        """The compute stream reads `tensor` (made on the communication stream) after `done`;
+        recording it there keeps its block from reuse until compute is done with it too."""
+        self.compute_stream.wait_event(done)
+        tensor.record_stream(self.compute_stream)
+
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
         """Start a copy into pinned memory on the compute stream; ready when its event is."""
         with torch.cuda.stream(self.compute_stream):
@@ -143,6 +168,16 @@ class CudaDevice:
         staging = tensor.pin_memory()
         with torch.cuda.stream(self.compute_stream):
             return staging.to(self.torch_device, non_blocking=True)
+
+    def fence(self) -> HostCopy:
+        """Ready when everything enqueued so far, on both streams, has run (what a Sync's reply
+        promises); the compute stream joins the communication stream's work here."""
+        communicated = torch.cuda.Event()
+        communicated.record(self.comm_stream)
+        self.compute_stream.wait_event(communicated)
+        fenced = torch.cuda.Event()
+        fenced.record(self.compute_stream)
+        return HostCopy(None, fenced)
 
     def close(self) -> None:
         # No synchronize: after a communicator abort the streams may never drain, and the

@@ -1,9 +1,11 @@
 """What a worker's device means to the command loop: where tensors live, how a command's kernels
 are enqueued, how bytes reach the host for a read, and which communicator moves data.
 
-CPU runs everything synchronously, so every host copy is ready at once. CUDA (runtime/cuda.py,
-imported only for "cuda" devices so the CPU path never imports cupy) enqueues kernels on a compute
-stream and collectives on a communication stream, and a host copy is ready when its event is.
+CPU runs everything synchronously, so every host copy is ready at once and communication is done
+when it returns. CUDA (runtime/cuda.py, imported only for "cuda" devices so the CPU path never
+imports cupy) enqueues kernels on a compute stream and whole redistributes on a communication
+stream: `communicate` hands back the result with an event, and the worker makes the compute stream
+`wait` on it only when a later command reads that result, so independent compute overlaps.
 """
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ __all__ = ["CpuDevice", "HostCopy", "make_device"]
 
 
 class HostCopy:
-    """A tensor on its way to host memory; `ready()` says when its bytes may be sent."""
+    """A tensor on its way to host memory (or None: a fence); `ready()` says when its bytes may
+    be sent."""
 
-    def __init__(self, tensor: torch.Tensor, event=None):
+    def __init__(self, tensor: torch.Tensor | None, event=None):
         self.tensor, self._event = tensor, event
 
     def ready(self) -> bool:
@@ -40,11 +43,24 @@ class CpuDevice:
         """Context in which a command's kernels run (a CUDA stream on GPUs)."""
         return self._NO_STREAM
 
+    def communicate(self, work, inputs: tuple):
+        """Run `work()` (a redistribute or transfer reading `inputs`): (its result, the event
+        that marks it done, or None when it is done already)."""
+        return work(), None
+
+    def wait(self, done, tensor: torch.Tensor) -> None:
+        """Order the compute stream after `done` before it reads `tensor` (never called on CPU,
+        whose `communicate` returns no event)."""
+
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
         return HostCopy(tensor.contiguous())
 
     def from_host(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone()
+
+    def fence(self) -> HostCopy:
+        """Ready when everything issued so far has run: at once on CPU."""
+        return HostCopy(None)
 
     def close(self) -> None:
         pass

@@ -5,10 +5,10 @@ Bootstrap: rank 0 of a group makes an NCCL unique id and publishes it in the con
 TCPStore under a key named after the group; the others read it there. Members create a group at
 the same command (they run the same commands in order), which is what ncclCommInitRank needs.
 
-Streams: a collective runs on the device's communication stream after an event recorded on the
-compute stream, and the compute stream waits for the collective's own event before it goes on;
-the host never waits. Tensors touched on the communication stream are recorded on it, so the
-caching allocator cannot hand their memory out again before the collective is done with it.
+Streams: a collective is enqueued on the current stream, which the worker has set to the
+device's communication stream for the whole redistribute or transfer (CudaDevice.communicate
+orders it after compute, records the inputs on it, and hands the compute stream an event to wait
+on when the result is read). The host never waits for a collective.
 
 agree_max runs over Gloo on the host: it decides whether a redistribute runs at all, and an NCCL
 reduction would make the command loop wait for every kernel enqueued before it.
@@ -83,7 +83,6 @@ class NcclCommunicator:
         self._nccl = import_nccl()
         self.rank, self.device, self.timeout_s = rank, device, timeout_s
         self.host = GlooCommunicator(store_address, rank, hostname, timeout_s)
-        self.stream = device.comm_stream
         self.single_rank = os.environ.get(SINGLE_RANK_VARIABLE) == "1"
         self._comms: dict[tuple, object] = {}
         self._watchdog = Watchdog(self, store_address)
@@ -101,17 +100,19 @@ class NcclCommunicator:
             self._comms[ranks] = comm
         return comm
 
-    def _skips(self, ranks: tuple) -> bool:
-        return len(ranks) == 1 and not self.single_rank
+    def _skips(self, ranks: tuple, *tensors: torch.Tensor) -> bool:
+        """Nothing to call NCCL for: one rank (unless forced), or no elements, which every member
+        sees alike since kernels pad pieces to equal sizes (an empty tensor may have no pointer)."""
+        return (len(ranks) == 1 and not self.single_rank) or any(t.numel() == 0 for t in tensors)
 
     # --- collectives over one group; every member calls the same one -------------------------
     def all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
         """In place when `tensor` is contiguous (as kernels pass it); use the returned tensor."""
         tensor = tensor.contiguous()
-        if self._skips(ranks):
+        if self._skips(ranks, tensor):
             return tensor
         kind, op = _reduction(tensor, reduce_op)
-        with self._on_comm_stream(ranks, tensor) as (comm, stream):
+        with self._enqueue(ranks) as (comm, stream):
             comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), kind, op, stream)
         if reduce_op == "avg":
             tensor /= len(ranks)
@@ -119,20 +120,20 @@ class NcclCommunicator:
 
     def all_gather(self, ranks: tuple, tensor: torch.Tensor) -> list[torch.Tensor]:
         tensor = tensor.contiguous()
-        if self._skips(ranks):
-            return [tensor.clone()]
+        if self._skips(ranks, tensor):
+            return [tensor.clone() for _ in ranks]
         gathered = tensor.new_empty((len(ranks),) + tuple(tensor.shape))
-        with self._on_comm_stream(ranks, tensor, gathered) as (comm, stream):
+        with self._enqueue(ranks) as (comm, stream):
             comm.allGather(tensor.data_ptr(), gathered.data_ptr(), _nbytes(tensor), NCCL_UINT8, stream)
         return list(gathered.unbind(0))
 
     def reduce_scatter(self, ranks: tuple, chunks: list[torch.Tensor], reduce_op: str) -> torch.Tensor:
-        if self._skips(ranks):
+        if self._skips(ranks, chunks[0]):
             return chunks[0].clone(memory_format=torch.contiguous_format)
         send = torch.stack(chunks)
         output = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
         kind, op = _reduction(output, reduce_op)
-        with self._on_comm_stream(ranks, send, output) as (comm, stream):
+        with self._enqueue(ranks) as (comm, stream):
             comm.reduceScatter(send.data_ptr(), output.data_ptr(), output.numel(), kind, op, stream)
         if reduce_op == "avg":
             output /= len(ranks)
@@ -142,19 +143,36 @@ class NcclCommunicator:
         """`send` stacks one equal-size piece per member on dim 0; returns the pieces received.
         cupy has no ncclAllToAll: one grouped send/recv pair per member does the same."""
         send = send.contiguous()
-        if self._skips(ranks):
+        if self._skips(ranks, send):
             return send.clone()
         receive = torch.empty_like(send)
-        piece = _nbytes(send[0]) if len(send) else 0
-        with self._on_comm_stream(ranks, send, receive) as (comm, stream):
+        peers = range(len(ranks))
+        self._point_to_point(ranks, [(p, send[p]) for p in peers], [(p, receive[p]) for p in peers])
+        return receive
+
+    def exchange(self, ranks: tuple, sends: list, receives: list) -> None:
+        """Point-to-point within `ranks` (a transfer between two CUDA meshes): sends/receives are
+        (peer rank, contiguous tensor) pairs, posted as one NCCL group so no order can deadlock.
+        Every member joins, even with nothing to move: creating the communicator is collective."""
+        if len(ranks) == 1:
+            return
+        index = ranks.index
+        self._point_to_point(ranks, [(index(peer), t) for peer, t in sends],
+                             [(index(peer), t) for peer, t in receives])
+
+    def _point_to_point(self, ranks: tuple, sends: list, receives: list) -> None:
+        """(index in `ranks`, tensor) pairs, all in one ncclGroupStart/End."""
+        with self._enqueue(ranks) as (comm, stream):
             self._nccl.groupStart()
             try:
-                for peer in range(len(ranks)):
-                    comm.send(send[peer].data_ptr(), piece, NCCL_UINT8, peer, stream)
-                    comm.recv(receive[peer].data_ptr(), piece, NCCL_UINT8, peer, stream)
+                for peer, tensor in sends:
+                    if tensor.numel():   # the receiver skips the same empty block
+                        comm.send(tensor.data_ptr(), _nbytes(tensor), NCCL_UINT8, peer, stream)
+                for peer, tensor in receives:
+                    if tensor.numel():
+                        comm.recv(tensor.data_ptr(), _nbytes(tensor), NCCL_UINT8, peer, stream)
             finally:
                 self._nccl.groupEnd()
-        return receive
 
     def agree_max(self, ranks: tuple, value: int) -> int:
         """The largest `value` any member passed, over Gloo on the host (see the module doc)."""
@@ -174,33 +192,15 @@ class NcclCommunicator:
             except Exception:  # noqa: BLE001 -- tearing down; the next one must still go
                 pass
 
-    # --- stream ordering ------------------------------------------------------------------------
-    def _on_comm_stream(self, ranks: tuple, *tensors: torch.Tensor):
-        return _CommStreamScope(self, ranks, tensors)
-
-
-class _CommStreamScope:
-    """compute --event--> comm stream: the collective --event--> compute. No host waits."""
-
-    def __init__(self, communicator: NcclCommunicator, ranks: tuple, tensors):
-        self.communicator, self.ranks, self.tensors = communicator, ranks, tensors
-
-    def __enter__(self):
-        self.compute = torch.cuda.current_stream()
-        inputs_ready = torch.cuda.Event()
-        inputs_ready.record(self.compute)
-        stream = self.communicator.stream
-        stream.wait_event(inputs_ready)
-        return self.communicator.group(self.ranks), stream.cuda_stream
-
-    def __exit__(self, *failure) -> None:
-        stream = self.communicator.stream
-        for tensor in self.tensors:
-            tensor.record_stream(stream)
+    @contextlib.contextmanager
+    def _enqueue(self, ranks: tuple):
+        """(communicator, current stream handle) for one NCCL call; afterwards an event on that
+        stream lets the watchdog see whether the call finishes in time."""
+        stream = torch.cuda.current_stream()
+        yield self.group(ranks), stream.cuda_stream
         done = torch.cuda.Event()
         done.record(stream)
-        self.compute.wait_event(done)
-        self.communicator._watchdog.track(done, self.ranks)
+        self._watchdog.track(done, ranks)
 
 
 def _reduction(tensor: torch.Tensor, reduce_op: str) -> tuple[int, int]:

@@ -42,9 +42,10 @@ class Worker:
         self.next_seq = start_seq
         self.tensors: dict[int, torch.Tensor] = {}
         self.poisoned: dict[int, int] = {}          # tensor id -> seq of the command that failed
+        self.in_flight: dict[int, object] = {}      # tensor id -> event of the communication making it
         self.meshes: dict[int, DeviceMesh] = {}
         self.private: dict[int, list] = {}          # command seq -> raw frames sent to this rank
-        self.outgoing: list = []                    # (HostCopy, header) replies waiting on a device copy
+        self.outgoing: list = []                    # (HostCopy, header) replies waiting on the device
         self.running = True
         self._handlers = {cls: getattr(self, wire.handler_name(cls)) for cls in wire.COMMANDS}
 
@@ -96,6 +97,7 @@ class Worker:
     def _poison(self, command, origin: int) -> None:
         for tensor_id in _outputs_of(command):
             self.tensors.pop(tensor_id, None)
+            self.in_flight.pop(tensor_id, None)
             self.poisoned[tensor_id] = origin
 
     def _report(self, command, error: Exception) -> None:
@@ -111,12 +113,26 @@ class Worker:
         return mesh if mesh is not None and self.rank in mesh.ranks else None
 
     def _tensor(self, tensor_id: int) -> torch.Tensor:
+        """A tensor for the compute stream to read: if a communication still in flight makes it,
+        the compute stream waits for that first (on the device; this thread goes on)."""
+        tensor = self._held(tensor_id)
+        if self.in_flight and tensor_id in self.in_flight:
+            self.device.wait(self.in_flight.pop(tensor_id), tensor)
+        return tensor
+
+    def _held(self, tensor_id: int) -> torch.Tensor:
+        """A tensor as stored, for communication, which is ordered after compute by itself."""
         tensor = self.tensors.get(tensor_id)
         if tensor is None:
             if tensor_id in self.poisoned:
                 raise Poisoned(self.poisoned[tensor_id])
             raise KeyError(f"tensor #{tensor_id} is not on rank {self.rank} (freed, or never created)")
         return tensor
+
+    def _keep(self, tensor_id: int, tensor: torch.Tensor, done) -> None:
+        self.tensors[tensor_id] = tensor
+        if done is not None:
+            self.in_flight[tensor_id] = done
 
     def _agree_on_failure(self, ranks: tuple, source_id: int, comm=None) -> None:
         """Before collectives, every rank involved learns whether any rank's input is
@@ -188,13 +204,20 @@ class Worker:
         mesh = self._member(command.mesh_id)
         if mesh is None:
             return
-        source = self.tensors.get(command.src_id)
-        if source is None and command.src_id in self.poisoned:
-            self._stand_in(command, mesh)
+        if command.src_id not in self.tensors and command.src_id in self.poisoned:
+            if not _local_only(command.steps):
+                self.device.communicate(lambda: self._stand_in(command, mesh), ())
             raise Poisoned(self.poisoned[command.src_id])
-        source = self._tensor(command.src_id)
-        self.tensors[command.out_id] = apply_steps(source, command.shape, mesh, command.placements,
-                                                   command.steps, self.rank, self.comm)
+        if _local_only(command.steps):  # slices and partializing: compute, no stream hop
+            source = self._tensor(command.src_id)
+            self.tensors[command.out_id] = apply_steps(source, command.shape, mesh, command.placements,
+                                                       command.steps, self.rank, self.comm)
+            return
+        source = self._held(command.src_id)
+        out, done = self.device.communicate(
+            lambda: apply_steps(source, command.shape, mesh, command.placements, command.steps,
+                                self.rank, self.comm), (source,))
+        self._keep(command.out_id, out, done)
 
     def _stand_in(self, command: wire.Redistribute, mesh: DeviceMesh) -> None:
         """A poisoned input still joins its collectives, with zeros, so the peers never wait.
@@ -202,42 +225,52 @@ class Worker:
         The peers' results are then meaningless but never readable: the poison stays on this
         rank's output, a read gathers every rank's status, and a move to another mesh (where
         this rank may not be) agrees on failures first. That saves a collective per redistribute."""
-        if all(step_kind(before, after) in LOCAL_ONLY for _, before, after in command.steps):
-            return
         _, shape = _region_of(command.shape, mesh, command.placements, self.rank)
         zeros = torch.zeros(shape, dtype=wire.dtype_from_name(command.dtype), device=self.device.torch_device)
         apply_steps(zeros, command.shape, mesh, command.placements, command.steps, self.rank, self.comm)
 
     def handle_transfer(self, command: wire.Transfer) -> None:
-        """Move a tensor to another mesh: point-to-point blocks over host (Gloo) channels, so
-        it also works between a CPU mesh and a CUDA mesh."""
+        """Move a tensor to another mesh: point-to-point blocks, over NCCL between two CUDA meshes
+        and over host (Gloo) channels otherwise, so a CPU mesh and a CUDA mesh can trade too."""
         src_mesh, dst_mesh = self.meshes.get(command.src_mesh_id), self.meshes.get(command.dst_mesh_id)
-        src_ranks = src_mesh.ranks if src_mesh is not None else ()
-        involved = tuple(sorted(set(src_ranks) | set(dst_mesh.ranks if dst_mesh is not None else ())))
+        involved = tuple(sorted({r for mesh in (src_mesh, dst_mesh) if mesh is not None for r in mesh.ranks}))
         if self.rank not in involved:
             return
+        if src_mesh is None or dst_mesh is None:   # the controller re-announces meshes to late joiners
+            raise ProtocolError(f"rank {self.rank}: transfer between meshes #{command.src_mesh_id} and "
+                                f"#{command.dst_mesh_id}, and one of them was never defined here")
         self._agree_on_failure(involved, command.src_id, self.host_comm)
+        source = self._held(command.src_id) if self.rank in src_mesh.ranks else None
+        out, done = self.device.communicate(
+            lambda: self._move_blocks(command, src_mesh, dst_mesh, source, involved),
+            () if source is None else (source,))
+        if out is not None:
+            self._keep(command.out_id, out, done)
+
+    def _move_blocks(self, command: wire.Transfer, src_mesh, dst_mesh, source, involved: tuple):
+        """This rank's part of plan_transfer: copy its own blocks, post every send and receive
+        at once, then place what arrived. Returns the new local tensor, or None off dst_mesh."""
+        on_gpus = src_mesh.device_type == dst_mesh.device_type == "cuda"
+        channel, staging = (self.comm, self.device.torch_device) if on_gpus else (self.host_comm, "cpu")
         moves = plan_transfer(command.shape, src_mesh, command.src_placements, dst_mesh, command.dst_placements)
-        source = self._tensor(command.src_id) if self.rank in src_ranks else None
-        held = _region_of(command.shape, src_mesh, command.src_placements, self.rank) if source is not None else None
+        held = _region_of(command.shape, src_mesh, command.src_placements, self.rank)[0] if source is not None else None
         out, wanted = None, None
-        if dst_mesh is not None and self.rank in dst_mesh.ranks:
-            wanted = _region_of(command.shape, dst_mesh, command.dst_placements, self.rank)
-            out = torch.empty(wanted[1], dtype=wire.dtype_from_name(command.dtype),
+        if self.rank in dst_mesh.ranks:
+            wanted, local_shape = _region_of(command.shape, dst_mesh, command.dst_placements, self.rank)
+            out = torch.empty(local_shape, dtype=wire.dtype_from_name(command.dtype),
                               device=self.device.torch_device)
         sends, receives = [], []
         for sender, receiver, offset, box in moves:
             if sender == self.rank and receiver == self.rank:
-                _block(out, wanted[0], offset, box).copy_(_block(source, held[0], offset, box))
+                _block(out, wanted, offset, box).copy_(_block(source, held, offset, box))
             elif sender == self.rank:
-                sends.append((receiver, _block(source, held[0], offset, box).contiguous().cpu()))
+                sends.append((receiver, _block(source, held, offset, box).contiguous().to(staging)))
             elif receiver == self.rank:
-                receives.append((sender, torch.empty(box, dtype=out.dtype), offset, box))
-        self.host_comm.exchange(involved, sends, [(peer, buffer) for peer, buffer, _, _ in receives])
+                receives.append((sender, torch.empty(box, dtype=out.dtype, device=staging), offset, box))
+        channel.exchange(involved, sends, [(peer, buffer) for peer, buffer, _, _ in receives])
         for _, buffer, offset, box in receives:
-            _block(out, wanted[0], offset, box).copy_(buffer)
-        if out is not None:
-            self.tensors[command.out_id] = out
+            _block(out, wanted, offset, box).copy_(buffer)
+        return out
 
     def handle_fetch(self, command: wire.Fetch) -> None:
         mesh = self._member(command.mesh_id)
@@ -249,7 +282,7 @@ class Worker:
             status, frames = ("missing", -1), []
         elif self.rank in command.senders:
             # The reply leaves when the device-to-host copy is done, without stalling this loop.
-            self.outgoing.append((self.device.to_host(self.tensors[command.tensor_id]),
+            self.outgoing.append((self.device.to_host(self._tensor(command.tensor_id)),
                                   wire.header(Kind.REPLY, command.seq, self.rank, "ok", -1)))
             self._send_ready()
             return
@@ -262,6 +295,9 @@ class Worker:
         for copy, header in self.outgoing:
             if not copy.ready():
                 waiting.append((copy, header))
+                continue
+            if copy.tensor is None:   # a fence: the reply carries no bytes
+                self.sockets.send([header])
                 continue
             try:
                 frame = wire.tensor_frame(copy.tensor)
@@ -277,9 +313,12 @@ class Worker:
         for tensor_id in command.ids:
             self.tensors.pop(tensor_id, None)
             self.poisoned.pop(tensor_id, None)
+            self.in_flight.pop(tensor_id, None)
 
     def handle_sync(self, command: wire.Sync) -> None:
-        self.sockets.send([wire.header(Kind.REPLY, command.seq, self.rank, "ok", -1)])
+        """Reply once the device has run everything before this command (at once on CPU)."""
+        self.outgoing.append((self.device.fence(), wire.header(Kind.REPLY, command.seq, self.rank, "ok", -1)))
+        self._send_ready()
 
     def handle_shutdown(self, command: wire.Shutdown) -> None:
         self.running = False
@@ -289,6 +328,10 @@ def _outputs_of(command) -> tuple:
     if hasattr(command, "out_ids"):
         return command.out_ids
     return (command.out_id,) if hasattr(command, "out_id") else ()
+
+
+def _local_only(steps) -> bool:
+    return all(step_kind(before, after) in LOCAL_ONLY for _, before, after in steps)
 
 
 def _region_of(shape, mesh: DeviceMesh, placements, rank: int):
