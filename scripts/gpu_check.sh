@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: one command on a machine with one or more GPUs, torch and cupy installed.
 #   scripts/gpu_check.sh            (report: $OUT/gpu_report.md, or ./gpu_report.md)
-# Installs wheels from .whl/ when present (no network needed), prints versions and nvidia-smi,
+# Installs what python lacks from .whl/ (scripts/gpu_wheels.sh; no network needed), prints versions and nvidia-smi,
 # runs tests/test_cuda.py twice (as is, then with NCCL forced on for one-rank groups so a single
 # GPU exercises the NCCL path end to end), the mixed CPU/CUDA test, and the GPU dispatch
 # benchmark. Each step has its own time limit; the whole script stays under 10 minutes.
@@ -11,8 +11,17 @@ REPORT="${OUT:-.}/gpu_report.md"
 LOG="${OUT:-.}/gpu_check.log"
 : > "$LOG"
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> "$LOG" 2>&1
+# Install only what this python lacks (the machine's own torch and cupy stay), from .whl/
+# (scripts/gpu_wheels.sh fills it), into /tmp/site: no network, nothing system-wide.
+MISSING=$(python3 -c '
+import importlib.util
+need = {"zmq": "pyzmq", "msgpack": "msgpack", "pytest": "pytest", "pytest_timeout": "pytest-timeout",
+        "pytest_asyncio": "pytest-asyncio"}
+print(" ".join(package for module, package in need.items() if importlib.util.find_spec(module) is None))')
+if [ -n "$MISSING" ]; then
+    echo "installing from .whl/: $MISSING" >> "$LOG"
+    python3 -m pip install -q --no-index --find-links .whl --target /tmp/site $MISSING >> "$LOG" 2>&1 \
+        || echo "could not install $MISSING from .whl/ (run scripts/gpu_wheels.sh first)" >> "$LOG"
     export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
