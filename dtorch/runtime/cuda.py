@@ -114,6 +114,9 @@ class CudaDevice:
     def __init__(self, name: str):
         index = torch.device(name).index or 0
         count = torch.cuda.device_count()
+        if count == 0:
+            raise StartupError(f"this worker was assigned {name}, but torch {torch.__version__} on this "
+                               f"host sees no GPU (CUDA {torch.version.cuda}): run 'cuda' meshes on GPU hosts")
         if index >= count:
             raise StartupError(f"this worker was assigned {name}, but torch on this host sees "
                                f"{count} GPU(s): give the host at most {count} slots in the hostfile")

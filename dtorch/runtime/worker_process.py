@@ -93,21 +93,33 @@ def _gloo_host(config: dict) -> str:
         return probe.getsockname()[0]
 
 
+def _fail_start(rank: int, error: BaseException) -> None:
+    """Leave with the reason as the last line of stderr, which the launcher quotes. A normal
+    interpreter exit would wait on the stdin-watch thread's lock and die with a fatal error."""
+    traceback.print_exc()
+    reason = str(error) if isinstance(error, SystemExit) else f"{type(error).__name__}: {error}"
+    print(f"dtorch worker {rank} cannot start: {reason}", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
 def main() -> None:
     config = json.loads(sys.stdin.readline())
     _exit_when_stdin_closes()
     torch.set_num_threads(max(1, int(config.get("threads", 1))))
     rank = config["rank"]
     topics = [wire.TOPIC_ALL, wire.TOPIC_PROBE, wire.topic_for_rank(rank)]
-    # The device first: a host without a GPU or without cupy fails here, before registering,
-    # and the controller reports it as a failed start naming the host.
-    device = make_device(config["device"])
-    sockets = WorkerSockets(config["command_address"], config["reply_address"], rank, topics, config.get("curve"))
-    start_seq, store_address, gloo_timeout = _register(sockets, config)
-    threading.Thread(target=_heartbeat, args=(sockets, rank, config.get("controller_timeout", 6.0)),
-                     name="heartbeat", daemon=True).start()
-    comm = device.communicator(store_address, rank, _gloo_host(config), gloo_timeout)
-    host_comm = comm if isinstance(comm, GlooCommunicator) else comm.host
+    try:
+        # The device first: a host without a GPU or without cupy fails here, before registering,
+        # and the controller reports it as a failed start naming the host and this reason.
+        device = make_device(config["device"])
+        sockets = WorkerSockets(config["command_address"], config["reply_address"], rank, topics, config.get("curve"))
+        start_seq, store_address, gloo_timeout = _register(sockets, config)
+        threading.Thread(target=_heartbeat, args=(sockets, rank, config.get("controller_timeout", 6.0)),
+                         name="heartbeat", daemon=True).start()
+        comm = device.communicator(store_address, rank, _gloo_host(config), gloo_timeout)
+        host_comm = comm if isinstance(comm, GlooCommunicator) else comm.host
+    except (Exception, SystemExit) as error:
+        _fail_start(rank, error)
     worker = Worker(rank, sockets, comm, device, start_seq, host_comm)
     exit_code = 0
     try:

@@ -4,7 +4,7 @@ Prints ``WORKERS <json>`` (rank, host, pid of every worker), checks an op and a 
 against torch, then either shuts down and prints OK, or (with --wait) waits on stdin for a test
 to kill it, or (with --lose) waits for one stdin line — the test kills a remote worker meanwhile —
 and prints ``LOST <seconds> <message>`` for the read that follows. A failed start prints
-``STARTUP <seconds> <message>``.
+``STARTUP <seconds> <message>``. With --cuda the mesh is a "cuda" mesh (one GPU per slot).
 """
 import json
 import sys
@@ -19,7 +19,7 @@ from dtorch import Replicate, Shard, init_device_mesh
 def main() -> None:
     started = time.monotonic()
     try:
-        mesh = init_device_mesh("cpu", (2,))
+        mesh = init_device_mesh("cuda" if "--cuda" in sys.argv else "cpu", (2,))
     except dtorch.StartupError as error:
         print(f"STARTUP {time.monotonic() - started:.1f} {error}", flush=True)
         return

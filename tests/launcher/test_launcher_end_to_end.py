@@ -4,6 +4,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from launch_helpers import (launch_mesh_script, read_tagged_line, ssh_server_address, stop_controller,
                             wait_gone)
@@ -57,6 +58,22 @@ def test_a_host_dying_mid_run_is_reported_within_seconds(sshd_hosts, tmp_path):
         assert controller.wait(20) == 0, stderr_path.read_text()
     finally:
         stop_controller(controller, pids)
+
+
+def test_a_cuda_slot_on_a_host_without_a_gpu_fails_the_start_naming_it(sshd_hosts, tmp_path):
+    """The controller cannot see remote GPUs; each worker checks its own before it registers,
+    and the start fails with the worker's reason and its host."""
+    if torch.cuda.device_count():
+        pytest.skip("this host has a GPU: the remote workers would start")
+    controller, stderr_path = launch_mesh_script(sshd_hosts.ssh_config, ["host-a", "host-b"], tmp_path, "--cuda")
+    try:
+        seconds, message = read_tagged_line(controller.stdout, "STARTUP ", stderr_path).split(" ", 1)
+        assert float(seconds) < 30, message
+        assert "host-a" in message or "host-b" in message, message
+        assert "cannot start" in message and "sees no GPU" in message, message
+        assert controller.wait(20) == 0, stderr_path.read_text()
+    finally:
+        stop_controller(controller, [])
 
 
 def test_an_unreachable_host_fails_the_start_naming_it(sshd_hosts, tmp_path):
