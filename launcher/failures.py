@@ -13,6 +13,7 @@ __all__ = ["explain_ssh_failure"]
 
 SSH_FAILED = 255     # ssh's own exit code for connection and authentication failures
 NOT_FOUND = 127      # POSIX shells' exit code for "command not found"
+WORKER_CANNOT_START = 2   # dtorch.runtime.worker_process._fail_start
 
 
 class _Cause(NamedTuple):
@@ -22,6 +23,9 @@ class _Cause(NamedTuple):
 
 
 _CAUSES = (
+    # The worker ran and said why it cannot start (no GPU for its slot, no cupy, ...); its
+    # traceback may hold any text below, e.g. "No module named 'cupy'", so this row comes first.
+    _Cause(r"dtorch worker \d+ cannot start: ", WORKER_CANNOT_START, "on {host}: {detail}"),
     _Cause(r"Could not resolve hostname", SSH_FAILED,
            "cannot resolve host name {host!r}: check the hostfile and ~/.ssh/config"),
     _Cause(r"Connection refused", SSH_FAILED,

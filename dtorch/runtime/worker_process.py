@@ -35,6 +35,7 @@ def _exit_when_stdin_closes() -> None:
     threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
 
 
+EXIT_CANNOT_START = 2   # launcher/failures.py quotes the last stderr line of a worker leaving so
 _stopping = threading.Event()   # set before the sockets close, so the heartbeat thread goes quietly
 
 
@@ -99,7 +100,7 @@ def _fail_start(rank: int, error: BaseException) -> None:
     traceback.print_exc()
     reason = str(error) if isinstance(error, SystemExit) else f"{type(error).__name__}: {error}"
     print(f"dtorch worker {rank} cannot start: {reason}", file=sys.stderr, flush=True)
-    os._exit(2)
+    os._exit(EXIT_CANNOT_START)
 
 
 def main() -> None:

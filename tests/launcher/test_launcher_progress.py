@@ -79,6 +79,9 @@ def test_more_workers_than_slots_is_an_error():
     (3, "Traceback (most recent call last):\n  ...\nRuntimeError: boom",
      "worker on node2 exited with code 3: RuntimeError: boom"),
     (-9, "", "worker on node2 was killed by signal 9"),
+    (2, "Traceback (most recent call last):\nModuleNotFoundError: No module named 'cupy'\n\nThe above ...\n"
+        "dtorch worker 3 cannot start: ImportError: 'cuda' meshes use cupy's NCCL, and cupy is not installed",
+     "on node2: dtorch worker 3 cannot start: ImportError: 'cuda' meshes use cupy"),
 ])
 def test_explain_ssh_failure(code, stderr, expected):
     assert expected in explain_ssh_failure("node2", code, stderr, python="/opt/py")
