@@ -146,7 +146,7 @@ def test_nccl_with_one_rank_in_this_process():
                 value = (torch.arange(12, device="cuda").reshape(3, 4) % 5).to(dtype)
                 assert torch.equal(comm.all_reduce((0,), value.clone(), "max"), value)
                 assert torch.equal(comm.all_gather((0,), value)[0], value)
-                assert torch.equal(comm.reduce_scatter((0,), [value], "sum"), value)
+                assert torch.equal(comm.reduce_scatter((0,), value.unsqueeze(0), "sum"), value)
                 assert torch.equal(comm.all_to_all((0,), value.unsqueeze(0))[0], value)
             assert torch.equal(comm.all_reduce((0,), torch.full((5,), 3.0, device="cuda"), "avg"),
                                torch.full((5,), 3.0, device="cuda"))

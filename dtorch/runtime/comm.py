@@ -45,16 +45,21 @@ class GlooCommunicator:
             tensor /= len(ranks)
         return tensor
 
-    def all_gather(self, ranks: tuple, tensor: torch.Tensor) -> list[torch.Tensor]:
-        outputs = [torch.empty_like(tensor) for _ in ranks]
-        self.group(ranks).allgather([outputs], [tensor]).wait()
-        return outputs
+    def all_gather(self, ranks: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        """Every member's `tensor` (same shape everywhere), stacked on a new dim 0 in one buffer."""
+        tensor = tensor.contiguous()
+        gathered = tensor.new_empty((len(ranks),) + tuple(tensor.shape))
+        # Gloo splits the output along dim 0 into one input-shaped piece per member: flat views.
+        self.group(ranks)._allgather_base(gathered.view(-1), tensor.view(-1)).wait()
+        return gathered
 
-    def reduce_scatter(self, ranks: tuple, chunks: list[torch.Tensor], reduce_op: str) -> torch.Tensor:
-        output = torch.empty_like(chunks[0])
+    def reduce_scatter(self, ranks: tuple, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        """`stacked` (contiguous) holds one equal-size piece per member on dim 0; returns this
+        member's piece reduced over all members."""
+        output = torch.empty_like(stacked[0])
         options = dist.ReduceScatterOptions()
         options.reduceOp = REDUCE_OPS[reduce_op]
-        self.group(ranks).reduce_scatter([output], [chunks], options).wait()
+        self.group(ranks).reduce_scatter([output], [list(stacked.unbind(0))], options).wait()
         if reduce_op == "avg":
             output /= len(ranks)
         return output

@@ -112,17 +112,26 @@ def _pad_to(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros(pad_shape)], dim)
 
 
-def _split_padded(tensor: torch.Tensor, dim: int, total: int, parts: int) -> list[torch.Tensor]:
-    """torch.chunk-style pieces of `dim`, each zero-padded to the first piece's size."""
+# torch.chunk pieces are full-size except at the end (a shorter last piece, then empty ones), so
+# pieces zero-padded to the first one's size and laid end to end hold the whole dim at its start:
+# splitting and joining are one reshape each, with at most one copy, and no per-piece list.
+def _stack_pieces(tensor: torch.Tensor, dim: int, total: int, parts: int) -> torch.Tensor:
+    """(parts, *piece): the torch.chunk pieces of `dim`, zero-padded to equal size, stacked."""
     chunk = chunk_bounds(total, parts, 0)[1]
     padded = _pad_to(tensor, dim, chunk * parts)
-    return [padded.narrow(dim, i * chunk, chunk).contiguous() for i in range(parts)]
+    return padded.unflatten(dim, (parts, chunk)).movedim(dim, 0).contiguous()
+
+
+def _join_pieces(stacked: torch.Tensor, dim: int, total: int) -> torch.Tensor:
+    """The inverse: pieces stacked on dim 0, laid end to end along `dim`, trimmed to `total`
+    (a view when `dim` is 0)."""
+    return stacked.movedim(0, dim).flatten(dim, dim + 1).narrow(dim, 0, total)
 
 
 def _all_gather(tensor, before, after, extents, group, index, comm):
     dim, parts, total = before.dim, len(group), extents[before.dim]
-    pieces = comm.all_gather(group, _pad_to(tensor, dim, chunk_bounds(total, parts, 0)[1]))
-    return torch.cat([p.narrow(dim, 0, chunk_bounds(total, parts, i)[1]) for i, p in enumerate(pieces)], dim)
+    gathered = comm.all_gather(group, _pad_to(tensor, dim, chunk_bounds(total, parts, 0)[1]))
+    return _join_pieces(gathered, dim, total)
 
 
 def _all_reduce(tensor, before, after, extents, group, index, comm):
@@ -135,10 +144,10 @@ def _all_reduce(tensor, before, after, extents, group, index, comm):
 
 def _reduce_scatter(tensor, before, after, extents, group, index, comm):
     dim, parts, total = after.dim, len(group), extents[after.dim]
-    mine = comm.reduce_scatter(group, _split_padded(tensor, dim, total, parts), before.reduce_op)
+    mine = comm.reduce_scatter(group, _stack_pieces(tensor, dim, total, parts), before.reduce_op)
     if _drops_nan(tensor, before.reduce_op):
         nan = torch.isnan(tensor).to(torch.uint8)
-        seen = comm.reduce_scatter(group, _split_padded(nan, dim, total, parts), "max")
+        seen = comm.reduce_scatter(group, _stack_pieces(nan, dim, total, parts), "max")
         mine = mine.masked_fill(seen.bool(), float("nan"))
     return mine.narrow(dim, 0, chunk_bounds(total, parts, index)[1])
 
@@ -154,11 +163,8 @@ def _all_to_all(tensor, before, after, extents, group, index, comm):
     src, dst, parts = before.dim, after.dim, len(group)
     src_total, dst_total = extents[src], extents[dst]
     padded = _pad_to(tensor, src, chunk_bounds(src_total, parts, 0)[1])
-    received = comm.all_to_all(group, torch.stack(_split_padded(padded, dst, dst_total, parts)))
-    my_length = chunk_bounds(dst_total, parts, index)[1]
-    kept = [received[s].narrow(src, 0, chunk_bounds(src_total, parts, s)[1]).narrow(dst, 0, my_length)
-            for s in range(parts)]
-    return torch.cat(kept, src)
+    received = comm.all_to_all(group, _stack_pieces(padded, dst, dst_total, parts))
+    return _join_pieces(received, src, src_total).narrow(dst, 0, chunk_bounds(dst_total, parts, index)[1])
 
 
 def _slice(tensor, before, after, extents, group, index, comm):

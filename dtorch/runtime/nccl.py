@@ -118,23 +118,26 @@ class NcclCommunicator:
             tensor /= len(ranks)
         return tensor
 
-    def all_gather(self, ranks: tuple, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather(self, ranks: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        """Every member's `tensor` (same shape everywhere), stacked on a new dim 0 in one buffer."""
         tensor = tensor.contiguous()
-        if self._skips(ranks, tensor):
-            return [tensor.clone() for _ in ranks]
         gathered = tensor.new_empty((len(ranks),) + tuple(tensor.shape))
+        if self._skips(ranks, tensor):
+            return gathered.copy_(tensor.expand_as(gathered))
         with self._enqueue(ranks) as (comm, stream):
             comm.allGather(tensor.data_ptr(), gathered.data_ptr(), _nbytes(tensor), NCCL_UINT8, stream)
-        return list(gathered.unbind(0))
+        return gathered
 
-    def reduce_scatter(self, ranks: tuple, chunks: list[torch.Tensor], reduce_op: str) -> torch.Tensor:
-        if self._skips(ranks, chunks[0]):
-            return chunks[0].clone(memory_format=torch.contiguous_format)
-        send = torch.stack(chunks)
-        output = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
+    def reduce_scatter(self, ranks: tuple, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        """`stacked` holds one equal-size piece per member on dim 0; returns this member's piece
+        reduced over all members."""
+        stacked = stacked.contiguous()
+        if self._skips(ranks, stacked):
+            return stacked[0].clone()
+        output = torch.empty_like(stacked[0])
         kind, op = _reduction(output, reduce_op)
         with self._enqueue(ranks) as (comm, stream):
-            comm.reduceScatter(send.data_ptr(), output.data_ptr(), output.numel(), kind, op, stream)
+            comm.reduceScatter(stacked.data_ptr(), output.data_ptr(), output.numel(), kind, op, stream)
         if reduce_op == "avg":
             output /= len(ranks)
         return output
