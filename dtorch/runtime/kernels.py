@@ -84,16 +84,69 @@ def partial_identity(values: torch.Tensor, reduce_op: str, keep: bool) -> torch.
 # --- redistribute steps ---------------------------------------------------------------------
 def apply_steps(tensor: torch.Tensor, shape, mesh: DeviceMesh, placements, steps, rank: int,
                 comm) -> torch.Tensor:
-    """Run redistribute steps (mesh_dim, before, after) in order on this rank's shard."""
+    """Run redistribute steps (mesh_dim, before, after) in order on this rank's shard.
+
+    A step that fails here but not on the peers (out of memory while padding, say) must not
+    leave them waiting in its collective or a later one: this rank goes on with zeros through
+    every collective it still owes, then raises. Its output is poisoned, so the peers' results,
+    computed with those zeros, can never be read (see Worker._stand_in)."""
     coordinate = mesh.coordinate_of(rank)
     placements = list(placements)
+    failure = None
     for mesh_dim, before, after in steps:
-        kind = step_kind(before, after)
-        group = mesh.group_along(rank, mesh_dim)
-        extents = _group_extents(shape, mesh, placements, coordinate, mesh_dim)
-        tensor = _STEPS[kind](tensor, before, after, extents, group, coordinate[mesh_dim], comm)
+        step = _STEPS[step_kind(before, after)]
+        arguments = (before, after, _group_extents(shape, mesh, placements, coordinate, mesh_dim),
+                     mesh.group_along(rank, mesh_dim), coordinate[mesh_dim])
+        if failure is None:
+            counted = _CountingComm(comm)
+            try:
+                tensor = step(tensor, *arguments, counted)
+            except Exception as error:
+                failure = error
+                owed = _collectives_of(step, before, tensor) - counted.calls
+                if counted.broken or (counted.calls and owed):
+                    raise   # communication itself failed, or a step is half done: no way to finish it
+                if owed:    # nothing issued yet: join this step's collectives with zeros
+                    step(_zeros_of(tensor, shape, mesh, placements, coordinate), *arguments, comm)
+        else:
+            step(_zeros_of(tensor, shape, mesh, placements, coordinate), *arguments, comm)
         placements[mesh_dim] = after
+    if failure is not None:
+        raise failure
     return tensor
+
+
+class _CountingComm:
+    """The communicator, counting the collectives a step has issued and whether one raised."""
+
+    def __init__(self, comm):
+        self.comm, self.calls, self.broken = comm, 0, False
+
+    def __getattr__(self, name):
+        method = getattr(self.comm, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            try:
+                return method(*args, **kwargs)
+            except Exception:
+                self.broken = True
+                raise
+        return counted
+
+
+def _collectives_of(step, before, tensor: torch.Tensor) -> int:
+    if step in (_slice, _partialize):
+        return 0
+    if step in (_all_reduce, _reduce_scatter) and _drops_nan(tensor, before.reduce_op):
+        return 2
+    return 1
+
+
+def _zeros_of(tensor: torch.Tensor, shape, mesh, placements, coordinate) -> torch.Tensor:
+    """Zeros shaped like this rank's block under `placements` (what a step expects)."""
+    return torch.zeros(local_region(shape, mesh, placements, coordinate)[1], dtype=tensor.dtype,
+                       device=tensor.device)
 
 
 def _group_extents(shape, mesh, placements, coordinate, mesh_dim) -> list[int]:
@@ -135,20 +188,21 @@ def _all_gather(tensor, before, after, extents, group, index, comm):
 
 
 def _all_reduce(tensor, before, after, extents, group, index, comm):
+    nan = torch.isnan(tensor).to(torch.uint8) if _drops_nan(tensor, before.reduce_op) else None
     reduced = comm.all_reduce(group, tensor.clone(memory_format=torch.contiguous_format), before.reduce_op)
-    if _drops_nan(tensor, before.reduce_op):
-        seen = comm.all_reduce(group, torch.isnan(tensor).to(torch.uint8), "max")
-        reduced = reduced.masked_fill(seen.bool(), float("nan"))
+    if nan is not None:   # (the mask is made first: nothing but collectives between the two)
+        reduced = reduced.masked_fill(comm.all_reduce(group, nan, "max").bool(), float("nan"))
     return reduced
 
 
 def _reduce_scatter(tensor, before, after, extents, group, index, comm):
     dim, parts, total = after.dim, len(group), extents[after.dim]
-    mine = comm.reduce_scatter(group, _stack_pieces(tensor, dim, total, parts), before.reduce_op)
+    nan = None
     if _drops_nan(tensor, before.reduce_op):
-        nan = torch.isnan(tensor).to(torch.uint8)
-        seen = comm.reduce_scatter(group, _stack_pieces(nan, dim, total, parts), "max")
-        mine = mine.masked_fill(seen.bool(), float("nan"))
+        nan = _stack_pieces(torch.isnan(tensor).to(torch.uint8), dim, total, parts)
+    mine = comm.reduce_scatter(group, _stack_pieces(tensor, dim, total, parts), before.reduce_op)
+    if nan is not None:   # (the mask is made first: nothing but collectives between the two)
+        mine = mine.masked_fill(comm.reduce_scatter(group, nan, "max").bool(), float("nan"))
     return mine.narrow(dim, 0, chunk_bounds(total, parts, index)[1])
 
 
