@@ -143,7 +143,8 @@ class CudaDevice:
         issued.record(self.compute_stream)
         self.comm_stream.wait_event(issued)
         for tensor in inputs:
-            tensor.record_stream(self.comm_stream)
+            if tensor.is_cuda:
+                tensor.record_stream(self.comm_stream)
         with torch.cuda.stream(self.comm_stream):
             result = work()
         done = torch.cuda.Event()
@@ -154,7 +155,8 @@ class CudaDevice:
         """The compute stream reads `tensor` (made on the communication stream) after `done`;
         recording it there keeps its block from reuse until compute is done with it too."""
         self.compute_stream.wait_event(done)
-        tensor.record_stream(self.compute_stream)
+        if tensor.is_cuda:
+            tensor.record_stream(self.compute_stream)
 
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
         """Start a copy into pinned memory on the compute stream; ready when its event is."""

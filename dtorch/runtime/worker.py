@@ -204,15 +204,14 @@ class Worker:
         mesh = self._member(command.mesh_id)
         if mesh is None:
             return
-        if command.src_id not in self.tensors and command.src_id in self.poisoned:
-            if not _local_only(command.steps):
-                self.device.communicate(lambda: self._stand_in(command, mesh), ())
-            raise Poisoned(self.poisoned[command.src_id])
         if _local_only(command.steps):  # slices and partializing: compute, no stream hop
             source = self._tensor(command.src_id)
             self.tensors[command.out_id] = apply_steps(source, command.shape, mesh, command.placements,
                                                        command.steps, self.rank, self.comm)
             return
+        if command.src_id not in self.tensors and command.src_id in self.poisoned:
+            self.device.communicate(lambda: self._stand_in(command, mesh), ())
+            raise Poisoned(self.poisoned[command.src_id])
         source = self._held(command.src_id)
         out, done = self.device.communicate(
             lambda: apply_steps(source, command.shape, mesh, command.placements, command.steps,
