@@ -24,7 +24,10 @@ if [ -n "$MISSING" ]; then
         || echo "could not install $MISSING from .whl/ (run scripts/gpu_wheels.sh first)" >> "$LOG"
     export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+# dtorch from this tree without installing it (no build tools needed): the repository root for
+# `dtorch`, and a link for `dtorch_launcher`, which pyproject maps from launcher/.
+mkdir -p /tmp/site && ln -sfn "$PWD/launcher" /tmp/site/dtorch_launcher
+export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}"
 
 step() {  # step TITLE SECONDS COMMAND...: run, log everything, put the tail in the report
     local title="$1" limit="$2"; shift 2
