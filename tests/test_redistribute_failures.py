@@ -1,4 +1,5 @@
-"""A redistribute step that fails on one rank only must not leave its peers in a collective.
+"""A redistribute step or a move between meshes that fails on one rank only must not leave its
+peers in a collective, nor let a receiver keep blocks a failed sender never filled.
 
 Two real Workers (threads of this process, real Gloo over a TCPStore) run the same commands; an
 injected MemoryError hits one rank's local work before or after a collective, as running out of
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from dtorch.distributed_spec import Partial, Replicate, Shard
 from dtorch.runtime import kernels
+from dtorch.runtime import worker as worker_module
 from dtorch.runtime import protocol as wire
 from dtorch.runtime.comm import GlooCommunicator
 from dtorch.runtime.devices import CpuDevice
@@ -57,16 +59,16 @@ COMMANDS = [(wire.DefineMesh, 0, "cpu", (2,), (0, 1)),
             (wire.Redistribute, 2, 1, 0, (6, 4), "float32", (Shard(0),), STEPS)]
 
 
-def fail_on_rank1(monkeypatch, name: str):
-    """The first call of kernels.`name` on rank 1 raises, as an allocation running out would."""
-    real, failed = getattr(kernels, name), []
+def fail_on(monkeypatch, module, name: str, rank: int = 1):
+    """The first call of module.`name` on `rank` raises, as an allocation running out would."""
+    real, failed = getattr(module, name), []
 
     def failing(*args):
-        if threading.current_thread().name == "rank1" and not failed:
+        if threading.current_thread().name == f"rank{rank}" and not failed:
             failed.append(name)
             raise MemoryError(f"injected: out of memory in {name}")
         return real(*args)
-    monkeypatch.setattr(kernels, name, failing)
+    monkeypatch.setattr(module, name, failing)
 
 
 def test_both_ranks_finish_without_a_failure():
@@ -77,10 +79,38 @@ def test_both_ranks_finish_without_a_failure():
 
 @pytest.mark.parametrize("where", ["_pad_to", "_join_pieces"], ids=["before its collective", "after it"])
 def test_a_step_failing_on_one_rank_leaves_the_peer_free(monkeypatch, where):
-    fail_on_rank1(monkeypatch, where)
+    fail_on(monkeypatch, kernels, where)
     healthy, failed = run_on_two_ranks(COMMANDS)
     assert not healthy.sockets.sent, healthy.sockets.sent     # rank 0 finished without an error
     assert 2 in healthy.tensors and 2 not in healthy.poisoned
     assert failed.poisoned.get(2) == 2 and 2 not in failed.tensors
     kind, seq, rank, op, error_type, message = failed.sockets.sent[-1][1:7]
     assert (kind, seq, rank, error_type) == (wire.Kind.ERROR, 2, 1, "MemoryError") and where in message
+
+
+# Rank 0 holds the tensor on mesh #0; mesh #1 is rank 1 alone: a move between pipeline stages.
+MOVE = [(wire.DefineMesh, 0, "cpu", (1,), (0,)),
+        (wire.DefineMesh, 1, "cpu", (1,), (1,)),
+        (wire.Factory, 1, 0, "full", (6, 4), "float32", (Shard(0),), (3.0,)),
+        (wire.Transfer, 2, 1, 0, 1, (6, 4), "float32", (Shard(0),), (Shard(1),))]
+
+
+def test_a_move_between_meshes_without_a_failure():
+    sender, receiver = run_on_two_ranks(MOVE)
+    assert torch.equal(receiver.tensors[2], torch.full((6, 4), 3.0))
+    assert not sender.sockets.sent and not receiver.sockets.sent and 2 not in sender.tensors
+
+
+@pytest.mark.parametrize("failing", [0, 1], ids=["the sender fails", "the receiver fails"])
+def test_a_move_failing_on_one_rank_poisons_the_result_and_frees_the_peer(monkeypatch, failing):
+    """A sender failing while cutting its blocks still sends (zeros), and the receiver, on another
+    mesh, must not keep them: the agreement after the move poisons its result with the move's seq,
+    whose error the failing rank reports."""
+    fail_on(monkeypatch, worker_module, "_block", rank=failing)
+    workers = run_on_two_ranks(MOVE)
+    failed, healthy = workers[failing], workers[1 - failing]
+    assert not healthy.sockets.sent, healthy.sockets.sent
+    assert 2 not in healthy.tensors and 2 not in failed.tensors
+    assert workers[1].poisoned.get(2) == 3                      # the receiver's output: the move's seq
+    kind, seq, rank, op, error_type, message = failed.sockets.sent[-1][1:7]
+    assert (kind, seq, rank, error_type) == (wire.Kind.ERROR, 3, failing, "MemoryError")

@@ -134,13 +134,12 @@ class Worker:
         if done is not None:
             self.in_flight[tensor_id] = done
 
-    def _agree_on_failure(self, ranks: tuple, source_id: int, comm=None) -> None:
-        """Before collectives, every rank involved learns whether any rank's input is
-        poisoned, so all of them skip the data movement together instead of deadlocking."""
-        origin = self.poisoned.get(source_id, -1)
-        agreed = (comm or self.comm).agree_max(ranks, origin + 1) if len(ranks) > 1 else origin + 1
-        if agreed:
-            raise Poisoned(agreed - 1)
+    def _agree_on_failure(self, ranks: tuple, origin: int) -> int:
+        """The largest failure origin (a command seq) any of `ranks` passed, -1 for none, over
+        the host channel. Every rank involved must call it, failed or not."""
+        if len(ranks) == 1:
+            return origin
+        return self.host_comm.agree_max(ranks, origin + 1) - 1
 
     # --- handlers: one per command ---------------------------------------------------------------
     def handle_define_mesh(self, command: wire.DefineMesh) -> None:
@@ -230,7 +229,12 @@ class Worker:
 
     def handle_transfer(self, command: wire.Transfer) -> None:
         """Move a tensor to another mesh: point-to-point blocks, over NCCL between two CUDA meshes
-        and over host (Gloo) channels otherwise, so a CPU mesh and a CUDA mesh can trade too."""
+        and over host (Gloo) channels otherwise, so a CPU mesh and a CUDA mesh can trade too.
+
+        Every rank involved posts all its sends and receives, whatever happened to its input or
+        its part of the move (zeros stand in), so no peer waits; then one agreement over the
+        host channel poisons every output if any rank's input or part failed. A receiver thus
+        never keeps blocks that a failed sender's zeros filled in, even off the sender's mesh."""
         src_mesh, dst_mesh = self.meshes.get(command.src_mesh_id), self.meshes.get(command.dst_mesh_id)
         involved = tuple(sorted({r for mesh in (src_mesh, dst_mesh) if mesh is not None for r in mesh.ranks}))
         if self.rank not in involved:
@@ -238,38 +242,64 @@ class Worker:
         if src_mesh is None or dst_mesh is None:   # the controller re-announces meshes to late joiners
             raise ProtocolError(f"rank {self.rank}: transfer between meshes #{command.src_mesh_id} and "
                                 f"#{command.dst_mesh_id}, and one of them was never defined here")
-        self._agree_on_failure(involved, command.src_id, self.host_comm)
-        source = self._held(command.src_id) if self.rank in src_mesh.ranks else None
-        out, done = self.device.communicate(
+        source, origin, failure = None, -1, None
+        if self.rank in src_mesh.ranks:
+            try:
+                source = self._held(command.src_id)
+            except Poisoned as poisoned:
+                origin = poisoned.origin
+            except KeyError as missing:
+                failure = missing
+        (out, failed_part), done = self.device.communicate(
             lambda: self._move_blocks(command, src_mesh, dst_mesh, source, involved),
             () if source is None else (source,))
+        failure = failure or failed_part
+        agreed = self._agree_on_failure(involved, command.seq if failure is not None else origin)
+        if failure is not None:
+            raise failure
+        if agreed >= 0:
+            raise Poisoned(agreed)
         if out is not None:
             self._keep(command.out_id, out, done)
 
     def _move_blocks(self, command: wire.Transfer, src_mesh, dst_mesh, source, involved: tuple):
         """This rank's part of plan_transfer: copy its own blocks, post every send and receive
-        at once, then place what arrived. Returns the new local tensor, or None off dst_mesh."""
+        at once, then place what arrived. Returns (the new local tensor, or None off dst_mesh;
+        the exception that failed this rank's part, or None). Without a source (its input
+        failed) or after a failure, zeros are sent: the move must complete for the peers."""
         on_gpus = src_mesh.device_type == dst_mesh.device_type == "cuda"
         channel, staging = (self.comm, self.device.torch_device) if on_gpus else (self.host_comm, "cpu")
+        dtype = wire.dtype_from_name(command.dtype)
         moves = plan_transfer(command.shape, src_mesh, command.src_placements, dst_mesh, command.dst_placements)
-        held = _region_of(command.shape, src_mesh, command.src_placements, self.rank)[0] if source is not None else None
-        out, wanted = None, None
-        if self.rank in dst_mesh.ranks:
-            wanted, local_shape = _region_of(command.shape, dst_mesh, command.dst_placements, self.rank)
-            out = torch.empty(local_shape, dtype=wire.dtype_from_name(command.dtype),
-                              device=self.device.torch_device)
-        sends, receives = [], []
-        for sender, receiver, offset, box in moves:
-            if sender == self.rank and receiver == self.rank:
-                _block(out, wanted, offset, box).copy_(_block(source, held, offset, box))
-            elif sender == self.rank:
-                sends.append((receiver, _block(source, held, offset, box).contiguous().to(staging)))
-            elif receiver == self.rank:
-                receives.append((sender, torch.empty(box, dtype=out.dtype, device=staging), offset, box))
-        channel.exchange(involved, sends, [(peer, buffer) for peer, buffer, _, _ in receives])
-        for _, buffer, offset, box in receives:
-            _block(out, wanted, offset, box).copy_(buffer)
-        return out
+        outgoing = [(receiver, offset, box) for sender, receiver, offset, box in moves if sender == self.rank != receiver]
+        incoming = [(sender, offset, box) for sender, receiver, offset, box in moves if receiver == self.rank != sender]
+        out = wanted = sends = receives = failure = None
+        try:
+            if self.rank in dst_mesh.ranks:
+                wanted, local_shape = _region_of(command.shape, dst_mesh, command.dst_placements, self.rank)
+                out = torch.empty(local_shape, dtype=dtype, device=self.device.torch_device)
+            receives = [(sender, torch.empty(box, dtype=dtype, device=staging)) for sender, _, box in incoming]
+            if source is not None:
+                held = _region_of(command.shape, src_mesh, command.src_placements, self.rank)[0]
+                for sender, receiver, offset, box in moves:
+                    if sender == receiver == self.rank:
+                        _block(out, wanted, offset, box).copy_(_block(source, held, offset, box))
+                sends = [(receiver, _block(source, held, offset, box).contiguous().to(staging))
+                         for receiver, offset, box in outgoing]
+        except Exception as error:  # out of memory, say: still take part, then report it
+            failure = error
+        if sends is None:
+            sends = [(receiver, torch.zeros(box, dtype=dtype, device=staging)) for receiver, _, box in outgoing]
+        if receives is None:
+            receives = [(sender, torch.empty(box, dtype=dtype, device=staging)) for sender, _, box in incoming]
+        channel.exchange(involved, sends, receives)
+        if failure is None and out is not None:
+            try:
+                for (_, offset, box), (_, buffer) in zip(incoming, receives):
+                    _block(out, wanted, offset, box).copy_(buffer)
+            except Exception as error:
+                failure = error
+        return out, failure
 
     def handle_fetch(self, command: wire.Fetch) -> None:
         mesh = self._member(command.mesh_id)
