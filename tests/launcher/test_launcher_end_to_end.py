@@ -60,30 +60,30 @@ def test_a_host_dying_mid_run_is_reported_within_seconds(sshd_hosts, tmp_path):
         stop_controller(controller, pids)
 
 
+def start_failure(ssh_config, host_names, directory, *script_args) -> str:
+    """The STARTUP message of a launch that must fail: within 30 s, the controller then exiting 0."""
+    controller, stderr_path = launch_mesh_script(ssh_config, host_names, directory, *script_args)
+    try:
+        seconds, message = read_tagged_line(controller.stdout, "STARTUP ", stderr_path).split(" ", 1)
+        assert float(seconds) < 30, message
+        assert controller.wait(20) == 0, stderr_path.read_text()
+        return message
+    finally:
+        stop_controller(controller, [])
+
+
 def test_a_cuda_slot_on_a_host_without_a_gpu_fails_the_start_naming_it(sshd_hosts, tmp_path):
     """The controller cannot see remote GPUs; each worker checks its own before it registers,
     and the start fails with the worker's reason and its host."""
     if torch.cuda.device_count():
         pytest.skip("this host has a GPU: the remote workers would start")
-    controller, stderr_path = launch_mesh_script(sshd_hosts.ssh_config, ["host-a", "host-b"], tmp_path, "--cuda")
-    try:
-        seconds, message = read_tagged_line(controller.stdout, "STARTUP ", stderr_path).split(" ", 1)
-        assert float(seconds) < 30, message
-        assert "host-a" in message or "host-b" in message, message
-        assert "cannot start" in message and "sees no GPU" in message, message
-        assert controller.wait(20) == 0, stderr_path.read_text()
-    finally:
-        stop_controller(controller, [])
+    message = start_failure(sshd_hosts.ssh_config, ["host-a", "host-b"], tmp_path, "--cuda")
+    assert "host-a" in message or "host-b" in message, message
+    assert "cannot start" in message and "sees no GPU" in message, message
 
 
 def test_an_unreachable_host_fails_the_start_naming_it(sshd_hosts, tmp_path):
     with open(sshd_hosts.ssh_config, "a") as config:   # a host whose address nobody listens on
         config.write("\nHost host-gone\n    HostName 127.0.0.9\n    Port 9\n")
-    controller, stderr_path = launch_mesh_script(sshd_hosts.ssh_config, ["host-a", "host-gone"], tmp_path)
-    try:
-        seconds, message = read_tagged_line(controller.stdout, "STARTUP ", stderr_path).split(" ", 1)
-        assert float(seconds) < 30, message
-        assert "host-gone" in message or "127.0.0.9" in message, message
-        assert controller.wait(20) == 0, stderr_path.read_text()
-    finally:
-        stop_controller(controller, [])
+    message = start_failure(sshd_hosts.ssh_config, ["host-a", "host-gone"], tmp_path)
+    assert "host-gone" in message or "127.0.0.9" in message, message
