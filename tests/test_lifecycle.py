@@ -50,6 +50,30 @@ def test_worker_killed_mid_run_raises_naming_rank_host_pid():
         assert expected in report["outcome"], report
 
 
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="uses a cuda:0 worker failing for want of a GPU")
+def test_a_local_worker_that_cannot_start_fails_the_call_with_its_reason():
+    """Its own last line (here: a "cuda:0" device on a machine where torch sees no GPU) becomes
+    the StartupError, and the process has exited."""
+    result = run_script("""
+        import torch, dtorch
+        from dtorch.runtime import session
+        from dtorch.runtime.cluster import LocalSpawner
+        class NoGpuHere(LocalSpawner):
+            def spawn(self, rank, config):
+                return super().spawn(rank, dict(config, device="cuda:0"))
+        dtorch.init(num_workers=1)
+        session._spawner = NoGpuHere()
+        try:
+            dtorch.init(num_workers=2)
+        except dtorch.StartupError as error:
+            print("REFUSED", error)
+        dtorch.shutdown()
+    """)
+    assert result.returncode == 0, result.stderr
+    assert ("REFUSED worker rank 1 on localhost exited with code 2: dtorch worker 1 cannot start: "
+            "StartupError: this worker was assigned cuda:0") in result.stdout, result.stdout + result.stderr
+
+
 def test_controller_sigkill_stops_every_worker_within_10s():
     script = ("import dtorch, json, time; from dtorch.distributed_spec import init_device_mesh;"
               "init_device_mesh('cpu', (2,)); print(json.dumps([w['pid'] for w in dtorch.workers()]), flush=True);"

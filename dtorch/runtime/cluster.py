@@ -3,6 +3,7 @@ through dtorch_launcher's spawner. Both hand back handles with the same surface
 (rank, host, pid, poll(), wait(), kill(), terminate())."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -23,12 +24,15 @@ def worker_config(controller, rank: int, device: str, threads: int, curve: dict 
             "gloo_host": gloo_host, "controller_timeout": controller_timeout}
 
 
-def forward_lines(stream, prefix: str, sink=None, log_file=None) -> threading.Thread:
-    """Copy a worker's output line by line to the controller's stderr, prefixed with its rank."""
+def forward_lines(stream, prefix: str, sink=None, log_file=None, tail=None) -> threading.Thread:
+    """Copy a worker's output line by line to the controller's stderr, prefixed with its rank;
+    `tail` (a bounded deque) keeps the last lines, to explain a failed start."""
     def pump():
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace")
             (sink or sys.stderr).write(prefix + line)
+            if tail is not None and line.strip():
+                tail.append(line.strip())
             if log_file is not None:
                 log_file.write(line)
                 log_file.flush()
@@ -54,7 +58,17 @@ class LocalWorker:
         # The config travels on stdin; stdin then stays open: its EOF tells the worker we are gone.
         self.process.stdin.write((json.dumps(config) + "\n").encode())
         self.process.stdin.flush()
-        forward_lines(self.process.stdout, f"[rank {rank}] ")
+        self._tail: collections.deque = collections.deque(maxlen=1)
+        self._output = forward_lines(self.process.stdout, f"[rank {rank}] ", tail=self._tail)
+
+    def failure_message(self) -> str | None:
+        """Why the process exited, in one sentence (a worker that cannot start says so last)."""
+        code = self.process.poll()
+        if code is None or code == 0:
+            return None
+        self._output.join(2.0)
+        last = f": {self._tail[-1]}" if self._tail else ""
+        return f"worker rank {self.rank} on localhost exited with code {code}{last}"
 
     def poll(self):
         return self.process.poll()

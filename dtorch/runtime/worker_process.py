@@ -35,7 +35,7 @@ def _exit_when_stdin_closes() -> None:
     threading.Thread(target=watch, name="stdin-watch", daemon=True).start()
 
 
-EXIT_CANNOT_START = 2   # launcher/failures.py quotes the last stderr line of a worker leaving so
+EXIT_CANNOT_START = 2   # a worker that cannot start; launcher/failures.py quotes its last stderr line
 _stopping = threading.Event()   # set before the sockets close, so the heartbeat thread goes quietly
 
 
