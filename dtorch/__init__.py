@@ -11,8 +11,8 @@ import torch as _torch
 
 from . import distributed_spec
 from .distributed_spec import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
-from .errors import (DependencyError, DTorchError, MeshError, PlacementError, RemoteError, ShapeError,
-                     StartupError, UnsupportedOpError, WorkerLostError)
+from .errors import (DependencyError, DTorchError, MeshError, PlacementError, RemoteError, SessionEndedError,
+                     ShapeError, StartupError, UnreadFailureWarning, UnsupportedOpError, WorkerLostError)
 from .factories import (arange, empty, empty_like, eye, full, full_like, linspace, ones, ones_like, rand, rand_like,
                         randint, randn, randn_like, tensor, zeros, zeros_like)
 from .runtime import session as _session
@@ -61,5 +61,5 @@ __all__ = [
     "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
-    "DependencyError", "WorkerLostError", "StartupError", "nn",
+    "DependencyError", "WorkerLostError", "StartupError", "SessionEndedError", "UnreadFailureWarning", "nn",
 ] + sorted(n for n in _REGISTRY if n in globals())

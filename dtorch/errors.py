@@ -10,7 +10,8 @@ import sys
 
 __all__ = [
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError",
-    "RemoteError", "DependencyError", "WorkerLostError", "ProtocolError", "StartupError", "user_site", "user_frame", "format_site",
+    "RemoteError", "DependencyError", "WorkerLostError", "ProtocolError", "StartupError", "SessionEndedError",
+    "UnreadFailureWarning", "user_site", "user_frame", "format_site",
 ]
 
 
@@ -73,6 +74,15 @@ class ProtocolError(DTorchError):
 
 class StartupError(DTorchError):
     """Workers could not be started or did not register in time."""
+
+
+class SessionEndedError(DTorchError):
+    """A tensor, read or command of a session that dtorch.shutdown() (or exit) has ended.
+    Tensors never carry over to a later session: their data went with its workers."""
+
+
+class UnreadFailureWarning(RuntimeWarning):
+    """At shutdown: a command failed on a worker and no read or synchronize() ever raised it."""
 
 
 _PACKAGE_DIR = __file__.rsplit("/", 1)[0]

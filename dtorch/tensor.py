@@ -18,7 +18,7 @@ from .ops.pointwise import BINARY_OPERATORS, UNARY_OPERATORS
 from .ops.spec import TensorSpec, check_placements, tensor_spec
 from .redistribute import plan_redistribute
 from .runtime import session
-from .runtime.protocol import Redistribute, RunOp, TensorRef, Transfer, dtype_name
+from .runtime.protocol import Redistribute, RunOp, Transfer, dtype_name
 
 __all__ = ["DTensor", "call_op"]
 
@@ -260,9 +260,10 @@ def call_op(name: str, args: tuple, kwargs: dict):
     plan = cached_plan(name, args, kwargs)
     out_specs = plan.out_specs
     owner = session.current()
-    wire_args = tuple([TensorRef(a._id) if type(a) is DTensor else
-                       map_tensors(a, _ref) if type(a) in (list, tuple) else a for a in args])
-    wire_kwargs = map_tensors(kwargs, _ref) if kwargs else {}
+    ref = owner.reference   # checks each input belongs to this session (none kept from an ended one)
+    wire_args = tuple([ref(a) if type(a) is DTensor else
+                       map_tensors(a, ref) if type(a) in (list, tuple) else a for a in args])
+    wire_kwargs = map_tensors(kwargs, ref) if kwargs else {}
     if plan.extra_kwargs:
         wire_kwargs.update(plan.extra_kwargs)
     mesh_id = owner.mesh_id(out_specs[0].mesh)
@@ -274,10 +275,6 @@ def call_op(name: str, args: tuple, kwargs: dict):
     seq = owner.submit(RunOp, out_ids, mesh_id, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
     # torch's own result type: torch.return_types.max keeps .values / .indices, as in torch
     return plan.sequence([DTensor(i, spec, seq, owner) for i, spec in zip(out_ids, out_specs)])
-
-
-def _ref(tensor: "DTensor") -> TensorRef:
-    return TensorRef(tensor._id)
 
 
 def _method(op_name: str):

@@ -5,15 +5,29 @@ No default (world) process group: each group is a ProcessGroupGloo on a PrefixSt
 controller-hosted TCPStore, so the worker pool can grow without re-forming a world. Members create
 a group at the same command (they run the same commands in order), which is what Gloo's
 rendezvous needs. Tensor bytes never pass through the controller.
+
+A lost peer must not hold the survivors: Gloo has no abort, so every wait is a loop of short
+waits that checks, between them, whether the controller has marked a member lost (its key in
+the store). The command then fails on this rank, the group is dropped for good, and the worker
+goes on with its next command: meshes of surviving ranks keep working. Group creation waits for
+every member in the store the same way before Gloo's own rendezvous starts.
 """
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["GlooCommunicator", "REDUCE_OPS"]
+from ..errors import DTorchError
+from .protocol import lost_worker_key
+
+__all__ = ["GlooCommunicator", "REDUCE_OPS", "PeerLostError"]
+
+# How often a waiting collective or group creation looks for lost peers. A healthy collective
+# finishes within the first wait, so this costs nothing on the normal path.
+PEER_CHECK_S = 0.25
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -26,11 +40,17 @@ class GlooCommunicator:
         self.store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
         self.rank, self.hostname = rank, hostname
         self._groups: dict[tuple, dist.ProcessGroup] = {}
+        self._broken: dict[tuple, str] = {}
+        self._abandoned: list = []
 
     def group(self, ranks: tuple) -> dist.ProcessGroup:
         pg = self._groups.get(ranks)
         if pg is None:
-            prefix = dist.PrefixStore("gloo/" + "-".join(map(str, ranks)), self.store)
+            if ranks in self._broken:
+                raise PeerLostError(self._broken[ranks])
+            name = "-".join(map(str, ranks))
+            self._wait_for_members(name, ranks)
+            prefix = dist.PrefixStore("gloo/" + name, self.store)
             options = dist.ProcessGroupGloo._Options()
             options._timeout = self.timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.hostname)]
@@ -38,9 +58,40 @@ class GlooCommunicator:
             self._groups[ranks] = pg
         return pg
 
+    def _wait_for_members(self, name: str, ranks: tuple) -> None:
+        """Every member has reached this group's creation (Gloo's own rendezvous would wait
+        for a dead member until the timeout); the last to arrive opens the gate."""
+        arrived, gate = f"dtorch/arrived/{name}", f"dtorch/gate/{name}"
+        if self.store.add(arrived, 1) == len(ranks):
+            self.store.set(gate, b"1")
+        self._wait(ranks, lambda seconds: _poll_key(self.store, gate, seconds))
+
+    def _run(self, ranks: tuple, work) -> None:
+        self._wait(ranks, lambda seconds: _wait_work(work, seconds))
+
+    def _wait(self, ranks: tuple, finished_within) -> None:
+        """Until `finished_within(seconds)` says True; between tries, fail if the controller
+        marked a member lost or the timeout has passed."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not finished_within(PEER_CHECK_S):
+            problem = self._lost_member(ranks) or (
+                time.monotonic() > deadline and f"ranks {ranks} did not finish within {self.timeout}")
+            if problem:
+                self._broken[ranks] = problem
+                # Kept, never dropped: destroying a Gloo group (or its work) joins threads that
+                # still wait for the lost peer, which would hang this worker after all.
+                self._abandoned.append((self._groups.pop(ranks, None), finished_within))
+                raise PeerLostError(problem)
+
+    def _lost_member(self, ranks: tuple) -> str | None:
+        for peer in ranks:
+            if peer != self.rank and self.store.check([lost_worker_key(peer)]):
+                return f"peer rank {peer} of the group {ranks} is lost; this collective cannot finish"
+        return None
+
     # --- collectives over one group; every member calls the same one -------------------------
     def all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
-        self.group(ranks).allreduce([tensor], _allreduce_options(reduce_op)).wait()
+        self._run(ranks, self.group(ranks).allreduce([tensor], _allreduce_options(reduce_op)))
         if reduce_op == "avg":
             tensor /= len(ranks)
         return tensor
@@ -50,7 +101,7 @@ class GlooCommunicator:
         tensor = tensor.contiguous()
         gathered = tensor.new_empty((len(ranks),) + tuple(tensor.shape))
         # Gloo splits the output along dim 0 into one input-shaped piece per member: flat views.
-        self.group(ranks)._allgather_base(gathered.view(-1), tensor.view(-1)).wait()
+        self._run(ranks, self.group(ranks)._allgather_base(gathered.view(-1), tensor.view(-1)))
         return gathered
 
     def reduce_scatter(self, ranks: tuple, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
@@ -59,7 +110,7 @@ class GlooCommunicator:
         output = torch.empty_like(stacked[0])
         options = dist.ReduceScatterOptions()
         options.reduceOp = REDUCE_OPS[reduce_op]
-        self.group(ranks).reduce_scatter([output], [list(stacked.unbind(0))], options).wait()
+        self._run(ranks, self.group(ranks).reduce_scatter([output], [list(stacked.unbind(0))], options))
         if reduce_op == "avg":
             output /= len(ranks)
         return output
@@ -67,7 +118,7 @@ class GlooCommunicator:
     def all_to_all(self, ranks: tuple, send: torch.Tensor) -> torch.Tensor:
         """`send` stacks one equal-size piece per member on dim 0; returns the pieces received."""
         receive = torch.empty_like(send)
-        self.group(ranks).alltoall_base(receive, send, [], [], dist.AllToAllOptions()).wait()
+        self._run(ranks, self.group(ranks).alltoall_base(receive, send, [], [], dist.AllToAllOptions()))
         return receive
 
     def exchange(self, ranks: tuple, sends: list, receives: list) -> None:
@@ -77,12 +128,12 @@ class GlooCommunicator:
         works = [pg.send([tensor], ranks.index(peer), 0) for peer, tensor in sends]
         works += [pg.recv([tensor], ranks.index(peer), 0) for peer, tensor in receives]
         for work in works:
-            work.wait()
+            self._run(ranks, work)
 
     def agree_max(self, ranks: tuple, value: int) -> int:
         """The largest `value` any member passed (used to agree on failures before moving data)."""
         flag = torch.tensor([value], dtype=torch.int64)
-        self.group(ranks).allreduce([flag], _allreduce_options("max")).wait()
+        self._run(ranks, self.group(ranks).allreduce([flag], _allreduce_options("max")))
         return int(flag.item())
 
     def close(self) -> None:
@@ -92,6 +143,31 @@ class GlooCommunicator:
             except RuntimeError:
                 pass
         self._groups.clear()
+
+
+def _wait_work(work, seconds: float) -> bool:
+    try:
+        work.wait(datetime.timedelta(seconds=seconds))
+        return True
+    except RuntimeError:
+        if work.is_completed():   # it finished with an error of its own (a closed connection)
+            raise
+        return False
+
+
+def _poll_key(store, key: str, seconds: float) -> bool:
+    """Whether `key` appears within `seconds` (store.wait would log a warning per timeout)."""
+    deadline, pause = time.monotonic() + seconds, 0.0005
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+    return True
+
+
+class PeerLostError(DTorchError):
+    """A collective's peer is lost: raised on the surviving members instead of waiting."""
 
 
 def _allreduce_options(reduce_op: str) -> dist.AllreduceOptions:

@@ -19,11 +19,13 @@ import itertools
 import threading
 import time
 import traceback
+import warnings
 
 import torch.distributed as dist
 
 from ..distributed_spec import DeviceMesh, Replicate
-from ..errors import ProtocolError, StartupError, WorkerLostError, format_site, user_frame
+from ..errors import (ProtocolError, SessionEndedError, StartupError, UnreadFailureWarning, WorkerLostError,
+                      format_site, user_frame)
 from . import protocol as wire
 from .protocol import Kind
 from .reads import FetchRead, Future, RemoteFailure, SyncRead
@@ -39,6 +41,9 @@ FREE_BATCH = 16
 SITE_RING = 1 << 16          # commands whose issuing line is remembered for error messages
 WORKER_SILENCE_S = 3.0       # a worker without heartbeats this long is reported lost
 WATCH_PERIOD_S = 0.1
+# Tensor ids are unique across sessions in this process, so a tensor kept from an ended session
+# can never name a tensor of the next one, even where the ownership check is bypassed.
+_TENSOR_IDS = itertools.count(1)
 
 
 class WorkerRecord:
@@ -66,9 +71,9 @@ class Controller:
         self._published_upto = 0
         self._flush_scheduled = False   # a flush after a short idle is on its way
         self._flush_now = False         # an immediate flush (a read, a full batch) is on its way
-        self._ids = itertools.count(1)
         self._sites: list = [None] * SITE_RING
         self._mesh_ids: dict[DeviceMesh, int] = {}
+        self._lost_meshes: dict[DeviceMesh, WorkerLostError] = {}
         self._reads: dict[int, object] = {}
         self._waiting_for_failure: dict[int, list] = collections.defaultdict(list)
         self.failures: dict[int, RemoteFailure] = {}
@@ -91,6 +96,10 @@ class Controller:
     def submit(self, command_type, *fields, read=None, private=None) -> int:
         """Append one command; returns its seq. Never waits on a worker."""
         site = user_frame(skip=2)   # skip submit and whichever dtorch function called it
+        if self.closed:
+            raise SessionEndedError(f"at {format_site(site)}: this tensor or call belongs to a dtorch session "
+                                    "that has ended (dtorch.shutdown()); its data went with that session's "
+                                    "workers: build it again in the current session")
         with self._lock:
             if len(self._released) >= FREE_BATCH:
                 self._free_released()
@@ -111,6 +120,14 @@ class Controller:
                 self._loop.call_soon_threadsafe(self._flush_soon)
         return seq
 
+    def reference(self, tensor) -> wire.TensorRef:
+        """The wire reference to `tensor` as an op input; it must belong to this session."""
+        if tensor._session is not self:
+            raise SessionEndedError(f"at {format_site(user_frame(skip=1))}: an input of this call, {tensor!r}, "
+                                    "belongs to a dtorch session that has ended (dtorch.shutdown()); its "
+                                    "data went with that session's workers: build it again in this session")
+        return wire.TensorRef(tensor._id)
+
     def curve_for_worker(self) -> dict | None:
         return self.curve.for_worker() if self.curve is not None else None
 
@@ -121,11 +138,13 @@ class Controller:
         self._pending.append(wire.Free(self._next_seq, ids))
         self._next_seq += 1
 
-    def new_id(self) -> int:
-        return next(self._ids)
+    @staticmethod
+    def new_id() -> int:
+        return next(_TENSOR_IDS)
 
-    def new_ids(self, count: int) -> tuple:
-        return tuple(next(self._ids) for _ in range(count))
+    @staticmethod
+    def new_ids(count: int) -> tuple:
+        return tuple(next(_TENSOR_IDS) for _ in range(count))
 
     def release(self, tensor_id: int) -> None:
         """Called from DTensor.__del__ (any thread, any time): a lock-free append."""
@@ -134,6 +153,8 @@ class Controller:
     def mesh_id(self, mesh: DeviceMesh) -> int:
         mesh_id = self._mesh_ids.get(mesh)
         if mesh_id is None:
+            if mesh in self._lost_meshes:   # nothing is sent that would wait on a dead worker
+                raise self._lost_meshes[mesh]
             self._check_ranks(mesh)
             mesh_id = self._mesh_ids.setdefault(mesh, len(self._mesh_ids))
             self.submit(wire.DefineMesh, mesh_id, mesh.device_type, mesh.shape, mesh.ranks)
@@ -148,6 +169,9 @@ class Controller:
 
     def _check_ranks(self, mesh: DeviceMesh) -> None:
         from ..errors import MeshError
+        lost = self._lost_among(mesh.ranks)
+        if lost:
+            raise lost
         unknown = [r for r in mesh.ranks if r not in self.workers]
         if unknown:
             raise MeshError(f"{mesh} names rank(s) {unknown}, but only ranks {sorted(self.workers)} are "
@@ -228,16 +252,33 @@ class Controller:
 
     # --- shutdown -------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the workers, fail every read still pending, and warn about failures never read."""
         if self.closed:
             return
-        self.closed = True
         self.submit(wire.Shutdown)
+        self.closed = True
         deadline = time.monotonic() + timeout
         for w in self.workers.values():
             _stop(w.handle, deadline)
         self._call(self._close)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
+        self._fail_pending_reads()
+        self._warn_unread_failures()
+
+    def _fail_pending_reads(self) -> None:
+        ended = SessionEndedError("the dtorch session was shut down before this read finished")
+        for read in list(self._reads.values()):
+            read.fail(ended)
+        self._reads.clear()
+
+    def _warn_unread_failures(self) -> None:
+        # A PeerLostError only follows a lost worker, which WorkerLostError already reports.
+        unread = sorted((f for f in self.failures.values()
+                         if not f.reported and f.exception_type != "PeerLostError"), key=lambda f: f.seq)
+        for failure in unread:
+            warnings.warn(f"dtorch: a command failed and no read or synchronize() raised it before shutdown: "
+                          f"{failure.error(failure.seq)}", UnreadFailureWarning, stacklevel=3)
 
     # --- loop thread ----------------------------------------------------------------------------
     def _call(self, fn, *args):
@@ -254,6 +295,7 @@ class Controller:
 
     def _close(self) -> None:
         self._flush()   # the Shutdown command, if its idle flush has not fired yet
+        self._receive()   # errors the workers sent before they exited
         self._sockets_open = False
         self._loop.remove_reader(self.sockets.reply_fd)
         for task in self._tasks:
@@ -378,6 +420,9 @@ class Controller:
             self._registered.notify_all()
         self.store.set(wire.lost_worker_key(worker.rank), reason)
         error = WorkerLostError(worker.rank, worker.host, worker.pid, reason)
+        for mesh in [m for m in self._mesh_ids if worker.rank in m.ranks]:
+            self._lost_meshes[mesh] = error
+            del self._mesh_ids[mesh]
         for seq, read in list(self._reads.items()):
             if worker.rank in read.waiting:
                 read.fail(error)

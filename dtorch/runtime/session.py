@@ -10,7 +10,7 @@ import os
 import random
 import threading
 
-from ..errors import DTorchError, MeshError
+from ..errors import MeshError, SessionEndedError
 from .cluster import LocalSpawner, worker_config
 from .controller import Controller
 from .transport import make_curve_keys
@@ -26,7 +26,8 @@ _random = {"seed": random.SystemRandom().getrandbits(63), "counter": 0}
 def current() -> Controller:
     controller = _controller
     if controller is None:
-        raise DTorchError("no dtorch session: build a mesh with init_device_mesh(...) or call dtorch.init()")
+        raise SessionEndedError("no dtorch session (none started yet, or dtorch.shutdown() ended it): build a mesh "
+                                "with init_device_mesh(...) or call dtorch.init()")
     return controller
 
 

@@ -1,0 +1,117 @@
+"""Lifecycle edges a new user found: tensors kept past dtorch.shutdown(), reads after it, a mesh
+of survivors after a lost worker, failures nobody read. Each runs a fresh controller in a
+subprocess with a hard timeout (run_script), since they end sessions or kill workers."""
+import json
+
+from support import run_script
+
+
+def _report(result) -> dict:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_tensor_from_an_ended_session_raises_and_never_reads_the_new_sessions_data():
+    report = _report(run_script("""
+        import json, dtorch
+        from dtorch import init_device_mesh, Shard
+        mesh = init_device_mesh("cpu", (4,))
+        a = dtorch.zeros(8, 8, device_mesh=mesh, placements=[Shard(0)])
+        dtorch.shutdown()
+        mesh = init_device_mesh("cpu", (4,))
+        b = dtorch.full((8, 8), 7.0, device_mesh=mesh, placements=[Shard(0)])
+        outcomes = {}
+        for name, call in {"op": lambda: (a + 1).to_torch(), "op with a live tensor": lambda: (a + b).to_torch(),
+                           "read": lambda: a.to_torch(), "redistribute": lambda: a.redistribute(placements=[dtorch.Replicate()])}.items():
+            try:
+                outcomes[name] = repr(call())
+            except dtorch.SessionEndedError as error:
+                outcomes[name] = "SessionEndedError: " + str(error)
+        outcomes["b"] = b.to_torch().sum().item()   # the new session is unharmed
+        print(json.dumps(outcomes))
+    """))
+    assert report.pop("b") == 7.0 * 64
+    for name, outcome in report.items():
+        assert outcome.startswith("SessionEndedError"), (name, outcome)
+        assert "session that has ended" in outcome and "<string>:" in outcome, (name, outcome)
+
+
+def test_reads_after_shutdown_and_reads_pending_at_shutdown_fail_at_once():
+    report = _report(run_script("""
+        import asyncio, json, os, signal, time, dtorch
+        from dtorch import init_device_mesh, Shard
+        mesh = init_device_mesh("cpu", (2,))
+        x = dtorch.ones(4, 4, device_mesh=mesh, placements=[Shard(0)])
+        os.kill(dtorch.workers()[1]["pid"], signal.SIGSTOP)   # the read cannot finish before shutdown
+        # (shutdown kills what does not exit in time, stopped processes included)
+        pending = x.fetch()
+        dtorch.shutdown()
+        outcomes, start = {}, time.monotonic()
+        for name, call in {"pending": lambda: pending.result(10), "to_torch": x.to_torch,
+                           "fetch().result()": lambda: x.fetch().result(10),
+                           "await fetch()": lambda: asyncio.run(asyncio.wait_for(x.fetch(), 10)),
+                           "item": lambda: x.sum().item()}.items():
+            try:
+                outcomes[name] = repr(call())
+            except dtorch.SessionEndedError as error:
+                outcomes[name] = "SessionEndedError"
+        outcomes["seconds"] = time.monotonic() - start
+        print(json.dumps(outcomes))
+    """))
+    assert report.pop("seconds") < 5, report
+    assert set(report.values()) == {"SessionEndedError"}, report
+
+
+def test_a_mesh_of_survivors_works_after_a_worker_is_lost():
+    """Rank 3 is lost in two ways: killed before the next collective (the controller refuses to
+    send it) and stopped in the middle of one (the survivors are in the collective when the loss
+    is found, and must leave it). Either way ranks 0 and 1 answer on a new mesh within seconds."""
+    report = _report(run_script("""
+        import json, os, signal, threading, time, dtorch
+        from dtorch import init_device_mesh, Replicate, Shard
+        mesh = init_device_mesh("cpu", (4,))
+        x = dtorch.ones(8, 8, device_mesh=mesh, placements=[Shard(0)])
+        assert x.sum().item() == 64
+        victim = dtorch.workers()[3]["pid"]
+        os.kill(victim, signal.SIGSTOP)     # alive but silent: lost after the heartbeat timeout
+        import atexit; atexit.register(os.kill, victim, signal.SIGKILL)   # a stopped worker cannot exit by itself
+        stuck = x.sum().redistribute(placements=[Replicate()]).fetch()   # rank 3 never joins
+        outcomes, start = {}, time.monotonic()
+        try:
+            stuck.result(30)
+            outcomes["stuck"] = "a value"
+        except dtorch.WorkerLostError as error:
+            outcomes["stuck"] = "WorkerLostError"
+        outcomes["lost after"] = time.monotonic() - start
+        try:
+            (x * 2).sum().item()
+            outcomes["refused"] = "sent"
+        except dtorch.WorkerLostError as error:
+            outcomes["refused"] = "WorkerLostError"
+        start = time.monotonic()
+        survivors = init_device_mesh("cpu", (2,))
+        y = dtorch.ones(4, 4, device_mesh=survivors, placements=[Shard(0)])
+        outcomes["sum"] = y.sum().item()   # an all-reduce among ranks 0 and 1, who were in the stuck one
+        outcomes["replicated"] = (y + 1).redistribute(placements=[Replicate()]).to_torch().sum().item()
+        outcomes["survivors answered after"] = time.monotonic() - start
+        print(json.dumps(outcomes))
+    """, timeout=90))
+    assert report["stuck"] == "WorkerLostError" and report["refused"] == "WorkerLostError", report
+    assert report["lost after"] < 10, report
+    assert report["sum"] == 16 and report["replicated"] == 32, report
+    assert report["survivors answered after"] < 10, report
+
+
+def test_a_failure_nobody_read_is_reported_at_shutdown_naming_the_op_and_line():
+    result = run_script("""
+        import torch, dtorch
+        from dtorch import init_device_mesh, Shard
+        mesh = init_device_mesh("cpu", (2,))
+        n = dtorch.tensor(torch.arange(4), device_mesh=mesh, placements=[Shard(0)])
+        d = dtorch.tensor(torch.tensor([1, 1, 0, 1]), device_mesh=mesh, placements=[Shard(0)])
+        q = dtorch.div(n, d, rounding_mode="floor")   # fails on rank 1; never read
+        dtorch.shutdown()
+    """)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "UnreadFailureWarning" in result.stderr, result.stderr[-3000:]
+    assert "div failed on rank(s) [1]" in result.stderr and "<string>:7" in result.stderr, result.stderr[-3000:]
