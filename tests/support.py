@@ -27,7 +27,8 @@ def alive(pid: int) -> bool:
 def run_script(source: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run a fresh controller in its own process (for tests that kill things)."""
     return subprocess.run([sys.executable, "-c", textwrap.dedent(source)], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": REPO})
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])})
 
 
 def assert_same(actual: torch.Tensor, expected: torch.Tensor, exact: bool = False) -> None:

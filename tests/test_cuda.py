@@ -216,7 +216,7 @@ def test_cpu_and_cuda_meshes_in_one_program(mesh4, cuda1):
     assert_same((on_gpu * 2).to_torch(), value * 2)
     back = (on_gpu + 1).redistribute(device_mesh=mesh4, placements=[Shard(1)])
     assert back.device_mesh == mesh4 and back.placements == (Shard(1),)
-    assert_same((back * x.redistribute(placements=[Shard(1)])).to_torch(), (value * 2 + 1) * value)
+    assert_same((back * x.redistribute(placements=[Shard(1)])).to_torch(), (value + 1) * value)
 
 
 @pytest.mark.cuda
@@ -363,6 +363,7 @@ def test_unique_id_survives_the_store():
     raw = nccl.encode_unique_id(unique_id)
     assert isinstance(raw, bytes) and len(raw) == 128
     assert nccl.decode_unique_id(raw) == unique_id
+    assert nccl.encode_unique_id(raw) == raw   # cupy 14 hands out bytes
 
 
 def test_importing_cuda_modules_needs_no_cupy():

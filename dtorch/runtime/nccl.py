@@ -68,7 +68,10 @@ def import_nccl():
 
 
 def encode_unique_id(unique_id) -> bytes:
-    """cupy's unique id (128 C chars, signed on x86) as bytes for the store."""
+    """cupy's unique id as bytes for the store: cupy 14 gives bytes already, older cupy a tuple
+    of 128 C chars (signed on x86)."""
+    if isinstance(unique_id, (bytes, bytearray)):
+        return bytes(unique_id)
     return bytes(value & 0xFF for value in unique_id)
 
 
@@ -94,11 +97,19 @@ class NcclCommunicator:
             index = ranks.index(self.rank)
             if index == 0:
                 self.host.store.set(key, encode_unique_id(self._nccl.get_unique_id()))
-            unique_id = decode_unique_id(self.host.store.get(key))
+            raw = self.host.store.get(key)
             with self._watchdog.blocking(f"creating the NCCL communicator of ranks {ranks}"):
-                comm = self._nccl.NcclCommunicator(len(ranks), unique_id, index)
+                comm = self._create(len(ranks), raw, index)
             self._comms[ranks] = comm
         return comm
+
+    def _create(self, size: int, raw: bytes, index: int):
+        """cupy 14 takes the id as bytes; older cupy as a tuple. The type check fails before any
+        NCCL call, so trying one form and then the other is safe."""
+        try:
+            return self._nccl.NcclCommunicator(size, raw, index)
+        except TypeError:
+            return self._nccl.NcclCommunicator(size, decode_unique_id(raw), index)
 
     def _skips(self, ranks: tuple, *tensors: torch.Tensor) -> bool:
         """Nothing to call NCCL for: one rank (unless forced), or no elements, which every member
