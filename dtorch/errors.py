@@ -6,6 +6,8 @@ next read of a result that depends on them (RemoteError, DependencyError).
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 
 __all__ = [
@@ -75,15 +77,24 @@ class StartupError(DTorchError):
     """Workers could not be started or did not register in time."""
 
 
-_PACKAGE_DIR = __file__.rsplit("/", 1)[0]
+def _package_dir(name: str) -> str:
+    """The folder a package imports from, with its trailing separator (so `dtorch` does not
+    match a sibling `dtorch_examples`), found without importing the package."""
+    spec = importlib.util.find_spec(name)
+    return os.path.dirname(spec.origin) + os.sep if spec and spec.origin else "\0"
+
+
+# Frames in these folders are never the user's line: dtorch's own, and torch's, which calls
+# back into dtorch through __torch_function__ (torch/overrides.py, torch/nn/functional.py, ...).
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, _package_dir("torch"))
 
 
 def user_frame(skip: int = 0) -> tuple[str, int] | None:
-    """(file, line) of the first frame outside dtorch: the user's own line that issued a call.
-    Kept unformatted: the controller records it for every command, and formats only on error.
-    `skip`: callers known to be inside dtorch, not worth testing one by one."""
+    """(file, line) of the first frame outside dtorch and torch: the user's own line that issued
+    a call. Kept unformatted: the controller records it for every command, and formats only on
+    error. `skip`: callers known to be inside dtorch, not worth testing one by one."""
     frame = sys._getframe(1 + skip)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         frame = frame.f_back
     return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 
