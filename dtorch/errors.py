@@ -11,7 +11,7 @@ import os
 import sys
 
 __all__ = [
-    "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError",
+    "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "UnsupportedMethodError",
     "RemoteError", "DependencyError", "WorkerLostError", "ProtocolError", "StartupError", "user_site", "user_frame", "format_site",
 ]
 
@@ -34,6 +34,11 @@ class MeshError(DTorchError, ValueError):
 
 class UnsupportedOpError(DTorchError, NotImplementedError):
     """An op dtorch has no rule for (yet)."""
+
+
+class UnsupportedMethodError(UnsupportedOpError, AttributeError):
+    """A torch.Tensor method or attribute DTensor does not have (yet). Also an AttributeError, so
+    hasattr(x, name) and getattr(x, name, default) answer as they would for any missing name."""
 
 
 class RemoteError(DTorchError):
