@@ -15,6 +15,7 @@ from .errors import UnsupportedOpError
 from .ops.unsupported import (NOTES, inplace_flag_refused, item_assignment_refused, unsupported_method,
                                unsupported_op)
 from .ops import REGISTRY, cached_plan
+from .ops.conversions import to_target
 from .ops.dispatch import map_tensors
 from .ops.pointwise import BINARY_OPERATORS, UNARY_OPERATORS
 from .ops.spec import TensorSpec, check_placements, tensor_spec
@@ -184,8 +185,28 @@ class DTensor:
     def __deepcopy__(self, memo) -> "DTensor":
         return self
 
-    def to(self, dtype: torch.dtype) -> "DTensor":
-        return call_op("to_dtype", (self, dtype), {})
+    def to(self, *args, **kwargs):
+        """x.to(dtype) casts (a new DTensor). x.to("cpu"), x.to("cpu", dtype) and x.to(device="cpu")
+        are a blocking read like to_torch(): they return a torch.Tensor (torch's DTensor would
+        keep a DTensor). Another device or a mesh is refused: use redistribute(device_mesh=...)."""
+        device, dtype = to_target(args, kwargs)
+        if device is None:
+            return call_op("to_dtype", (self, dtype), {}) if dtype not in (None, self.dtype) else self
+        read = self.to_torch()
+        return read if dtype is None else read.to(dtype)
+
+    def cpu(self) -> torch.Tensor:
+        """A blocking read of the whole tensor into this process, like to_torch()."""
+        return self.to_torch()
+
+    def numpy(self):
+        """A blocking read of the whole tensor as a numpy array (to_torch().numpy())."""
+        return self.to_torch().numpy()
+
+    def __array__(self, dtype=None, copy=None):
+        """numpy.asarray(x): the same blocking read as numpy()."""
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype)
 
     def float(self) -> "DTensor":
         return self.to(torch.float32)
