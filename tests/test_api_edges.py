@@ -193,7 +193,7 @@ def rejection(op, *args, **kwargs):
 def test_legal_there_lists_concrete_placement_combinations():
     message = rejection("add", Symbol((8, 8), [Shard(0)]), Symbol((8, 8), [P]))
     legal = message.split("Legal there: ")[1].split(". Fix")[0]
-    combos = set(legal.rstrip(", …").split(", "))
+    combos = set(legal.split(", "))
     assert {"S(0)+S(0)", "R+R", "P(sum)+P(sum)", "S(1)+S(1)"} <= combos, legal
     assert "linear" not in legal and "monotone" not in legal
 
@@ -217,4 +217,4 @@ def test_fix_holds_the_other_input_and_prefers_a_free_move():
 def test_legal_there_is_bounded():
     message = rejection("add", Symbol((8, 8, 8, 8), [Shard(0)]), Symbol((8, 8, 8, 8), [P]))
     legal = message.split("Legal there: ")[1].split(". Fix")[0]
-    assert legal.count("+") <= 8 and legal.endswith("…"), legal
+    assert legal.count("+") <= 8 and legal.endswith(", … (6 more)"), legal

@@ -15,6 +15,7 @@ from ..redistribute import LOCAL_ONLY, plan_redistribute, step_kind
 from .registry import OpSpec, lookup
 from .rules import Call, TensorSlot, expand
 from .spec import TensorSpec, tensor_spec
+from .suggest import spell_placements_code
 from .unsupported import refuse_inplace_flag
 
 __all__ = ["OpPlan", "plan_call", "cached_plan", "signature", "map_tensors", "PLAN_CACHE"]
@@ -133,7 +134,8 @@ def _local_input_steps(call: Call, required: list) -> tuple:
         if any(step_kind(before, after) not in LOCAL_ONLY for _, before, after in steps):
             raise PlacementError(f"{call.op}: input {index} is {format_placements(spec.placements)} but the "
                                  f"op needs {format_placements(wanted)} on {spec.mesh}, which takes "
-                                 f"communication; redistribute it explicitly at {user_site()}")
+                                 f"communication; redistribute it explicitly at {user_site()}. Fix: "
+                                 f"input{index}.redistribute(placements={spell_placements_code(wanted)})")
         steps_per_input.append((index, spec.shape, spec.placements, tuple(steps)))
     return tuple(steps_per_input)
 
