@@ -151,7 +151,9 @@ class DeviceMesh:
     # --- sub-meshes -----------------------------------------------------------------------
     def __getitem__(self, index) -> "DeviceMesh":
         """mesh[i] / mesh[a:b] select along dim 0; mesh["name"] keeps only that dim at index 0
-        of the others (use `unbind` for every slice)."""
+        of the others: on a ("dp", "tp") mesh, mesh["dp"] holds the ranks with tp index 0.
+        torch's DeviceMesh answers with the calling rank's own slice instead; a single controller
+        has no calling rank. mesh.unbind("tp") gives every "dp" slice, one per tp index."""
         if isinstance(index, str):
             return self._only_dim(self.dim_index(index))
         nested = self._nested()[index]

@@ -6,10 +6,12 @@ next read of a result that depends on them (RemoteError, DependencyError).
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 
 __all__ = [
-    "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError",
+    "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "UnsupportedMethodError",
     "RemoteError", "DependencyError", "WorkerLostError", "ProtocolError", "StartupError", "SessionEndedError",
     "UnreadFailureWarning", "user_site", "user_frame", "format_site",
 ]
@@ -33,6 +35,11 @@ class MeshError(DTorchError, ValueError):
 
 class UnsupportedOpError(DTorchError, NotImplementedError):
     """An op dtorch has no rule for (yet)."""
+
+
+class UnsupportedMethodError(UnsupportedOpError, AttributeError):
+    """A torch.Tensor method or attribute DTensor does not have (yet). Also an AttributeError, so
+    hasattr(x, name) and getattr(x, name, default) answer as they would for any missing name."""
 
 
 class RemoteError(DTorchError):
@@ -85,15 +92,24 @@ class UnreadFailureWarning(RuntimeWarning):
     """At shutdown: a command failed on a worker and no read or synchronize() ever raised it."""
 
 
-_PACKAGE_DIR = __file__.rsplit("/", 1)[0]
+def _package_dir(name: str) -> str:
+    """The folder a package imports from, with its trailing separator (so `dtorch` does not
+    match a sibling `dtorch_examples`), found without importing the package."""
+    spec = importlib.util.find_spec(name)
+    return os.path.dirname(spec.origin) + os.sep if spec and spec.origin else "\0"
+
+
+# Frames in these folders are never the user's line: dtorch's own, and torch's, which calls
+# back into dtorch through __torch_function__ (torch/overrides.py, torch/nn/functional.py, ...).
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, _package_dir("torch"))
 
 
 def user_frame(skip: int = 0) -> tuple[str, int] | None:
-    """(file, line) of the first frame outside dtorch: the user's own line that issued a call.
-    Kept unformatted: the controller records it for every command, and formats only on error.
-    `skip`: callers known to be inside dtorch, not worth testing one by one."""
+    """(file, line) of the first frame outside dtorch and torch: the user's own line that issued
+    a call. Kept unformatted: the controller records it for every command, and formats only on
+    error. `skip`: callers known to be inside dtorch, not worth testing one by one."""
     frame = sys._getframe(1 + skip)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         frame = frame.f_back
     return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 

@@ -12,7 +12,10 @@ import torch
 from .distributed_spec import (DeviceMesh, Partial, Placement, Replicate, format_placements, local_offset,
                                local_shape)
 from .errors import UnsupportedOpError
+from .ops.unsupported import (NOTES, inplace_flag_refused, item_assignment_refused, unsupported_method,
+                               unsupported_op)
 from .ops import REGISTRY, cached_plan
+from .ops.conversions import to_target
 from .ops.dispatch import map_tensors
 from .ops.pointwise import BINARY_OPERATORS, UNARY_OPERATORS
 from .ops.spec import TensorSpec, check_placements, tensor_spec
@@ -156,12 +159,54 @@ class DTensor:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
+        if kwargs and kwargs.get("inplace"):   # before the lookup: F.hardtanh has no op either
+            raise inplace_flag_refused(name)
         if name in REGISTRY:
             return call_op(name, tuple(args), kwargs or {})
-        raise UnsupportedOpError(f"torch.{name} has no dtorch rule yet; supported: {', '.join(sorted(REGISTRY))}")
+        module = "torch.nn.functional" if getattr(func, "__module__", "").startswith("torch.nn") else "torch"
+        raise unsupported_op(name, f"{module}.{name}")
 
-    def to(self, dtype: torch.dtype) -> "DTensor":
-        return call_op("to_dtype", (self, dtype), {})
+    def __getattr__(self, name: str):
+        """Reached only for names DTensor lacks. A torch.Tensor name gets a clear refusal (an
+        AttributeError too); private and protocol names (_version, __deepcopy__, __array__...)
+        stay plain AttributeErrors, so copy, pickle and hasattr probes behave as usual."""
+        if name.startswith("_") or not (hasattr(torch.Tensor, name) or name in NOTES):
+            raise AttributeError(f"'DTensor' object has no attribute {name!r}")
+        raise unsupported_method(name)
+
+    def __setitem__(self, index, value):
+        raise item_assignment_refused()
+
+    # A DTensor's values never change, so a copy is the symbol itself (as for a str or a tuple).
+    # copy's default would clone the slots and free the workers' buffer twice.
+    def __copy__(self) -> "DTensor":
+        return self
+
+    def __deepcopy__(self, memo) -> "DTensor":
+        return self
+
+    def to(self, *args, **kwargs):
+        """x.to(dtype) casts (a new DTensor). x.to("cpu"), x.to("cpu", dtype) and x.to(device="cpu")
+        are a blocking read like to_torch(): they return a torch.Tensor (torch's DTensor would
+        keep a DTensor). Another device or a mesh is refused: use redistribute(device_mesh=...)."""
+        device, dtype = to_target(args, kwargs)
+        if device is None:
+            return call_op("to_dtype", (self, dtype), {}) if dtype not in (None, self.dtype) else self
+        read = self.to_torch()
+        return read if dtype is None else read.to(dtype)
+
+    def cpu(self) -> torch.Tensor:
+        """A blocking read of the whole tensor into this process, like to_torch()."""
+        return self.to_torch()
+
+    def numpy(self):
+        """A blocking read of the whole tensor as a numpy array (to_torch().numpy())."""
+        return self.to_torch().numpy()
+
+    def __array__(self, dtype=None, copy=None):
+        """numpy.asarray(x): the same blocking read as numpy()."""
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype)
 
     def float(self) -> "DTensor":
         return self.to(torch.float32)

@@ -20,30 +20,18 @@ def _forward(name: str):
     return function
 
 
-# dtorch results are new symbols: `inplace=True` is accepted for torch parity and ignored.
-def relu(input, inplace: bool = False):
-    return call_op("relu", (input,), {})
-
-
-def silu(input, inplace: bool = False):
-    return call_op("silu", (input,), {})
-
-
-def leaky_relu(input, negative_slope: float = 0.01, inplace: bool = False):
-    return call_op("leaky_relu", (input, negative_slope), {})
-
-
-def elu(input, alpha: float = 1.0, inplace: bool = False):
-    return call_op("elu", (input, alpha), {})
+# relu, silu, leaky_relu and elu take torch's `inplace` flag as given: dtorch has no in-place ops
+# yet, so the dispatch refuses inplace=True (by keyword or by position) instead of ignoring it.
+relu, silu, leaky_relu, elu = map(_forward, ("relu", "silu", "leaky_relu", "elu"))
 
 
 def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
     """The mask is a pure function of (dtorch.manual_seed, call order, global element index):
     the same on every layout, so a run reproduces under any placements."""
     if not training or p == 0:
-        return call_op("dropout", (input, p, False, False, 0, 0), {})
+        return call_op("dropout", (input, p, False, inplace, 0, 0), {})
     seed, counter = session.next_random()
-    return call_op("dropout", (input, p, True, False, seed, counter), {})
+    return call_op("dropout", (input, p, True, inplace, seed, counter), {})
 
 
 gelu, sigmoid, tanh, softplus = map(_forward, ("gelu", "sigmoid", "tanh", "softplus"))

@@ -15,6 +15,8 @@ from ..redistribute import LOCAL_ONLY, plan_redistribute, step_kind
 from .registry import OpSpec, lookup
 from .rules import Call, TensorSlot, expand
 from .spec import TensorSpec, tensor_spec
+from .suggest import spell_placements_code
+from .unsupported import refuse_inplace_flag
 
 __all__ = ["OpPlan", "plan_call", "cached_plan", "signature", "map_tensors", "PLAN_CACHE"]
 
@@ -56,7 +58,8 @@ def _key_of(value, specs: list, scalars_by_type: bool):
     if type(value) in (list, tuple):
         return (type(value),) + tuple(_key_of(v, specs, scalars_by_type) for v in value)
     if isinstance(value, Number):   # 1 == 1.0 == True as keys: var(x, True) is not var(x, 1)
-        return type(value) if scalars_by_type else (type(value), value)
+        # bools always by value: a flag (inplace, training) changes the plan, not just a scalar
+        return type(value) if scalars_by_type and type(value) is not bool else (type(value), value)
     return value
 
 
@@ -72,6 +75,7 @@ def plan_call(op: OpSpec, args: tuple, kwargs: dict, specs: list[TensorSpec]) ->
         if spec.mesh != mesh:
             raise MeshError(f"{op.name}: inputs live on different meshes ({mesh} and {spec.mesh}) at "
                             f"{user_site()}; move one with x.redistribute(device_mesh=..., placements=...)")
+    refuse_inplace_flag(op.name, op.torch_fn, args, kwargs)
     slot_args, slot_kwargs = _with_slots(args, kwargs)
     outputs, sequence = _infer(op, args, kwargs, specs)
     call = Call(op.name, tuple(specs), slot_args, slot_kwargs, outputs)
@@ -130,7 +134,8 @@ def _local_input_steps(call: Call, required: list) -> tuple:
         if any(step_kind(before, after) not in LOCAL_ONLY for _, before, after in steps):
             raise PlacementError(f"{call.op}: input {index} is {format_placements(spec.placements)} but the "
                                  f"op needs {format_placements(wanted)} on {spec.mesh}, which takes "
-                                 f"communication; redistribute it explicitly at {user_site()}")
+                                 f"communication; redistribute it explicitly at {user_site()}. Fix: "
+                                 f"input{index}.redistribute(placements={spell_placements_code(wanted)})")
         steps_per_input.append((index, spec.shape, spec.placements, tuple(steps)))
     return tuple(steps_per_input)
 

@@ -109,8 +109,17 @@ def explicit_equation(equation: str, ranks) -> str:
     return ",".join(expanded) + "->" + output.replace("...", ellipsis)
 
 
+def sublist_equation(args: tuple) -> str:
+    """torch.einsum's sublist form (x, [0, 1], y, [1, 2], [0, 2]) as its equation ("ab,bc->ac"):
+    ints 0..51 are letters, Ellipsis is "...", a trailing odd list is the output."""
+    term = lambda sublist: "".join("..." if s is Ellipsis else string.ascii_letters[s] for s in sublist)  # noqa: E731
+    inputs = ",".join(term(sublist) for sublist in args[1::2])
+    return inputs + ("->" + term(args[-1]) if len(args) % 2 else "")
+
+
 def _einsum_rule(call: Call, placements) -> Decision:
-    equation = explicit_equation(call.args[0], [len(spec.shape) for spec in call.inputs])
+    given = call.args[0] if isinstance(call.args[0], str) else sublist_equation(call.args)
+    equation = explicit_equation(given, [len(spec.shape) for spec in call.inputs])
     terms, out = equation.split("->")
     terms = terms.split(",")
     if len(terms) == 1 and set(terms[0]) <= set(out) and isinstance(placements[0], Partial):

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import UnsupportedOpError
 from .rules import Call, Rule
 
 __all__ = ["OpSpec", "register", "lookup", "KERNELS", "REGISTRY", "kernel"]
@@ -55,5 +54,6 @@ def kernel(name: str):
 def lookup(name: str) -> OpSpec:
     spec = REGISTRY.get(name)
     if spec is None:
-        raise UnsupportedOpError(f"dtorch has no op {name!r} yet; supported: {', '.join(sorted(REGISTRY))}")
+        from .unsupported import unsupported_op   # it reads REGISTRY: imported here, not at the top
+        raise unsupported_op(name, f"dtorch op {name!r}")
     return spec

@@ -69,7 +69,7 @@ def expand(rule: Rule, call: Call) -> tuple[list[tuple], list[tuple]]:
         try:
             decision = rule(call, placements)
         except RuleRejected as rejected:
-            raise PlacementError(_rejection_message(call, mesh_dim, placements, rejected)) from None
+            raise PlacementError(_rejection_message(rule, call, mesh_dim, placements, rejected)) from None
         for slot, placement in zip(required, decision.inputs):
             slot.append(placement)
         for slot, placement in zip(outputs, decision.outputs):
@@ -77,14 +77,20 @@ def expand(rule: Rule, call: Call) -> tuple[list[tuple], list[tuple]]:
     return [tuple(p) for p in required], [tuple(p) for p in outputs]
 
 
-def _rejection_message(call: Call, mesh_dim: int, placements, rejected: RuleRejected) -> str:
+def _rejection_message(rule: Rule, call: Call, mesh_dim: int, placements, rejected: RuleRejected) -> str:
+    from .suggest import cheapest_fix, describe_legal, legal_combinations   # it imports this module
     mesh = call.mesh
     name = f" ({mesh.mesh_dim_names[mesh_dim]!r})" if mesh.mesh_dim_names else ""
     given = ", ".join(f"{format_placements(s.placements)} shape={tuple(s.shape)}" for s in call.inputs)
     on_dim = ", ".join(map(repr, placements))
+    legal = legal_combinations(rule, call, mesh_dim)
+    # no concrete combination fits (a shape the op refuses on any layout): the rule's own words
+    legal_there = describe_legal(legal) if legal else rejected.legal
+    fix = (cheapest_fix(call, mesh_dim, legal) if legal else
+           "redistribute an input first, e.g. x.redistribute(placements=[...Replicate()...])")
     return (f"{call.op}: inputs {given} on {mesh} at {user_site()}: on mesh dim {mesh_dim}{name} the "
-            f"placements ({on_dim}) are not accepted: {rejected.reason}. Legal there: {rejected.legal}. "
-            f"Fix: redistribute an input first, e.g. x.redistribute(placements=[...Replicate()...]).")
+            f"placements ({on_dim}) are not accepted: {rejected.reason}. Legal there: {legal_there}. "
+            f"Fix: {fix}.")
 
 
 # --- small helpers the family tables share ----------------------------------------------------

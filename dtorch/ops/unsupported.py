@@ -1,0 +1,114 @@
+"""PURE: the refusals for what dtorch does not do yet. Each names the user's line and says what to
+write instead, so a missing op or an in-place call is never a bare AttributeError, a wall of op
+names, or (worst) a flag silently ignored.
+
+In-place ops are refused as a family: a DTensor is a symbol whose values never change (plans,
+reads and frees all rely on it), so `F.relu(x, inplace=True)` cannot be honoured by a new symbol
+without leaving `x` with its old values.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+
+from ..errors import UnsupportedMethodError, UnsupportedOpError, user_site
+from .registry import REGISTRY
+
+__all__ = ["unsupported_op", "unsupported_method", "inplace_flag_refused", "refuse_inplace_flag",
+           "item_assignment_refused", "is_inplace_name", "NOTES"]
+
+# What to write instead of an in-place method whose out-of-place twin is not an op of its own.
+INPLACE_ALTERNATIVES = {
+    "zero_": "x = dtorch.zeros_like(x)",
+    "fill_": "x = dtorch.full_like(x, value)",
+    "copy_": "x = y (a DTensor is never aliased, so rebinding is the copy)",
+    "normal_": "x = dtorch.randn_like(x) * std + mean",
+    "uniform_": "x = dtorch.rand_like(x) * (high - low) + low",
+}
+
+
+def is_inplace_name(name: str) -> bool:
+    """torch's spelling of an in-place op: a trailing underscore (add_), never a dunder."""
+    return len(name) > 1 and name.endswith("_") and not name.startswith("_")
+
+
+def nearest_ops(name: str, count: int = 4) -> list[str]:
+    """Supported ops whose names are closest to `name` (cumprod -> prod, cumsum): close spellings,
+    then ops that share its first three letters or sit inside it, most similar first."""
+    similarity = lambda op: difflib.SequenceMatcher(None, name, op).ratio()  # noqa: E731
+    close = difflib.get_close_matches(name, REGISTRY, n=count, cutoff=0.6)
+    related = [op for op in REGISTRY if len(op) >= 3 and (op in name or op[:3] == name[:3])]
+    return list(dict.fromkeys(close + sorted(related, key=similarity, reverse=True)))[:count]
+
+
+# Names whose refusal needs a word on what to do instead, beyond the nearest op names.
+_AUTOGRAD = "dtorch has no autograd yet: compute gradients with torch on to_torch() results, or write them out"
+NOTES = {
+    "backward": _AUTOGRAD, "grad": _AUTOGRAD, "requires_grad": _AUTOGRAD, "requires_grad_": _AUTOGRAD,
+    "grad_fn": _AUTOGRAD, "retain_grad": _AUTOGRAD,
+    "to_local": "the controller holds no shards: read the whole tensor with x.to_torch() (or await "
+                "x.fetch()); x.local_shape(rank) and x.local_offset(rank) say where each rank's shard sits",
+}
+
+
+def unsupported_op(name: str, spelled: str, error: type = UnsupportedOpError) -> UnsupportedOpError:
+    """A torch function (`spelled`: torch.cumprod) or method (x.cumprod) with no dtorch op yet."""
+    if name in NOTES:
+        return error(f"{spelled} is not supported by dtorch yet (at {user_site()}): {NOTES[name]}.")
+    if is_inplace_name(name):
+        return _inplace_method(name, spelled, error)
+    return error(f"{spelled} is not supported by dtorch yet (at {user_site()}).{_nearest_hint(name)} "
+                 "docs/ops.md lists every supported op.")
+
+
+def unsupported_method(name: str) -> UnsupportedMethodError:
+    """A torch.Tensor method or attribute that DTensor lacks; an AttributeError too (hasattr)."""
+    return unsupported_op(name, f"x.{name}", UnsupportedMethodError)
+
+
+def _nearest_hint(name: str) -> str:
+    near = nearest_ops(name)
+    return f" Nearest supported: {', '.join(near)}." if near else ""
+
+
+def _inplace_method(name: str, spelled: str, error: type) -> UnsupportedOpError:
+    base = name[:-1]
+    if name in INPLACE_ALTERNATIVES:
+        advice = f"Write {INPLACE_ALTERNATIVES[name]} instead."
+    elif base in REGISTRY:
+        advice = f"Write {f'x = x.{base}(...)' if REGISTRY[base].method else f'x = dtorch.{base}(x, ...)'} instead."
+    else:
+        advice = f"dtorch has no {base} op yet either.{_nearest_hint(base)}"
+    return error(f"{spelled} changes a tensor in place, which dtorch does not support yet "
+                 f"(at {user_site()}): a DTensor's values never change. {advice}")
+
+
+def inplace_flag_refused(name: str) -> UnsupportedOpError:
+    return UnsupportedOpError(
+        f"{name}(..., inplace=True) would change its input in place, which dtorch does not support yet "
+        f"(at {user_site()}): the input would silently keep its old values. Write y = F.{name}(x) "
+        "(inplace=False) and use y.")
+
+
+def refuse_inplace_flag(name: str, torch_fn, args: tuple, kwargs: dict) -> None:
+    """Raise when a call asks for inplace=True, by keyword or by position (cold path: plans only)."""
+    inplace = kwargs.get("inplace", False)
+    if not inplace and "inplace" not in kwargs:
+        inplace = _positional(torch_fn, args, "inplace")
+    if inplace:
+        raise inplace_flag_refused(name)
+
+
+def _positional(fn, args: tuple, parameter: str):
+    try:
+        bound = inspect.signature(fn).bind_partial(*args)
+    except (TypeError, ValueError):   # builtins without a signature take no positional inplace
+        return False
+    return bound.arguments.get(parameter, False)
+
+
+def item_assignment_refused() -> UnsupportedOpError:
+    return UnsupportedOpError(
+        f"x[index] = value changes x in place, which dtorch does not support yet (at {user_site()}): "
+        "a DTensor's values never change. Build a new tensor instead, e.g. "
+        "x = dtorch.where(mask, value, x) or x = x.masked_fill(mask, value).")

@@ -1,0 +1,220 @@
+"""Edges a new user meets (issue 17): never a wrong value, never a hang, and every refusal names
+the op, the user's own line and what to write instead."""
+import copy
+
+import numpy
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtorch
+import dtorch.nn.functional as DF
+from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard
+from dtorch.errors import PlacementError, RemoteError, ShapeError, UnsupportedOpError
+from dtorch.ops.dispatch import plan_call
+from dtorch.ops.registry import lookup
+from support import Symbol
+
+HERE = "test_api_edges.py:"
+R, P = Replicate(), Partial()
+
+
+def sharded(mesh, *shape):
+    values = torch.randn(*shape)
+    return values, dtorch.tensor(values, device_mesh=mesh, placements=[Shard(0)] + [R] * (mesh.ndim - 1))
+
+
+# --- 4. inplace=True and in-place methods are refused, never silently ignored ----------------------
+INPLACE_CALLS = {
+    "F.relu": lambda x: F.relu(x, inplace=True),
+    "F.leaky_relu": lambda x: F.leaky_relu(x, 0.1, inplace=True),
+    "F.elu": lambda x: F.elu(x, inplace=True),
+    "F.silu": lambda x: F.silu(x, inplace=True),
+    "F.hardtanh": lambda x: F.hardtanh(x, inplace=True),
+    "F.dropout": lambda x: F.dropout(x, 0.5, inplace=True),
+    "dtorch relu": lambda x: DF.relu(x, inplace=True),
+    "dtorch relu positional": lambda x: DF.relu(x, True),
+    "dtorch leaky_relu positional": lambda x: DF.leaky_relu(x, 0.1, True),
+    "dtorch elu": lambda x: DF.elu(x, inplace=True),
+    "dtorch silu": lambda x: DF.silu(x, inplace=True),
+    "dtorch dropout": lambda x: DF.dropout(x, 0.5, inplace=True),
+    "dtorch dropout eval": lambda x: DF.dropout(x, 0.5, training=False, inplace=True),
+}
+
+
+@pytest.mark.parametrize("name", INPLACE_CALLS)
+def test_inplace_flag_is_refused_at_the_users_line(mesh4, name):
+    values, x = sharded(mesh4, 8, 3)
+    with pytest.raises(UnsupportedOpError) as info:
+        INPLACE_CALLS[name](x)
+    message = str(info.value)
+    assert "inplace=True" in message and HERE in message and "y = " in message, message
+    assert torch.equal(x.to_torch(), values)
+
+
+def test_inplace_false_still_works(mesh4):
+    values, x = sharded(mesh4, 8, 3)
+    assert torch.equal(F.relu(x, inplace=False).to_torch(), F.relu(values))
+    assert torch.equal(DF.relu(x, False).to_torch(), F.relu(values))
+    assert torch.equal(DF.dropout(x, 0.5, training=False).to_torch(), values)
+
+
+@pytest.mark.parametrize("call,alternative", [
+    (lambda x: x.add_(1), "x = x.add("),
+    (lambda x: x.relu_(), "x = x.relu("),
+    (lambda x: x.zero_(), "zeros_like"),
+    (lambda x: torch.relu_(x), "x = x.relu("),
+    (lambda x: x.__setitem__(0, 1.0), "where"),
+])
+def test_inplace_methods_are_refused_with_the_alternative(mesh4, call, alternative):
+    values, x = sharded(mesh4, 8, 3)
+    with pytest.raises(UnsupportedOpError) as info:
+        call(x)
+    message = str(info.value)
+    assert "in place" in message and alternative in message and HERE in message, message
+    assert torch.equal(x.to_torch(), values)
+
+
+def test_item_assignment_is_refused(mesh4):
+    _, x = sharded(mesh4, 8, 3)
+    with pytest.raises(UnsupportedOpError, match="in place"):
+        x[0] = 1.0
+
+
+# --- 5. errors through torch's own Python functions name the user's line --------------------------
+def test_controller_errors_through_torch_functions_name_the_users_line(mesh4):
+    _, x = sharded(mesh4, 8, 3)
+    with pytest.raises(ShapeError) as info:
+        torch.einsum("ij,jk->ik", x, x)
+    assert HERE in str(info.value) and "overrides.py" not in str(info.value), str(info.value)
+    with pytest.raises(UnsupportedOpError) as info:
+        F.hardshrink(x)
+    assert HERE in str(info.value), str(info.value)
+
+
+def test_remote_errors_through_torch_functions_name_the_users_line(mesh4):
+    _, x = sharded(mesh4, 8, 3)
+    bad = F.softmax(x, dim=7)          # meta inference accepts the dim; the workers do not
+    with pytest.raises(RemoteError) as info:
+        bad.to_torch()
+    assert HERE in info.value.user_site, info.value.user_site
+
+
+# --- 6. unsupported ops and methods: the user's line and the nearest supported ops ----------------
+def test_unsupported_function_names_line_and_neighbours(mesh4):
+    _, x = sharded(mesh4, 8, 3)
+    with pytest.raises(UnsupportedOpError) as info:
+        torch.cumprod(x, 1)
+    message = str(info.value)
+    assert "cumprod" in message and "not supported" in message and HERE in message, message
+    assert "cumsum" in message and "prod" in message and len(message) < 600, message
+
+
+def test_unsupported_method_is_an_unsupported_op_and_an_attribute_error(mesh4):
+    _, x = sharded(mesh4, 8, 3)
+    with pytest.raises(UnsupportedOpError) as info:
+        x.cumprod(1)
+    assert isinstance(info.value, AttributeError)
+    assert "cumprod" in str(info.value) and "cumsum" in str(info.value) and HERE in str(info.value)
+    assert not hasattr(x, "cumprod") and not hasattr(x, "no_such_thing")
+    assert getattr(x, "cumprod", None) is None
+    with pytest.raises(AttributeError) as info:
+        x.no_such_thing
+    assert not isinstance(info.value, UnsupportedOpError)   # not a torch.Tensor name either
+
+
+def test_protocol_lookups_stay_plain_attribute_errors(mesh4):
+    _, x = sharded(mesh4, 8, 3)
+    for name in ("__array_interface__", "__array_priority__", "_version", "__cuda_array_interface__"):
+        with pytest.raises(AttributeError) as info:
+            getattr(x, name)
+        assert not isinstance(info.value, UnsupportedOpError), name
+    # a symbol's values never change: its copies are itself, and never free its buffers twice
+    assert copy.copy(x) is x and copy.deepcopy([x])[0] is x
+
+
+# --- 7. einsum in sublist form ---------------------------------------------------------------------
+@pytest.mark.parametrize("placements", [
+    ([R], [R]), ([Shard(1)], [Shard(0)]), ([R], [Shard(1)]), ([Shard(0)], [R])])
+def test_einsum_sublist_form_matches_torch(mesh4, placements):
+    a, b = torch.randn(7, 5), torch.randn(5, 3)
+    x = dtorch.tensor(a, device_mesh=mesh4, placements=placements[0])
+    y = dtorch.tensor(b, device_mesh=mesh4, placements=placements[1])
+    expected = torch.einsum(a, [0, 1], b, [1, 2], [0, 2])
+    torch.testing.assert_close(torch.einsum(x, [0, 1], y, [1, 2], [0, 2]).to_torch(), expected)
+    torch.testing.assert_close(torch.einsum(x, [0, 1], y, [1, 2]).to_torch(), torch.einsum(a, [0, 1], b, [1, 2]))
+    # one operand: torch.einsum never sees a DTensor among its operands to dispatch on, so call dtorch's
+    torch.testing.assert_close(dtorch.einsum(x, [..., 1], [..., 1]).to_torch(), torch.einsum(a, [..., 1], [..., 1]))
+
+
+def test_einsum_sublist_form_on_a_2d_mesh(mesh22):
+    a, b = torch.randn(6, 4, 5), torch.randn(6, 5, 3)
+    x = dtorch.tensor(a, device_mesh=mesh22, placements=[Shard(0), Shard(2)])
+    y = dtorch.tensor(b, device_mesh=mesh22, placements=[Shard(0), Shard(1)])
+    expected = torch.einsum(a, [0, 1, 30], b, [0, 30, 51], [0, 1, 51])
+    torch.testing.assert_close(torch.einsum(x, [0, 1, 30], y, [0, 30, 51], [0, 1, 51]).to_torch(), expected)
+
+
+# --- 8. to("cpu"), cpu(), numpy(): blocking reads; to(dtype) stays a cast -------------------------
+def test_to_cpu_cpu_and_numpy_read_the_whole_tensor(mesh4):
+    values, x = sharded(mesh4, 9, 3)
+    for read in (x.to("cpu"), x.cpu(), x.to(torch.device("cpu")), x.to(device="cpu")):
+        assert type(read) is torch.Tensor and torch.equal(read, values)
+    assert numpy.array_equal(x.numpy(), values.numpy()) and numpy.array_equal(numpy.asarray(x), values.numpy())
+    as_double = x.to("cpu", torch.float64)
+    assert as_double.dtype == torch.float64 and torch.equal(as_double, values.double())
+
+
+def test_to_dtype_stays_a_cast_and_other_targets_are_refused(mesh4, mesh1):
+    values, x = sharded(mesh4, 9, 3)
+    cast = x.to(torch.float64)
+    assert isinstance(cast, dtorch.DTensor) and torch.equal(cast.to_torch(), values.double())
+    cast = x.to(dtype=torch.float16)
+    assert isinstance(cast, dtorch.DTensor) and cast.dtype == torch.float16
+    with pytest.raises(UnsupportedOpError, match="redistribute") as info:
+        x.to(mesh1)
+    assert HERE in str(info.value)
+    with pytest.raises(UnsupportedOpError, match="to_torch"):
+        x.to("cuda")
+
+
+# --- 9. PlacementError: concrete legal combinations and the cheapest fix ---------------------------
+MESH = DeviceMesh("cpu", [0, 1, 2, 3])
+MESH2 = DeviceMesh("cpu", [[0, 1], [2, 3]], ["dp", "tp"])
+
+
+def rejection(op, *args, **kwargs):
+    specs = [a._spec for a in list(args) + list(kwargs.values()) if isinstance(a, Symbol)]
+    with pytest.raises(PlacementError) as info:
+        plan_call(lookup(op), args, kwargs, specs)
+    return str(info.value)
+
+
+def test_legal_there_lists_concrete_placement_combinations():
+    message = rejection("add", Symbol((8, 8), [Shard(0)]), Symbol((8, 8), [P]))
+    legal = message.split("Legal there: ")[1].split(". Fix")[0]
+    combos = set(legal.split(", "))
+    assert {"S(0)+S(0)", "R+R", "P(sum)+P(sum)", "S(1)+S(1)"} <= combos, legal
+    assert "linear" not in legal and "monotone" not in legal
+
+
+def test_fix_moves_the_cheaper_input_to_exact_placements():
+    # a big sharded x and a small partial y: reducing y is cheaper than gathering x
+    message = rejection("add", Symbol((64, 64), [Shard(0), R], mesh=MESH2), Symbol((64,), [P, R], mesh=MESH2))
+    assert "Fix: move input 1 to [R, R]" in message, message
+    assert "all-reduce" in message, message
+
+
+def test_fix_holds_the_other_input_and_prefers_a_free_move():
+    # S(0) @ S(0) for (m, k) @ (k, n): resharding the weight to S(1) costs an all-to-all of the
+    # smaller tensor; gathering either input costs more
+    message = rejection("mm", Symbol((64, 8), [Shard(0)]), Symbol((8, 64), [Shard(0)]))
+    fix = message.split("Fix: ")[1]
+    assert fix.startswith("move input 1 to [R]") or fix.startswith("move input 0 to [S(1)]"), fix
+    assert "redistribute(placements=[" in fix, fix
+
+
+def test_legal_there_is_bounded():
+    message = rejection("add", Symbol((8, 8, 8, 8), [Shard(0)]), Symbol((8, 8, 8, 8), [P]))
+    legal = message.split("Legal there: ")[1].split(". Fix")[0]
+    assert legal.count("+") <= 8 and legal.endswith(", … (6 more)"), legal
