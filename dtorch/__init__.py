@@ -23,6 +23,7 @@ from . import nn
 distributed_spec._acquire_workers = _session.acquire_workers
 
 init = _session.init
+init_async = _session.init_async
 shutdown = _session.shutdown
 workers = _session.workers
 manual_seed = _session.manual_seed
@@ -57,7 +58,7 @@ for _name in _REGISTRY:
 
 __all__ = [
     "DTensor", "DeviceMesh", "Shard", "Replicate", "Partial", "init_device_mesh", "Future",
-    "init", "shutdown", "workers", "stats", "synchronize", "manual_seed",
+    "init", "init_async", "shutdown", "workers", "stats", "synchronize", "manual_seed",
     "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",

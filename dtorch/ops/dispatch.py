@@ -18,7 +18,7 @@ from .spec import TensorSpec, tensor_spec
 from .suggest import spell_placements_code
 from .unsupported import refuse_inplace_flag
 
-__all__ = ["OpPlan", "plan_call", "cached_plan", "signature", "map_tensors", "PLAN_CACHE"]
+__all__ = ["OpPlan", "plan_call", "cached_plan", "signature", "map_tensors", "PLAN_CACHE", "warm_up_inference"]
 
 
 class OpPlan(NamedTuple):
@@ -108,6 +108,12 @@ def _with_slots(args, kwargs):
     counter = iter(range(1 << 30))
     slot = lambda value: TensorSlot(next(counter))  # noqa: E731
     return map_tensors(args, slot), map_tensors(kwargs, slot)
+
+
+def warm_up_inference() -> None:
+    """torch's first meta-tensor op imports torch._dynamo (1-2 s); every later one is cheap. The
+    session runs this while workers start, so the user's first op does not pay for it."""
+    torch.add(torch.empty(1, device="meta"), 1)
 
 
 def _infer(op: OpSpec, args, kwargs, specs) -> tuple[tuple, bool]:

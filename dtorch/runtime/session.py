@@ -11,11 +11,12 @@ import random
 import threading
 
 from ..errors import MeshError, SessionEndedError
+from ..ops.dispatch import warm_up_inference
 from .cluster import LocalSpawner, worker_config
 from .controller import Controller
 from .transport import make_curve_keys
 
-__all__ = ["current", "init", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random"]
+__all__ = ["current", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random"]
 
 _lock = threading.RLock()
 _controller: Controller | None = None
@@ -46,6 +47,8 @@ def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str
             if num_workers:
                 acquire_workers(device_type, num_workers)
             return _controller
+        warm_up = threading.Thread(target=warm_up_inference, name="dtorch-warm-up", daemon=True)
+        warm_up.start()   # in parallel with the workers' start; joined before init returns
         hostfile = hostfile or os.environ.get("DTORCH_HOSTFILE")
         if hostfile:
             _controller, _spawner = _start_remote(hostfile, controller_address, curve)
@@ -57,7 +60,19 @@ def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str
         except BaseException:
             shutdown()   # a first start that fails (no GPU, a bad host) leaves nothing running
             raise
+        finally:
+            warm_up.join()   # no import left running beside the user's code
         return _controller
+
+
+async def init_async(num_workers: int | None = None, device_type: str = "cpu", **options) -> Controller:
+    """`await dtorch.init_async(...)`: dtorch.init on a worker thread, so an asyncio program's
+    loop keeps running while workers start. Later meshes of at most this many workers are
+    instant; a larger mesh grows the pool (blocking), so ask for enough here."""
+    import asyncio
+    import functools
+    call = functools.partial(init, num_workers, device_type, **options)
+    return await asyncio.get_running_loop().run_in_executor(None, call)
 
 
 def _start_remote(hostfile: str, controller_address: str | None, curve: bool | None):
