@@ -1,0 +1,152 @@
+"""dtorch installs and imports with what pyproject.toml declares, nothing more.
+
+A static scan reads every import in dtorch/ and launcher/: a module-level import must be the
+standard library, dtorch itself or a base dependency; an optional extra's package (cupy) only
+inside a function or a try/except ImportError. Tensor.numpy() and torch.from_numpy count as
+numpy: torch does not depend on it. Then a subprocess imports every module with every installed
+package outside the base dependencies' closure blocked. .ci/fresh_venv.sh checks the same for
+real, in a fresh venv, from a built wheel.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11+")
+from packaging.requirements import Requirement  # noqa: E402 -- pytest depends on packaging
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = {"dtorch": "dtorch", "launcher": "dtorch_launcher"}  # folder -> installed name
+OWN = set(SOURCES.values())
+# Distributions whose import name is not their name with '-' -> '_'.
+IMPORT_NAMES = {"pyzmq": "zmq", "cupy-cuda12x": "cupy", "cupy-cuda13x": "cupy"}
+# Calls that need numpy although no `import numpy` stands in the file.
+NUMPY_CALLS = {"numpy", "from_numpy"}
+
+
+def project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def import_name(requirement: str) -> str:
+    name = Requirement(requirement).name.lower()
+    return IMPORT_NAMES.get(name, name.replace("-", "_"))
+
+
+def base_imports() -> set[str]:
+    return {import_name(r) for r in project()["dependencies"]}
+
+
+def optional_imports() -> set[str]:
+    return {import_name(r) for extra, requirements in project()["optional-dependencies"].items()
+            if extra != "test" for r in requirements}
+
+
+def _catches_import_error(node: ast.Try) -> bool:
+    names = {ast.unparse(handler.type) for handler in node.handlers if handler.type is not None}
+    return bool(names & {"ImportError", "ModuleNotFoundError", "(ImportError, ModuleNotFoundError)"})
+
+
+def imports(tree: ast.AST, guarded: bool = False):
+    """(line, top-level name, guarded) for each import and numpy-needing call; guarded means
+    inside a function or a try that catches ImportError."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name.partition(".")[0], guarded) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield node.lineno, node.module.partition(".")[0], guarded
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in NUMPY_CALLS:
+            yield node.lineno, "numpy", guarded
+        inner = guarded or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) \
+            or (isinstance(node, ast.Try) and _catches_import_error(node))
+        yield from imports(node, inner)
+
+
+def undeclared(source: str, where: str, base: set[str], optional: set[str]) -> list[str]:
+    allowed = set(sys.stdlib_module_names) | OWN | base
+    problems = []
+    for line, name, guarded in imports(ast.parse(source)):
+        if name in allowed or (guarded and name in optional):
+            continue
+        why = ("an optional extra's package, imported where every user meets it: move it into the "
+               "function that needs it, with an ImportError naming the extra") if name in optional \
+            else "not declared in pyproject.toml's dependencies"
+        problems.append(f"{where}:{line}: {name} ({why})")
+    return problems
+
+
+def source_files():
+    for folder in SOURCES:
+        yield from sorted((ROOT / folder).rglob("*.py"))
+
+
+def test_every_import_is_declared():
+    base, optional = base_imports(), optional_imports()
+    problems = [p for path in source_files()
+                for p in undeclared(path.read_text(), str(path.relative_to(ROOT)), base, optional)]
+    assert not problems, "imports that a fresh `pip install dtorch` would not satisfy:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("source, problem", [
+    ("import numpy as np\n", "numpy (not declared"),
+    ("def read(t):\n    return t.numpy()\n", "numpy (not declared"),
+    ("import cupy\n", "cupy (an optional extra's package"),
+    ("import matplotlib.pyplot\n", "matplotlib (an optional extra's package"),
+])
+def test_the_scan_catches_an_undeclared_import(source, problem):
+    problems = undeclared(source, "x.py", base={"torch", "zmq", "msgpack"}, optional={"cupy", "matplotlib"})
+    assert len(problems) == 1 and problem in problems[0], problems
+
+
+@pytest.mark.parametrize("source", [
+    "def start():\n    import cupy\n",
+    "try:\n    import cupy\nexcept ImportError:\n    cupy = None\n",
+    "import os, json\nfrom . import spec\nimport torch.distributed\n",
+])
+def test_the_scan_accepts_guarded_optional_and_standard_imports(source):
+    assert undeclared(source, "x.py", base={"torch"}, optional={"cupy"}) == []
+
+
+def test_packages_list_every_folder_with_an_init():
+    """A new sub-package left out of pyproject.toml would be missing from the wheel."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {package: Path(tool["package-dir"].get(package, package.replace(".", "/")))
+               for package in tool["packages"]}
+    found = {".".join((SOURCES[init.parent.relative_to(ROOT).parts[0]],)
+                      + init.parent.relative_to(ROOT).parts[1:])
+             for folder in SOURCES for init in (ROOT / folder).rglob("__init__.py")}
+    assert set(tool["packages"]) == found
+    assert all((ROOT / folder / "__init__.py").exists() for folder in folders.values())
+
+
+def installed_closure(requirements: list[str]) -> set[str]:
+    """The distributions these requirements install, transitively (markers evaluated here)."""
+    seen, todo = set(), [Requirement(r) for r in requirements]
+    while todo:
+        requirement = todo.pop()
+        name = requirement.name.lower().replace("_", "-")
+        if name in seen or (requirement.marker and not requirement.marker.evaluate({"extra": ""})):
+            continue
+        seen.add(name)
+        try:
+            todo += [Requirement(r) for r in importlib.metadata.requires(name) or []]
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return seen
+
+
+def test_every_module_imports_with_only_the_base_dependencies():
+    closure = installed_closure(project()["dependencies"])
+    blocked = {module for module, distributions in importlib.metadata.packages_distributions().items()
+               if not {d.lower().replace("_", "-") for d in distributions} & closure} - OWN
+    assert "pytest" in blocked  # the block is real: the test extra is not a base dependency
+    command = [sys.executable, "-I", str(ROOT / "scripts" / "import_every_module.py"), str(ROOT), "--tree"]
+    command += [f"--block={name}" for name in sorted(blocked)]
+    finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
