@@ -21,7 +21,7 @@ import torch
 from ..distributed_spec import Partial, Placement, Replicate, Shard
 from ..errors import ProtocolError
 
-VERSION = 1
+VERSION = 2   # 2: REGISTER carries the run's secret
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -36,7 +36,7 @@ class Kind(enum.IntEnum):
     BATCH = 1        # PUB: a run of commands, seq first..first+count-1
     PRIVATE = 2      # PUB to one rank: raw bytes that one command of a batch will consume
     PROBE = 3        # PUB: "are you subscribed yet?" answered by REGISTER
-    REGISTER = 10    # worker -> controller: rank, host, pid, device, protocol version
+    REGISTER = 10    # worker -> controller: rank, host, pid, device, the run's secret
     WELCOME = 11     # controller -> worker: first seq to execute and rendezvous address
     REPLY = 12       # worker -> controller: answer to Fetch / Sync, with data frames
     ERROR = 13       # worker -> controller: a command raised; tagged with its seq
@@ -272,6 +272,38 @@ def decode_batch(header: tuple, body) -> tuple[int, list]:
     return first_seq, commands
 
 
+# What each message a worker sends must hold after (VERSION, kind), and how many data frames may
+# follow its header. The controller checks both before looking at any value (check_from_worker).
+FROM_WORKER = {
+    Kind.REGISTER: ((int, str, int, str, str), 0),      # rank, host, pid, device, secret
+    Kind.REPLY: ((int, int, str, int), 1),              # seq, rank, status, origin_seq; bytes?
+    Kind.ERROR: ((int, int, str, str, str, str), 0),    # seq, rank, op, type, message, traceback
+    Kind.HEARTBEAT: ((int,), 0),                        # rank
+}
+REPLY_STATUSES = ("ok", "poisoned", "missing")
+
+
+def check_from_worker(fields: tuple, data_frames: int) -> Kind:
+    """The kind of a header read_header accepted, once its fields have the types FROM_WORKER
+    names (bool is not an int here) and at most the data frames it allows."""
+    kind = fields[1]
+    if type(kind) is not int or kind not in FROM_WORKER.keys():
+        raise ProtocolError(f"unexpected message kind {kind!r}")
+    kind = Kind(kind)
+    types, most_frames = FROM_WORKER[kind]
+    values = fields[2:]
+    if len(values) != len(types) or any(type(v) is not t for v, t in zip(values, types)):
+        raise ProtocolError(f"malformed {kind.name}: {_clip(values)}")
+    if data_frames > most_frames:
+        raise ProtocolError(f"{kind.name} with {data_frames} data frames")
+    return kind
+
+
+def _clip(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def header(kind: Kind, *fields) -> bytes:
     return pack((VERSION, int(kind)) + fields)
 
@@ -283,9 +315,9 @@ def read_header(frame) -> tuple:
     except Exception as error:  # msgpack raises several types; all mean "not ours"
         raise ProtocolError(f"undecodable header ({error})") from None
     if not isinstance(fields, tuple) or len(fields) < 2:
-        raise ProtocolError(f"malformed header {fields!r}")
+        raise ProtocolError(f"malformed header {_clip(fields)}")
     if fields[0] != VERSION:
-        raise ProtocolError(f"protocol version {fields[0]!r} does not match this side's {VERSION}")
+        raise ProtocolError(f"protocol version {_clip(fields[0])} does not match this side's {VERSION}")
     return fields
 
 
