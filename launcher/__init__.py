@@ -7,12 +7,12 @@ for, and StartupProgress / explain_ssh_failure to report workers coming up. See 
 from .addresses import controller_host
 from .failures import explain_ssh_failure
 from .hostfile import Host, HostfileError, parse_hostfile
-from .options import ENV_CONTROLLER_ADDRESS, ENV_HOSTFILE, ENV_OPTIONS, SshOptions
+from .options import ENV_CONTROLLER_ADDRESS, ENV_HOSTFILE, ENV_OPTIONS, OptionsError, SshOptions
 from .progress import StartupProgress
 from .ssh import SshSpawner, SshWorker, spawner_from_environment
 
 __all__ = [
-    "ENV_CONTROLLER_ADDRESS", "ENV_HOSTFILE", "ENV_OPTIONS", "Host", "HostfileError", "SshOptions",
+    "ENV_CONTROLLER_ADDRESS", "ENV_HOSTFILE", "ENV_OPTIONS", "Host", "HostfileError", "OptionsError", "SshOptions",
     "SshSpawner", "SshWorker", "StartupProgress", "controller_host", "explain_ssh_failure", "parse_hostfile",
     "spawner_from_environment",
 ]

@@ -102,7 +102,8 @@ def _parse_settings(settings: list[str], fail) -> dict[str, int]:
             raise fail(f"unknown setting {setting!r} (expected slots=N or port=N)")
         if key in values:
             raise fail(f"{key} given twice")
-        if not value.isdigit() or int(value) < 1:
+        # ASCII digits only ("²".isdigit() is true), and short: int() refuses 4300+ digits
+        if not (value.isascii() and value.isdigit() and len(value) <= 9) or int(value) < 1:
             raise fail(f"{key} must be a positive integer, got {value!r}")
         values[key] = int(value)
     if values.get("port", 1) > 65535:

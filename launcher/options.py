@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 
 __all__ = [
-    "DEFAULT_WORKER_MODULE", "ENV_CONTROLLER_ADDRESS", "ENV_HOSTFILE", "ENV_OPTIONS", "SshOptions",
+    "DEFAULT_WORKER_MODULE", "ENV_CONTROLLER_ADDRESS", "ENV_HOSTFILE", "ENV_OPTIONS", "OptionsError",
+    "SshOptions",
 ]
 
 ENV_HOSTFILE = "DTORCH_HOSTFILE"
@@ -26,6 +27,15 @@ DEFAULT_WORKER_MODULE = "dtorch.runtime.worker"
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+class OptionsError(ValueError):
+    """A launcher option that cannot work; the message names it and what was given."""
+
+
+# The JSON in DTORCH_LAUNCH_OPTIONS (or a caller) may hold anything: each field's accepted types.
+_FIELD_TYPES = {"python": (str,), "chdir": (str,), "env": (list, tuple), "ssh_options": (list, tuple),
+                "log_dir": (str, type(None)), "connect_timeout": (int, float), "worker_module": (str,)}
 
 
 @dataclass
@@ -52,16 +62,17 @@ class SshOptions:
     worker_module: str = DEFAULT_WORKER_MODULE
 
     def __post_init__(self):
+        _check_types(self)
         self.env, self.ssh_options = list(self.env), list(self.ssh_options)
         bad_names = [name for name in self.env if not _ENV_NAME.match(name)]
         if bad_names:
-            raise ValueError(f"not environment variable names: {bad_names} (give names, not NAME=value)")
+            raise OptionsError(f"not environment variable names: {bad_names} (give names, not NAME=value)")
         if not (self.connect_timeout > 0 and math.isfinite(self.connect_timeout)):
-            raise ValueError(f"connect_timeout must be a positive number of seconds, got {self.connect_timeout}")
+            raise OptionsError(f"connect_timeout must be a positive number of seconds, got {self.connect_timeout}")
         if not _MODULE_NAME.match(self.worker_module):
-            raise ValueError(f"worker_module must be a dotted module name, got {self.worker_module!r}")
+            raise OptionsError(f"worker_module must be a dotted module name, got {self.worker_module!r}")
         if not self.python or not self.chdir:
-            raise ValueError("python and chdir must not be empty")
+            raise OptionsError("python and chdir must not be empty")
 
     def to_environment(self) -> dict[str, str]:
         """The variables that carry these options to the runtime; merge them into os.environ."""
@@ -77,14 +88,28 @@ class SshOptions:
         try:
             values = json.loads(text)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{ENV_OPTIONS} is not valid JSON: {error}") from None
+            raise OptionsError(f"{ENV_OPTIONS} is not valid JSON: {error}") from None
         return cls(**_known_fields(cls, values))
 
 
 def _known_fields(cls, values) -> dict:
     if not isinstance(values, dict):
-        raise ValueError(f"{ENV_OPTIONS} must hold a JSON object, got {type(values).__name__}")
+        raise OptionsError(f"{ENV_OPTIONS} must hold a JSON object, got {type(values).__name__}")
     unknown = sorted(set(values) - {f.name for f in fields(cls)})
     if unknown:
-        raise ValueError(f"{ENV_OPTIONS} has unknown options {unknown}: launcher and runtime versions differ?")
+        raise OptionsError(f"{ENV_OPTIONS} has unknown options {unknown}: launcher and runtime versions differ?")
     return values
+
+
+def _check_types(options: SshOptions) -> None:
+    for name, accepted in _FIELD_TYPES.items():
+        value = getattr(options, name)
+        if not isinstance(value, accepted) or isinstance(value, bool):
+            raise OptionsError(f"option {name} must be {' or '.join(t.__name__ for t in accepted)}, "
+                               f"got {type(value).__name__}: {value!r:.80}")
+    for name in ("env", "ssh_options"):
+        strings = getattr(options, name)
+        if not all(isinstance(item, str) for item in strings):
+            raise OptionsError(f"option {name} must be a list of strings, got {strings!r:.80}")
+    if any("\0" in text for text in [options.python, options.chdir, *options.ssh_options]):
+        raise OptionsError("options must not contain NUL characters")

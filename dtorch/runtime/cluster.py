@@ -17,8 +17,9 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 
 def worker_config(controller, rank: int, device: str, threads: int, curve: dict | None = None,
                   gloo_host: str = "127.0.0.1", controller_timeout: float = 6.0) -> dict:
-    """The one JSON line a worker reads from stdin."""
-    return {"command_address": controller.sockets.command_address,
+    """The one JSON line a worker reads from stdin (it holds the run's secret: never put it on a
+    command line or in a file)."""
+    return {"command_address": controller.sockets.command_address, "secret": controller.secret,
             "reply_address": controller.sockets.reply_address,
             "rank": rank, "device": device, "threads": threads, "curve": curve,
             "gloo_host": gloo_host, "controller_timeout": controller_timeout}

@@ -14,22 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import datetime
 import itertools
 import threading
 import time
 import traceback
 import warnings
 
-import torch.distributed as dist
-
 from ..distributed_spec import DeviceMesh, Replicate
 from ..errors import (ProtocolError, SessionEndedError, StartupError, UnreadFailureWarning, WorkerLostError,
                       format_site, user_frame)
 from . import protocol as wire
 from .protocol import Kind
+from .admission import Rejections, new_secret, secret_matches
 from .reads import FetchRead, Future, RemoteFailure, SyncRead
-from .transport import ControllerSockets, CurveKeys
+from .rendezvous import host_store
+from .transport import LOCAL, ControllerSockets, CurveKeys
 
 __all__ = ["Controller", "WorkerRecord"]
 
@@ -52,6 +51,9 @@ class WorkerRecord:
         self.host = getattr(handle, "host", "localhost")
         self.pid = getattr(handle, "pid", None)
         self.registered = False
+        self.identity: bytes | None = None            # the DEALERs that registered with the secret
+        self.heartbeat_identity: bytes | None = None
+        self.start_seq = 0                            # the first command this rank runs
         self.last_heartbeat = time.monotonic()
         self.lost: str | None = None
 
@@ -61,8 +63,10 @@ class WorkerRecord:
 
 
 class Controller:
-    def __init__(self, bind_host: str = "127.0.0.1", curve: CurveKeys | None = None,
+    def __init__(self, bind_host: str | None = LOCAL, curve: CurveKeys | None = None,
                  gloo_timeout_s: float = 120.0):
+        """bind_host: the address workers on other hosts reach; LOCAL (None) for a session on
+        this machine only (private ipc sockets, the rendezvous store on 127.0.0.1)."""
         self._lock = threading.Lock()
         self._pending: list = []
         self._private: dict[int, list] = {}
@@ -86,11 +90,11 @@ class Controller:
         self._thread = threading.Thread(target=self._loop.run_forever, name="dtorch-controller", daemon=True)
         self._thread.start()
         self.curve = curve
+        self.secret = new_secret()      # travels to workers on their stdin, back in REGISTER
+        self.rejections = Rejections()
         self.sockets = self._call(self._open, bind_host, curve)
         self._sockets_open = True
-        self.store = dist.TCPStore(bind_host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=gloo_timeout_s))
-        self.store_address = f"{bind_host}:{self.store.port}"
+        self.store, self.store_address = host_store(bind_host or "127.0.0.1", gloo_timeout_s)
 
     # --- user thread ----------------------------------------------------------------------------
     def submit(self, command_type, *fields, read=None, private=None) -> int:
@@ -209,7 +213,8 @@ class Controller:
         return {"commands_sent": self.commands_sent, "batches_sent": self.batches_sent,
                 "messages_sent": s.messages_sent,
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
-                "workers": len(self.workers), "pending_reads": len(self._reads)}
+                "workers": len(self.workers), "pending_reads": len(self._reads),
+                "messages_rejected": self.rejections.count}
 
     # --- worker pool ----------------------------------------------------------------------------
     def add_workers(self, handles: list, device: str) -> None:
@@ -336,34 +341,57 @@ class Controller:
         for frames in self.sockets.drain():
             identity = frames[0].bytes
             try:
-                self._on_message(identity, wire.read_header(frames[1].bytes), frames[2:])
+                self._on_message(identity, frames[1:])
             except ProtocolError as error:
-                if identity.startswith(b"w"):
-                    self.sockets.send_to(identity, [wire.header(Kind.REFUSED, str(error))])
+                self._reject(identity, str(error))
             except Exception:  # a bug in one handler must not stop the loop
                 traceback.print_exc()
 
-    def _on_message(self, identity: bytes, fields: tuple, frames: list) -> None:
-        kind = fields[1]
+    def _on_message(self, identity: bytes, frames: list) -> None:
+        """Only well-formed messages reach a handler (types and frame counts checked first);
+        each handler then checks who sent it (docs/protocol.md, "Acceptance")."""
+        if not frames:
+            raise ProtocolError("a message without a header")
+        fields = wire.read_header(frames[0].bytes)
+        kind = wire.check_from_worker(fields, len(frames) - 1)
         if kind == Kind.HEARTBEAT:
-            self._on_heartbeat(identity, fields[2])
+            self._on_heartbeat(identity, *fields[2:])
         elif kind == Kind.REPLY:
-            self._on_reply(*fields[2:6], frames)
+            self._on_reply(identity, *fields[2:], frames[1:])
         elif kind == Kind.ERROR:
-            self._on_error(*fields[2:8])
-        elif kind == Kind.REGISTER:
-            self._on_register(identity, *fields[2:6])
+            self._on_error(identity, *fields[2:])
         else:
-            raise ProtocolError(f"unexpected message kind {kind} from {identity!r}")
+            self._on_register(identity, *fields[2:])
 
-    def _on_register(self, identity: bytes, rank: int, host: str, pid: int, device: str) -> None:
+    def _reject(self, identity: bytes, reason: str) -> None:
+        """Drop, count, log with a rate limit. A peer that never registered also hears the reason
+        (once per log interval): a worker of another dtorch version learns why it was refused."""
+        logged = self.rejections.record(identity, reason)
+        if logged and identity.startswith(b"w") and not self._is_registered(identity):
+            self.sockets.send_to(identity, [wire.header(Kind.REFUSED, reason)])
+
+    def _is_registered(self, identity: bytes) -> bool:
+        return any(w.identity == identity for w in self.workers.values())
+
+    def _sender(self, identity: bytes, rank: int) -> WorkerRecord:
+        """The worker `rank` if `identity` is the DEALER that registered as it."""
         worker = self.workers.get(rank)
-        if worker is None or identity != b"w%d" % rank:
-            raise ProtocolError(f"registration from unknown rank {rank}")
+        if worker is None or worker.identity is None or worker.identity != identity:
+            raise ProtocolError(f"a message for rank {rank} from a peer that did not register as it")
+        return worker
+
+    def _on_register(self, identity: bytes, rank: int, host: str, pid: int, device: str, secret: str) -> None:
+        if not secret_matches(secret, self.secret):
+            raise ProtocolError("a registration without the run's secret")
+        worker = self.workers.get(rank)
+        if worker is None or worker.identity is not None or not identity.startswith(b"w%d:" % rank):
+            raise ProtocolError(f"a registration for rank {rank}, which is unknown or registered already")
+        worker.identity, worker.heartbeat_identity = identity, b"h" + identity[1:]
         if worker.host == "localhost":
             worker.host = host
         worker.pid, worker.device = pid, device
         worker.last_heartbeat = time.monotonic()
+        worker.start_seq = self._published_upto
         self.sockets.send_to(identity, [wire.header(Kind.WELCOME, self._published_upto, self.store_address,
                                                     self.gloo_timeout_s)])
         with self._registered:
@@ -372,15 +400,23 @@ class Controller:
 
     def _on_heartbeat(self, identity: bytes, rank: int) -> None:
         worker = self.workers.get(rank)
-        if worker is not None and identity == b"h%d" % rank:
-            worker.last_heartbeat = time.monotonic()
-            self.sockets.send_to(identity, [wire.header(Kind.PONG)])
+        if worker is None or worker.heartbeat_identity is None or worker.heartbeat_identity != identity:
+            raise ProtocolError(f"a heartbeat for rank {rank} from a peer that did not register as it")
+        worker.last_heartbeat = time.monotonic()
+        self.sockets.send_to(identity, [wire.header(Kind.PONG)])
 
-    def _on_reply(self, seq: int, rank: int, status: str, origin: int, frames: list) -> None:
+    def _on_reply(self, identity: bytes, seq: int, rank: int, status: str, origin: int, frames: list) -> None:
+        self._sender(identity, rank)
         read = self._reads.get(seq)
-        if read is None or not read.add(rank, status, origin, frames):
-            return
-        self._finish(seq, read)
+        if read is None or rank not in read.waiting:
+            raise ProtocolError(f"a reply from rank {rank} for command #{seq}, which it does not owe")
+        problem = read.check(rank, status, frames)
+        if problem is not None:   # from the registered worker itself: the read cannot be trusted
+            self._reads.pop(seq, None)
+            read.fail(ProtocolError(f"rank {rank} answered command #{seq} with {problem}"))
+            raise ProtocolError(problem)
+        if read.add(rank, status, origin, frames):
+            self._finish(seq, read)
 
     def _finish(self, seq: int, read) -> None:
         if read.finish(self.failures) is False:
@@ -388,11 +424,16 @@ class Controller:
             return
         self._reads.pop(seq, None)
 
-    def _on_error(self, seq, rank, op, exception_type, message, traceback_text) -> None:
-        if op == wire.PROTOCOL_FAILURE and rank in self.workers:
-            self._lose(self.workers[rank], f"protocol error: {message}")
+    def _on_error(self, identity: bytes, seq, rank, op, exception_type, message, traceback_text) -> None:
+        worker = self._sender(identity, rank)
+        if not worker.start_seq <= seq <= self._published_upto:
+            raise ProtocolError(f"an error from rank {rank} for command #{seq}, which it was never sent")
+        if op == wire.PROTOCOL_FAILURE:
+            self._lose(worker, f"protocol error: {message}")
             return
         failure = self.failures.get(seq)
+        if failure is not None and rank in failure.ranks:
+            raise ProtocolError(f"a second error from rank {rank} for command #{seq}")
         if failure is None:
             site = format_site(self._sites[seq % SITE_RING])
             failure = self.failures[seq] = RemoteFailure(seq, op, site, exception_type, message, traceback_text)

@@ -21,7 +21,7 @@ import torch
 from ..distributed_spec import Partial, Placement, Replicate, Shard
 from ..errors import ProtocolError
 
-VERSION = 1
+VERSION = 2   # 2: REGISTER carries the run's secret
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -36,7 +36,7 @@ class Kind(enum.IntEnum):
     BATCH = 1        # PUB: a run of commands, seq first..first+count-1
     PRIVATE = 2      # PUB to one rank: raw bytes that one command of a batch will consume
     PROBE = 3        # PUB: "are you subscribed yet?" answered by REGISTER
-    REGISTER = 10    # worker -> controller: rank, host, pid, device, protocol version
+    REGISTER = 10    # worker -> controller: rank, host, pid, device, the run's secret
     WELCOME = 11     # controller -> worker: first seq to execute and rendezvous address
     REPLY = 12       # worker -> controller: answer to Fetch / Sync, with data frames
     ERROR = 13       # worker -> controller: a command raised; tagged with its seq
@@ -258,18 +258,84 @@ def encode_batch(first_seq: int, commands: list) -> list[bytes]:
     return [TOPIC_ALL, header, body]
 
 
+# The type of each command field after seq, checked on decode so that a handler never meets a
+# value of the wrong kind (its *values* are the handler's to check: a failure there is reported
+# as that command's error). IDS: a tuple of ints.
+IDS = "ids"
+_FIELD_TYPES = {
+    DefineMesh: (int, str, tuple, IDS), Factory: (int, int, str, tuple, str, tuple, tuple),
+    Upload: (int, int, tuple, str, tuple), RunOp: (IDS, int, str, tuple, dict, tuple),
+    Redistribute: (int, int, int, tuple, str, tuple, tuple),
+    Transfer: (int, int, int, int, tuple, str, tuple, tuple), Fetch: (int, int, IDS),
+    Free: (IDS,), Sync: (), Shutdown: (),
+}
+
+
 def decode_batch(header: tuple, body) -> tuple[int, list]:
+    """(first_seq, commands) of a BATCH; ProtocolError for anything malformed."""
+    if len(header) != 4 or not all(type(v) is int for v in header[2:]) or header[3] < 0:
+        raise ProtocolError(f"malformed batch header {clip(header)}")
     _, _, first_seq, count = header
-    rows = unpack(body)
-    if len(rows) != count:
-        raise ProtocolError(f"batch header says {count} commands, body holds {len(rows)}")
-    commands = []
-    for row in rows:
-        command_type = _BY_OPCODE.get(row[0])
-        if command_type is None:
-            raise ProtocolError(f"unknown opcode {row[0]}")
-        commands.append(command_type(*row[1:]))
-    return first_seq, commands
+    try:
+        rows = unpack(body)
+    except ProtocolError:
+        raise
+    except Exception as error:  # msgpack raises several types; all mean "not ours"
+        raise ProtocolError(f"undecodable batch body ({clip(error)})") from None
+    if type(rows) is not tuple or len(rows) != count:
+        raise ProtocolError(f"batch header says {count} commands, body holds {clip(rows)[:60]}")
+    return first_seq, [_command(first_seq + i, row) for i, row in enumerate(rows)]
+
+
+def _command(seq: int, row):
+    command_type = _BY_OPCODE.get(row[0]) if type(row) is tuple and row and type(row[0]) is int else None
+    if command_type is None:
+        raise ProtocolError(f"command #{seq}: not a command row {clip(row)}")
+    values = row[1:]
+    types = (int,) + _FIELD_TYPES[command_type]
+    if len(values) != len(types) or not all(_has_type(v, t) for v, t in zip(values, types)):
+        raise ProtocolError(f"command #{seq}: malformed {command_type.__name__} {clip(values)}")
+    if values[0] != seq:
+        raise ProtocolError(f"command #{seq}: numbered #{values[0]}")
+    return command_type(*values)
+
+
+def _has_type(value, expected) -> bool:
+    if expected is IDS:
+        return type(value) is tuple and all(type(v) is int for v in value)
+    return type(value) is expected
+
+
+# What each message a worker sends must hold after (VERSION, kind), and how many data frames may
+# follow its header. The controller checks both before looking at any value (check_from_worker).
+FROM_WORKER = {
+    Kind.REGISTER: ((int, str, int, str, str), 0),      # rank, host, pid, device, secret
+    Kind.REPLY: ((int, int, str, int), 1),              # seq, rank, status, origin_seq; bytes?
+    Kind.ERROR: ((int, int, str, str, str, str), 0),    # seq, rank, op, type, message, traceback
+    Kind.HEARTBEAT: ((int,), 0),                        # rank
+}
+REPLY_STATUSES = ("ok", "poisoned", "missing")
+
+
+def check_from_worker(fields: tuple, data_frames: int) -> Kind:
+    """The kind of a header read_header accepted, once its fields have the types FROM_WORKER
+    names (bool is not an int here) and at most the data frames it allows."""
+    kind = fields[1]
+    if type(kind) is not int or kind not in FROM_WORKER.keys():
+        raise ProtocolError(f"unexpected message kind {kind!r}")
+    kind = Kind(kind)
+    types, most_frames = FROM_WORKER[kind]
+    values = fields[2:]
+    if len(values) != len(types) or any(type(v) is not t for v, t in zip(values, types)):
+        raise ProtocolError(f"malformed {kind.name}: {clip(values)}")
+    if data_frames > most_frames:
+        raise ProtocolError(f"{kind.name} with {data_frames} data frames")
+    return kind
+
+
+def clip(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def header(kind: Kind, *fields) -> bytes:
@@ -283,9 +349,9 @@ def read_header(frame) -> tuple:
     except Exception as error:  # msgpack raises several types; all mean "not ours"
         raise ProtocolError(f"undecodable header ({error})") from None
     if not isinstance(fields, tuple) or len(fields) < 2:
-        raise ProtocolError(f"malformed header {fields!r}")
+        raise ProtocolError(f"malformed header {clip(fields)}")
     if fields[0] != VERSION:
-        raise ProtocolError(f"protocol version {fields[0]!r} does not match this side's {VERSION}")
+        raise ProtocolError(f"protocol version {clip(fields[0])} does not match this side's {VERSION}")
     return fields
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections.abc
 import concurrent.futures
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +89,12 @@ class _Read:
         self.frames: dict[int, list] = {}
         self.future = future
 
+    def check(self, rank: int, status: str, frames: list) -> str | None:
+        """Why this reply cannot belong to this read, or None. Replies without bytes only."""
+        if status not in wire.REPLY_STATUSES:
+            return f"status {status[:40]!r}"
+        return f"{len(frames)} unexpected data frame(s)" if frames else None
+
     def add(self, rank: int, status: str, origin: int, frames: list) -> bool:
         """Record one rank's reply; True when every expected rank has answered."""
         self.waiting.discard(rank)
@@ -114,6 +121,16 @@ class FetchRead(_Read):
     def __init__(self, ranks, future: Future, spec: TensorSpec, senders, produced_seq: int):
         super().__init__(ranks, future)
         self.spec, self.senders, self.produced_seq = spec, senders, produced_seq
+
+    def check(self, rank: int, status: str, frames: list) -> str | None:
+        """A sender's "ok" carries exactly its shard's bytes; every other reply carries none."""
+        if status != "ok" or rank not in self.senders:
+            return super().check(rank, status, frames)
+        expected = math.prod(self.spec.local_shape(rank)) * self.spec.dtype.itemsize
+        got = sum(len(f) for f in frames)   # zero frames for an empty shard is fine
+        if got != expected or len(frames) > 1:
+            return f"{got} bytes in {len(frames)} frame(s) where its shard has {expected}"
+        return None
 
     def finish(self, failures: dict) -> bool:
         """Resolve the future; False if it must wait for a failure record still in flight."""

@@ -14,7 +14,7 @@ from ..errors import MeshError, SessionEndedError
 from ..ops.dispatch import warm_up_inference
 from .cluster import LocalSpawner, worker_config
 from .controller import Controller
-from .transport import make_curve_keys
+from .transport import LOCAL, make_curve_keys
 
 __all__ = ["current", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random"]
 
@@ -38,7 +38,8 @@ def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str
     """Start the controller and `num_workers` workers (default: the hostfile's slots, or 1).
 
     hostfile: start workers over SSH (also set by dtorch-launch through DTORCH_HOSTFILE).
-    controller_address: where workers reach this process (default: detected from the hostfile).
+    controller_address: where workers reach this process (default: detected from the hostfile;
+    without one, private ipc:// sockets that only this user can open).
     curve: encrypt and authenticate every ZeroMQ channel with fresh CURVE keys. Default: on
     whenever the controller listens off loopback."""
     global _controller, _spawner
@@ -54,7 +55,8 @@ def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str
             _controller, _spawner = _start_remote(hostfile, controller_address, curve)
             num_workers = num_workers or _spawner.capacity
         else:
-            _controller, _spawner = Controller(curve=make_curve_keys() if curve else None), LocalSpawner()
+            _controller = Controller(bind_host=controller_address or LOCAL, curve=make_curve_keys() if curve else None)
+            _spawner = LocalSpawner()
         try:
             _grow(device_type, num_workers or 1, startup_timeout)
         except BaseException:

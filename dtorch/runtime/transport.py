@@ -1,9 +1,13 @@
 """The one module that imports zmq: sockets for both sides, with every option that keeps the
-PUB/SUB channel lossless (no high-water-mark drops), fast to close (linger 0) and, off loopback,
-authenticated and encrypted with CURVE.
+PUB/SUB channel lossless (no high-water-mark drops), fast to close (linger 0) and private: local
+sessions listen on ipc:// sockets in a directory only this user can enter, sessions across hosts
+on TCP with CURVE.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from typing import NamedTuple
 
 import zmq
@@ -52,8 +56,13 @@ def _curve_client(socket: zmq.Socket, keys: dict | None) -> None:
         socket.curve_secretkey = keys["client_secret"].encode()
 
 
+LOCAL = None   # ControllerSockets(host=LOCAL): ipc sockets in a private directory
+
+
 class ControllerSockets:
-    """PUB for commands, ROUTER for everything workers send back; bound on `host`, random ports.
+    """PUB for commands, ROUTER for everything workers send back; bound on `host`, random ports,
+    or with host=LOCAL on two ipc:// sockets in a fresh directory of mode 0700 (mkdtemp), which
+    no other user can enter: the kernel refuses their connect(). It is removed at close.
 
     Used from the controller's event loop thread only. The loop watches the ROUTER's file
     descriptor and drains every queued message in one go (`drain`), which costs far less per
@@ -62,8 +71,9 @@ class ControllerSockets:
     With CURVE on, a ZAP handler admits only the run's client key, so a process without the
     keys can neither subscribe to commands nor inject replies."""
 
-    def __init__(self, host: str = "127.0.0.1", keys: CurveKeys | None = None):
+    def __init__(self, host: str | None = "127.0.0.1", keys: CurveKeys | None = None):
         self.context = zmq.Context()
+        self.private_dir = _private_dir() if host is LOCAL else None
         self._authenticator = _start_authenticator(self.context, keys) if keys else None
         self.pub = self.context.socket(zmq.PUB)
         self.router = self.context.socket(zmq.ROUTER)
@@ -71,8 +81,8 @@ class ControllerSockets:
             _lossless(socket)
             _curve_server(socket, keys)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises, not vanishes
-        self.command_address = _bind(self.pub, host)
-        self.reply_address = _bind(self.router, host)
+        self.command_address = _bind(self.pub, host, self.private_dir, "commands")
+        self.reply_address = _bind(self.router, host, self.private_dir, "replies")
         self.bytes_sent = self.bytes_received = self.messages_sent = 0
 
     @property
@@ -109,9 +119,25 @@ class ControllerSockets:
         if self._authenticator is not None:
             self._authenticator.stop()
         self.context.term()
+        if self.private_dir is not None:
+            shutil.rmtree(self.private_dir, ignore_errors=True)
 
 
-def _bind(socket: zmq.Socket, host: str) -> str:
+def _private_dir() -> str:
+    """mkdtemp: a unique name (concurrent sessions never collide) created with mode 0700.
+    A socket path must fit in sockaddr_un (107 bytes): fall back to /tmp for a long TMPDIR."""
+    path = tempfile.mkdtemp(prefix="dtorch-")
+    if len(path) + len("/commands") > 100:
+        os.rmdir(path)
+        path = tempfile.mkdtemp(prefix="dtorch-", dir="/tmp")
+    return path
+
+
+def _bind(socket: zmq.Socket, host: str | None, private_dir: str | None, name: str) -> str:
+    if private_dir is not None:
+        address = f"ipc://{private_dir}/{name}"
+        socket.bind(address)
+        return address
     port = socket.bind_to_random_port(f"tcp://{host}")
     return f"tcp://{host}:{port}"
 
@@ -144,7 +170,10 @@ class WorkerSockets:
         for socket in (self.sub, self.dealer):
             _lossless(socket)
             _curve_client(socket, keys)
-        self.dealer.setsockopt(zmq.IDENTITY, b"w%d" % rank)
+        # w<rank>:<random>: the controller binds the rank to this identity when it registers,
+        # and a stranger cannot guess it (nor take it first: it is new for every process).
+        self._suffix = os.urandom(12).hex().encode()
+        self.dealer.setsockopt(zmq.IDENTITY, b"w%d:%s" % (rank, self._suffix))
         for topic in topics:
             self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.sub.connect(command_address)
@@ -156,7 +185,7 @@ class WorkerSockets:
         socket = self.context.socket(zmq.DEALER)
         _lossless(socket)
         _curve_client(socket, self._keys)
-        socket.setsockopt(zmq.IDENTITY, b"h%d" % rank)
+        socket.setsockopt(zmq.IDENTITY, b"h%d:%s" % (rank, self._suffix))
         socket.connect(self._reply_address)
         return socket
 

@@ -66,12 +66,20 @@ class Worker:
                 self._send_ready()
             if frames is None:
                 continue
-            fields = wire.read_header(frames[1].bytes)
-            if fields[1] == Kind.BATCH:
-                self._run_batch(fields, frames[2].buffer)
-            elif fields[1] == Kind.PRIVATE:
-                if fields[2] >= self.next_seq:
-                    self.private[fields[2]] = frames[2:]
+            self._on_message(frames)
+
+    def _on_message(self, frames: list) -> None:
+        """One message from the command socket; ProtocolError if it is not one of ours."""
+        fields = wire.read_header(frames[1].bytes) if len(frames) >= 2 else ()
+        kind = fields[1] if fields else None
+        if kind == Kind.BATCH and len(frames) == 3:
+            self._run_batch(fields, frames[2].buffer)
+        elif kind == Kind.PRIVATE and len(fields) == 3 and type(fields[2]) is int:
+            if fields[2] >= self.next_seq:
+                self.private[fields[2]] = frames[2:]
+        elif kind != Kind.PROBE:
+            raise ProtocolError(f"rank {self.rank}: malformed message on the command socket "
+                                f"({len(frames)} frames, header {wire.clip(fields)})")
 
     def _run_batch(self, fields, body) -> None:
         first_seq, commands = wire.decode_batch(fields, body)

@@ -70,7 +70,7 @@ def _register(sockets: WorkerSockets, config: dict) -> tuple:
     else:
         raise SystemExit(f"dtorch worker {config['rank']}: never heard the controller")
     sockets.send([wire.header(Kind.REGISTER, config["rank"], config.get("host_label") or socket.gethostname(),
-                              os.getpid(), config["device"])])
+                              os.getpid(), config["device"], config.get("secret", ""))])
     while time.monotonic() < deadline:
         reply = sockets.receive_reply(timeout_ms=1000)
         if reply is not None:
