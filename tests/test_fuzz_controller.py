@@ -18,7 +18,7 @@ from dtorch.distributed_spec import DeviceMesh, Shard
 from dtorch.errors import ProtocolError
 from dtorch.ops.spec import tensor_spec
 from dtorch.runtime import protocol as wire
-from dtorch.runtime import controller as controller_module
+from dtorch.runtime import cluster as cluster_module
 from dtorch.runtime.controller import Controller
 from dtorch.runtime.reads import FetchRead, Future
 from fuzzing import damaged, fuzz_settings
@@ -92,11 +92,11 @@ class Harness:
 @pytest.fixture(scope="module")
 def harness():
     logging.getLogger("dtorch.controller").setLevel(logging.ERROR)   # thousands of expected drops
-    silence, controller_module.WORKER_SILENCE_S = controller_module.WORKER_SILENCE_S, 1e9  # no heartbeats here
+    silence, cluster_module.WORKER_SILENCE_S = cluster_module.WORKER_SILENCE_S, 1e9  # no heartbeats here
     harness = Harness()
     yield harness
     harness.close()
-    controller_module.WORKER_SILENCE_S = silence
+    cluster_module.WORKER_SILENCE_S = silence
     logging.getLogger("dtorch.controller").setLevel(logging.NOTSET)
 
 

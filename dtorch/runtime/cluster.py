@@ -9,8 +9,9 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
-__all__ = ["LocalWorker", "LocalSpawner", "worker_config", "forward_lines"]
+__all__ = ["LocalWorker", "LocalSpawner", "worker_config", "forward_lines", "WorkerRecord", "loss_reason", "stop_process"]
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -92,3 +93,48 @@ class LocalSpawner:
 
     def spawn(self, rank: int, config: dict) -> LocalWorker:
         return LocalWorker(rank, config)
+
+
+# --- supervision: what the controller knows of each worker process --------------------------
+WORKER_SILENCE_S = 3.0       # a worker without heartbeats this long is reported lost
+
+
+class WorkerRecord:
+    def __init__(self, rank: int, handle, device: str):
+        self.rank, self.handle, self.device = rank, handle, device
+        self.host = getattr(handle, "host", "localhost")
+        self.pid = getattr(handle, "pid", None)
+        self.registered = False
+        self.identity: bytes | None = None            # the DEALERs that registered with the secret
+        self.heartbeat_identity: bytes | None = None
+        self.start_seq = 0                            # the first command this rank runs
+        self.last_heartbeat = time.monotonic()
+        self.lost: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"rank": self.rank, "host": self.host, "pid": self.pid, "device": self.device,
+                "alive": self.lost is None}
+
+
+def loss_reason(worker: WorkerRecord, now: float) -> str | None:
+    code = worker.handle.poll() if worker.handle is not None else None
+    if code is not None:
+        return f"its process exited with code {code}"
+    if worker.registered and now - worker.last_heartbeat > WORKER_SILENCE_S:
+        return f"no heartbeat for {now - worker.last_heartbeat:.1f}s"
+    return None
+
+
+def stop_process(handle, deadline: float) -> None:
+    if handle is None:
+        return
+    try:
+        handle.wait(max(0.05, deadline - time.monotonic()))
+    except Exception:
+        pass
+    if handle.poll() is None:
+        handle.kill()
+        try:
+            handle.wait(2)
+        except Exception:
+            pass

@@ -28,6 +28,7 @@ from .protocol import Kind
 from .admission import Rejections, new_secret, secret_matches
 from .reads import FetchRead, Future, RemoteFailure, SyncRead
 from .rendezvous import host_store
+from .cluster import WorkerRecord, loss_reason, stop_process
 from .transport import LOCAL, ControllerSockets, CurveKeys
 
 __all__ = ["Controller", "WorkerRecord"]
@@ -38,28 +39,10 @@ IDLE_FLUSH_S = 0.0005
 BATCH_LIMIT = 4096
 FREE_BATCH = 16
 SITE_RING = 1 << 16          # commands whose issuing line is remembered for error messages
-WORKER_SILENCE_S = 3.0       # a worker without heartbeats this long is reported lost
 WATCH_PERIOD_S = 0.1
 # Tensor ids are unique across sessions in this process, so a tensor kept from an ended session
 # can never name a tensor of the next one, even where the ownership check is bypassed.
 _TENSOR_IDS = itertools.count(1)
-
-
-class WorkerRecord:
-    def __init__(self, rank: int, handle, device: str):
-        self.rank, self.handle, self.device = rank, handle, device
-        self.host = getattr(handle, "host", "localhost")
-        self.pid = getattr(handle, "pid", None)
-        self.registered = False
-        self.identity: bytes | None = None            # the DEALERs that registered with the secret
-        self.heartbeat_identity: bytes | None = None
-        self.start_seq = 0                            # the first command this rank runs
-        self.last_heartbeat = time.monotonic()
-        self.lost: str | None = None
-
-    def as_dict(self) -> dict:
-        return {"rank": self.rank, "host": self.host, "pid": self.pid, "device": self.device,
-                "alive": self.lost is None}
 
 
 class Controller:
@@ -264,7 +247,7 @@ class Controller:
         self.closed = True
         deadline = time.monotonic() + timeout
         for w in self.workers.values():
-            _stop(w.handle, deadline)
+            stop_process(w.handle, deadline)
         self._call(self._close)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
@@ -449,7 +432,7 @@ class Controller:
             now = time.monotonic()
             for worker in list(self.workers.values()):
                 if worker.lost is None and not self.closed:
-                    reason = _loss_reason(worker, now)
+                    reason = loss_reason(worker, now)
                     if reason:
                         self._lose(worker, reason)
             if self._released and not self._flush_scheduled:
@@ -478,31 +461,7 @@ def _start_failure(worker: WorkerRecord, progress) -> str:
     return message
 
 
-def _loss_reason(worker: WorkerRecord, now: float) -> str | None:
-    code = worker.handle.poll() if worker.handle is not None else None
-    if code is not None:
-        return f"its process exited with code {code}"
-    if worker.registered and now - worker.last_heartbeat > WORKER_SILENCE_S:
-        return f"no heartbeat for {now - worker.last_heartbeat:.1f}s"
-    return None
-
-
 def _senders(mesh: DeviceMesh, placements) -> tuple:
     """One rank per distinct shard: coordinate 0 on every mesh dim that does not shard."""
     return tuple(r for r in mesh.ranks
                  if all(c == 0 for c, p in zip(mesh.coordinate_of(r), placements) if p == Replicate()))
-
-
-def _stop(handle, deadline: float) -> None:
-    if handle is None:
-        return
-    try:
-        handle.wait(max(0.05, deadline - time.monotonic()))
-    except Exception:
-        pass
-    if handle.poll() is None:
-        handle.kill()
-        try:
-            handle.wait(2)
-        except Exception:
-            pass
