@@ -40,7 +40,7 @@ def _factory(kind: str, shape, dtype, device_mesh, placements, args=()) -> DTens
     spec = tensor_spec(shape, dtype, device_mesh, placements)
     owner = session.current()
     out_id = owner.new_id()
-    seq = owner.submit(Factory, out_id, owner.mesh_id(device_mesh), kind, shape, dtype_name(dtype),
+    seq = owner.submit(Factory, out_id, owner.define_mesh(device_mesh), kind, shape, dtype_name(dtype),
                        placements, tuple(args))
     return DTensor(out_id, spec, seq, owner)
 
@@ -105,7 +105,7 @@ def tensor(data, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
     private = [(rank, tensor_frame(_shard_for(value, device_mesh, placements, rank)))
                for rank in device_mesh.ranks]
     out_id = owner.new_id()
-    seq = owner.submit(Upload, out_id, owner.mesh_id(device_mesh), shape, dtype_name(value.dtype), placements,
+    seq = owner.submit(Upload, out_id, owner.define_mesh(device_mesh), shape, dtype_name(value.dtype), placements,
                        private=private)
     return DTensor(out_id, spec, seq, owner)
 

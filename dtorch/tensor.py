@@ -103,7 +103,7 @@ class DTensor:
         spec = tensor_spec(self._spec.shape, self.dtype, mesh, placements)
         owner = self._session
         out_id = owner.new_id()
-        seq = owner.submit(Redistribute, out_id, self._id, owner.mesh_id(mesh), self._spec.shape,
+        seq = owner.submit(Redistribute, out_id, self._id, owner.define_mesh(mesh), self._spec.shape,
                            dtype_name(self.dtype), self.placements, steps)
         return DTensor(out_id, spec, seq, owner)
 
@@ -114,7 +114,7 @@ class DTensor:
         landing = tuple(Replicate() if p.is_partial() else p for p in placements)
         owner = self._session
         out_id = owner.new_id()
-        seq = owner.submit(Transfer, out_id, source._id, owner.mesh_id(source.device_mesh), owner.mesh_id(mesh),
+        seq = owner.submit(Transfer, out_id, source._id, owner.define_mesh(source.device_mesh), owner.define_mesh(mesh),
                            self._spec.shape, dtype_name(self.dtype), source.placements, landing)
         moved = DTensor(out_id, tensor_spec(self._spec.shape, self.dtype, mesh, landing), seq, owner)
         return moved.redistribute(placements=placements)
@@ -311,13 +311,13 @@ def call_op(name: str, args: tuple, kwargs: dict):
     wire_kwargs = map_tensors(kwargs, ref) if kwargs else {}
     if plan.extra_kwargs:
         wire_kwargs.update(plan.extra_kwargs)
-    mesh_id = owner.mesh_id(out_specs[0].mesh)
+    mesh_id = owner.define_mesh(out_specs[0].mesh)
     if not plan.sequence:
         out_id = owner.new_id()
-        seq = owner.submit(RunOp, (out_id,), mesh_id, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
+        seq = owner.submit(RunOp, (out_id,), mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
         return DTensor(out_id, out_specs[0], seq, owner)
     out_ids = owner.new_ids(len(out_specs))
-    seq = owner.submit(RunOp, out_ids, mesh_id, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
+    seq = owner.submit(RunOp, out_ids, mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
     # torch's own result type: torch.return_types.max keeps .values / .indices, as in torch
     return plan.sequence([DTensor(i, spec, seq, owner) for i, spec in zip(out_ids, out_specs)])
 

@@ -104,3 +104,4 @@ def test_version_mismatch_is_refused_with_a_reason(session):
         assert fields[1] == protocol.Kind.REFUSED and "version" in fields[2]
     finally:
         context.destroy(linger=0)
+

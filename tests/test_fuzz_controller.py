@@ -52,11 +52,11 @@ class Harness:
         self.controller.add_workers([StandIn(0), StandIn(1)], "cpu")
         self.workers = [self.dealer(b"w%d:standin" % rank) for rank in (0, 1)]
         for rank, dealer in enumerate(self.workers):
-            dealer.send_multipart([wire.header(wire.Kind.REGISTER, rank, "here", os.getpid(), "cpu",
-                                               self.controller.secret)])
+            dealer.send_multipart([wire.encode(wire.Register(rank, "here", os.getpid(), "cpu",
+                                                             self.controller.secret))])
             assert wire.read_header(dealer.recv_multipart()[0])[1] == wire.Kind.WELCOME
         self.forgers = [self.dealer(b"w0"), self.dealer(b"w1:guess"), self.dealer(b"h0"), self.dealer(b"")]
-        self.mesh_id = self.controller.mesh_id(MESH)
+        self.mesh_id = self.controller.define_mesh(MESH)
         # Every seq of this run packs to the same width, so that hypothesis's draws (which cut
         # frames at drawn offsets) never depend on which seq an example happens to get.
         with self.controller._lock:
@@ -82,7 +82,7 @@ class Harness:
     def answer(self, seq: int, values: torch.Tensor, rank: int, payload=None) -> None:
         shard = values.chunk(2)[rank].contiguous()
         data = shard.numpy().tobytes() if payload is None else payload
-        self.workers[rank].send_multipart([wire.header(wire.Kind.REPLY, seq, rank, "ok", -1), data])
+        self.workers[rank].send_multipart([wire.encode(wire.Reply(seq, rank, "ok", -1)), data])
 
     def close(self):
         self.context.destroy(linger=0)
@@ -101,12 +101,12 @@ def harness():
 
 
 def valid_messages(seq: int, secret: str) -> list:
-    return [[wire.header(wire.Kind.REPLY, seq, 0, "ok", -1), b"\0" * 16],
-            [wire.header(wire.Kind.REPLY, seq, 1, "poisoned", 3)],
-            [wire.header(wire.Kind.ERROR, seq, 1, "add", "ValueError", "forged", "")],
-            [wire.header(wire.Kind.ERROR, seq, 0, wire.PROTOCOL_FAILURE, "ProtocolError", "forged", "")],
-            [wire.header(wire.Kind.REGISTER, 0, "evil", 1, "cpu", secret)],
-            [wire.header(wire.Kind.HEARTBEAT, 0)]]
+    return [[wire.encode(wire.Reply(seq, 0, "ok", -1)), b"\0" * 16],
+            [wire.encode(wire.Reply(seq, 1, "poisoned", 3))],
+            [wire.encode(wire.ErrorReport(seq, 1, "add", "ValueError", "forged", ""))],
+            [wire.encode(wire.ErrorReport(seq, 0, wire.PROTOCOL_FAILURE, "ProtocolError", "forged", ""))],
+            [wire.encode(wire.Register(0, "evil", 1, "cpu", secret))],
+            [wire.encode(wire.Heartbeat(0))]]
 
 
 EXAMPLES = fuzz_settings(1200)

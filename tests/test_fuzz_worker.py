@@ -55,7 +55,7 @@ def commands(first: int) -> list:
     return [wire.DefineMesh(first, 0, "cpu", (1,), (0,)),
             wire.Factory(first + 1, 1, 0, "arange", (6,), "float32", (Shard(0),), (0.0, 1.0)),
             wire.Upload(first + 2, 2, 0, (2,), "float32", (Shard(0),)),
-            wire.RunOp(first + 3, (3,), 0, "add", (wire.TensorRef(1), wire.TensorRef(1)), {}, ()),
+            wire.RunOp(first + 3, (3,), 0, "add", "add", (wire.TensorRef(1), wire.TensorRef(1)), {}, ()),
             wire.Fetch(first + 4, 3, 0, (0,)),
             wire.Free(first + 5, (1, 3)),
             wire.Sync(first + 6)]
@@ -63,8 +63,8 @@ def commands(first: int) -> list:
 
 def messages() -> list:
     """Valid messages of every kind a worker receives, as bytes frames."""
-    private = [wire.topic_for_rank(0), wire.header(wire.Kind.PRIVATE, 2), torch.ones(2).numpy().tobytes()]
-    return [wire.encode_batch(0, commands(0)), private, [wire.TOPIC_PROBE, wire.header(wire.Kind.PROBE)]]
+    private = [wire.topic_for_rank(0), wire.encode(wire.Private(2)), torch.ones(2).numpy().tobytes()]
+    return [wire.encode_batch(0, commands(0)), private, [wire.TOPIC_PROBE, wire.encode(wire.Probe())]]
 
 
 def deliver(worker, frames) -> None:

@@ -198,10 +198,10 @@ def test_worker_reports_a_gap_in_command_numbers_instead_of_computing():
     sockets = _Recorder()
     worker = Worker(0, sockets, comm=None, device=CpuDevice(), start_seq=0)
     frames = wire.encode_batch(0, [wire.Free(0, ())])
-    worker._run_batch(wire.read_header(frames[1]), frames[2])
+    worker._run_batch(wire.decode(frames[1], (wire.Batch,)), frames[2])
     skipped = wire.encode_batch(5, [wire.Free(5, ())])     # commands 1..4 never arrived
     with pytest.raises(ProtocolError, match="expected command #1, got #5"):
-        worker._run_batch(wire.read_header(skipped[1]), skipped[2])
+        worker._run_batch(wire.decode(skipped[1], (wire.Batch,)), skipped[2])
 
 
 def test_every_command_has_a_handler():

@@ -46,8 +46,8 @@ def forge(injector, frames):
 for injector in injectors:
     for seq in range(next_seq, next_seq + 20):   # forged replies for the reads to come
         for rank in (0, 1):
-            forge(injector, [wire.header(wire.Kind.REPLY, seq, rank, "ok", -1), b"\\x00" * 64])
-    forge(injector, [wire.header(wire.Kind.REGISTER, 0, "evil", 1, "cpu")])
+            forge(injector, [wire.encode(wire.Reply(seq, rank, "ok", -1)), b"\\x00" * 64])
+    forge(injector, [wire.pack((wire.VERSION, int(wire.Kind.REGISTER), 0, "evil", 1, "cpu"))])
 value = x.to_torch()
 heard = [bool(s.poll(1000)) for s in listeners + injectors]
 print(json.dumps({"value": value.tolist(), "heard": heard}))

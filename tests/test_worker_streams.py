@@ -73,7 +73,7 @@ def redistribute(worker, out_id, src_id, before, after):
 
 
 def add(worker, out_id, a, b):
-    worker.run_command(wire.RunOp, (out_id,), 0, "add", (wire.TensorRef(a), wire.TensorRef(b)), {}, ())
+    worker.run_command(wire.RunOp, (out_id,), 0, "add", "add", (wire.TensorRef(a), wire.TensorRef(b)), {}, ())
 
 
 def test_compute_waits_for_a_communication_only_when_it_reads_the_result(worker):

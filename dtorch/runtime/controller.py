@@ -24,7 +24,6 @@ from ..distributed_spec import DeviceMesh, Replicate
 from ..errors import (ProtocolError, SessionEndedError, StartupError, UnreadFailureWarning, WorkerLostError,
                       format_site, user_frame)
 from . import protocol as wire
-from .protocol import Kind
 from .admission import Rejections, new_secret, secret_matches
 from .reads import FetchRead, Future, RemoteFailure, SyncRead
 from .rendezvous import host_store
@@ -38,11 +37,14 @@ __all__ = ["Controller", "WorkerRecord"]
 IDLE_FLUSH_S = 0.0005
 BATCH_LIMIT = 4096
 FREE_BATCH = 16
-SITE_RING = 1 << 16          # commands whose issuing line is remembered for error messages
+# The issuing line of the last SITE_RING commands is kept for error messages. Each slot also keeps
+# its seq, so an error about an older command says its line is gone instead of naming another's.
+SITE_RING = 1 << 16
 WATCH_PERIOD_S = 0.1
 # Tensor ids are unique across sessions in this process, so a tensor kept from an ended session
 # can never name a tensor of the next one, even where the ownership check is bypassed.
 _TENSOR_IDS = itertools.count(1)
+_PROBE, _PONG = wire.encode(wire.Probe()), wire.encode(wire.Pong())
 
 
 class Controller:
@@ -75,6 +77,7 @@ class Controller:
         self.curve = curve
         self.secret = new_secret()      # travels to workers on their stdin, back in REGISTER
         self.rejections = Rejections()
+        self._handlers = {kind: getattr(self, wire.handler_name(kind, "_on_")) for kind in wire.FROM_WORKER}
         self.sockets = self._call(self._open, bind_host, curve)
         self._sockets_open = True
         self.store, self.store_address = host_store(bind_host or "127.0.0.1", gloo_timeout_s)
@@ -93,7 +96,7 @@ class Controller:
             seq = self._next_seq
             self._next_seq = seq + 1
             self._pending.append(command_type(seq, *fields))
-            self._sites[seq % SITE_RING] = site
+            self._sites[seq % SITE_RING] = (seq, site)
             if read is not None:
                 self._reads[seq] = read
             if private is not None:
@@ -137,7 +140,9 @@ class Controller:
         """Called from DTensor.__del__ (any thread, any time): a lock-free append."""
         self._released.append(tensor_id)
 
-    def mesh_id(self, mesh: DeviceMesh) -> int:
+    def define_mesh(self, mesh: DeviceMesh) -> int:
+        """The mesh's id; the first call for a mesh also sends DefineMesh (the only way a mesh
+        gets an id), after checking that every rank it names is running."""
         mesh_id = self._mesh_ids.get(mesh)
         if mesh_id is None:
             if mesh in self._lost_meshes:   # nothing is sent that would wait on a dead worker
@@ -174,7 +179,7 @@ class Controller:
             return future
         senders = _senders(mesh, spec.placements)
         read = FetchRead(mesh.ranks, future, spec, senders, tensor._seq)
-        self.submit(wire.Fetch, tensor._id, self.mesh_id(mesh), senders, read=read)
+        self.submit(wire.Fetch, tensor._id, self.define_mesh(mesh), senders, read=read)
         return future
 
     def synchronize(self, timeout: float | None = None) -> None:
@@ -306,7 +311,7 @@ class Controller:
             return
         for seq, sends in private.items():
             for rank, frame in sends:
-                self.sockets.publish([wire.topic_for_rank(rank), wire.header(Kind.PRIVATE, seq), frame], copy=False)
+                self.sockets.publish([wire.topic_for_rank(rank), wire.encode(wire.Private(seq)), frame], copy=False)
         self.sockets.publish(wire.encode_batch(batch[0].seq, batch))
         self._published_upto = batch[-1].seq + 1
         self.commands_sent += len(batch)
@@ -316,7 +321,7 @@ class Controller:
         """Publish probes until every worker has registered: a worker registers only after its
         SUB socket has seen one, so it cannot miss the commands that follow (slow joiners)."""
         while any(not w.registered and not w.lost for w in self.workers.values()) and not self.closed:
-            self.sockets.publish([wire.TOPIC_PROBE, wire.header(Kind.PROBE)])
+            self.sockets.publish([wire.TOPIC_PROBE, _PROBE])
             await asyncio.sleep(0.02)
 
     def _receive(self) -> None:
@@ -333,25 +338,15 @@ class Controller:
     def _on_message(self, identity: bytes, frames: list) -> None:
         """Only well-formed messages reach a handler (types and frame counts checked first);
         each handler then checks who sent it (docs/protocol.md, "Acceptance")."""
-        if not frames:
-            raise ProtocolError("a message without a header")
-        fields = wire.read_header(frames[0].bytes)
-        kind = wire.check_from_worker(fields, len(frames) - 1)
-        if kind == Kind.HEARTBEAT:
-            self._on_heartbeat(identity, *fields[2:])
-        elif kind == Kind.REPLY:
-            self._on_reply(identity, *fields[2:], frames[1:])
-        elif kind == Kind.ERROR:
-            self._on_error(identity, *fields[2:])
-        else:
-            self._on_register(identity, *fields[2:])
+        message, data = wire.decode_from_worker(frames)
+        self._handlers[type(message)](identity, message, data)
 
     def _reject(self, identity: bytes, reason: str) -> None:
         """Drop, count, log with a rate limit. A peer that never registered also hears the reason
         (once per log interval): a worker of another dtorch version learns why it was refused."""
         logged = self.rejections.record(identity, reason)
         if logged and identity.startswith(b"w") and not self._is_registered(identity):
-            self.sockets.send_to(identity, [wire.header(Kind.REFUSED, reason)])
+            self.sockets.send_to(identity, [wire.encode(wire.Refused(reason))])
 
     def _is_registered(self, identity: bytes) -> bool:
         return any(w.identity == identity for w in self.workers.values())
@@ -363,7 +358,9 @@ class Controller:
             raise ProtocolError(f"a message for rank {rank} from a peer that did not register as it")
         return worker
 
-    def _on_register(self, identity: bytes, rank: int, host: str, pid: int, device: str, secret: str) -> None:
+    # --- one handler per message a worker sends (wire.FROM_WORKER), named after it -------------
+    def _on_register(self, identity: bytes, message: wire.Register, data: list) -> None:
+        rank, host, pid, device, secret = message
         if not secret_matches(secret, self.secret):
             raise ProtocolError("a registration without the run's secret")
         worker = self.workers.get(rank)
@@ -375,20 +372,22 @@ class Controller:
         worker.pid, worker.device = pid, device
         worker.last_heartbeat = time.monotonic()
         worker.start_seq = self._published_upto
-        self.sockets.send_to(identity, [wire.header(Kind.WELCOME, self._published_upto, self.store_address,
-                                                    self.gloo_timeout_s)])
+        welcome = wire.Welcome(self._published_upto, self.store_address, float(self.gloo_timeout_s))
+        self.sockets.send_to(identity, [wire.encode(welcome)])
         with self._registered:
             worker.registered = True
             self._registered.notify_all()
 
-    def _on_heartbeat(self, identity: bytes, rank: int) -> None:
+    def _on_heartbeat(self, identity: bytes, message: wire.Heartbeat, data: list) -> None:
+        rank = message.rank
         worker = self.workers.get(rank)
         if worker is None or worker.heartbeat_identity is None or worker.heartbeat_identity != identity:
             raise ProtocolError(f"a heartbeat for rank {rank} from a peer that did not register as it")
         worker.last_heartbeat = time.monotonic()
-        self.sockets.send_to(identity, [wire.header(Kind.PONG)])
+        self.sockets.send_to(identity, [_PONG])
 
-    def _on_reply(self, identity: bytes, seq: int, rank: int, status: str, origin: int, frames: list) -> None:
+    def _on_reply(self, identity: bytes, message: wire.Reply, frames: list) -> None:
+        seq, rank, status, origin = message
         self._sender(identity, rank)
         read = self._reads.get(seq)
         if read is None or rank not in read.waiting:
@@ -407,7 +406,8 @@ class Controller:
             return
         self._reads.pop(seq, None)
 
-    def _on_error(self, identity: bytes, seq, rank, op, exception_type, message, traceback_text) -> None:
+    def _on_error_report(self, identity: bytes, report: wire.ErrorReport, data: list) -> None:
+        seq, rank, op, exception_type, message, traceback_text = report
         worker = self._sender(identity, rank)
         if not worker.start_seq <= seq <= self._published_upto:
             raise ProtocolError(f"an error from rank {rank} for command #{seq}, which it was never sent")
@@ -418,13 +418,20 @@ class Controller:
         if failure is not None and rank in failure.ranks:
             raise ProtocolError(f"a second error from rank {rank} for command #{seq}")
         if failure is None:
-            site = format_site(self._sites[seq % SITE_RING])
+            site = self._site_of(seq)
             failure = self.failures[seq] = RemoteFailure(seq, op, site, exception_type, message, traceback_text)
         failure.ranks.append(rank)
         for waiting in self._waiting_for_failure.pop(seq, []):
             read = self._reads.get(waiting)
             if read is not None:
                 self._finish(waiting, read)
+
+    def _site_of(self, seq: int) -> str:
+        kept = self._sites[seq % SITE_RING]
+        if kept is None or kept[0] != seq:
+            return (f"<line not kept: command #{seq} was issued more than {SITE_RING} commands before the "
+                    "newest, and only the newest keep their line>")
+        return format_site(kept[1])
 
     async def _watch(self) -> None:
         while True:

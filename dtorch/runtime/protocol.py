@@ -1,13 +1,17 @@
 """The wire protocol: the one module that knows how messages look on a socket.
 
 Directions
-  controller -> workers  PUB/SUB   [topic, header, body]            commands, batched
-  controller -> worker   PUB/SUB   [topic R<rank>., header, data..] private upload bytes
-  controller -> worker   ROUTER    [header]                          WELCOME, PONG
-  worker -> controller   DEALER    [header, data...]                 REGISTER, REPLY, ERROR, HEARTBEAT
+  controller -> workers  PUB/SUB   [topic, Batch, body]               commands, batched
+  controller -> worker   PUB/SUB   [topic R<rank>., Private, data..]  private upload bytes
+  controller -> workers  PUB/SUB   [topic P, Probe]                   until every worker registered
+  controller -> worker   ROUTER    [Welcome | Refused | Pong]
+  worker -> controller   DEALER    [Register | Reply | ErrorReport | Heartbeat, data...]
 
-Every header is msgpack and starts with (VERSION, kind). Tensor bytes travel as raw frames after
-the header, never inside msgpack, and nothing that arrives from a socket is ever unpickled.
+Commands (DefineMesh ... Shutdown) are typed records that travel as rows of a Batch body; every
+other message is a typed record of its own (Batch ... Pong), encoded by `encode` and read back by
+`decode`, which checks each field's type. Every header is msgpack and starts with (VERSION, kind).
+Tensor bytes travel as raw frames after the header, never inside msgpack, and nothing that arrives
+from a socket is ever unpickled. docs/protocol.md describes the same schema in prose.
 """
 from __future__ import annotations
 
@@ -21,7 +25,21 @@ import torch
 from ..distributed_spec import Partial, Placement, Replicate, Shard
 from ..errors import ProtocolError
 
-VERSION = 2   # 2: REGISTER carries the run's secret
+__all__ = [
+    "VERSION", "Kind", "HEARTBEAT_INTERVAL", "PROTOCOL_FAILURE", "TOPIC_ALL", "TOPIC_PROBE", "topic_for_rank",
+    "lost_worker_key",
+    # commands
+    "DefineMesh", "Factory", "Upload", "RunOp", "Redistribute", "Transfer", "Fetch", "Free", "Sync", "Shutdown",
+    "COMMANDS", "handler_name", "encode_batch", "decode_batch",
+    # every other message
+    "Batch", "Private", "Probe", "Register", "Welcome", "Refused", "Reply", "ErrorReport", "Heartbeat", "Pong",
+    "MESSAGES", "FROM_WORKER", "REPLY_STATUSES", "encode", "decode", "decode_from_worker", "read_header",
+    # values inside messages
+    "TensorRef", "pack", "unpack", "dtype_name", "dtype_from_name", "encode_placement", "decode_placement",
+    "tensor_frame", "tensor_from_frame", "clip",
+]
+
+VERSION = 3   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -89,7 +107,8 @@ class RunOp(NamedTuple):
     seq: int
     out_ids: tuple
     mesh_id: int
-    op: str
+    op: str              # the op the user called (reshape), named in errors
+    kernel: str          # what the worker runs (reshape_local): the rule's choice
     args: tuple          # tensors appear as ExtType TENSOR references
     kwargs: dict
     input_steps: tuple   # ((tensor_index, shape, placements, steps), ...): local slicing first
@@ -143,10 +162,11 @@ OPCODE = {cls: i for i, cls in enumerate(COMMANDS)}
 _BY_OPCODE = dict(enumerate(COMMANDS))
 
 
-def handler_name(command_type) -> str:
-    """Workers dispatch a command to a method named after it: RunOp -> handle_run_op."""
-    name = command_type.__name__
-    return "handle_" + "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+def handler_name(record_type, prefix: str = "handle_") -> str:
+    """Each side dispatches a record to a method named after it: a worker's RunOp goes to
+    handle_run_op, the controller's Reply to _on_reply."""
+    name = record_type.__name__
+    return prefix + "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
 
 
 # --- values inside commands ----------------------------------------------------------------------
@@ -253,7 +273,7 @@ def decode_placement(code: int) -> Placement:
 # --- whole messages ------------------------------------------------------------------------------
 def encode_batch(first_seq: int, commands: list) -> list[bytes]:
     """A batch: commands go as [opcode, *fields] rows in one msgpack body."""
-    header = pack((VERSION, Kind.BATCH, first_seq, len(commands)))
+    header = encode(Batch(first_seq, len(commands)))
     body = _packer.pack([(OPCODE[type(c)],) + tuple(c) for c in commands])
     return [TOPIC_ALL, header, body]
 
@@ -264,18 +284,18 @@ def encode_batch(first_seq: int, commands: list) -> list[bytes]:
 IDS = "ids"
 _FIELD_TYPES = {
     DefineMesh: (int, str, tuple, IDS), Factory: (int, int, str, tuple, str, tuple, tuple),
-    Upload: (int, int, tuple, str, tuple), RunOp: (IDS, int, str, tuple, dict, tuple),
+    Upload: (int, int, tuple, str, tuple), RunOp: (IDS, int, str, str, tuple, dict, tuple),
     Redistribute: (int, int, int, tuple, str, tuple, tuple),
     Transfer: (int, int, int, int, tuple, str, tuple, tuple), Fetch: (int, int, IDS),
     Free: (IDS,), Sync: (), Shutdown: (),
 }
 
 
-def decode_batch(header: tuple, body) -> tuple[int, list]:
-    """(first_seq, commands) of a BATCH; ProtocolError for anything malformed."""
-    if len(header) != 4 or not all(type(v) is int for v in header[2:]) or header[3] < 0:
-        raise ProtocolError(f"malformed batch header {clip(header)}")
-    _, _, first_seq, count = header
+def decode_batch(batch: Batch, body) -> list:
+    """The commands of a batch; ProtocolError for anything malformed."""
+    first_seq, count = batch
+    if count < 0:
+        raise ProtocolError(f"malformed batch header {clip(batch)}")
     try:
         rows = unpack(body)
     except ProtocolError:
@@ -284,7 +304,7 @@ def decode_batch(header: tuple, body) -> tuple[int, list]:
         raise ProtocolError(f"undecodable batch body ({clip(error)})") from None
     if type(rows) is not tuple or len(rows) != count:
         raise ProtocolError(f"batch header says {count} commands, body holds {clip(rows)[:60]}")
-    return first_seq, [_command(first_seq + i, row) for i, row in enumerate(rows)]
+    return [_command(first_seq + i, row) for i, row in enumerate(rows)]
 
 
 def _command(seq: int, row):
@@ -303,43 +323,117 @@ def _command(seq: int, row):
 def _has_type(value, expected) -> bool:
     if expected is IDS:
         return type(value) is tuple and all(type(v) is int for v in value)
+    if type(expected) is tuple:
+        return type(value) in expected
     return type(value) is expected
 
 
-# What each message a worker sends must hold after (VERSION, kind), and how many data frames may
-# follow its header. The controller checks both before looking at any value (check_from_worker).
-FROM_WORKER = {
-    Kind.REGISTER: ((int, str, int, str, str), 0),      # rank, host, pid, device, secret
-    Kind.REPLY: ((int, int, str, int), 1),              # seq, rank, status, origin_seq; bytes?
-    Kind.ERROR: ((int, int, str, str, str, str), 0),    # seq, rank, op, type, message, traceback
-    Kind.HEARTBEAT: ((int,), 0),                        # rank
-}
+# --- every other message: one typed record per kind ---------------------------------------------
+# On the wire a message is its header alone, [VERSION, kind, *fields], then raw data frames.
+class Batch(NamedTuple):        # controller -> workers (PUB); the body frame holds the commands
+    first_seq: int
+    count: int
+
+
+class Private(NamedTuple):      # controller -> one worker (PUB topic R<rank>.); data frames follow
+    seq: int                    # the command that will consume the bytes
+
+
+class Probe(NamedTuple):        # controller -> workers (PUB): "are you subscribed yet?"
+    pass
+
+
+class Register(NamedTuple):     # worker -> controller, once, after it has heard a Probe
+    rank: int
+    host: str
+    pid: int
+    device: str
+    secret: str                 # the run's secret, which the worker read on its stdin
+
+
+class Welcome(NamedTuple):      # controller -> worker: registration accepted
+    first_seq: int              # the first command this worker executes
+    store_address: str          # the rendezvous store for collectives
+    gloo_timeout_s: float
+
+
+class Refused(NamedTuple):      # controller -> worker: registration rejected
+    reason: str
+
+
+class Reply(NamedTuple):        # worker -> controller: answers a Fetch or Sync; bytes may follow
+    seq: int
+    rank: int
+    status: str                 # one of REPLY_STATUSES
+    origin_seq: int             # poisoned: the command that failed first; otherwise -1
+
+
+class ErrorReport(NamedTuple):  # worker -> controller: a command raised
+    seq: int
+    rank: int
+    op: str                     # the op the user called (PROTOCOL_FAILURE: the stream broke)
+    exception_type: str
+    message: str
+    traceback: str
+
+
+class Heartbeat(NamedTuple):    # worker -> controller, every HEARTBEAT_INTERVAL, own socket
+    rank: int
+
+
+class Pong(NamedTuple):         # controller -> worker: answers a Heartbeat
+    pass
+
+
 REPLY_STATUSES = ("ok", "poisoned", "missing")
+NUMBER = (int, float)
+MESSAGES = {Batch: Kind.BATCH, Private: Kind.PRIVATE, Probe: Kind.PROBE, Register: Kind.REGISTER,
+            Welcome: Kind.WELCOME, Refused: Kind.REFUSED, Reply: Kind.REPLY, ErrorReport: Kind.ERROR,
+            Heartbeat: Kind.HEARTBEAT, Pong: Kind.PONG}
+_MESSAGE_BY_KIND = {int(kind): message_type for message_type, kind in MESSAGES.items()}
+# The type of each field, checked on decode before anything looks at a value (bool is not an int).
+_MESSAGE_FIELDS = {
+    Batch: (int, int), Private: (int,), Probe: (), Register: (int, str, int, str, str),
+    Welcome: (int, str, NUMBER), Refused: (str,), Reply: (int, int, str, int),
+    ErrorReport: (int, int, str, str, str, str), Heartbeat: (int,), Pong: (),
+}
+# What workers may send the controller, and how many data frames may follow each header.
+FROM_WORKER = {Register: 0, Reply: 1, ErrorReport: 0, Heartbeat: 0}
 
 
-def check_from_worker(fields: tuple, data_frames: int) -> Kind:
-    """The kind of a header read_header accepted, once its fields have the types FROM_WORKER
-    names (bool is not an int here) and at most the data frames it allows."""
+def encode(message) -> bytes:
+    """The header frame of a typed message."""
+    return pack((VERSION, int(MESSAGES[type(message)])) + tuple(message))
+
+
+def decode(frame, expected) -> tuple:
+    """The typed message in a header frame, if it is one of the `expected` types and each field
+    has its type; ProtocolError naming what is wrong otherwise."""
+    fields = read_header(frame)
     kind = fields[1]
-    if type(kind) is not int or kind not in FROM_WORKER.keys():
-        raise ProtocolError(f"unexpected message kind {kind!r}")
-    kind = Kind(kind)
-    types, most_frames = FROM_WORKER[kind]
+    message_type = _MESSAGE_BY_KIND.get(kind) if type(kind) is int else None
+    if message_type not in expected:
+        raise ProtocolError(f"unexpected message kind {clip(kind)}")
     values = fields[2:]
-    if len(values) != len(types) or any(type(v) is not t for v, t in zip(values, types)):
-        raise ProtocolError(f"malformed {kind.name}: {clip(values)}")
-    if data_frames > most_frames:
-        raise ProtocolError(f"{kind.name} with {data_frames} data frames")
-    return kind
+    types = _MESSAGE_FIELDS[message_type]
+    if len(values) != len(types) or not all(_has_type(v, t) for v, t in zip(values, types)):
+        raise ProtocolError(f"malformed {message_type.__name__}: {clip(values)}")
+    return message_type(*values)
+
+
+def decode_from_worker(frames: list) -> tuple:
+    """(message, data frames) of what a worker sent the controller; ProtocolError if malformed."""
+    if not frames:
+        raise ProtocolError("a message without a header")
+    message = decode(frames[0].bytes, FROM_WORKER)
+    if len(frames) - 1 > FROM_WORKER[type(message)]:
+        raise ProtocolError(f"{type(message).__name__} with {len(frames) - 1} data frames")
+    return message, frames[1:]
 
 
 def clip(value) -> str:
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
-
-
-def header(kind: Kind, *fields) -> bytes:
-    return pack((VERSION, int(kind)) + fields)
 
 
 def read_header(frame) -> tuple:

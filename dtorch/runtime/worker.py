@@ -21,7 +21,7 @@ from ..ops import KERNELS
 from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
 from . import protocol as wire
 from .kernels import apply_steps, make_factory
-from .protocol import Kind, TensorRef
+from .protocol import TensorRef
 from .transport import WorkerSockets
 
 __all__ = ["Worker", "Poisoned"]
@@ -45,7 +45,7 @@ class Worker:
         self.in_flight: dict[int, object] = {}      # tensor id -> event of the communication making it
         self.meshes: dict[int, DeviceMesh] = {}
         self.private: dict[int, list] = {}          # command seq -> raw frames sent to this rank
-        self.outgoing: list = []                    # (HostCopy, header) replies waiting on the device
+        self.outgoing: list = []                    # (HostCopy, wire.Reply): replies waiting on the device
         self.running = True
         self._handlers = {cls: getattr(self, wire.handler_name(cls)) for cls in wire.COMMANDS}
 
@@ -55,8 +55,8 @@ class Worker:
             self._loop()
         except ProtocolError as error:
             # The command stream cannot be trusted any more: say why, then stop for good.
-            self.sockets.send([wire.header(Kind.ERROR, self.next_seq, self.rank, wire.PROTOCOL_FAILURE,
-                                           "ProtocolError", str(error), "")])
+            self.sockets.send([wire.encode(wire.ErrorReport(self.next_seq, self.rank, wire.PROTOCOL_FAILURE,
+                                                            "ProtocolError", str(error), ""))])
             raise
 
     def _loop(self) -> None:
@@ -70,23 +70,22 @@ class Worker:
 
     def _on_message(self, frames: list) -> None:
         """One message from the command socket; ProtocolError if it is not one of ours."""
-        fields = wire.read_header(frames[1].bytes) if len(frames) >= 2 else ()
-        kind = fields[1] if fields else None
-        if kind == Kind.BATCH and len(frames) == 3:
-            self._run_batch(fields, frames[2].buffer)
-        elif kind == Kind.PRIVATE and len(fields) == 3 and type(fields[2]) is int:
-            if fields[2] >= self.next_seq:
-                self.private[fields[2]] = frames[2:]
-        elif kind != Kind.PROBE:
-            raise ProtocolError(f"rank {self.rank}: malformed message on the command socket "
-                                f"({len(frames)} frames, header {wire.clip(fields)})")
+        if len(frames) < 2:
+            raise ProtocolError(f"rank {self.rank}: a message of {len(frames)} frame(s) on the command socket")
+        message = wire.decode(frames[1].bytes, _ON_COMMAND_SOCKET)
+        if type(message) is wire.Batch:
+            if len(frames) != 3:
+                raise ProtocolError(f"rank {self.rank}: a batch of {len(frames)} frames, not 3")
+            self._run_batch(message, frames[2].buffer)
+        elif type(message) is wire.Private and message.seq >= self.next_seq:
+            self.private[message.seq] = frames[2:]
 
-    def _run_batch(self, fields, body) -> None:
-        first_seq, commands = wire.decode_batch(fields, body)
-        if first_seq < self.next_seq:
+    def _run_batch(self, batch: wire.Batch, body) -> None:
+        commands = wire.decode_batch(batch, body)
+        if batch.first_seq < self.next_seq:
             return  # published before this worker joined
-        if first_seq != self.next_seq:
-            raise ProtocolError(f"rank {self.rank}: expected command #{self.next_seq}, got #{first_seq}: "
+        if batch.first_seq != self.next_seq:
+            raise ProtocolError(f"rank {self.rank}: expected command #{self.next_seq}, got #{batch.first_seq}: "
                                 "commands were lost on the way")
         self.next_seq += len(commands)
         for command in commands:
@@ -110,8 +109,8 @@ class Worker:
 
     def _report(self, command, error: Exception) -> None:
         op = getattr(command, "op", None) or getattr(command, "kind", None) or type(command).__name__
-        self.sockets.send([wire.header(Kind.ERROR, command.seq, self.rank, op, type(error).__name__,
-                                       str(error), traceback.format_exc())])
+        report = wire.ErrorReport(command.seq, self.rank, op, type(error).__name__, str(error), traceback.format_exc())
+        self.sockets.send([wire.encode(report)])
 
     # --- helpers shared by handlers -------------------------------------------------------------
     def _member(self, mesh_id: int) -> DeviceMesh | None:
@@ -187,7 +186,7 @@ class Worker:
         if "_dtorch_region" in kwargs:  # (global shape, placements) -> where this rank's block sits
             shape, placements = kwargs["_dtorch_region"]
             kwargs["_dtorch_region"] = local_region(shape, mesh, placements, mesh.coordinate_of(self.rank))
-        result = KERNELS[command.op](*args, **kwargs)
+        result = KERNELS[command.kernel](*args, **kwargs)
         if isinstance(result, (tuple, list)):
             for tensor_id, value in zip(command.out_ids, result):
                 self.tensors[tensor_id] = value
@@ -320,30 +319,29 @@ class Worker:
         elif self.rank in command.senders:
             # The reply leaves when the device-to-host copy is done, without stalling this loop.
             self.outgoing.append((self.device.to_host(self._tensor(command.tensor_id)),
-                                  wire.header(Kind.REPLY, command.seq, self.rank, "ok", -1)))
+                                  wire.Reply(command.seq, self.rank, "ok", -1)))
             self._send_ready()
             return
         else:
             status, frames = ("ok", -1), []
-        self.sockets.send([wire.header(Kind.REPLY, command.seq, self.rank, *status)] + frames)
+        self.sockets.send([wire.encode(wire.Reply(command.seq, self.rank, *status))] + frames)
 
     def _send_ready(self) -> None:
         waiting = []
-        for copy, header in self.outgoing:
+        for copy, reply in self.outgoing:
             if not copy.ready():
-                waiting.append((copy, header))
+                waiting.append((copy, reply))
                 continue
             if copy.tensor is None:   # a fence: the reply carries no bytes
-                self.sockets.send([header])
+                self.sockets.send([wire.encode(reply)])
                 continue
             try:
                 frame = wire.tensor_frame(copy.tensor)
             except Exception as error:  # the read fails, the worker goes on
-                seq = wire.read_header(header)[2]
-                self._report(wire.Fetch(seq, -1, -1, ()), error)
-                self.sockets.send([wire.header(Kind.REPLY, seq, self.rank, "poisoned", seq)])
+                self._report(wire.Fetch(reply.seq, -1, -1, ()), error)
+                self.sockets.send([wire.encode(wire.Reply(reply.seq, self.rank, "poisoned", reply.seq))])
                 continue
-            self.sockets.send([header, frame])
+            self.sockets.send([wire.encode(reply), frame])
         self.outgoing = waiting
 
     def handle_free(self, command: wire.Free) -> None:
@@ -354,11 +352,14 @@ class Worker:
 
     def handle_sync(self, command: wire.Sync) -> None:
         """Reply once the device has run everything before this command (at once on CPU)."""
-        self.outgoing.append((self.device.fence(), wire.header(Kind.REPLY, command.seq, self.rank, "ok", -1)))
+        self.outgoing.append((self.device.fence(), wire.Reply(command.seq, self.rank, "ok", -1)))
         self._send_ready()
 
     def handle_shutdown(self, command: wire.Shutdown) -> None:
         self.running = False
+
+
+_ON_COMMAND_SOCKET = (wire.Batch, wire.Private, wire.Probe)   # probes need no answer once registered
 
 
 def _outputs_of(command) -> tuple:

@@ -19,7 +19,6 @@ import torch
 from . import protocol as wire
 from .comm import GlooCommunicator
 from .devices import make_device
-from .protocol import Kind
 from .transport import Poller, WorkerSockets
 from .worker import Worker
 
@@ -44,9 +43,10 @@ def _heartbeat(sockets: WorkerSockets, rank: int, timeout_s: float) -> None:
     even while the main thread is blocked inside a collective."""
     hb = sockets.heartbeat_socket(rank)
     poller, last_answer = Poller(hb), time.monotonic()
+    beat = wire.encode(wire.Heartbeat(rank))
     while not _stopping.is_set():
         try:
-            hb.send_multipart([wire.header(Kind.HEARTBEAT, rank)])
+            hb.send_multipart([beat])
             answer = poller.receive(int(wire.HEARTBEAT_INTERVAL * 1000))
         except Exception:
             if _stopping.is_set():
@@ -60,26 +60,32 @@ def _heartbeat(sockets: WorkerSockets, rank: int, timeout_s: float) -> None:
             os._exit(3)
 
 
-def _register(sockets: WorkerSockets, config: dict) -> tuple:
+def _register(sockets: WorkerSockets, config: dict) -> wire.Welcome:
     """Wait until our SUB sees a probe (so no command can be missed), then register."""
     deadline = time.monotonic() + config.get("register_timeout", 120)
     while time.monotonic() < deadline:
         frames = sockets.receive_command(timeout_ms=100)
-        if frames is not None and wire.read_header(frames[1].bytes)[1] == Kind.PROBE:
+        if frames is not None and len(frames) >= 2 and _is_probe(frames[1].bytes):
             break
     else:
         raise SystemExit(f"dtorch worker {config['rank']}: never heard the controller")
-    sockets.send([wire.header(Kind.REGISTER, config["rank"], config.get("host_label") or socket.gethostname(),
-                              os.getpid(), config["device"], config.get("secret", ""))])
+    host = config.get("host_label") or socket.gethostname()
+    sockets.send([wire.encode(wire.Register(config["rank"], host, os.getpid(), config["device"],
+                                            config.get("secret", "")))])
     while time.monotonic() < deadline:
         reply = sockets.receive_reply(timeout_ms=1000)
         if reply is not None:
-            fields = wire.read_header(reply[0])
-            if fields[1] == Kind.REFUSED:
-                raise SystemExit(f"dtorch worker {config['rank']}: controller refused: {fields[2]}")
-            if fields[1] == Kind.WELCOME:
-                return fields[2:]
+            answer = wire.decode(reply[0], (wire.Welcome, wire.Refused))
+            if type(answer) is wire.Refused:
+                raise SystemExit(f"dtorch worker {config['rank']}: controller refused: {answer.reason}")
+            return answer
     raise SystemExit(f"dtorch worker {config['rank']}: no welcome from the controller")
+
+
+def _is_probe(frame) -> bool:
+    # Before registering, a batch or private upload is not ours yet: only a probe counts. A
+    # controller of another protocol version raises here, and the start fails saying so.
+    return wire.read_header(frame)[1] == wire.Kind.PROBE
 
 
 def _gloo_host(config: dict) -> str:

@@ -1,0 +1,76 @@
+"""The wire records: every message kind is a typed record that round-trips, a malformed one is a
+ProtocolError naming what is wrong, and each side has one handler per kind it receives."""
+import pytest
+
+from dtorch.errors import ProtocolError
+from dtorch.runtime import protocol as wire
+from dtorch.runtime.controller import Controller
+from dtorch.runtime.worker import Worker
+
+EXAMPLES = [wire.Batch(3, 2), wire.Private(7), wire.Probe(), wire.Register(1, "host", 42, "cpu", "s3cret"),
+            wire.Welcome(5, "tcp://127.0.0.1:1234", 120.0), wire.Refused("why"), wire.Reply(9, 1, "ok", -1),
+            wire.ErrorReport(9, 1, "add", "ValueError", "bad", "Traceback ..."), wire.Heartbeat(3), wire.Pong()]
+
+
+def test_every_message_kind_has_an_example():
+    assert {type(m) for m in EXAMPLES} == set(wire.MESSAGES)
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_messages_round_trip(message):
+    decoded = wire.decode(wire.encode(message), (type(message),))
+    assert type(decoded) is type(message) and decoded == message
+
+
+def test_decode_refuses_unexpected_kinds_and_wrong_field_types():
+    with pytest.raises(ProtocolError, match="unexpected message kind"):
+        wire.decode(wire.encode(wire.Pong()), wire.FROM_WORKER)
+    forged = wire.pack((wire.VERSION, int(wire.Kind.REPLY), 1, True, "ok", -1))   # bool is not a rank
+    with pytest.raises(ProtocolError, match="malformed Reply"):
+        wire.decode(forged, wire.FROM_WORKER)
+    with pytest.raises(ProtocolError, match="version"):
+        wire.decode(wire.pack((wire.VERSION + 1, int(wire.Kind.PONG))), (wire.Pong,))
+
+
+def test_the_controller_has_one_handler_per_message_a_worker_sends():
+    for kind in wire.FROM_WORKER:
+        assert callable(getattr(Controller, wire.handler_name(kind, "_on_"), None)), kind.__name__
+
+
+def test_run_op_carries_the_users_op_and_the_kernel():
+    assert wire.RunOp._fields[3:5] == ("op", "kernel")
+
+
+class Replies:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, frames):
+        self.sent.append(wire.decode(frames[0], wire.FROM_WORKER))
+
+
+def test_a_failing_kernel_is_reported_under_the_op_the_user_called():
+    from dtorch.runtime.devices import CpuDevice
+    worker = Worker(0, Replies(), None, CpuDevice(), start_seq=0)
+    worker._execute(wire.DefineMesh(0, 0, "cpu", (1,), (0,)))
+    worker._execute(wire.Factory(1, 1, 0, "arange", (6,), "float32", (wire.decode_placement(0),), (0.0, 1.0)))
+    # reshape's rule picks the kernel reshape_local; a bad shape makes it raise on the worker
+    worker._execute(wire.RunOp(2, (2,), 0, "reshape", "reshape_local", (wire.TensorRef(1), (4, 4)), {}, ()))
+    report = worker.sockets.sent[-1]
+    assert type(report) is wire.ErrorReport and report.seq == 2
+    assert report.op == "reshape" and "reshape_local" in report.traceback
+
+
+def test_an_error_older_than_the_call_site_ring_says_its_line_is_gone():
+    from dtorch.runtime.controller import SITE_RING
+    controller = Controller()
+
+    def issue():   # submit records the line that called its caller, as dtorch's own calls do
+        return controller.submit(wire.Sync)
+    try:
+        for _ in range(SITE_RING + 1):
+            last = issue()
+        assert "test_protocol.py" in controller._site_of(last)
+        assert "not kept" in controller._site_of(0)   # its slot now holds command #SITE_RING's line
+    finally:
+        controller.shutdown()
