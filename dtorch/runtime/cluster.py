@@ -1,6 +1,7 @@
 """Starting and supervising worker processes: local ones by default, over SSH from a hostfile
 through dtorch_launcher's spawner. Both hand back handles with the same surface
-(rank, host, pid, poll(), wait(), kill(), terminate())."""
+(rank, host, pid, poll(), wait(), kill(), terminate()). `WorkerPool` is the controller's record of
+them: who registered, who was lost and why (process exit, heartbeat silence)."""
 from __future__ import annotations
 
 import collections
@@ -11,7 +12,11 @@ import sys
 import threading
 import time
 
-__all__ = ["LocalWorker", "LocalSpawner", "worker_config", "forward_lines", "WorkerRecord", "loss_reason", "stop_process"]
+from ..errors import MeshError, StartupError, WorkerLostError
+from .protocol import lost_worker_key
+
+__all__ = ["LocalWorker", "LocalSpawner", "worker_config", "forward_lines", "WorkerRecord", "WorkerPool",
+           "loss_reason", "stop_process"]
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -138,3 +143,95 @@ def stop_process(handle, deadline: float) -> None:
             handle.wait(2)
         except Exception:
             pass
+
+
+class WorkerPool:
+    """The controller's view of its worker processes: started, registered, lost. The loop thread
+    changes it; the user thread waits on it (registration) and asks it (is a rank lost?)."""
+
+    def __init__(self, lock: threading.Lock, store):
+        self.workers: dict[int, WorkerRecord] = {}
+        self._changed = threading.Condition(lock)
+        self._store = store     # peers waiting in a collective watch it for lost ranks
+
+    def add(self, handles: list, device: str) -> None:
+        with self._changed:
+            for handle in handles:
+                self.workers[handle.rank] = WorkerRecord(handle.rank, handle, device)
+
+    def mark_registered(self, worker: WorkerRecord) -> None:
+        with self._changed:
+            worker.registered = True
+            self._changed.notify_all()
+
+    def mark_lost(self, worker: WorkerRecord, reason: str) -> WorkerLostError:
+        with self._changed:
+            worker.lost = reason
+            self._changed.notify_all()
+        self._store.set(lost_worker_key(worker.rank), reason)
+        return WorkerLostError(worker.rank, worker.host, worker.pid, reason)
+
+    def newly_lost(self, now: float) -> list:
+        """(worker, reason) for each worker that exited or went silent since the last look."""
+        found = [(w, loss_reason(w, now)) for w in list(self.workers.values()) if w.lost is None]
+        return [(w, reason) for w, reason in found if reason]
+
+    def lost_among(self, ranks) -> WorkerLostError | None:
+        for rank in ranks:
+            w = self.workers.get(rank)
+            if w is not None and w.lost:
+                return WorkerLostError(w.rank, w.host, w.pid, w.lost)
+        return None
+
+    def live_ranks(self) -> list:
+        return [r for r, w in self.workers.items() if w.lost is None]
+
+    def starting(self) -> bool:
+        return any(not w.registered and not w.lost for w in self.workers.values())
+
+    def check_ranks(self, mesh) -> None:
+        """A mesh may name only ranks that are running."""
+        lost = self.lost_among(mesh.ranks)
+        if lost:
+            raise lost
+        unknown = [r for r in mesh.ranks if r not in self.workers]
+        if unknown:
+            raise MeshError(f"{mesh} names rank(s) {unknown}, but only ranks {sorted(self.workers)} are "
+                            "running; build meshes with init_device_mesh, which starts workers")
+
+    def wait_registered(self, ranks, timeout: float, progress=None) -> None:
+        """Block until `ranks` registered; a failed start raises StartupError naming the host and
+        the cause (the spawner's explanation when it has one, e.g. an ssh failure)."""
+        deadline = time.monotonic() + timeout
+        reported: set = set()
+        for rank in ranks:
+            progress and progress.worker_started(rank, self.workers[rank].host)
+        with self._changed:
+            while True:
+                for w in (self.workers[r] for r in ranks if self.workers[r].registered and r not in reported):
+                    reported.add(w.rank)
+                    progress and progress.worker_registered(w.rank, w.host)
+                failed = [self.workers[r] for r in ranks if self.workers[r].lost]
+                if failed:
+                    raise StartupError(_start_failure(failed[0], progress))
+                if len(reported) == len(ranks):
+                    progress and progress.done()
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    pending = [r for r in ranks if r not in reported]
+                    raise StartupError(f"worker rank(s) {pending} on {sorted({self.workers[r].host for r in pending})} "
+                                       f"did not register within {timeout:.0f}s")
+                self._changed.wait(min(left, 0.5))
+
+    def stop_all(self, deadline: float) -> None:
+        for w in self.workers.values():
+            stop_process(w.handle, deadline)
+
+
+def _start_failure(worker: WorkerRecord, progress) -> str:
+    explain = getattr(worker.handle, "failure_message", None)
+    message = (explain() if explain else None) or f"worker rank {worker.rank} on {worker.host} failed to start: {worker.lost}"
+    if progress is not None:
+        progress.host_failed(worker.host, message)
+    return message

@@ -21,13 +21,12 @@ import traceback
 import warnings
 
 from ..distributed_spec import DeviceMesh, Replicate
-from ..errors import (ProtocolError, SessionEndedError, StartupError, UnreadFailureWarning, WorkerLostError,
-                      format_site, user_frame)
+from ..errors import ProtocolError, SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site, user_frame
 from . import protocol as wire
 from .admission import Rejections, new_secret, secret_matches
 from .reads import FetchRead, Future, RemoteFailure, SyncRead
 from .rendezvous import host_store
-from .cluster import WorkerRecord, loss_reason, stop_process
+from .cluster import WorkerPool, WorkerRecord
 from .transport import LOCAL, ControllerSockets, CurveKeys
 
 __all__ = ["Controller", "WorkerRecord"]
@@ -66,8 +65,6 @@ class Controller:
         self._reads: dict[int, object] = {}
         self._waiting_for_failure: dict[int, list] = collections.defaultdict(list)
         self.failures: dict[int, RemoteFailure] = {}
-        self.workers: dict[int, WorkerRecord] = {}
-        self._registered = threading.Condition(self._lock)
         self.commands_sent = self.batches_sent = 0
         self.gloo_timeout_s = gloo_timeout_s
         self.closed = False
@@ -81,6 +78,8 @@ class Controller:
         self.sockets = self._call(self._open, bind_host, curve)
         self._sockets_open = True
         self.store, self.store_address = host_store(bind_host or "127.0.0.1", gloo_timeout_s)
+        self.pool = WorkerPool(self._lock, self.store)
+        self.workers = self.pool.workers    # rank -> WorkerRecord
 
     # --- user thread ----------------------------------------------------------------------------
     def submit(self, command_type, *fields, read=None, private=None) -> int:
@@ -147,7 +146,7 @@ class Controller:
         if mesh_id is None:
             if mesh in self._lost_meshes:   # nothing is sent that would wait on a dead worker
                 raise self._lost_meshes[mesh]
-            self._check_ranks(mesh)
+            self.pool.check_ranks(mesh)
             mesh_id = self._mesh_ids.setdefault(mesh, len(self._mesh_ids))
             self.submit(wire.DefineMesh, mesh_id, mesh.device_type, mesh.shape, mesh.ranks)
         return mesh_id
@@ -159,21 +158,11 @@ class Controller:
         for mesh, mesh_id in list(self._mesh_ids.items()):
             self.submit(wire.DefineMesh, mesh_id, mesh.device_type, mesh.shape, mesh.ranks)
 
-    def _check_ranks(self, mesh: DeviceMesh) -> None:
-        from ..errors import MeshError
-        lost = self._lost_among(mesh.ranks)
-        if lost:
-            raise lost
-        unknown = [r for r in mesh.ranks if r not in self.workers]
-        if unknown:
-            raise MeshError(f"{mesh} names rank(s) {unknown}, but only ranks {sorted(self.workers)} are "
-                            "running; build meshes with init_device_mesh, which starts workers")
-
     def fetch(self, tensor) -> Future:
         spec = tensor._spec
         mesh = spec.mesh
         future = Future()
-        lost = self._lost_among(mesh.ranks)
+        lost = self.pool.lost_among(mesh.ranks)
         if lost:
             future._inner.set_exception(lost)
             return future
@@ -186,10 +175,9 @@ class Controller:
         """Wait until every live worker has run everything issued so far; raise the first remote
         failure no read has raised yet."""
         future = Future()
-        ranks = [r for r, w in self.workers.items() if w.lost is None]
-        self.submit(wire.Sync, read=SyncRead(ranks, future))
+        self.submit(wire.Sync, read=SyncRead(self.pool.live_ranks(), future))
         future.result(timeout)
-        lost = self._lost_among(self.workers)
+        lost = self.pool.lost_among(self.workers)
         if lost:
             raise lost
         for failure in sorted(self.failures.values(), key=lambda f: f.seq):
@@ -206,42 +194,11 @@ class Controller:
 
     # --- worker pool ----------------------------------------------------------------------------
     def add_workers(self, handles: list, device: str) -> None:
-        with self._lock:
-            for handle in handles:
-                self.workers[handle.rank] = WorkerRecord(handle.rank, handle, device)
+        self.pool.add(handles, device)
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._probe()))
 
     def wait_registered(self, ranks, timeout: float, progress=None) -> None:
-        """Block until `ranks` registered; a failed start raises StartupError naming the host and
-        the cause (the spawner's explanation when it has one, e.g. an ssh failure)."""
-        deadline = time.monotonic() + timeout
-        reported: set = set()
-        for rank in ranks:
-            progress and progress.worker_started(rank, self.workers[rank].host)
-        with self._registered:
-            while True:
-                for w in (self.workers[r] for r in ranks if self.workers[r].registered and r not in reported):
-                    reported.add(w.rank)
-                    progress and progress.worker_registered(w.rank, w.host)
-                failed = [self.workers[r] for r in ranks if self.workers[r].lost]
-                if failed:
-                    raise StartupError(_start_failure(failed[0], progress))
-                if len(reported) == len(ranks):
-                    progress and progress.done()
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    pending = [r for r in ranks if r not in reported]
-                    raise StartupError(f"worker rank(s) {pending} on {sorted({self.workers[r].host for r in pending})} "
-                                       f"did not register within {timeout:.0f}s")
-                self._registered.wait(min(left, 0.5))
-
-    def _lost_among(self, ranks) -> WorkerLostError | None:
-        for rank in ranks:
-            w = self.workers.get(rank)
-            if w is not None and w.lost:
-                return WorkerLostError(w.rank, w.host, w.pid, w.lost)
-        return None
+        self.pool.wait_registered(ranks, timeout, progress)
 
     # --- shutdown -------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -250,9 +207,7 @@ class Controller:
             return
         self.submit(wire.Shutdown)
         self.closed = True
-        deadline = time.monotonic() + timeout
-        for w in self.workers.values():
-            stop_process(w.handle, deadline)
+        self.pool.stop_all(time.monotonic() + timeout)
         self._call(self._close)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
@@ -320,7 +275,7 @@ class Controller:
     async def _probe(self) -> None:
         """Publish probes until every worker has registered: a worker registers only after its
         SUB socket has seen one, so it cannot miss the commands that follow (slow joiners)."""
-        while any(not w.registered and not w.lost for w in self.workers.values()) and not self.closed:
+        while self.pool.starting() and not self.closed:
             self.sockets.publish([wire.TOPIC_PROBE, _PROBE])
             await asyncio.sleep(0.02)
 
@@ -374,9 +329,7 @@ class Controller:
         worker.start_seq = self._published_upto
         welcome = wire.Welcome(self._published_upto, self.store_address, float(self.gloo_timeout_s))
         self.sockets.send_to(identity, [wire.encode(welcome)])
-        with self._registered:
-            worker.registered = True
-            self._registered.notify_all()
+        self.pool.mark_registered(worker)
 
     def _on_heartbeat(self, identity: bytes, message: wire.Heartbeat, data: list) -> None:
         rank = message.rank
@@ -436,21 +389,21 @@ class Controller:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
-            now = time.monotonic()
-            for worker in list(self.workers.values()):
-                if worker.lost is None and not self.closed:
-                    reason = loss_reason(worker, now)
-                    if reason:
-                        self._lose(worker, reason)
-            if self._released and not self._flush_scheduled:
-                self._flush()
+            try:
+                self._watch_once()
+            except Exception:  # keep watching: a silent end would leave lost workers unreported
+                traceback.print_exc()
+
+    def _watch_once(self) -> None:
+        if not self.closed:
+            for worker, reason in self.pool.newly_lost(time.monotonic()):
+                self._lose(worker, reason)
+        if self._released and not self._flush_scheduled:
+            self._flush()
 
     def _lose(self, worker: WorkerRecord, reason: str) -> None:
-        with self._registered:
-            worker.lost = reason
-            self._registered.notify_all()
-        self.store.set(wire.lost_worker_key(worker.rank), reason)
-        error = WorkerLostError(worker.rank, worker.host, worker.pid, reason)
+        """Fail what waits on the worker and retire every mesh it belongs to."""
+        error = self.pool.mark_lost(worker, reason)
         for mesh in [m for m in self._mesh_ids if worker.rank in m.ranks]:
             self._lost_meshes[mesh] = error
             del self._mesh_ids[mesh]
@@ -458,14 +411,6 @@ class Controller:
             if worker.rank in read.waiting:
                 read.fail(error)
                 self._reads.pop(seq, None)
-
-
-def _start_failure(worker: WorkerRecord, progress) -> str:
-    explain = getattr(worker.handle, "failure_message", None)
-    message = (explain() if explain else None) or f"worker rank {worker.rank} on {worker.host} failed to start: {worker.lost}"
-    if progress is not None:
-        progress.host_failed(worker.host, message)
-    return message
 
 
 def _senders(mesh: DeviceMesh, placements) -> tuple:
