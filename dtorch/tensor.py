@@ -110,7 +110,7 @@ class DTensor:
     def _move_to(self, mesh: DeviceMesh, placements) -> "DTensor":
         """To another mesh (a pipeline stage's sub-mesh, another shape, CPU <-> CUDA): reduce any
         Partial on this mesh, move blocks point-to-point, re-partialize locally on the target."""
-        source = self.full_replicate()
+        source = self.reduce_partials()
         landing = tuple(Replicate() if p.is_partial() else p for p in placements)
         owner = self._session
         out_id = owner.new_id()
@@ -119,7 +119,7 @@ class DTensor:
         moved = DTensor(out_id, tensor_spec(self._spec.shape, self.dtype, mesh, landing), seq, owner)
         return moved.redistribute(placements=placements)
 
-    def full_replicate(self) -> "DTensor":
+    def reduce_partials(self) -> "DTensor":
         """Partial dims reduced to Replicate (Shard dims kept): what a read needs."""
         if not any(isinstance(p, Partial) for p in self.placements):
             return self
@@ -129,7 +129,7 @@ class DTensor:
     # --- reads: the only calls that wait on workers ------------------------------------------
     def fetch(self):
         """An awaitable future of the full logical tensor (also .result(timeout) / .done())."""
-        readable = self.full_replicate()
+        readable = self.reduce_partials()
         return readable._session.fetch(readable)
 
     def to_torch(self) -> torch.Tensor:

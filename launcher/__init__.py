@@ -3,6 +3,10 @@
 Installed as ``dtorch_launcher`` (a top-level ``launcher`` would collide in site-packages).
 The runtime uses ``spawner_from_environment()`` to get the SshSpawner that dtorch-launch asked
 for, and StartupProgress / explain_ssh_failure to report workers coming up. See docs/launcher.md.
+
+Modules: cli (the dtorch-launch command), hostfile (parsing), options (ssh options from the
+environment), addresses (which address workers reach the controller on), ssh (SshSpawner: one ssh
+session per worker), progress and output (what a start prints), failures (why a start failed).
 """
 from .addresses import controller_host
 from .failures import explain_ssh_failure
