@@ -358,6 +358,22 @@ def test_nccl_datatypes_and_reductions():
         nccl._reduction(torch.empty(0, dtype=torch.int16), "sum")
 
 
+def test_nccl_and_gloo_have_the_communicator_interface():
+    """What comm.Communicator declares, each backend has, with the same parameters."""
+    import inspect
+    from dtorch.runtime.comm import Communicator, GlooCommunicator
+    declared = {name: member for name, member in vars(Communicator).items() if not name.startswith("_")}
+    assert set(declared) == {"host", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "exchange",
+                             "agree_max", "close"}
+    for backend in (GlooCommunicator, nccl.NcclCommunicator):
+        for name, member in declared.items():
+            if isinstance(member, property):   # NcclCommunicator sets its host in __init__
+                continue
+            assert inspect.signature(getattr(backend, name)) == inspect.signature(member), (backend, name)
+    assert isinstance(GlooCommunicator.host, property)
+    assert "self.host = GlooCommunicator(" in inspect.getsource(nccl.NcclCommunicator.__init__)
+
+
 def test_unique_id_survives_the_store():
     unique_id = tuple(random.Random(1).randrange(-128, 128) for _ in range(128))
     raw = nccl.encode_unique_id(unique_id)

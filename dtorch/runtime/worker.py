@@ -20,6 +20,7 @@ from ..errors import ProtocolError
 from ..ops import KERNELS
 from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
 from . import protocol as wire
+from .comm import Communicator
 from .kernels import apply_steps, make_factory
 from .protocol import Kind, TensorRef
 from .transport import WorkerSockets
@@ -36,7 +37,8 @@ class Poisoned(Exception):
 
 
 class Worker:
-    def __init__(self, rank: int, sockets: WorkerSockets, comm, device, start_seq: int, host_comm=None):
+    def __init__(self, rank: int, sockets: WorkerSockets, comm: Communicator, device, start_seq: int,
+                 host_comm: Communicator | None = None):
         self.rank, self.sockets, self.comm, self.device = rank, sockets, comm, device
         self.host_comm = host_comm or comm   # Gloo: transfers between meshes, CPU or not
         self.next_seq = start_seq

@@ -17,7 +17,6 @@ import traceback
 import torch
 
 from . import protocol as wire
-from .comm import GlooCommunicator
 from .devices import make_device
 from .protocol import Kind
 from .transport import Poller, WorkerSockets
@@ -118,7 +117,7 @@ def main() -> None:
         threading.Thread(target=_heartbeat, args=(sockets, rank, config.get("controller_timeout", 6.0)),
                          name="heartbeat", daemon=True).start()
         comm = device.communicator(store_address, rank, _gloo_host(config), gloo_timeout)
-        host_comm = comm if isinstance(comm, GlooCommunicator) else comm.host
+        host_comm = comm.host
     except (Exception, SystemExit) as error:
         _fail_start(rank, error)
     worker = Worker(rank, sockets, comm, device, start_seq, host_comm)
