@@ -33,6 +33,7 @@ import torch
 
 from . import protocol as wire
 from .comm import GlooCommunicator, backend_reduce_op, finish_reduction
+from .gpu_assignment import cupy_missing_message
 
 __all__ = ["NcclCommunicator", "NCCL_DATATYPES", "NCCL_REDUCE_OPS", "encode_unique_id",
            "decode_unique_id", "import_nccl", "lost_key"]
@@ -57,7 +58,6 @@ lost_key = wire.lost_worker_key
 
 def import_nccl():
     """cupy.cuda.nccl, or an ImportError naming the package to install."""
-    from .cuda import cupy_missing_message
     try:
         from cupy.cuda import nccl
     except ImportError as error:
