@@ -163,7 +163,6 @@ def test_every_module_imports_with_only_the_base_dependencies():
 ALLOWED_CYCLES = {
     ("dtorch.ops.registry", "dtorch.ops.unsupported"): "being removed in issue 11 part 4",
     ("dtorch.ops.rules", "dtorch.ops.suggest"): "being removed in issue 11 part 4",
-    ("dtorch.runtime.worker", "dtorch.runtime.worker_process"): "being removed on this branch (issue 11 part 3)",
 }
 
 

@@ -1,7 +1,7 @@
 """A worker: one process per device. It runs the controller's commands strictly in order on its
 local shards, one handler per command type (named after it), and answers only reads.
 
-Start: `python -m dtorch.runtime.worker` (process start-up lives in worker_process.py).
+A worker process starts as `python -m dtorch.runtime.worker_process` (start-up lives there).
 
 A command that raises does not stop the worker: its outputs become "poisoned" with the command's
 seq, the error goes back tagged with that seq, and anything computed from a poisoned tensor is
@@ -403,8 +403,3 @@ def _map_refs(value, fn):
 def _nest(ranks, shape):
     from ..distributed_spec import _nest as nest
     return nest(list(ranks), list(shape)) if len(shape) > 1 else list(ranks)
-
-
-if __name__ == "__main__":
-    from .worker_process import main
-    main()

@@ -1,5 +1,5 @@
 """A worker process: start-up, registration, heartbeats and exit. The command loop itself is
-`worker.Worker`; `python -m dtorch.runtime.worker` lands in `main` here.
+`worker.Worker`; cluster.py and dtorch-launch start `python -m dtorch.runtime.worker_process`.
 
 The config is one line of JSON on stdin (so secrets never show in `ps`); stdin then stays open,
 and EOF on it means the controller (or the ssh session carrying us) is gone: exit at once.
@@ -139,3 +139,6 @@ def main() -> None:
         # shutdown would wait on; nothing is left to clean up, so leave at once.
         os._exit(exit_code)
 
+
+if __name__ == "__main__":
+    main()
