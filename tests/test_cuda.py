@@ -374,6 +374,35 @@ def test_nccl_and_gloo_have_the_communicator_interface():
     assert "self.host = GlooCommunicator(" in inspect.getsource(nccl.NcclCommunicator.__init__)
 
 
+def test_nccl_reductions_go_through_the_shared_reduce_ops():
+    """No GPU: a fake cupy communicator on CPU memory, rank 0 of two ranks that hold the same
+    values. avg asks NCCL for a sum and divides by the group size (comm.finish_reduction)."""
+    import contextlib
+    import ctypes
+    calls = []
+
+    def floats(pointer: int, count: int) -> torch.Tensor:
+        return torch.frombuffer((ctypes.c_float * count).from_address(pointer), dtype=torch.float32)
+
+    class FakeComm:
+        def allReduce(self, send, receive, count, kind, op, stream):
+            calls.append(("allReduce", kind, op))
+            floats(receive, count).copy_(floats(send, count) * (2 if op == 0 else 1))
+
+        def reduceScatter(self, send, receive, count, kind, op, stream):
+            calls.append(("reduceScatter", kind, op))   # rank 0 gets piece 0
+            floats(receive, count).copy_(floats(send, count) * (2 if op == 0 else 1))
+
+    communicator = nccl.NcclCommunicator.__new__(nccl.NcclCommunicator)
+    communicator.single_rank = False
+    communicator._enqueue = lambda ranks: contextlib.nullcontext((FakeComm(), 0))
+    value = torch.arange(6, dtype=torch.float32)
+    for op, expected in [("sum", value * 2), ("avg", value), ("max", value)]:
+        assert torch.equal(communicator.all_reduce((0, 1), value.clone(), op), expected)
+        assert torch.equal(communicator.reduce_scatter((0, 1), value.reshape(2, 3), op), expected[:3])
+    assert calls == [(name, 7, op) for op in (0, 0, 2) for name in ("allReduce", "reduceScatter")]
+
+
 def test_unique_id_survives_the_store():
     unique_id = tuple(random.Random(1).randrange(-128, 128) for _ in range(128))
     raw = nccl.encode_unique_id(unique_id)
