@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from .options import DEFAULT_WORKER_MODULE
+
 __all__ = ["explain_ssh_failure"]
 
 SSH_FAILED = 255     # ssh's own exit code for connection and authentication failures
@@ -56,7 +58,7 @@ _CAUSES = (
 
 
 def explain_ssh_failure(host: str, exit_code: int | None, stderr: str,
-                        python: str = "python", module: str = "dtorch.runtime.worker") -> str:
+                        python: str = "python", module: str = DEFAULT_WORKER_MODULE) -> str:
     """One sentence naming ``host`` and the likely cause of a failed worker start or a lost worker."""
     detail = _last_meaningful_line(stderr)
     for cause in _CAUSES:

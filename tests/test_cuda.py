@@ -1,4 +1,4 @@
-"""CUDA workers (runtime/cuda.py, runtime/nccl.py).
+"""CUDA workers (runtime/gpu_assignment.py, runtime/cuda.py, runtime/nccl.py).
 
 Tests marked `cuda` run the CPU suite's own checks, unchanged, with "cuda" meshes in place of the
 CPU fixtures, plus what only a GPU shows (NCCL dtypes, freed memory, RNG bits on the device, a
@@ -25,7 +25,7 @@ import test_runtime_ops as cpu_ops
 from support import assert_same, run_script
 from dtorch.distributed_spec import Replicate, Shard, init_device_mesh
 from dtorch.errors import MeshError
-from dtorch.runtime import cuda, nccl, rng
+from dtorch.runtime import cuda, gpu_assignment, nccl, rng
 from dtorch.runtime.controller import WorkerRecord
 
 GPUS = torch.cuda.device_count()
@@ -302,7 +302,7 @@ def test_the_cpu_path_never_imports_cupy():
     result = run_script("""
         import sys
         import dtorch
-        import dtorch.runtime.cuda, dtorch.runtime.nccl
+        import dtorch.runtime.cuda, dtorch.runtime.gpu_assignment, dtorch.runtime.nccl
         from dtorch.distributed_spec import init_device_mesh, Shard
         mesh = init_device_mesh("cpu", (2,))
         x = dtorch.ones(4, 3, device_mesh=mesh, placements=[Shard(0)])
@@ -315,37 +315,37 @@ def test_the_cpu_path_never_imports_cupy():
 
 
 def test_missing_cupy_names_the_package_for_this_cuda():
-    assert cuda.cupy_package("12.4") == "cupy-cuda12x"
-    assert cuda.cupy_package("13.0") == "cupy-cuda13x"
-    message = cuda.cupy_missing_message("13.0")
+    assert gpu_assignment.cupy_package("12.4") == "cupy-cuda12x"
+    assert gpu_assignment.cupy_package("13.0") == "cupy-cuda13x"
+    message = gpu_assignment.cupy_missing_message("13.0")
     assert "pip install cupy-cuda13x" in message and "dtorch[cuda13]" in message
-    assert "pip install cupy-cuda12x" in cuda.cupy_missing_message("12.8")
+    assert "pip install cupy-cuda12x" in gpu_assignment.cupy_missing_message("12.8")
 
 
 @pytest.mark.skipif(HAS_CUPY or GPUS == 0, reason="needs a GPU host without cupy")
 def test_cuda_mesh_without_cupy_fails_at_the_call(session):
-    with pytest.raises(dtorch.StartupError, match=f"pip install {cuda.cupy_package(torch.version.cuda)}"):
+    with pytest.raises(dtorch.StartupError, match=f"pip install {gpu_assignment.cupy_package(torch.version.cuda)}"):
         init_device_mesh("cuda", (1,))
 
 
 def test_local_workers_take_the_lowest_free_gpus():
-    assert cuda.free_gpus(4, set(), 2) == [0, 1]
-    assert cuda.free_gpus(4, {0, 2}, 2) == [1, 3]
+    assert gpu_assignment.free_gpus(4, set(), 2) == [0, 1]
+    assert gpu_assignment.free_gpus(4, {0, 2}, 2) == [1, 3]
     with pytest.raises(MeshError, match=r"needs 2 more worker\(s\), one per GPU, but torch on this host sees 1 GPU"):
-        cuda.free_gpus(1, set(), 2)
+        gpu_assignment.free_gpus(1, set(), 2)
     with pytest.raises(MeshError, match="1 of them already run a worker"):
-        cuda.free_gpus(2, {0}, 2)
+        gpu_assignment.free_gpus(2, {0}, 2)
     records = [WorkerRecord(0, None, "cpu"), WorkerRecord(1, None, "cuda:0"), WorkerRecord(2, None, "cuda:1"),
                WorkerRecord(3, None, "cuda:2")]
     records[2].lost = "its process exited with code 4"   # a lost worker's GPU is free again
-    assert cuda._taken_gpus(SimpleNamespace(workers=dict(enumerate(records)))) == {0, 2}
+    assert gpu_assignment._taken_gpus(SimpleNamespace(workers=dict(enumerate(records)))) == {0, 2}
 
 
 def test_hostfile_slot_i_of_a_host_runs_on_gpu_i():
     from dtorch_launcher.hostfile import parse_hostfile_text
     from dtorch_launcher.ssh import SshSpawner
     spawner = SshSpawner(parse_hostfile_text("node1 slots=2\nnode2 slots=3\n"))
-    assert cuda.assign_devices("cuda", range(5), None, spawner) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:2"]
+    assert gpu_assignment.assign_devices("cuda", range(5), None, spawner) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:2"]
 
 
 def test_nccl_datatypes_and_reductions():
@@ -356,6 +356,51 @@ def test_nccl_datatypes_and_reductions():
     assert nccl._reduction(torch.empty(0), "max")[1] == 2
     with pytest.raises(TypeError, match="NCCL cannot reduce torch.int16 .* float32"):
         nccl._reduction(torch.empty(0, dtype=torch.int16), "sum")
+
+
+def test_nccl_and_gloo_have_the_communicator_interface():
+    """What comm.Communicator declares, each backend has, with the same parameters."""
+    import inspect
+    from dtorch.runtime.comm import Communicator, GlooCommunicator
+    declared = {name: member for name, member in vars(Communicator).items() if not name.startswith("_")}
+    assert set(declared) == {"host", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "exchange",
+                             "agree_max", "close"}
+    for backend in (GlooCommunicator, nccl.NcclCommunicator):
+        for name, member in declared.items():
+            if isinstance(member, property):   # NcclCommunicator sets its host in __init__
+                continue
+            assert inspect.signature(getattr(backend, name)) == inspect.signature(member), (backend, name)
+    assert isinstance(GlooCommunicator.host, property)
+    assert "self.host = GlooCommunicator(" in inspect.getsource(nccl.NcclCommunicator.__init__)
+
+
+def test_nccl_reductions_go_through_the_shared_reduce_ops():
+    """No GPU: a fake cupy communicator on CPU memory, rank 0 of two ranks that hold the same
+    values. avg asks NCCL for a sum and divides by the group size (comm.finish_reduction)."""
+    import contextlib
+    import ctypes
+    calls = []
+
+    def floats(pointer: int, count: int) -> torch.Tensor:
+        return torch.frombuffer((ctypes.c_float * count).from_address(pointer), dtype=torch.float32)
+
+    class FakeComm:
+        def allReduce(self, send, receive, count, kind, op, stream):
+            calls.append(("allReduce", kind, op))
+            floats(receive, count).copy_(floats(send, count) * (2 if op == 0 else 1))
+
+        def reduceScatter(self, send, receive, count, kind, op, stream):
+            calls.append(("reduceScatter", kind, op))   # rank 0 gets piece 0
+            floats(receive, count).copy_(floats(send, count) * (2 if op == 0 else 1))
+
+    communicator = nccl.NcclCommunicator.__new__(nccl.NcclCommunicator)
+    communicator.single_rank = False
+    communicator._enqueue = lambda ranks: contextlib.nullcontext((FakeComm(), 0))
+    value = torch.arange(6, dtype=torch.float32)
+    for op, expected in [("sum", value * 2), ("avg", value), ("max", value)]:
+        assert torch.equal(communicator.all_reduce((0, 1), value.clone(), op), expected)
+        assert torch.equal(communicator.reduce_scatter((0, 1), value.reshape(2, 3), op), expected[:3])
+    assert calls == [(name, 7, op) for op in (0, 0, 2) for name in ("allReduce", "reduceScatter")]
 
 
 def test_unique_id_survives_the_store():

@@ -58,9 +58,9 @@ class LocalWorker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         self.rank = rank
-        self.process = subprocess.Popen([python, "-m", "dtorch.runtime.worker"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
+        self.process = subprocess.Popen([python, "-m", "dtorch.runtime.worker_process"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.pid = self.process.pid
         # The config travels on stdin; stdin then stays open: its EOF tells the worker we are gone.
         self.process.stdin.write((json.dumps(config) + "\n").encode())

@@ -1,5 +1,8 @@
-"""Worker-to-worker collectives on CPU: torch.distributed Gloo process groups, one per mesh-dim
-slice (a tuple of ranks), created lazily on first use and cached.
+"""How workers move data among themselves: the Communicator interface that the worker and its
+kernels use, and its CPU implementation, GlooCommunicator (runtime/nccl.py has the GPU one).
+
+GlooCommunicator runs torch.distributed Gloo process groups, one per mesh-dim slice (a tuple of
+ranks), created lazily on first use and cached.
 
 No default (world) process group: each group is a ProcessGroupGloo on a PrefixStore of the
 controller-hosted TCPStore, so the worker pool can grow without re-forming a world. Members create
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,14 +27,87 @@ import torch.distributed as dist
 from ..errors import DTorchError
 from .protocol import lost_worker_key
 
-__all__ = ["GlooCommunicator", "REDUCE_OPS", "PeerLostError"]
+__all__ = ["Communicator", "GlooCommunicator", "PeerLostError", "REDUCE_OPS", "backend_reduce_op",
+           "finish_reduction"]
 
+# --- reductions, the same on every backend -------------------------------------------------------
+# Each reduce op is one primitive of the backend; avg has none of its own on either, so it is a
+# sum, then a division by the group size (finish_reduction). A backend maps the primitives only.
+REDUCE_OPS = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}
+
+
+def backend_reduce_op(reduce_op: str, primitives: dict):
+    """The backend's op for `reduce_op`; `primitives` maps "sum", "max" and "min" to the backend's."""
+    return primitives[REDUCE_OPS[reduce_op]]
+
+
+def finish_reduction(tensor: torch.Tensor, reduce_op: str, ranks: tuple) -> torch.Tensor:
+    """What the primitive left to do, in place (on the current stream): avg divides the sum."""
+    if reduce_op == "avg":
+        tensor /= len(ranks)
+    return tensor
+
+
+class Communicator(Protocol):
+    """Collectives among workers, as the worker and kernels call them; GlooCommunicator (CPU) and
+    nccl.NcclCommunicator (GPUs) have exactly these.
+
+    `ranks` is a group: a tuple of worker ranks, in mesh order, that holds this worker's rank.
+    Every member calls the same methods on the same group in the same order, with tensors of the
+    same shape and dtype, on the communicator's device (CPU for Gloo, this worker's GPU for NCCL).
+    `reduce_op` is a key of REDUCE_OPS: "sum", "avg", "max" or "min".
+
+    Failures: a collective whose peer is gone never holds the worker for good. Gloo raises
+    PeerLostError on the members still waiting once the controller marks a peer lost or the
+    timeout passes, and every later call on that group raises it at once. NCCL calls return as
+    soon as they are enqueued on the current stream; a watchdog exits the worker when one does
+    not finish within the timeout, a peer is lost, or NCCL reports an error (docs/cuda.md).
+    """
+
+    @property
+    def host(self) -> Communicator:
+        """The communicator over host memory (Gloo) among the same workers: the Gloo one itself.
+        agree_max and moves between a CPU mesh and a CUDA mesh go over it."""
+
+    def all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        """`tensor` (contiguous) reduced elementwise over every member, with avg the sum divided
+        by len(ranks). The result may be `tensor` itself, overwritten: use the returned tensor.
+        NCCL raises TypeError, before any member waits, for a dtype it cannot reduce."""
+
+    def all_gather(self, ranks: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        """Every member's `tensor`, stacked in member order on a new dim 0, in a new buffer."""
+
+    def reduce_scatter(self, ranks: tuple, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        """`stacked` holds one equal-size piece per member on dim 0. Returns, in a new tensor,
+        piece i (i = this member's index in `ranks`) reduced over every member, as all_reduce
+        does; NCCL raises TypeError as there."""
+
+    def all_to_all(self, ranks: tuple, send: torch.Tensor) -> torch.Tensor:
+        """`send` stacks one equal-size piece per member on dim 0; piece i goes to member i.
+        Returns a new tensor shaped like `send` whose piece i came from member i."""
+
+    def exchange(self, ranks: tuple, sends: list, receives: list) -> None:
+        """Point to point within `ranks`: `sends` and `receives` are (peer rank, contiguous
+        tensor) pairs; each received tensor is written in place. All are posted before any is
+        waited on, so no order among peers can deadlock. Every member calls it, even with
+        nothing to move: the group is created collectively."""
+
+    def agree_max(self, ranks: tuple, value: int) -> int:
+        """The largest `value` any member passed, over host memory (a GPU never syncs for it):
+        every rank of a move between meshes learns whether any rank failed its part."""
+
+    def close(self) -> None:
+        """Release every group without waiting for peers, which may be gone; NCCL also stops its
+        watchdog and closes its host communicator. The worker calls it as it exits; a second
+        call does no harm."""
+
+
+# --- Gloo ------------------------------------------------------------------------------------------
 # How often a waiting collective or group creation looks for lost peers. A healthy collective
 # finishes within the first wait, so this costs nothing on the normal path.
 PEER_CHECK_S = 0.25
 
-REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
-              "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+GLOO_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 class GlooCommunicator:
@@ -42,6 +119,11 @@ class GlooCommunicator:
         self._groups: dict[tuple, dist.ProcessGroup] = {}
         self._broken: dict[tuple, str] = {}
         self._abandoned: list = []
+
+    @property
+    def host(self) -> GlooCommunicator:
+        """Gloo is the host channel already (see Communicator.host)."""
+        return self
 
     def group(self, ranks: tuple) -> dist.ProcessGroup:
         pg = self._groups.get(ranks)
@@ -92,9 +174,7 @@ class GlooCommunicator:
     # --- collectives over one group; every member calls the same one -------------------------
     def all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
         self._run(ranks, self.group(ranks).allreduce([tensor], _allreduce_options(reduce_op)))
-        if reduce_op == "avg":
-            tensor /= len(ranks)
-        return tensor
+        return finish_reduction(tensor, reduce_op, ranks)
 
     def all_gather(self, ranks: tuple, tensor: torch.Tensor) -> torch.Tensor:
         """Every member's `tensor` (same shape everywhere), stacked on a new dim 0 in one buffer."""
@@ -109,11 +189,9 @@ class GlooCommunicator:
         member's piece reduced over all members."""
         output = torch.empty_like(stacked[0])
         options = dist.ReduceScatterOptions()
-        options.reduceOp = REDUCE_OPS[reduce_op]
+        options.reduceOp = backend_reduce_op(reduce_op, GLOO_REDUCE_OPS)
         self._run(ranks, self.group(ranks).reduce_scatter([output], [list(stacked.unbind(0))], options))
-        if reduce_op == "avg":
-            output /= len(ranks)
-        return output
+        return finish_reduction(output, reduce_op, ranks)
 
     def all_to_all(self, ranks: tuple, send: torch.Tensor) -> torch.Tensor:
         """`send` stacks one equal-size piece per member on dim 0; returns the pieces received."""
@@ -172,5 +250,5 @@ class PeerLostError(DTorchError):
 
 def _allreduce_options(reduce_op: str) -> dist.AllreduceOptions:
     options = dist.AllreduceOptions()
-    options.reduceOp = REDUCE_OPS[reduce_op]
+    options.reduceOp = backend_reduce_op(reduce_op, GLOO_REDUCE_OPS)
     return options

@@ -1,5 +1,5 @@
-"""CUDA workers: which GPU each new worker pins, the checks that make a bad "cuda" mesh fail at
-the user's call, and CudaDevice, the worker-side seam (runtime/devices.py) on a GPU.
+"""CudaDevice: the worker-side seam (runtime/devices.py) on a GPU. Which GPU a worker gets is
+decided on the controller (runtime/gpu_assignment.py); this worker pins it for its whole life.
 
 A worker enqueues every command's kernels on its own compute stream, and each redistribute or
 transfer as a whole (its packing, NCCL collectives from runtime/nccl.py, and unpacking) on a
@@ -9,103 +9,20 @@ for a communication's event only when a later command reads its result. Compute 
 the result runs meanwhile. Reads copy to pinned host memory asynchronously: the command loop polls
 the copy's event and replies when it completes.
 
-This module must import on machines without a GPU or cupy: nothing here touches CUDA or cupy at
-import time, and the controller-side checks only ask torch how many GPUs it sees.
+This module must import on machines without a GPU or cupy: nothing here touches CUDA or cupy
+until a CudaDevice is made (nccl.import_nccl is the one place cupy is imported).
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
-from ..errors import MeshError, StartupError
-from .devices import HostCopy
+from ..errors import StartupError
+from .host_copy import HostCopy
+from .nccl import NcclCommunicator, import_nccl
 
-__all__ = ["CudaDevice", "check_available", "assign_devices", "free_gpus", "cupy_package"]
-
-DEVICE_TYPES = ("cpu", "cuda")
-
-
-# --- controller side: checks at the call, and device assignment --------------------------------
-def cupy_package(cuda_version: str | None) -> str:
-    """The cupy wheel built for this CUDA major version ("13.0" -> "cupy-cuda13x")."""
-    major = (cuda_version or "12").split(".")[0]
-    return f"cupy-cuda{major}x"
+__all__ = ["CudaDevice"]
 
 
-def cupy_missing_message(cuda_version: str | None) -> str:
-    package = cupy_package(cuda_version)
-    extra = {"cupy-cuda12x": "cuda", "cupy-cuda13x": "cuda13"}.get(package)
-    also = f" (or: pip install 'dtorch[{extra}]')" if extra else ""
-    return (f"'cuda' meshes use cupy's NCCL for collectives, and cupy is not installed: "
-            f"pip install {package}{also}; it matches this torch's CUDA {cuda_version or 'version'}")
-
-
-def check_available(device_type: str, extra: int, controller, spawner=None) -> None:
-    """Raise at the user's call when `extra` more `device_type` workers cannot start.
-
-    Workers started from a hostfile run on other hosts, whose GPUs this process cannot see (the
-    controller may have none): there each worker checks its own GPU when it starts."""
-    if device_type not in DEVICE_TYPES:
-        hint = (" (pass 'cuda': each worker pins its own GPU, slot i of a host -> cuda:i)"
-                if device_type.startswith("cuda:") else "")
-        raise MeshError(f"device_type {device_type!r} is not supported: dtorch builds 'cpu' and "
-                        f"'cuda' meshes{hint}")
-    if device_type == "cpu" or _is_remote(spawner):
-        return
-    free_gpus(visible_gpus(), _taken_gpus(controller), extra)
-    if importlib.util.find_spec("cupy") is None:
-        raise StartupError(cupy_missing_message(torch.version.cuda))
-
-
-def assign_devices(device_type: str, ranks, controller, spawner=None) -> list[str]:
-    """The device each new worker pins: slot i of a hostfile host runs on cuda:i; local workers
-    take the lowest GPUs that no live worker of this session holds."""
-    check_available(device_type, len(ranks), controller, spawner)
-    if device_type == "cpu":
-        return ["cpu"] * len(ranks)
-    if _is_remote(spawner):
-        return [f"cuda:{spawner.local_rank(rank)}" for rank in ranks]
-    return [f"cuda:{index}" for index in free_gpus(visible_gpus(), _taken_gpus(controller), len(ranks))]
-
-
-def free_gpus(visible: int, taken: set[int], needed: int) -> list[int]:
-    """The `needed` lowest GPU indices not in `taken`, or a MeshError that says what is missing."""
-    free = [index for index in range(visible) if index not in taken]
-    if needed > len(free):
-        held = f", {len(taken)} of them already run a worker" if taken else ""
-        raise MeshError(f"a 'cuda' mesh needs {needed} more worker(s), one per GPU, but torch on this "
-                        f"host sees {visible} GPU(s){held}: use a smaller mesh, or run workers on "
-                        "more hosts with dtorch-launch --hostfile")
-    return free[:needed]
-
-
-def visible_gpus() -> int:
-    """torch.cuda.device_count(), or a MeshError saying why torch sees no GPU."""
-    if torch.version.cuda is None:
-        raise MeshError(f"no CUDA device visible to torch: torch {torch.__version__} is a CPU-only "
-                        "build. Install a CUDA build of torch, use 'cpu' meshes, or start workers on "
-                        "GPU hosts with dtorch-launch --hostfile")
-    count = torch.cuda.device_count()
-    if count == 0:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        why = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else " (no driver or no GPU)"
-        raise MeshError(f"no CUDA device visible to torch {torch.__version__} (CUDA "
-                        f"{torch.version.cuda}){why}")
-    return count
-
-
-def _is_remote(spawner) -> bool:
-    return getattr(spawner, "local_rank", None) is not None
-
-
-def _taken_gpus(controller) -> set[int]:
-    return {int(w.device.split(":")[1]) for w in controller.workers.values()
-            if w.device.startswith("cuda:") and w.lost is None}
-
-
-# --- worker side --------------------------------------------------------------------------------
 class CudaDevice:
     """One GPU, pinned for the life of the worker, with a compute and a communication stream."""
 
@@ -120,15 +37,14 @@ class CudaDevice:
         if index >= count:
             raise StartupError(f"this worker was assigned {name}, but torch on this host sees "
                                f"{count} GPU(s): give the host at most {count} slots in the hostfile")
-        from .nccl import import_nccl
         import_nccl()  # fail at start, naming the cupy package, not at the first collective
         torch.cuda.set_device(index)
         self.torch_device = torch.device("cuda", index)
         self.compute_stream = torch.cuda.Stream(self.torch_device)
         self.comm_stream = torch.cuda.Stream(self.torch_device)
 
-    def communicator(self, store_address: str, rank: int, hostname: str, timeout_s: float):
-        from .nccl import NcclCommunicator
+    def communicator(self, store_address: str, rank: int, hostname: str,
+                     timeout_s: float) -> NcclCommunicator:
         return NcclCommunicator(store_address, rank, hostname, timeout_s, device=self)
 
     def compute(self):

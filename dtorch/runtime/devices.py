@@ -2,10 +2,11 @@
 are enqueued, how bytes reach the host for a read, and which communicator moves data.
 
 CPU runs everything synchronously, so every host copy is ready at once and communication is done
-when it returns. CUDA (runtime/cuda.py, imported only for "cuda" devices so the CPU path never
-imports cupy) enqueues kernels on a compute stream and whole redistributes on a communication
-stream: `communicate` hands back the result with an event, and the worker makes the compute stream
-`wait` on it only when a later command reads that result, so independent compute overlaps.
+when it returns. CUDA (runtime/cuda.py) enqueues kernels on a compute stream and whole
+redistributes on a communication stream: `communicate` hands back the result with an event, and
+the worker makes the compute stream `wait` on it only when a later command reads that result, so
+independent compute overlaps. Importing runtime/cuda.py touches neither CUDA nor cupy: only
+making a CudaDevice does, so the CPU path never imports cupy.
 """
 from __future__ import annotations
 
@@ -13,18 +14,11 @@ import contextlib
 
 import torch
 
-__all__ = ["CpuDevice", "HostCopy", "make_device"]
+from .comm import GlooCommunicator
+from .cuda import CudaDevice
+from .host_copy import HostCopy
 
-
-class HostCopy:
-    """A tensor on its way to host memory (or None: a fence); `ready()` says when its bytes may
-    be sent."""
-
-    def __init__(self, tensor: torch.Tensor | None, event=None):
-        self.tensor, self._event = tensor, event
-
-    def ready(self) -> bool:
-        return self._event is None or self._event.query()
+__all__ = ["CpuDevice", "make_device"]
 
 
 class CpuDevice:
@@ -33,8 +27,8 @@ class CpuDevice:
     def __init__(self, name: str = "cpu"):
         self.torch_device = torch.device("cpu")
 
-    def communicator(self, store_address: str, rank: int, hostname: str, timeout_s: float):
-        from .comm import GlooCommunicator
+    def communicator(self, store_address: str, rank: int, hostname: str,
+                     timeout_s: float) -> GlooCommunicator:
         return GlooCommunicator(store_address, rank, hostname, timeout_s)
 
     _NO_STREAM = contextlib.nullcontext()
@@ -66,8 +60,7 @@ class CpuDevice:
         pass
 
 
-def make_device(name: str):
+def make_device(name: str) -> CpuDevice | CudaDevice:
     if name.startswith("cuda"):
-        from .cuda import CudaDevice
         return CudaDevice(name)
     return CpuDevice(name)

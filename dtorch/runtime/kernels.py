@@ -10,6 +10,7 @@ import torch
 from ..distributed_spec import DeviceMesh, Partial, Replicate, chunk_bounds, local_region
 from ..redistribute import step_kind
 from . import rng
+from .comm import Communicator
 
 __all__ = ["make_factory", "apply_steps", "partial_identity"]
 
@@ -83,7 +84,7 @@ def partial_identity(values: torch.Tensor, reduce_op: str, keep: bool) -> torch.
 
 # --- redistribute steps ---------------------------------------------------------------------
 def apply_steps(tensor: torch.Tensor, shape, mesh: DeviceMesh, placements, steps, rank: int,
-                comm) -> torch.Tensor:
+                comm: Communicator) -> torch.Tensor:
     """Run redistribute steps (mesh_dim, before, after) in order on this rank's shard.
 
     A step that fails here but not on the peers (out of memory while padding, say) must not
@@ -119,7 +120,7 @@ def apply_steps(tensor: torch.Tensor, shape, mesh: DeviceMesh, placements, steps
 class _CountingComm:
     """The communicator, counting the collectives a step has issued and whether one raised."""
 
-    def __init__(self, comm):
+    def __init__(self, comm: Communicator):
         self.comm, self.calls, self.broken = comm, 0, False
 
     def __getattr__(self, name):

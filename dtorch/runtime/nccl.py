@@ -1,5 +1,5 @@
 """Worker-to-worker collectives on GPUs: cupy's NCCL, one communicator per mesh-dim slice (a
-tuple of ranks), created lazily on first use and cached. The same methods as GlooCommunicator.
+tuple of ranks), created lazily on first use and cached. It implements comm.Communicator.
 
 Bootstrap: rank 0 of a group makes an NCCL unique id and publishes it in the controller's
 TCPStore under a key named after the group; the others read it there. Members create a group at
@@ -32,6 +32,8 @@ import time
 import torch
 
 from . import protocol as wire
+from .comm import GlooCommunicator, backend_reduce_op, finish_reduction
+from .gpu_assignment import cupy_missing_message
 
 __all__ = ["NcclCommunicator", "NCCL_DATATYPES", "NCCL_REDUCE_OPS", "encode_unique_id",
            "decode_unique_id", "import_nccl", "lost_key"]
@@ -43,8 +45,8 @@ NCCL_DATATYPES = {
     torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9,
 }
 NCCL_UINT8 = 1
-# avg is sum, then a division on the compute stream (as GlooCommunicator does).
-NCCL_REDUCE_OPS = {"sum": 0, "avg": 0, "max": 2, "min": 3}
+# The primitives only: comm.backend_reduce_op maps every reduce op to one of them.
+NCCL_REDUCE_OPS = {"sum": 0, "max": 2, "min": 3}
 WATCH_PERIOD_S = 0.5
 # Set to 1 to run NCCL even for a one-rank group (normally skipped): lets one GPU exercise the
 # whole NCCL path, e.g. scripts/gpu_check.sh.
@@ -56,7 +58,6 @@ lost_key = wire.lost_worker_key
 
 def import_nccl():
     """cupy.cuda.nccl, or an ImportError naming the package to install."""
-    from .cuda import cupy_missing_message
     try:
         from cupy.cuda import nccl
     except ImportError as error:
@@ -82,7 +83,6 @@ def decode_unique_id(raw: bytes) -> tuple:
 class NcclCommunicator:
     def __init__(self, store_address: str, rank: int, hostname: str, timeout_s: float = 300.0,
                  device=None):
-        from .comm import GlooCommunicator
         self._nccl = import_nccl()
         self.rank, self.device, self.timeout_s = rank, device, timeout_s
         self.host = GlooCommunicator(store_address, rank, hostname, timeout_s)
@@ -125,9 +125,7 @@ class NcclCommunicator:
         kind, op = _reduction(tensor, reduce_op)
         with self._enqueue(ranks) as (comm, stream):
             comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), kind, op, stream)
-        if reduce_op == "avg":
-            tensor /= len(ranks)
-        return tensor
+        return finish_reduction(tensor, reduce_op, ranks)
 
     def all_gather(self, ranks: tuple, tensor: torch.Tensor) -> torch.Tensor:
         """Every member's `tensor` (same shape everywhere), stacked on a new dim 0 in one buffer."""
@@ -149,9 +147,7 @@ class NcclCommunicator:
         kind, op = _reduction(output, reduce_op)
         with self._enqueue(ranks) as (comm, stream):
             comm.reduceScatter(stacked.data_ptr(), output.data_ptr(), output.numel(), kind, op, stream)
-        if reduce_op == "avg":
-            output /= len(ranks)
-        return output
+        return finish_reduction(output, reduce_op, ranks)
 
     def all_to_all(self, ranks: tuple, send: torch.Tensor) -> torch.Tensor:
         """`send` stacks one equal-size piece per member on dim 0; returns the pieces received.
@@ -223,7 +219,7 @@ def _reduction(tensor: torch.Tensor, reduce_op: str) -> tuple[int, int]:
         legal = ", ".join(str(d).replace("torch.", "") for d in NCCL_DATATYPES)
         raise TypeError(f"NCCL cannot reduce {tensor.dtype} tensors (P({reduce_op}) -> R or S): "
                         f"reducible dtypes are {legal}; convert with .to(...) first")
-    return kind, NCCL_REDUCE_OPS[reduce_op]
+    return kind, backend_reduce_op(reduce_op, NCCL_REDUCE_OPS)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -112,9 +112,9 @@ def _grow(device_type: str, extra: int, timeout: float) -> None:
                         "add hosts or slots to the hostfile")
     ranks = range(first, first + extra)
     devices = [device_type] * extra
-    if device_type != "cpu":  # runtime/cuda.py: checks at the call, then one GPU per worker
-        from . import cuda
-        devices = cuda.assign_devices(device_type, ranks, _controller, _spawner)
+    if device_type != "cpu":  # runtime/gpu_assignment.py: checks at the call, then one GPU per worker
+        from . import gpu_assignment
+        devices = gpu_assignment.assign_devices(device_type, ranks, _controller, _spawner)
     threads = max(1, (os.cpu_count() or 1) // max(1, first + extra))
     handles = []
     for rank, device in zip(ranks, devices):

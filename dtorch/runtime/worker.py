@@ -1,7 +1,7 @@
 """A worker: one process per device. It runs the controller's commands strictly in order on its
 local shards, one handler per command type (named after it), and answers only reads.
 
-Start: `python -m dtorch.runtime.worker` (process start-up lives in worker_process.py).
+A worker process starts as `python -m dtorch.runtime.worker_process` (start-up lives there).
 
 A command that raises does not stop the worker: its outputs become "poisoned" with the command's
 seq, the error goes back tagged with that seq, and anything computed from a poisoned tensor is
@@ -20,6 +20,7 @@ from ..errors import ProtocolError
 from ..ops import KERNELS
 from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
 from . import protocol as wire
+from .comm import Communicator
 from .kernels import apply_steps, make_factory
 from .protocol import TensorRef
 from .transport import WorkerSockets
@@ -36,7 +37,8 @@ class Poisoned(Exception):
 
 
 class Worker:
-    def __init__(self, rank: int, sockets: WorkerSockets, comm, device, start_seq: int, host_comm=None):
+    def __init__(self, rank: int, sockets: WorkerSockets, comm: Communicator, device, start_seq: int,
+                 host_comm: Communicator | None = None):
         self.rank, self.sockets, self.comm, self.device = rank, sockets, comm, device
         self.host_comm = host_comm or comm   # Gloo: transfers between meshes, CPU or not
         self.next_seq = start_seq
@@ -402,8 +404,3 @@ def _map_refs(value, fn):
 def _nest(ranks, shape):
     from ..distributed_spec import _nest as nest
     return nest(list(ranks), list(shape)) if len(shape) > 1 else list(ranks)
-
-
-if __name__ == "__main__":
-    from .worker_process import main
-    main()

@@ -1,5 +1,5 @@
 """A worker process: start-up, registration, heartbeats and exit. The command loop itself is
-`worker.Worker`; `python -m dtorch.runtime.worker` lands in `main` here.
+`worker.Worker`; cluster.py and dtorch-launch start `python -m dtorch.runtime.worker_process`.
 
 The config is one line of JSON on stdin (so secrets never show in `ps`); stdin then stays open,
 and EOF on it means the controller (or the ssh session carrying us) is gone: exit at once.
@@ -17,7 +17,6 @@ import traceback
 import torch
 
 from . import protocol as wire
-from .comm import GlooCommunicator
 from .devices import make_device
 from .transport import Poller, WorkerSockets
 from .worker import Worker
@@ -124,7 +123,7 @@ def main() -> None:
         threading.Thread(target=_heartbeat, args=(sockets, rank, config.get("controller_timeout", 6.0)),
                          name="heartbeat", daemon=True).start()
         comm = device.communicator(store_address, rank, _gloo_host(config), gloo_timeout)
-        host_comm = comm if isinstance(comm, GlooCommunicator) else comm.host
+        host_comm = comm.host
     except (Exception, SystemExit) as error:
         _fail_start(rank, error)
     worker = Worker(rank, sockets, comm, device, start_seq, host_comm)
@@ -146,3 +145,6 @@ def main() -> None:
         # shutdown would wait on; nothing is left to clean up, so leave at once.
         os._exit(exit_code)
 
+
+if __name__ == "__main__":
+    main()
