@@ -1,6 +1,6 @@
 """Factories with device_mesh= and placements=: each worker builds only its own shard.
 
-Random factories are counter-based (see runtime/rng.py): values depend on the seed, the call
+Random factories are counter-based (see dtorch/rng.py): values depend on the seed, the call
 order, the global shape and the dtype — never on the mesh or the placements.
 """
 from __future__ import annotations

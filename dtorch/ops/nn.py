@@ -21,6 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import rng
 from ..distributed_spec import Partial, Shard
 from ..errors import UnsupportedOpError
 from .matrix import einsum_decision
@@ -138,7 +139,6 @@ def _dropout_block(input, p, training, seed, counter, global_shape, region):
         return input
     if p == 1 or input.device.type == "meta":
         return torch.zeros_like(input)
-    from ..runtime import rng   # pure torch; imported late so this module's imports stay pure
     offset, local = region
     index = rng.global_indices(global_shape, offset, local, input.device)
     keep = rng.uniform(index, seed, counter, torch.float64) >= p

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import rng
 from ..distributed_spec import DeviceMesh, Partial, Replicate, chunk_bounds, local_region
 from ..redistribute import step_kind
-from . import rng
 
 __all__ = ["make_factory", "apply_steps", "partial_identity"]
 
