@@ -1,6 +1,6 @@
 """Differential sweep on real workers: every op of the pointwise, reduction, matrix and nn
 families against the same torch call on whole tensors, on meshes (4,), (2,2) and (2,1,2), with
-even and uneven shapes (dtorch/ops/samples.py holds the calls).
+even and uneven shapes (dtorch/ops/tooling/samples.py holds the calls).
 
 How combinations are chosen (a rule is written for ONE mesh dim and `rules.expand` applies it to
 each mesh dim independently, so an N-D combination is accepted exactly when each of its mesh
@@ -16,8 +16,8 @@ dims' choices is):
 Partial inputs are genuine: random contributions uploaded stacked and reduced on the workers
 (sum -> P(sum), amax -> P(max)). Results compare exactly for integer and bool outputs and for
 correctly rounded ops (samples marked exact) without P(sum) inputs; within rtol 1e-4 otherwise.
-The exhaustive 1-D check with P(avg|min) and adversarial contributions is dtorch.ops.validate
-(tests/test_validator.py).
+The exhaustive 1-D check with P(avg|min) and adversarial contributions is
+dtorch.ops.tooling.validate (tests/test_validator.py).
 
 Known gaps (not silently skipped; each is rejected with an error that says so, or noted here):
   - torch.nn.functional.dropout(dtensor) raises UnsupportedOpError: the per-call random counter
@@ -45,8 +45,8 @@ import dtorch
 from dtorch.distributed_spec import Partial, Replicate, Shard, init_device_mesh
 from dtorch.errors import PlacementError
 from dtorch.ops import REGISTRY
-from dtorch.ops.samples import SAMPLED_FAMILIES, samples
-from dtorch.ops.simulate import contributions, placement_options, tensor_inputs, with_inputs
+from dtorch.ops.tooling.samples import SAMPLED_FAMILIES, samples
+from dtorch.ops.tooling.simulate import contributions, placement_options, tensor_inputs, with_inputs
 from dtorch.tensor import call_op
 
 OPS = sorted(name for name, spec in REGISTRY.items() if spec.family in SAMPLED_FAMILIES)

@@ -1,9 +1,9 @@
-"""Brute-force check of placement rules against torch: `python -m dtorch.ops.validate --op add`
+"""Brute-force check of placement rules against torch: `python -m dtorch.ops.tooling.validate --op add`
 (or `--all`, `--family nn`, `--mesh 2,2`).
 
-For every sample call of an op (dtorch/ops/samples.py) and every combination of input
+For every sample call of an op (dtorch/ops/tooling/samples.py) and every combination of input
 placements on a small mesh (R, S(d) for each dim, P(sum|avg|max|min)), it plans the call the
-way the controller does, then SIMULATES the ranks on this CPU (dtorch/ops/simulate.py): each
+way the controller does, then SIMULATES the ranks on this CPU (dtorch/ops/tooling/simulate.py): each
 rank's local inputs are cut with the same local-shape math the workers use, Partial inputs are
 split into random contributions, and each rank runs the kernel from `registry.KERNELS` that a
 worker would. It reports:
@@ -28,14 +28,14 @@ from typing import NamedTuple
 
 import torch
 
-from ..distributed_spec import DeviceMesh, format_placements
-from ..errors import PlacementError
-from .dispatch import plan_call
-from .registry import KERNELS, REGISTRY, OpSpec
+from ...distributed_spec import DeviceMesh, format_placements
+from ...errors import PlacementError
+from ..dispatch import plan_call
+from ..registry import KERNELS, REGISTRY, OpSpec
+from ..spec import tensor_spec
 from .samples import SAMPLED_FAMILIES, Sample, samples
 from .simulate import (Symbol, as_tuple, contributions, map_torch, matches, placement_options, run_ranks,
                        small_mesh, tensor_inputs, with_inputs)
-from .spec import tensor_spec
 
 __all__ = ["validate", "Finding", "Stats", "DECLINED", "main"]
 
@@ -211,7 +211,7 @@ def _after_steps(placements, input_steps, index) -> tuple:
 
 # --- command line -----------------------------------------------------------------------------------
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dtorch.ops.validate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dtorch.ops.tooling.validate", description=__doc__.split("\n")[0])
     parser.add_argument("--op", action="append", default=[], help="an op name (repeatable)")
     parser.add_argument("--all", action="store_true", help=f"every op of {', '.join(SAMPLED_FAMILIES)}")
     parser.add_argument("--family", action="append", default=[], help="every op of one family")

@@ -1,5 +1,5 @@
 """PURE: small sample calls per op, shared by the differential sweep (tests/test_ops_sweep.py),
-the rule validator (dtorch.ops.validate) and the docs generator (dtorch.ops.docs).
+the rule validator (dtorch.ops.tooling.validate) and the docs generator (dtorch.ops.tooling.docs).
 
 A sample is one torch call on whole tensors; the op's registered torch function on the same
 arguments is the reference. `samples(op, uneven)` builds them: `uneven=False` sizes every dim

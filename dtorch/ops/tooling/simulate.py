@@ -14,8 +14,8 @@ import warnings
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Partial, Replicate, Shard, local_region
-from .dispatch import map_tensors
+from ...distributed_spec import DeviceMesh, Partial, Replicate, Shard, local_region
+from ..dispatch import map_tensors
 from .samples import Sample
 
 __all__ = ["placement_options", "tensor_inputs", "with_inputs", "Symbol", "split_partial", "contributions",
