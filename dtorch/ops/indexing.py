@@ -20,8 +20,8 @@ import torch
 from ..distributed_spec import Partial, Shard
 from ..errors import UnsupportedOpError
 from .registry import OpSpec, register
-from .rules import Call, Decision, R, RuleRejected, common_shard_dim
-from .view import follow_rule, normalize_dim, off_dim, unshard_fix
+from .rules import (Call, Decision, R, RuleRejected, common_shard_dim, follow_rule, normalize_dim, off_dim,
+                    unshard_fix)
 
 __all__ = ["canonical_index", "getitem"]
 

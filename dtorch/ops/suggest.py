@@ -14,7 +14,7 @@ import math
 
 from ..distributed_spec import Partial, Placement, Shard, format_placements
 from ..redistribute import LOCAL_ONLY, plan_redistribute, step_kind
-from .rules import Call, R, Rule
+from .rules import Call, R, Rule, placement_code
 
 __all__ = ["legal_combinations", "cheapest_fix", "describe_legal", "spell_placements_code", "MOVE_COST"]
 
@@ -104,16 +104,7 @@ def describe_legal(legal: list[tuple]) -> str:
 
 def spell_placements_code(placements) -> str:
     """How the user writes placements: [Shard(0), Replicate(), Partial()]."""
-    return "[" + ", ".join(map(_constructor, placements)) + "]"
-
-
-def _constructor(placement: Placement) -> str:
-    """How the user writes one placement: Shard(0), Replicate(), Partial(), Partial("avg")."""
-    if isinstance(placement, Shard):
-        return f"Shard({placement.dim})"
-    if isinstance(placement, Partial):
-        return "Partial()" if placement.reduce_op == "sum" else f'Partial("{placement.reduce_op}")'
-    return "Replicate()"
+    return "[" + ", ".join(map(placement_code, placements)) + "]"
 
 
 def _bytes(count: float) -> str:

@@ -25,47 +25,10 @@ import torch
 
 from ..distributed_spec import Partial, Shard, local_region
 from .registry import OpSpec, kernel, register
-from .rules import Call, Decision, R, RuleRejected, common_shard_dim
+from .rules import (Call, Decision, R, RuleRejected, common_shard_dim, follow_rule, normalize_dim, off_dim,
+                    unshard_fix)
 
-__all__ = ["reshape_groups", "follow_rule", "off_dim", "unshard_fix", "placement_code", "normalize_dim"]
-
-
-# --- shared by the rules of this family and of indexing.py ------------------------------------
-def placement_code(placement) -> str:
-    """A placement as the Python that builds it, for fixes the user can paste."""
-    if isinstance(placement, Shard):
-        return f"Shard({placement.dim})"
-    if isinstance(placement, Partial):
-        return "Partial()" if placement.reduce_op == "sum" else f"Partial({placement.reduce_op!r})"
-    return "Replicate()"
-
-
-def unshard_fix(call: Call, replaced, input_index: int = 0, name: str = "x") -> str:
-    """The redistribute that makes the op legal: `replaced` placements of one input -> Replicate."""
-    placements = call.inputs[input_index].placements
-    codes = ", ".join("Replicate()" if p == replaced else placement_code(p) for p in placements)
-    return f"redistribute with {name}.redistribute(placements=[{codes}]) first"
-
-
-def normalize_dim(dim: int, ndim: int) -> int:
-    return dim % max(ndim, 1)
-
-
-def follow_rule(out_dim_of, legal: str, partial_ok: bool = True):
-    """A rule for one-input ops whose result dims follow the input's: S(d) -> S(out_dim_of(call,
-    d)) (which raises RuleRejected where d cannot follow), R -> R, Partial -> the same Partial
-    unless the op compares values (topk, sort). Every output gets the same placement."""
-    def rule(call: Call, placements) -> Decision:
-        (p,) = placements
-        if isinstance(p, Shard):
-            p_out = Shard(out_dim_of(call, p.dim))
-        elif isinstance(p, Partial) and not partial_ok:
-            raise RuleRejected(f"{call.op} compares values, so a {p!r} input must be reduced first: "
-                               f"{unshard_fix(call, p)}", legal)
-        else:
-            p_out = p
-        return Decision(placements, (p_out,) * len(call.outputs))
-    return rule
+__all__ = ["reshape_groups", "join_rule"]
 
 
 # --- reshape family ----------------------------------------------------------------------------
@@ -253,19 +216,6 @@ def join_rule(stack: bool):
         out_dim = dim + 1 if stack and dim >= joined else dim
         return Decision((Shard(dim),) * len(placements), (Shard(out_dim),))
     return rule
-
-
-def off_dim(position: int, default: int = 0, why: str = "the pieces would not be shards of the pieces",
-            drops: bool = False, legal: str = "S(d) off the op's dim, R, Partial"):
-    """out_dim_of for ops that work along one dim (argument `position`/"dim"): that dim must not
-    be sharded; with `drops` the op removes it (unbind), so later dims shift down."""
-    def out_dim_of(call: Call, dim: int) -> int:
-        along = normalize_dim(call.param(position, "dim", default), len(call.inputs[0].shape))
-        if dim == along:
-            raise RuleRejected(f"{call.op} along sharded dim {dim}: {why}; {unshard_fix(call, Shard(dim))}",
-                               legal)
-        return dim - 1 if drops and dim > along else dim
-    return out_dim_of
 
 
 _SPLIT_LEGAL = "S(d) off the split dim, R, Partial"
