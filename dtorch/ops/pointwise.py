@@ -1,4 +1,5 @@
-"""PURE: elementwise ops. One table: op -> (torch function, the Partial laws it obeys).
+"""PURE: elementwise ops. One table: op -> its row, built from (torch function, the Partial laws
+it obeys).
 
 Sharding follows the output's dims: inputs sharded on the same output dim stay sharded; a
 Replicate input is sliced locally to match (free); a broadcast (size-1) dim stays Replicate.
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from ..distributed_spec import Partial, Shard
 from .partial_laws import NONE, Laws, partial_output
-from .registry import OpSpec, register
+from .registry import OpRow, register_family
 from .rules import Call, Decision, R, RuleRejected
 
 __all__ = ["POINTWISE", "pointwise_rule", "shard_decision", "BINARY_OPERATORS", "UNARY_OPERATORS"]
@@ -144,70 +145,73 @@ def _elu(input, alpha=1.0, inplace=False):
     return F.elu(input, alpha)
 
 
-# name: (torch function, Partial laws)
+def _row(torch_fn, laws: Laws, method: bool = True) -> OpRow:
+    """A pointwise op: shards follow the output's dims, Partial inputs pass by `laws`."""
+    return OpRow(torch_fn, pointwise_rule(laws), scalars_by_type=not laws.by_value, method=method,
+                 doc=laws.describe())
+
+
 POINTWISE = {
-    "add": (torch.add, ADD),
-    "sub": (torch.sub, SUB),
-    "neg": (torch.neg, Laws(linear=((0,),), monotone=(-1,), arithmetic=True)),
-    "mul": (torch.mul, Laws(linear=((0,), (1,)))),
-    "div": (torch.div, Laws(linear=((0,),), when=_true_division)),
-    "pow": (torch.pow, NONE),
-    "abs": (torch.abs, NONE),
-    "square": (torch.square, NONE),
-    "exp": (torch.exp, UP),
-    "log": (torch.log, UP_ON_DOMAIN),
-    "log1p": (torch.log1p, UP_ON_DOMAIN),
-    "sqrt": (torch.sqrt, UP_ON_DOMAIN),
-    "rsqrt": (torch.rsqrt, Laws(monotone=(-1,), monotone_ops=frozenset({"min"}))),
-    "sin": (torch.sin, NONE),
-    "cos": (torch.cos, NONE),
-    "tanh": (torch.tanh, UP),
-    "sigmoid": (torch.sigmoid, UP),
-    "erf": (torch.erf, UP),
-    "relu": (lambda input, inplace=False: torch.relu(input), UP),
-    "gelu": (F.gelu, NONE),
-    "silu": (lambda input, inplace=False: F.silu(input), NONE),
-    "leaky_relu": (_leaky_relu, Laws(monotone=_param_sign(1, "negative_slope", 0.01), by_value=True)),
-    "elu": (_elu, Laws(monotone=_param_sign(1, "alpha", 1.0), by_value=True)),
-    "softplus": (F.softplus, UP),
-    "clamp": (torch.clamp, Laws(params=("input", "min", "max"), monotone=(1, 1, 1),
-                                lattice={"max": (0, 1), "min": (0, 2)})),
-    "where": (torch.where, WHERE),
-    "masked_fill": (torch.masked_fill, Laws(params=("input", "mask", "value"), linear=((0,),),
-                                            constants=(2,), monotone=(1, 0, 0), by_value=True)),
-    "minimum": (torch.minimum, Laws(monotone=(1, 1), lattice={"min": (0, 1)})),
-    "maximum": (torch.maximum, Laws(monotone=(1, 1), lattice={"max": (0, 1)})),
-    "eq": (torch.eq, NONE),
-    "ne": (torch.ne, NONE),
-    "lt": (torch.lt, DECREASING_BOTH),
-    "le": (torch.le, DECREASING_BOTH),
-    "gt": (torch.gt, INCREASING_BOTH),
-    "ge": (torch.ge, INCREASING_BOTH),
-    "logical_and": (torch.logical_and, AND),
-    "logical_or": (torch.logical_or, OR),
-    "logical_xor": (torch.logical_xor, NONE),
-    "logical_not": (torch.logical_not, Laws(monotone=(-1,), when=_booleans)),
-    "bitwise_and": (torch.bitwise_and, AND),
-    "bitwise_or": (torch.bitwise_or, OR),
-    "bitwise_xor": (torch.bitwise_xor, NONE),
-    "bitwise_not": (torch.bitwise_not, Laws(monotone=(-1,))),   # ~x = -x - 1: strictly falling, no wrap
-    "isnan": (torch.isnan, NONE),
-    "isinf": (torch.isinf, NONE),
-    "isfinite": (torch.isfinite, NONE),
-    "rsub": (lambda input, other, alpha=1: torch.sub(other, input, alpha=alpha),
-             Laws(linear=((0, 1),), monotone=lambda call: (-_alpha(call), 1), arithmetic=True)),
-    "rdiv": (lambda input, other: torch.div(other, input), NONE),
-    "rpow": (lambda input, other: torch.pow(other, input), Laws(monotone=_rpow_signs, by_value=True)),
-    "to_dtype": (lambda input, dtype: input.to(dtype), Laws(params=("input", "dtype"), linear=_cast_linear,
-                                                            monotone=_cast_signs, by_value=True)),
+    "add": _row(torch.add, ADD),
+    "sub": _row(torch.sub, SUB),
+    "neg": _row(torch.neg, Laws(linear=((0,),), monotone=(-1,), arithmetic=True)),
+    "mul": _row(torch.mul, Laws(linear=((0,), (1,)))),
+    "div": _row(torch.div, Laws(linear=((0,),), when=_true_division)),
+    "pow": _row(torch.pow, NONE),
+    "abs": _row(torch.abs, NONE),
+    "square": _row(torch.square, NONE),
+    "exp": _row(torch.exp, UP),
+    "log": _row(torch.log, UP_ON_DOMAIN),
+    "log1p": _row(torch.log1p, UP_ON_DOMAIN),
+    "sqrt": _row(torch.sqrt, UP_ON_DOMAIN),
+    "rsqrt": _row(torch.rsqrt, Laws(monotone=(-1,), monotone_ops=frozenset({"min"}))),
+    "sin": _row(torch.sin, NONE),
+    "cos": _row(torch.cos, NONE),
+    "tanh": _row(torch.tanh, UP),
+    "sigmoid": _row(torch.sigmoid, UP),
+    "erf": _row(torch.erf, UP),
+    "relu": _row(lambda input, inplace=False: torch.relu(input), UP),
+    "gelu": _row(F.gelu, NONE),
+    "silu": _row(lambda input, inplace=False: F.silu(input), NONE),
+    "leaky_relu": _row(_leaky_relu, Laws(monotone=_param_sign(1, "negative_slope", 0.01), by_value=True)),
+    "elu": _row(_elu, Laws(monotone=_param_sign(1, "alpha", 1.0), by_value=True)),
+    "softplus": _row(F.softplus, UP),
+    "clamp": _row(torch.clamp, Laws(params=("input", "min", "max"), monotone=(1, 1, 1),
+                                    lattice={"max": (0, 1), "min": (0, 2)})),
+    "where": _row(torch.where, WHERE, method=False),   # x.where(c, y) means where(c, x, y)
+    "masked_fill": _row(torch.masked_fill, Laws(params=("input", "mask", "value"), linear=((0,),),
+                                                constants=(2,), monotone=(1, 0, 0), by_value=True)),
+    "minimum": _row(torch.minimum, Laws(monotone=(1, 1), lattice={"min": (0, 1)})),
+    "maximum": _row(torch.maximum, Laws(monotone=(1, 1), lattice={"max": (0, 1)})),
+    "eq": _row(torch.eq, NONE),
+    "ne": _row(torch.ne, NONE),
+    "lt": _row(torch.lt, DECREASING_BOTH),
+    "le": _row(torch.le, DECREASING_BOTH),
+    "gt": _row(torch.gt, INCREASING_BOTH),
+    "ge": _row(torch.ge, INCREASING_BOTH),
+    "logical_and": _row(torch.logical_and, AND),
+    "logical_or": _row(torch.logical_or, OR),
+    "logical_xor": _row(torch.logical_xor, NONE),
+    "logical_not": _row(torch.logical_not, Laws(monotone=(-1,), when=_booleans)),
+    "bitwise_and": _row(torch.bitwise_and, AND),
+    "bitwise_or": _row(torch.bitwise_or, OR),
+    "bitwise_xor": _row(torch.bitwise_xor, NONE),
+    "bitwise_not": _row(torch.bitwise_not, Laws(monotone=(-1,))),   # ~x = -x - 1: strictly falling, no wrap
+    "isnan": _row(torch.isnan, NONE),
+    "isinf": _row(torch.isinf, NONE),
+    "isfinite": _row(torch.isfinite, NONE),
+    # reached through 2 - x, 2 / x, 2 ** x: not methods
+    "rsub": _row(lambda input, other, alpha=1: torch.sub(other, input, alpha=alpha),
+                 Laws(linear=((0, 1),), monotone=lambda call: (-_alpha(call), 1), arithmetic=True), method=False),
+    "rdiv": _row(lambda input, other: torch.div(other, input), NONE, method=False),
+    "rpow": _row(lambda input, other: torch.pow(other, input), Laws(monotone=_rpow_signs, by_value=True),
+                 method=False),
+    "to_dtype": _row(lambda input, dtype: input.to(dtype), Laws(params=("input", "dtype"), linear=_cast_linear,
+                                                                monotone=_cast_signs, by_value=True)),
 }
 
-_REFLECTED = {"rsub", "rdiv", "rpow"}    # reached through 2 - x, 2 / x, 2 ** x; not methods
-_NOT_METHODS = _REFLECTED | {"where"}    # x.where(c, y) means where(c, x, y) in torch
+register_family("pointwise", POINTWISE)
 
-for _name, (_fn, _laws) in POINTWISE.items():
-    register(OpSpec(_name, _fn, pointwise_rule(_laws), "pointwise", scalars_by_type=not _laws.by_value,
-                    method=_name not in _NOT_METHODS, doc=_laws.describe()))
 
 # Python operators map onto the table (the tensor module wires them as dunder methods).
 BINARY_OPERATORS = {

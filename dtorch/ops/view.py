@@ -24,11 +24,11 @@ import math
 import torch
 
 from ..distributed_spec import Partial, Shard, local_region
-from .registry import OpSpec, kernel, register
+from .registry import OpRow, kernel, register_family
 from .rules import (Call, Decision, R, RuleRejected, common_shard_dim, follow_rule, normalize_dim, off_dim,
                     unshard_fix)
 
-__all__ = ["reshape_groups", "join_rule"]
+__all__ = ["VIEW", "reshape_groups", "join_rule"]
 
 
 # --- reshape family ----------------------------------------------------------------------------
@@ -128,8 +128,6 @@ RESHAPES = {
     "squeeze": torch.squeeze,
     "unsqueeze": torch.unsqueeze,
 }
-for _name, _fn in RESHAPES.items():
-    register(OpSpec(_name, _fn, follow_rule(_reshape_out_dim, _RESHAPE_LEGAL), "view", local=_reshape_local))
 
 
 # --- permutations, broadcasts, identities --------------------------------------------------------
@@ -182,17 +180,6 @@ def _repeat_out_dim(call: Call, dim: int) -> int:
     return out_dim
 
 
-_SAME = lambda call, dim: dim  # noqa: E731
-register(OpSpec("transpose", torch.transpose, follow_rule(_transpose_out_dim, "any"), "view"))
-register(OpSpec("permute", torch.Tensor.permute, follow_rule(_permute_out_dim, "any"), "view"))
-register(OpSpec("expand", torch.Tensor.expand, follow_rule(_expand_out_dim, "S(d) on a kept dim, R, Partial"),
-                "view", local=_expand_local))
-register(OpSpec("repeat", torch.Tensor.repeat, follow_rule(_repeat_out_dim, "S(d) on a dim repeated once, R, "
-                                                                           "Partial"), "view"))
-register(OpSpec("contiguous", torch.Tensor.contiguous, follow_rule(_SAME, "any"), "view"))
-register(OpSpec("clone", torch.clone, follow_rule(_SAME, "any"), "view"))
-
-
 # --- joins and splits ----------------------------------------------------------------------------
 _JOIN_LEGAL = "S(d) off the joined dim on every input (R inputs are sliced), all R, or all the same Partial"
 
@@ -218,9 +205,23 @@ def join_rule(stack: bool):
     return rule
 
 
+# --- the table ---------------------------------------------------------------------------------------
+_SAME = lambda call, dim: dim  # noqa: E731
 _SPLIT_LEGAL = "S(d) off the split dim, R, Partial"
-register(OpSpec("cat", torch.cat, join_rule(stack=False), "view", method=False))
-register(OpSpec("stack", torch.stack, join_rule(stack=True), "view", method=False))
-register(OpSpec("split", torch.split, follow_rule(off_dim(2), _SPLIT_LEGAL), "view"))
-register(OpSpec("chunk", torch.chunk, follow_rule(off_dim(2), _SPLIT_LEGAL), "view"))
-register(OpSpec("unbind", torch.unbind, follow_rule(off_dim(1, drops=True), _SPLIT_LEGAL), "view"))
+VIEW = {
+    **{name: OpRow(fn, follow_rule(_reshape_out_dim, _RESHAPE_LEGAL), local=_reshape_local)
+       for name, fn in RESHAPES.items()},
+    "transpose": OpRow(torch.transpose, follow_rule(_transpose_out_dim, "any")),
+    "permute": OpRow(torch.Tensor.permute, follow_rule(_permute_out_dim, "any")),
+    "expand": OpRow(torch.Tensor.expand, follow_rule(_expand_out_dim, "S(d) on a kept dim, R, Partial"),
+                    local=_expand_local),
+    "repeat": OpRow(torch.Tensor.repeat, follow_rule(_repeat_out_dim, "S(d) on a dim repeated once, R, Partial")),
+    "contiguous": OpRow(torch.Tensor.contiguous, follow_rule(_SAME, "any")),
+    "clone": OpRow(torch.clone, follow_rule(_SAME, "any")),
+    "cat": OpRow(torch.cat, join_rule(stack=False), method=False),
+    "stack": OpRow(torch.stack, join_rule(stack=True), method=False),
+    "split": OpRow(torch.split, follow_rule(off_dim(2), _SPLIT_LEGAL)),
+    "chunk": OpRow(torch.chunk, follow_rule(off_dim(2), _SPLIT_LEGAL)),
+    "unbind": OpRow(torch.unbind, follow_rule(off_dim(1, drops=True), _SPLIT_LEGAL)),
+}
+register_family("view", VIEW)
