@@ -29,7 +29,7 @@ from .partial_laws import NONE, Laws, partial_output
 from .registry import OpRow, register_family
 from .rules import Call, Decision, R, RuleRejected
 
-__all__ = ["POINTWISE", "pointwise_rule", "shard_decision", "BINARY_OPERATORS", "UNARY_OPERATORS"]
+__all__ = ["POINTWISE", "pointwise_rule", "shard_decision"]
 
 _LEGAL = "matching S(d) on every input, R with S(d) (R is sliced locally), all R"
 
@@ -211,14 +211,3 @@ POINTWISE = {
 }
 
 register_family("pointwise", POINTWISE)
-
-
-# Python operators map onto the table (the tensor module wires them as dunder methods).
-BINARY_OPERATORS = {
-    "__add__": "add", "__sub__": "sub", "__mul__": "mul", "__truediv__": "div", "__pow__": "pow",
-    "__radd__": "add", "__rmul__": "mul", "__rsub__": "rsub", "__rtruediv__": "rdiv",
-    "__rpow__": "rpow", "__eq__": "eq", "__ne__": "ne", "__lt__": "lt", "__le__": "le",
-    "__gt__": "gt", "__ge__": "ge", "__and__": "bitwise_and", "__or__": "bitwise_or",
-    "__xor__": "bitwise_xor", "__rand__": "bitwise_and", "__ror__": "bitwise_or", "__rxor__": "bitwise_xor",
-}
-UNARY_OPERATORS = {"__neg__": "neg", "__abs__": "abs", "__invert__": "bitwise_not"}

@@ -27,6 +27,7 @@ from ..distributed_spec import Partial, Shard, local_region
 from .registry import OpRow, kernel, register_family
 from .rules import (Call, Decision, R, RuleRejected, common_shard_dim, follow_rule, normalize_dim, off_dim,
                     unshard_fix)
+from .spec import parse_shape
 
 __all__ = ["VIEW", "reshape_groups", "join_rule"]
 
@@ -133,8 +134,7 @@ RESHAPES = {
 # --- permutations, broadcasts, identities --------------------------------------------------------
 def _dims_arg(call: Call) -> tuple:
     """permute(x, 1, 0) and permute(x, (1, 0)) alike; also repeat's sizes."""
-    rest = call.args[1:] or (call.kwargs.get("dims"),)
-    return tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else tuple(rest)
+    return parse_shape(call.args[1:] or (call.kwargs.get("dims"),))
 
 
 def _transpose_out_dim(call: Call, dim: int) -> int:

@@ -17,6 +17,7 @@ import torch
 from ...distributed_spec import DeviceMesh, format_placements
 from ...errors import DTorchError
 from ..dispatch import plan_call
+from ..operators import SPELLINGS
 from ..registry import REGISTRY
 from ..spec import tensor_spec
 from .samples import covered_ops, samples
@@ -26,10 +27,8 @@ __all__ = ["render"]
 
 _MESH = DeviceMesh("cpu", [0, 1, 2, 3])
 _FAMILY_ORDER = ("pointwise", "reduction", "matrix", "nn", "view", "indexing")
-_OPERATORS = {"add": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**", "neg": "unary -", "abs": "abs()",
-              "matmul": "@", "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
-              "bitwise_and": "&", "bitwise_or": "|", "bitwise_xor": "^", "bitwise_not": "~",
-              "rsub": "scalar - x", "rdiv": "scalar / x", "rpow": "scalar ** x", "getitem": "x[...]",
+# Python operators (ops/operators.py), plus spellings DTensor defines as methods of its own
+_OPERATORS = {**SPELLINGS, "matmul": "@", "getitem": "x[...]",
               "to_dtype": "x.to(dtype), x.float(), .half(), .bfloat16(), .double(), .long(), .int(), .bool()"}
 
 # What no rule table can say: whole features dtorch lacks. Each raises UnsupportedOpError at the
