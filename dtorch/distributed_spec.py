@@ -1,7 +1,9 @@
 """PURE: device meshes, placements and the local-shape arithmetic every other layer shares.
 
-Nothing here imports zmq or asyncio. `init_device_mesh` asks the runtime for workers through a
-hook that dtorch/__init__.py installs, so this module stays testable without processes.
+Nothing here imports zmq, asyncio or the runtime. The one exception to "pure" is
+`init_device_mesh`, which STARTS worker processes (or grows the pool) when the mesh needs them: it
+calls the worker starter that dtorch/__init__.py installs with `set_worker_starter`
+(runtime.session.acquire_workers). DeviceMesh itself is pure, so tests build meshes without it.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Callable, Sequence
 from .errors import MeshError, PlacementError
 
 __all__ = [
-    "Placement", "Shard", "Replicate", "Partial", "DeviceMesh", "init_device_mesh",
+    "Placement", "Shard", "Replicate", "Partial", "DeviceMesh", "init_device_mesh", "set_worker_starter",
     "chunk_bounds", "local_shape", "local_offset", "local_region", "format_placements", "nest_ranks",
     "narrow_to_box", "distinct_shard_ranks", "holds_partial_sum_value", "REDUCE_OPS",
 ]
@@ -209,19 +211,28 @@ def nest_ranks(flat: Sequence[int], shape: Sequence[int]) -> list:
     return [nest_ranks(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
-# The runtime installs this: (device_type, world_size) -> list of worker ranks to use.
-_acquire_workers: Callable[[str, int], Sequence[int]] | None = None
+# --- starting workers: this module's one seam to the runtime ------------------------------------
+# (device_type, count) -> ranks of running workers, starting or growing the pool as needed.
+_start_workers: Callable[[str, int], Sequence[int]] | None = None
+
+
+def set_worker_starter(start_workers: Callable[[str, int], Sequence[int]] | None) -> None:
+    """Install what init_device_mesh calls to start workers (dtorch/__init__.py installs
+    runtime.session.acquire_workers; a test may install a fake)."""
+    global _start_workers
+    _start_workers = start_workers
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
                      mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
-    """Make a mesh over running workers, starting (or growing) the local pool when needed."""
+    """Make a mesh over running workers. Not pure: the first mesh STARTS worker processes and a
+    larger one grows the local pool, through the installed worker starter."""
     mesh_shape = tuple(int(s) for s in mesh_shape)
     if not mesh_shape or any(s < 1 for s in mesh_shape):
         raise MeshError(f"mesh_shape must be positive integers, got {mesh_shape}")
-    if _acquire_workers is None:
+    if _start_workers is None:
         raise MeshError("no dtorch runtime is installed: `import dtorch` first")
-    ranks = list(_acquire_workers(device_type, math.prod(mesh_shape)))
+    ranks = list(_start_workers(device_type, math.prod(mesh_shape)))
     return DeviceMesh(device_type, nest_ranks(ranks, mesh_shape), mesh_dim_names)
 
 

@@ -73,3 +73,14 @@ def test_a_whole_value_under_partial_sum_lives_on_coordinate_zero():
     assert holds_partial_sum_value(placements, (0, 1))
     assert not holds_partial_sum_value(placements, (1, 0))
     assert holds_partial_sum_value([Partial("max"), Replicate()], (1, 1))   # max: every rank keeps it
+
+
+def test_init_device_mesh_starts_workers_through_the_installed_starter():
+    import dtorch.distributed_spec as spec
+    asked, installed = [], spec._start_workers
+    spec.set_worker_starter(lambda device_type, count: asked.append((device_type, count)) or [7, 5, 3, 1])
+    try:
+        mesh = spec.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
+    finally:
+        spec.set_worker_starter(installed)
+    assert asked == [("cpu", 4)] and mesh.shape == (2, 2) and mesh.ranks == (7, 5, 3, 1)
