@@ -18,7 +18,7 @@ from dtorch.ops.tooling.validate import validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Every op of the four families, exhaustively on a 3-way mesh with uneven shapes. The biggest
+# Every op of the sampled families, exhaustively on a 3-way mesh with uneven shapes. The biggest
 # ones (attention: 4 inputs of 4 dims) get a seeded sample of their combinations.
 OPS = sorted(name for name, spec in REGISTRY.items() if spec.family in SAMPLED_FAMILIES)
 
