@@ -13,9 +13,10 @@ from typing import Callable, NamedTuple, Sequence
 
 from ..distributed_spec import Partial, Placement, Replicate, Shard, format_placements
 from ..errors import PlacementError, user_site
+from .suggest import cheapest_fix, describe_legal, legal_combinations, placement_code
 
 __all__ = ["Call", "Decision", "RuleRejected", "Rule", "expand", "TensorSlot", "R", "all_replicate", "shard_of",
-           "common_shard_dim", "partial_op", "placement_code", "unshard_fix", "normalize_dim", "follow_rule",
+           "common_shard_dim", "partial_op", "unshard_fix", "normalize_dim", "follow_rule",
            "off_dim"]
 
 R = Replicate()
@@ -80,7 +81,6 @@ def expand(rule: Rule, call: Call) -> tuple[list[tuple], list[tuple]]:
 
 
 def _rejection_message(rule: Rule, call: Call, mesh_dim: int, placements, rejected: RuleRejected) -> str:
-    from .suggest import cheapest_fix, describe_legal, legal_combinations   # it imports this module
     mesh = call.mesh
     name = f" ({mesh.mesh_dim_names[mesh_dim]!r})" if mesh.mesh_dim_names else ""
     given = ", ".join(f"{format_placements(s.placements)} shape={tuple(s.shape)}" for s in call.inputs)
@@ -114,16 +114,6 @@ def common_shard_dim(placements, legal: str) -> int | None:
 
 def partial_op(placement: Placement) -> str | None:
     return placement.reduce_op if isinstance(placement, Partial) else None
-
-
-def placement_code(placement: Placement) -> str:
-    """How the user writes one placement: Shard(0), Replicate(), Partial(), Partial("avg"), for
-    fixes the user can paste."""
-    if isinstance(placement, Shard):
-        return f"Shard({placement.dim})"
-    if isinstance(placement, Partial):
-        return "Partial()" if placement.reduce_op == "sum" else f'Partial("{placement.reduce_op}")'
-    return "Replicate()"
 
 
 def unshard_fix(call: Call, replaced, input_index: int = 0, name: str = "x") -> str:
