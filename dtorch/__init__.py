@@ -20,7 +20,8 @@ from .runtime.reads import Future
 from .tensor import DTensor, call_op
 from . import nn
 
-distributed_spec._acquire_workers = _session.acquire_workers
+# init_device_mesh (pure layer) starts workers through the runtime: the one seam, installed here
+distributed_spec.set_worker_starter(_session.acquire_workers)
 
 init = _session.init
 init_async = _session.init_async

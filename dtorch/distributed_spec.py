@@ -1,7 +1,9 @@
 """PURE: device meshes, placements and the local-shape arithmetic every other layer shares.
 
-Nothing here imports zmq or asyncio. `init_device_mesh` asks the runtime for workers through a
-hook that dtorch/__init__.py installs, so this module stays testable without processes.
+Nothing here imports zmq, asyncio or the runtime. The one exception to "pure" is
+`init_device_mesh`, which STARTS worker processes (or grows the pool) when the mesh needs them: it
+calls the worker starter that dtorch/__init__.py installs with `set_worker_starter`
+(runtime.session.acquire_workers). DeviceMesh itself is pure, so tests build meshes without it.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from typing import Callable, Sequence
 from .errors import MeshError, PlacementError
 
 __all__ = [
-    "Placement", "Shard", "Replicate", "Partial", "DeviceMesh", "init_device_mesh",
-    "chunk_bounds", "local_shape", "local_offset", "local_region", "format_placements",
+    "Placement", "Shard", "Replicate", "Partial", "DeviceMesh", "init_device_mesh", "set_worker_starter",
+    "chunk_bounds", "local_shape", "local_offset", "local_region", "format_placements", "nest_ranks",
+    "narrow_to_box", "distinct_shard_ranks", "holds_partial_sum_value", "REDUCE_OPS",
 ]
 
 
@@ -173,7 +176,7 @@ class DeviceMesh:
         for i in range(self.shape[dim]):
             ranks = [r for r in self._flat if self.coordinate_of(r)[dim] == i]
             shape = self.shape[:dim] + self.shape[dim + 1:] or (1,)
-            out.append(DeviceMesh(self.device_type, _nest(ranks, shape), names or None))
+            out.append(DeviceMesh(self.device_type, nest_ranks(ranks, shape), names or None))
         return out
 
     def _only_dim(self, dim: int) -> "DeviceMesh":
@@ -182,7 +185,7 @@ class DeviceMesh:
         return DeviceMesh(self.device_type, ranks, names)
 
     def _nested(self):
-        return _nest(self._flat, self.shape)
+        return nest_ranks(self._flat, self.shape)
 
 
 def _flatten_nested(ranks) -> tuple[tuple[int, ...], list[int]]:
@@ -200,28 +203,37 @@ def _flatten_nested(ranks) -> tuple[tuple[int, ...], list[int]]:
     return (len(ranks),) + (shape or ()), flat
 
 
-def _nest(flat: Sequence[int], shape: Sequence[int]):
+def nest_ranks(flat: Sequence[int], shape: Sequence[int]) -> list:
+    """Flat ranks as nested lists of `shape` (row-major), the form DeviceMesh takes."""
     if len(shape) <= 1:
         return list(flat)
     step = len(flat) // shape[0]
-    return [_nest(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+    return [nest_ranks(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
-# The runtime installs this: (device_type, world_size) -> list of worker ranks to use.
-_acquire_workers: Callable[[str, int], Sequence[int]] | None = None
+# --- starting workers: this module's one seam to the runtime ------------------------------------
+# (device_type, count) -> ranks of running workers, starting or growing the pool as needed.
+_start_workers: Callable[[str, int], Sequence[int]] | None = None
+
+
+def set_worker_starter(start_workers: Callable[[str, int], Sequence[int]] | None) -> None:
+    """Install what init_device_mesh calls to start workers (dtorch/__init__.py installs
+    runtime.session.acquire_workers; a test may install a fake)."""
+    global _start_workers
+    _start_workers = start_workers
 
 
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
                      mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
-    """Make a mesh over running workers, starting (or growing) the local pool when needed."""
+    """Make a mesh over running workers. Not pure: the first mesh STARTS worker processes and a
+    larger one grows the local pool, through the installed worker starter."""
     mesh_shape = tuple(int(s) for s in mesh_shape)
     if not mesh_shape or any(s < 1 for s in mesh_shape):
         raise MeshError(f"mesh_shape must be positive integers, got {mesh_shape}")
-    if _acquire_workers is None:
+    if _start_workers is None:
         raise MeshError("no dtorch runtime is installed: `import dtorch` first")
-    ranks = list(_acquire_workers(device_type, math.prod(mesh_shape)))
-    return DeviceMesh(device_type, _nest(ranks, mesh_shape) if len(mesh_shape) > 1 else ranks,
-                      mesh_dim_names)
+    ranks = list(_start_workers(device_type, math.prod(mesh_shape)))
+    return DeviceMesh(device_type, nest_ranks(ranks, mesh_shape), mesh_dim_names)
 
 
 # --- local shape arithmetic ------------------------------------------------------------------
@@ -253,3 +265,25 @@ def local_shape(global_shape, mesh: DeviceMesh, placements, rank: int) -> tuple[
 
 def local_offset(global_shape, mesh: DeviceMesh, placements, rank: int) -> tuple[int, ...]:
     return tuple(local_region(global_shape, mesh, placements, mesh.coordinate_of(rank))[0])
+
+
+def narrow_to_box(tensor, offset: Sequence[int], shape: Sequence[int], origin: Sequence[int] | None = None):
+    """The view of `tensor` covering the global box (offset, shape); `tensor` holds the block
+    that starts at global `origin` (default: it is the whole tensor)."""
+    origin = origin or (0,) * len(offset)
+    for dim, (start, held_start, length) in enumerate(zip(offset, origin, shape)):
+        tensor = tensor.narrow(dim, start - held_start, length)
+    return tensor
+
+
+def distinct_shard_ranks(mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[int, ...]:
+    """One rank per distinct shard: coordinate 0 on every mesh dim that does not shard. Reads
+    fetch from these ranks only, and moves between meshes send from them."""
+    return tuple(r for r in mesh.ranks
+                 if all(c == 0 for c, p in zip(mesh.coordinate_of(r), placements) if p == Replicate()))
+
+
+def holds_partial_sum_value(placements: Sequence[Placement], coordinate: Sequence[int]) -> bool:
+    """Where a tensor made whole (a factory, an upload) is placed P(sum), the value lives on
+    coordinate 0 of each P(sum) mesh dim and every other coordinate holds zeros: False there."""
+    return all(c == 0 for c, p in zip(coordinate, placements) if isinstance(p, Partial) and p.reduce_op == "sum")

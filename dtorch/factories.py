@@ -1,6 +1,6 @@
 """Factories with device_mesh= and placements=: each worker builds only its own shard.
 
-Random factories are counter-based (see runtime/rng.py): values depend on the seed, the call
+Random factories are counter-based (see dtorch/rng.py): values depend on the seed, the call
 order, the global shape and the dtype — never on the mesh or the placements.
 """
 from __future__ import annotations
@@ -9,21 +9,15 @@ from typing import Sequence
 
 import torch
 
-from .distributed_spec import DeviceMesh, Placement, Replicate, local_region
+from .distributed_spec import DeviceMesh, Placement, Replicate, holds_partial_sum_value, local_region, narrow_to_box
 from .errors import DTorchError
-from .ops.spec import check_placements, tensor_spec
+from .ops.spec import check_placements, parse_shape, tensor_spec
 from .runtime import session
 from .runtime.protocol import Factory, Upload, dtype_name, tensor_frame
 from .tensor import DTensor
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
            "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"]
-
-
-def _shape(size) -> tuple:
-    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
-        size = size[0]
-    return tuple(int(s) for s in size)
 
 
 def _layout(shape, device_mesh: DeviceMesh | None, placements):
@@ -46,29 +40,29 @@ def _factory(kind: str, shape, dtype, device_mesh, placements, args=()) -> DTens
 
 
 def zeros(*size, dtype=None, device_mesh=None, placements: Sequence[Placement] | None = None) -> DTensor:
-    return _factory("zeros", _shape(size), dtype, device_mesh, placements)
+    return _factory("zeros", parse_shape(size), dtype, device_mesh, placements)
 
 
 def ones(*size, dtype=None, device_mesh=None, placements=None) -> DTensor:
-    return _factory("ones", _shape(size), dtype, device_mesh, placements)
+    return _factory("ones", parse_shape(size), dtype, device_mesh, placements)
 
 
 def empty(*size, dtype=None, device_mesh=None, placements=None) -> DTensor:
-    return _factory("empty", _shape(size), dtype, device_mesh, placements)
+    return _factory("empty", parse_shape(size), dtype, device_mesh, placements)
 
 
 def full(size, fill_value, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
     if dtype is None:
         dtype = torch.full((), fill_value).dtype
-    return _factory("full", _shape((size,)), dtype, device_mesh, placements, (fill_value,))
+    return _factory("full", parse_shape((size,)), dtype, device_mesh, placements, (fill_value,))
 
 
 def rand(*size, dtype=None, device_mesh=None, placements=None) -> DTensor:
-    return _factory("rand", _shape(size), dtype, device_mesh, placements, session.next_random())
+    return _factory("rand", parse_shape(size), dtype, device_mesh, placements, session.next_random())
 
 
 def randn(*size, dtype=None, device_mesh=None, placements=None) -> DTensor:
-    return _factory("randn", _shape(size), dtype, device_mesh, placements, session.next_random())
+    return _factory("randn", parse_shape(size), dtype, device_mesh, placements, session.next_random())
 
 
 def randint(low, high=None, size=None, *, dtype=torch.int64, device_mesh=None, placements=None) -> DTensor:
@@ -76,7 +70,7 @@ def randint(low, high=None, size=None, *, dtype=torch.int64, device_mesh=None, p
         low, high = 0, low
     if size is None:
         raise DTorchError("randint needs size=")
-    return _factory("randint", _shape((size,)), dtype, device_mesh, placements,
+    return _factory("randint", parse_shape((size,)), dtype, device_mesh, placements,
                     session.next_random() + (int(low), int(high)))
 
 
@@ -112,14 +106,8 @@ def tensor(data, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
 
 def _shard_for(value: torch.Tensor, mesh: DeviceMesh, placements, rank: int) -> torch.Tensor:
     coordinate = mesh.coordinate_of(rank)
-    offset, shape = local_region(value.shape, mesh, placements, coordinate)
-    shard = value
-    for dim, (start, length) in enumerate(zip(offset, shape)):
-        shard = shard.narrow(dim, start, length)
-    for mesh_dim, placement in enumerate(placements):
-        if placement.is_partial() and placement.reduce_op == "sum" and coordinate[mesh_dim] != 0:
-            return torch.zeros_like(shard)
-    return shard.contiguous()
+    shard = narrow_to_box(value, *local_region(value.shape, mesh, placements, coordinate))
+    return shard.contiguous() if holds_partial_sum_value(placements, coordinate) else torch.zeros_like(shard)
 
 
 def _like(factory):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .distributed_spec import Partial, Placement, Replicate, Shard
+from .distributed_spec import Partial, Placement, Replicate, Shard, distinct_shard_ranks, local_region
 
 __all__ = ["plan_redistribute", "plan_transfer", "LOCAL_ONLY", "step_kind"]
 
@@ -83,11 +83,8 @@ def plan_transfer(shape, src_mesh, src_placements, dst_mesh, dst_placements) -> 
 
     Each destination block is cut from one replica of every source shard (coordinate 0 on the
     source's Replicate dims), so every element crosses the network once per receiver."""
-    from .distributed_spec import local_region
-    senders = [r for r in src_mesh.ranks
-               if all(c == 0 for c, p in zip(src_mesh.coordinate_of(r), src_placements) if p == R)]
     source_blocks = [(r, local_region(shape, src_mesh, src_placements, src_mesh.coordinate_of(r)))
-                     for r in senders]
+                     for r in distinct_shard_ranks(src_mesh, src_placements)]
     moves = []
     for receiver in dst_mesh.ranks:
         wanted = local_region(shape, dst_mesh, dst_placements, dst_mesh.coordinate_of(receiver))

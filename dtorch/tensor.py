@@ -17,8 +17,8 @@ from .ops.unsupported import (NOTES, inplace_flag_refused, item_assignment_refus
 from .ops import REGISTRY, cached_plan
 from .ops.conversions import to_target
 from .ops.dispatch import map_tensors
-from .ops.pointwise import BINARY_OPERATORS, UNARY_OPERATORS
-from .ops.spec import TensorSpec, check_placements, tensor_spec
+from .ops.operators import BINARY_OPERATORS, UNARY_OPERATORS
+from .ops.spec import TensorSpec, check_placements, parse_shape, tensor_spec
 from .redistribute import plan_redistribute
 from .runtime import session
 from .runtime.protocol import Redistribute, RunOp, Transfer, dtype_name
@@ -234,18 +234,11 @@ class DTensor:
         if len(shape) == 1 and isinstance(shape[0], torch.dtype):
             raise UnsupportedOpError("view(dtype) reinterprets bytes, which dtorch does not support; "
                                      "use x.to(dtype) to convert values")
-        return call_op("view", (self, self._shape_of(shape)), {})
+        return call_op("view", (self, parse_shape(shape)), {})
 
     def reshape(self, *shape) -> "DTensor":
         """x.reshape(4, 6) or x.reshape((4, 6)); one size may be -1."""
-        return call_op("reshape", (self, self._shape_of(shape)), {})
-
-    @staticmethod
-    def _shape_of(shape) -> tuple:
-        """(4, 6), ((4, 6),) and (torch.Size([4, 6]),) alike, as one hashable tuple of ints."""
-        if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
-            shape = shape[0]
-        return tuple(int(size) for size in shape)
+        return call_op("reshape", (self, parse_shape(shape)), {})
 
     @property
     def T(self) -> "DTensor":

@@ -12,7 +12,7 @@ import dtorch.nn.functional as DF
 from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard
 from dtorch.errors import PlacementError, RemoteError, ShapeError, UnsupportedOpError
 from dtorch.ops.dispatch import plan_call
-from dtorch.ops.registry import lookup
+from dtorch.ops.dispatch import lookup
 from support import Symbol
 
 HERE = "test_api_edges.py:"

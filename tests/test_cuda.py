@@ -25,7 +25,8 @@ import test_runtime_ops as cpu_ops
 from support import assert_same, run_script
 from dtorch.distributed_spec import Replicate, Shard, init_device_mesh
 from dtorch.errors import MeshError
-from dtorch.runtime import cuda, gpu_assignment, nccl, rng
+from dtorch import rng
+from dtorch.runtime import cuda, gpu_assignment, nccl
 from dtorch.runtime.controller import WorkerRecord
 
 GPUS = torch.cuda.device_count()

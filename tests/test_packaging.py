@@ -160,10 +160,7 @@ def test_every_module_imports_with_only_the_base_dependencies():
 # Cycles still allowed, each with why; every import counts, also inside functions (a lazy import
 # that closes a circle still ties the two modules together). Each cycle is written as the script
 # prints it: starting at its alphabetically first module.
-ALLOWED_CYCLES = {
-    ("dtorch.ops.registry", "dtorch.ops.unsupported"): "being removed in issue 11 part 4",
-    ("dtorch.ops.rules", "dtorch.ops.suggest"): "being removed in issue 11 part 4",
-}
+ALLOWED_CYCLES: dict = {}   # none: keep it that way, or name the cycle and why here
 
 
 def _import_cycles_script():

@@ -6,7 +6,7 @@ import dtorch.ops  # noqa: F401  (registers the families)
 from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard
 from dtorch.errors import PlacementError, ShapeError
 from dtorch.ops.dispatch import plan_call
-from dtorch.ops.registry import lookup
+from dtorch.ops.dispatch import lookup
 from dtorch.redistribute import plan_redistribute, step_kind
 from support import Symbol
 
@@ -267,3 +267,16 @@ def test_dropout_through_torch_cannot_draw_dtorch_randomness():
         plan("dropout", Symbol((8, 5), [Shard(0)]), 0.5, True)
     seeded = plan("dropout", Symbol((8, 5), [Shard(0)]), 0.5, True, False, 1, 2)
     assert seeded.kernel == "dropout_counter" and seeded.extra_kwargs["global_shape"] == (8, 5)
+
+
+def test_parse_shape_takes_both_spellings():
+    from dtorch.ops.spec import parse_shape
+    assert parse_shape((4, 6)) == parse_shape(((4, 6),)) == parse_shape(([4, 6],)) == (4, 6)
+    assert parse_shape((torch.Size([2, 3]),)) == (2, 3) and parse_shape(()) == ()
+
+
+def test_operator_rows_reach_registered_ops():
+    from dtorch.ops import REGISTRY
+    from dtorch.ops.operators import BINARY_OPERATORS, SPELLINGS, UNARY_OPERATORS
+    assert set(BINARY_OPERATORS.values()) | set(UNARY_OPERATORS.values()) <= set(REGISTRY)
+    assert SPELLINGS["add"] == "+" and SPELLINGS["rsub"] == "scalar - x" and SPELLINGS["bitwise_and"] == "&"

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from dtorch.distributed_spec import (DeviceMesh, Partial, Replicate, Shard, chunk_bounds, format_placements,
-                                     local_region)
+from dtorch.distributed_spec import (DeviceMesh, Partial, Replicate, Shard, chunk_bounds, distinct_shard_ranks,
+                                     format_placements, holds_partial_sum_value, local_region, narrow_to_box,
+                                     nest_ranks)
 from dtorch.errors import MeshError, PlacementError
 
 
@@ -43,3 +44,43 @@ def test_nested_sharding_splits_the_outer_chunk():
     blocks = [local_region((5, 3), mesh, placements, mesh.coordinate_of(r)) for r in range(4)]
     # outer split 5 -> 3, 2; inner splits 3 -> 2, 1 and 2 -> 1, 1
     assert [(o[0], s[0]) for o, s in blocks] == [(0, 2), (2, 1), (3, 1), (4, 1)]
+
+
+def test_nest_ranks_is_row_major():
+    assert nest_ranks([4, 5, 6, 7], (2, 2)) == [[4, 5], [6, 7]]
+    assert nest_ranks((0, 1, 2, 3), (2, 1, 2)) == [[[0, 1]], [[2, 3]]]
+    assert nest_ranks((3, 1), (2,)) == [3, 1]
+    assert DeviceMesh("cpu", nest_ranks(range(6), (3, 2))).shape == (3, 2)
+
+
+def test_narrow_to_box_from_a_whole_tensor_or_a_held_block():
+    whole = torch.arange(48).reshape(8, 6)
+    assert torch.equal(narrow_to_box(whole, (2, 1), (3, 4)), whole[2:5, 1:5])
+    held = whole[2:8, 0:6]        # a block that starts at global (2, 0)
+    assert torch.equal(narrow_to_box(held, (4, 3), (2, 2), origin=(2, 0)), whole[4:6, 3:5])
+
+
+def test_one_sender_per_distinct_shard():
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]])
+    assert distinct_shard_ranks(mesh, [Shard(0), Replicate()]) == (0, 2)
+    assert distinct_shard_ranks(mesh, [Replicate(), Shard(1)]) == (0, 1)
+    assert distinct_shard_ranks(mesh, [Replicate(), Replicate()]) == (0,)
+    assert distinct_shard_ranks(mesh, [Shard(0), Shard(1)]) == (0, 1, 2, 3)
+
+
+def test_a_whole_value_under_partial_sum_lives_on_coordinate_zero():
+    placements = [Partial(), Shard(0)]
+    assert holds_partial_sum_value(placements, (0, 1))
+    assert not holds_partial_sum_value(placements, (1, 0))
+    assert holds_partial_sum_value([Partial("max"), Replicate()], (1, 1))   # max: every rank keeps it
+
+
+def test_init_device_mesh_starts_workers_through_the_installed_starter():
+    import dtorch.distributed_spec as spec
+    asked, installed = [], spec._start_workers
+    spec.set_worker_starter(lambda device_type, count: asked.append((device_type, count)) or [7, 5, 3, 1])
+    try:
+        mesh = spec.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
+    finally:
+        spec.set_worker_starter(installed)
+    assert asked == [("cpu", 4)] and mesh.shape == (2, 2) and mesh.ranks == (7, 5, 3, 1)

@@ -1,4 +1,4 @@
-"""The rule validator (python -m dtorch.ops.validate): it must find no wrong rule in the op
+"""The rule validator (python -m dtorch.ops.tooling.validate): it must find no wrong rule in the op
 tables, must catch a planted wrong rule and a planted over-strict one, and must run as a module.
 It simulates ranks on this CPU: no worker processes here."""
 import os
@@ -12,13 +12,13 @@ import dtorch.ops  # noqa: F401  (registers the families)
 from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard
 from dtorch.ops.registry import REGISTRY, OpSpec
 from dtorch.ops.rules import Decision, R, RuleRejected
-from dtorch.ops.samples import SAMPLED_FAMILIES
-from dtorch.ops.simulate import contributions, matches
-from dtorch.ops.validate import validate
+from dtorch.ops.tooling.samples import SAMPLED_FAMILIES
+from dtorch.ops.tooling.simulate import contributions, matches
+from dtorch.ops.tooling.validate import validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Every op of the four families, exhaustively on a 3-way mesh with uneven shapes. The biggest
+# Every op of the sampled families, exhaustively on a 3-way mesh with uneven shapes. The biggest
 # ones (attention: 4 inputs of 4 dims) get a seeded sample of their combinations.
 OPS = sorted(name for name, spec in REGISTRY.items() if spec.family in SAMPLED_FAMILIES)
 
@@ -76,21 +76,21 @@ def test_contributions_reduce_back_to_the_value(placements):
 
 
 def test_command_line():
-    run = subprocess.run([sys.executable, "-m", "dtorch.ops.validate", "--op", "add", "--op", "neg"],
+    run = subprocess.run([sys.executable, "-m", "dtorch.ops.tooling.validate", "--op", "add", "--op", "neg"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "add: " in run.stdout and "0 wrong" in run.stdout and "2 op(s) on mesh (3,)" in run.stdout
-    bad = subprocess.run([sys.executable, "-m", "dtorch.ops.validate", "--op", "no_such_op"],
+    bad = subprocess.run([sys.executable, "-m", "dtorch.ops.tooling.validate", "--op", "no_such_op"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "no_such_op" in bad.stderr
 
 
 def test_docs_ops_md_is_generated_from_the_tables():
-    from dtorch.ops.docs import render
+    from dtorch.ops.tooling.docs import render
     with open(os.path.join(REPO, "docs", "ops.md")) as f:
-        assert f.read() == render(), "docs/ops.md is stale: python -m dtorch.ops.docs > docs/ops.md"
+        assert f.read() == render(), "docs/ops.md is stale: python -m dtorch.ops.tooling.docs > docs/ops.md"
 
 
 def test_every_op_of_the_swept_families_has_samples():
-    from dtorch.ops.samples import covered_ops
-    assert not set(OPS) - covered_ops(), "add a sample call in dtorch/ops/samples.py"
+    from dtorch.ops.tooling.samples import covered_ops
+    assert not set(OPS) - covered_ops(), "add a sample call in dtorch/ops/tooling/samples.py"

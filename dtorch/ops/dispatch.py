@@ -12,13 +12,13 @@ from typing import NamedTuple
 from ..distributed_spec import format_placements
 from ..errors import MeshError, PlacementError, ShapeError, user_site
 from ..redistribute import LOCAL_ONLY, plan_redistribute, step_kind
-from .registry import OpSpec, lookup
+from .registry import REGISTRY, OpSpec
 from .rules import Call, TensorSlot, expand
 from .spec import TensorSpec, tensor_spec
 from .suggest import spell_placements_code
-from .unsupported import refuse_inplace_flag
+from .unsupported import refuse_inplace_flag, unsupported_op
 
-__all__ = ["OpPlan", "plan_call", "cached_plan", "signature", "map_tensors", "PLAN_CACHE", "warm_up_inference"]
+__all__ = ["OpPlan", "lookup", "plan_call", "cached_plan", "signature", "map_tensors", "PLAN_CACHE", "warm_up_inference"]
 
 
 class OpPlan(NamedTuple):
@@ -144,6 +144,14 @@ def _local_input_steps(call: Call, required: list) -> tuple:
                                  f"input{index}.redistribute(placements={spell_placements_code(wanted)})")
         steps_per_input.append((index, spec.shape, spec.placements, tuple(steps)))
     return tuple(steps_per_input)
+
+
+def lookup(name: str) -> OpSpec:
+    """The registered op, or UnsupportedOpError naming the nearest ones and what to write instead."""
+    spec = REGISTRY.get(name)
+    if spec is None:
+        raise unsupported_op(name, f"dtorch op {name!r}")
+    return spec
 
 
 def cached_plan(op_name: str, args: tuple, kwargs: dict) -> OpPlan:

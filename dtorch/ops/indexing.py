@@ -19,11 +19,11 @@ import torch
 
 from ..distributed_spec import Partial, Shard
 from ..errors import UnsupportedOpError
-from .registry import OpSpec, register
-from .rules import Call, Decision, R, RuleRejected, common_shard_dim
-from .view import follow_rule, normalize_dim, off_dim, unshard_fix
+from .registry import OpRow, register_family
+from .rules import (Call, Decision, R, RuleRejected, common_shard_dim, follow_rule, normalize_dim, off_dim,
+                    unshard_fix)
 
-__all__ = ["canonical_index", "getitem"]
+__all__ = ["INDEXING", "canonical_index", "getitem"]
 
 WHOLE = (None, None, None)  # a slice `:` over the whole dim
 
@@ -89,13 +89,6 @@ def _getitem_out_dim(call: Call, dim: int) -> int:
         in_dim += item is not None
         out_dim += not isinstance(item, int)
     return out_dim + dim - in_dim
-
-
-register(OpSpec("getitem", getitem, follow_rule(_getitem_out_dim, "a whole slice `:` on sharded dims"),
-                "indexing", method=False, doc="x[index]: use the operator"))
-register(OpSpec("narrow", torch.narrow, follow_rule(off_dim(1, why="the slice's elements live on some ranks "
-                                                               "only"), "S(d) off the narrowed dim, R, Partial"),
-                "indexing"))
 
 
 # --- selection by a tensor of positions ----------------------------------------------------------
@@ -174,15 +167,23 @@ def _scatter_rule(call: Call, placements) -> Decision:
     return _aligned(call, placements, dim, _SCATTER_LEGAL)
 
 
-register(OpSpec("index_select", torch.index_select, _index_select_rule, "indexing"))
-register(OpSpec("gather", torch.gather, _gather_rule, "indexing"))
-register(OpSpec("scatter", torch.scatter, _scatter_rule, "indexing"))
-
-
 # --- comparisons along one dim -------------------------------------------------------------------
 _COMPARE_LEGAL = "S(d) off the op's dim, R"
 _WHY = "it compares values other ranks hold"
-register(OpSpec("topk", torch.topk, follow_rule(off_dim(2, -1, _WHY, legal=_COMPARE_LEGAL), _COMPARE_LEGAL,
-                                                partial_ok=False), "indexing"))
-register(OpSpec("sort", torch.sort, follow_rule(off_dim(1, -1, _WHY, legal=_COMPARE_LEGAL), _COMPARE_LEGAL,
-                                                partial_ok=False), "indexing"))
+
+
+# --- the table ---------------------------------------------------------------------------------------
+INDEXING = {
+    "getitem": OpRow(getitem, follow_rule(_getitem_out_dim, "a whole slice `:` on sharded dims"), method=False,
+                     doc="x[index]: use the operator"),
+    "narrow": OpRow(torch.narrow, follow_rule(off_dim(1, why="the slice's elements live on some ranks only"),
+                                              "S(d) off the narrowed dim, R, Partial")),
+    "index_select": OpRow(torch.index_select, _index_select_rule),
+    "gather": OpRow(torch.gather, _gather_rule),
+    "scatter": OpRow(torch.scatter, _scatter_rule),
+    "topk": OpRow(torch.topk, follow_rule(off_dim(2, -1, _WHY, legal=_COMPARE_LEGAL), _COMPARE_LEGAL,
+                                          partial_ok=False)),
+    "sort": OpRow(torch.sort, follow_rule(off_dim(1, -1, _WHY, legal=_COMPARE_LEGAL), _COMPARE_LEGAL,
+                                          partial_ok=False)),
+}
+register_family("indexing", INDEXING)

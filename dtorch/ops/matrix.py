@@ -20,10 +20,10 @@ import string
 import torch
 
 from ..distributed_spec import Partial, Shard
-from .registry import OpSpec, register
+from .registry import OpRow, register_family
 from .rules import Call, Decision, R, RuleRejected
 
-__all__ = ["einsum_rule", "einsum_decision", "matmul_equation", "explicit_equation"]
+__all__ = ["MATRIX", "einsum_rule", "einsum_decision", "matmul_equation", "explicit_equation"]
 
 _LEGAL = "all R; one P(sum) with R; S on one einsum letter (inputs without it R)"
 
@@ -184,14 +184,16 @@ def _linear_equation(call: Call) -> str:
     return f"{batch}k,nk->{batch}n" if w == 2 else f"{batch}k,k->{batch}"
 
 
-register(OpSpec("matmul", torch.matmul, einsum_rule(matmul_equation), "matrix",
-                doc="torch's rank cases as einsum equations"))
-register(OpSpec("mm", torch.mm, einsum_rule(lambda call: "xy,yz->xz"), "matrix", doc="xy,yz->xz"))
-register(OpSpec("bmm", torch.bmm, einsum_rule(lambda call: "bxy,byz->bxz"), "matrix", doc="bxy,byz->bxz"))
-register(OpSpec("einsum", torch.einsum, _einsum_rule, "matrix", method=False,
-                doc="derived from the equation; a sharded repeated letter (diagonal) needs R"))
-register(OpSpec("outer", torch.outer, einsum_rule(lambda call: "x,y->xy"), "matrix", doc="x,y->xy"))
-register(OpSpec("linear", torch.nn.functional.linear, _product_plus_term(_linear_equation, 2), "matrix",
-                method=False, doc="...k,nk->...n plus bias placed like the result"))
-register(OpSpec("baddbmm", torch.baddbmm, _product_plus_term(lambda call: "bxy,byz->bxz", 0), "matrix",
-                doc="bxy,byz->bxz plus input placed like the result"))
+MATRIX = {
+    "matmul": OpRow(torch.matmul, einsum_rule(matmul_equation), doc="torch's rank cases as einsum equations"),
+    "mm": OpRow(torch.mm, einsum_rule(lambda call: "xy,yz->xz"), doc="xy,yz->xz"),
+    "bmm": OpRow(torch.bmm, einsum_rule(lambda call: "bxy,byz->bxz"), doc="bxy,byz->bxz"),
+    "einsum": OpRow(torch.einsum, _einsum_rule, method=False,
+                    doc="derived from the equation; a sharded repeated letter (diagonal) needs R"),
+    "outer": OpRow(torch.outer, einsum_rule(lambda call: "x,y->xy"), doc="x,y->xy"),
+    "linear": OpRow(torch.nn.functional.linear, _product_plus_term(_linear_equation, 2), method=False,
+                    doc="...k,nk->...n plus bias placed like the result"),
+    "baddbmm": OpRow(torch.baddbmm, _product_plus_term(lambda call: "bxy,byz->bxz", 0),
+                     doc="bxy,byz->bxz plus input placed like the result"),
+}
+register_family("matrix", MATRIX)

@@ -1,4 +1,4 @@
-"""PURE: torch.nn.functional ops. One table: op -> (reference function, rule, local hook).
+"""PURE: torch.nn.functional ops. One table: op -> its row (reference function, rule, local hook).
 
 Most rules name each input's dims with letters and reuse the einsum derivation of matrix.py,
 then forbid the letters the op mixes nonlinearly (a softmax's keys, a loss's classes):
@@ -21,11 +21,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import rng
 from ..distributed_spec import Partial, Shard
 from ..errors import UnsupportedOpError
 from .matrix import einsum_decision
-from .pointwise import Laws, partial_output, shard_decision
-from .registry import OpSpec, kernel, register
+from .partial_laws import Laws, partial_output
+from .pointwise import shard_decision
+from .registry import OpRow, kernel, register_family
 from .rules import Call, Decision, R, RuleRejected
 
 __all__ = ["NN"]
@@ -138,7 +140,6 @@ def _dropout_block(input, p, training, seed, counter, global_shape, region):
         return input
     if p == 1 or input.device.type == "meta":
         return torch.zeros_like(input)
-    from ..runtime import rng   # pure torch; imported late so this module's imports stay pure
     offset, local = region
     index = rng.global_indices(global_shape, offset, local, input.device)
     keep = rng.uniform(index, seed, counter, torch.float64) >= p
@@ -295,18 +296,19 @@ def _pad(input, pad, mode="constant", value=None):
     return F.pad(input, pad, mode, value)
 
 
-# name: (reference function, rule, local hook, plans keyed by scalar type)
-NN = {
-    "layer_norm": (F.layer_norm, _norm_rule, None, False),
-    "rms_norm": (F.rms_norm, _norm_rule, None, False),
-    "embedding": (F.embedding, _embedding_rule, _embedding_local, False),
-    "dropout": (dropout, _dropout_rule, _dropout_local, True),   # seed and counter vary every call
-    "scaled_dot_product_attention": (F.scaled_dot_product_attention, _attention_rule, None, False),
-    "cross_entropy": (F.cross_entropy, _cross_entropy_rule, _mean_as_partial_sum(_cross_entropy_count), False),
-    "mse_loss": (F.mse_loss, _mse_rule, _mean_as_partial_sum(_mse_count), False),
-    "pad": (_pad, _pad_rule, None, False),
-}
+def _row(torch_fn, rule, local=None, scalars_by_type: bool = False) -> OpRow:
+    """An nn op: a function of dtorch.nn.functional (never a method); its rule's docstring is its doc."""
+    return OpRow(torch_fn, rule, local, scalars_by_type, method=False, doc=(rule.__doc__ or "").strip())
 
-for _name, (_fn, _rule, _local, _by_type) in NN.items():
-    register(OpSpec(_name, _fn, _rule, "nn", local=_local, scalars_by_type=_by_type, method=False,
-                    doc=(_rule.__doc__ or "").strip()))
+
+NN = {
+    "layer_norm": _row(F.layer_norm, _norm_rule),
+    "rms_norm": _row(F.rms_norm, _norm_rule),
+    "embedding": _row(F.embedding, _embedding_rule, _embedding_local),
+    "dropout": _row(dropout, _dropout_rule, _dropout_local, scalars_by_type=True),   # seed, counter vary per call
+    "scaled_dot_product_attention": _row(F.scaled_dot_product_attention, _attention_rule),
+    "cross_entropy": _row(F.cross_entropy, _cross_entropy_rule, _mean_as_partial_sum(_cross_entropy_count)),
+    "mse_loss": _row(F.mse_loss, _mse_rule, _mean_as_partial_sum(_mse_count)),
+    "pad": _row(_pad, _pad_rule),
+}
+register_family("nn", NN)

@@ -1,13 +1,13 @@
 """PURE: reductions over dims and ops along one dim. Two tables.
 
-REDUCTIONS: op -> (torch function, the Partial a reduction over a sharded dim yields, the
-Partial inputs it passes through, where its `dim` argument sits, local hook).
+REDUCTIONS: op -> its row, built from (torch function, the Partial a reduction over a sharded
+dim yields, the Partial inputs it passes through, where its `dim` argument sits, local hook).
 Reducing over a sharded dim communicates nothing: each rank reduces its shard and the result is
 Partial (sum -> P(sum), amax -> P(max), any -> P(max) on bool, which Gloo reduces natively); the
 reduction finishes when the user reads or redistributes. Ops with no exact partial form (prod,
 var, logsumexp, argmax, max with indices) need Replicate on reduced dims.
 
-ALONG_DIM: op -> (torch function, Partial inputs passed). cumsum, softmax and log_softmax need
+ALONG_DIM: op -> its row, built from (torch function, Partial inputs passed). cumsum, softmax and log_softmax need
 every value of their dim on one rank: Replicate there; Shard on any other dim passes through.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed_spec import Partial, Shard
-from .pointwise import POINTWISE, pointwise_rule
-from .registry import OpSpec, kernel, register
+from .pointwise import POINTWISE
+from .registry import OpRow, kernel, register_family
 from .rules import Call, Decision, R, RuleRejected, TensorSlot
 
 __all__ = ["REDUCTIONS", "ALONG_DIM", "reduced_dims"]
@@ -153,7 +153,7 @@ def _on_bool(op: str):
 
 # --- max / min: three torch overloads behind one name ------------------------------------------
 def _max_rule(kind: str):
-    elementwise = pointwise_rule(POINTWISE["maximum" if kind == "max" else "minimum"][1])
+    elementwise = POINTWISE["maximum" if kind == "max" else "minimum"].rule
     whole = reduction_rule(kind, frozenset({kind}))
     with_indices = reduction_rule(None, frozenset())
 
@@ -178,22 +178,12 @@ def _max_local(kind: str):
     return local
 
 
-# name: (torch function, Partial of a sharded reduction, Partial inputs accepted, dim position, local hook)
-REDUCTIONS = {
-    "sum": (torch.sum, "sum", frozenset({"sum", "avg"}), 1, None),
-    "mean": (torch.mean, "sum", frozenset({"sum", "avg"}), 1, _mean_local),
-    "amax": (torch.amax, "max", frozenset({"max"}), 1, lambda call, p: ("amax_safe", {})),
-    "amin": (torch.amin, "min", frozenset({"min"}), 1, lambda call, p: ("amin_safe", {})),
-    "prod": (torch.prod, None, frozenset(), 1, None),
-    "var": (torch.var, None, frozenset(), 1, None),
-    "std": (torch.std, None, frozenset(), 1, None),
-    "logsumexp": (torch.logsumexp, None, frozenset(), 1, None),
-    "argmax": (torch.argmax, None, frozenset(), 1, None),
-    "argmin": (torch.argmin, None, frozenset(), 1, None),
-    "norm": (torch.norm, _norm_partial, frozenset(), 2, _norm_local),
-    "any": (torch.any, "max", _on_bool("max"), 1, None),
-    "all": (torch.all, "min", _on_bool("min"), 1, None),
-}
+def _reduction(torch_fn, partial_result, partial_inputs, dim_at: int = 1, local=None) -> OpRow:
+    """partial_result: the Partial of a reduction over a sharded dim (None: no exact partial form);
+    partial_inputs: the Partial inputs it passes through; dim_at: where its `dim` argument sits."""
+    return OpRow(torch_fn, reduction_rule(partial_result, partial_inputs, dim_at), local=local,
+                 doc=_reduction_doc(partial_result, partial_inputs))
+
 
 def _reduction_doc(result, accepted) -> str:
     if callable(result):
@@ -204,14 +194,30 @@ def _reduction_doc(result, accepted) -> str:
     return doc + "".join(f"; P({op}) passes" for op in sorted(accepted))
 
 
-for _name, (_fn, _result, _inputs, _dim_at, _local) in REDUCTIONS.items():
-    register(OpSpec(_name, _fn, reduction_rule(_result, _inputs, _dim_at), "reduction", local=_local,
-                    doc=_reduction_doc(_result, _inputs)))
+def _max_row(kind: str) -> OpRow:
+    return OpRow(getattr(torch, kind), _max_rule(kind), local=_max_local(kind),
+                 doc=f"{kind}(a): like a{kind}; {kind}(a, dim): reduced dim R (indices are global); "
+                     f"{kind}(a, b): like {kind}imum")
 
-for _kind in ("max", "min"):
-    register(OpSpec(_kind, getattr(torch, _kind), _max_rule(_kind), "reduction", local=_max_local(_kind),
-                    doc=f"{_kind}(a): like a{_kind}; {_kind}(a, dim): reduced dim R (indices are global); "
-                        f"{_kind}(a, b): like {_kind}imum"))
+
+REDUCTIONS = {
+    "sum": _reduction(torch.sum, "sum", frozenset({"sum", "avg"})),
+    "mean": _reduction(torch.mean, "sum", frozenset({"sum", "avg"}), local=_mean_local),
+    "amax": _reduction(torch.amax, "max", frozenset({"max"}), local=lambda call, p: ("amax_safe", {})),
+    "amin": _reduction(torch.amin, "min", frozenset({"min"}), local=lambda call, p: ("amin_safe", {})),
+    "prod": _reduction(torch.prod, None, frozenset()),
+    "var": _reduction(torch.var, None, frozenset()),
+    "std": _reduction(torch.std, None, frozenset()),
+    "logsumexp": _reduction(torch.logsumexp, None, frozenset()),
+    "argmax": _reduction(torch.argmax, None, frozenset()),
+    "argmin": _reduction(torch.argmin, None, frozenset()),
+    "norm": _reduction(torch.norm, _norm_partial, frozenset(), dim_at=2, local=_norm_local),
+    "any": _reduction(torch.any, "max", _on_bool("max")),
+    "all": _reduction(torch.all, "min", _on_bool("min")),
+    "max": _max_row("max"),
+    "min": _max_row("min"),
+}
+register_family("reduction", REDUCTIONS)
 
 
 # --- ops along one dim --------------------------------------------------------------------------
@@ -236,14 +242,14 @@ def along_dim_rule(partial_inputs: frozenset):
     return rule
 
 
-# name: (torch function, Partial inputs passed through)
-ALONG_DIM = {
-    "cumsum": (torch.cumsum, frozenset({"sum", "avg"})),
-    "softmax": (F.softmax, frozenset()),
-    "log_softmax": (F.log_softmax, frozenset()),
-}
+def _along(torch_fn, partial_inputs: frozenset) -> OpRow:
+    passes = "".join(f"; P({op}) passes" for op in sorted(partial_inputs))
+    return OpRow(torch_fn, along_dim_rule(partial_inputs), doc="R on the op's dim; S elsewhere passes" + passes)
 
-for _name, (_fn, _inputs) in ALONG_DIM.items():
-    passes = "".join(f"; P({op}) passes" for op in sorted(_inputs))
-    register(OpSpec(_name, _fn, along_dim_rule(_inputs), "reduction",
-                    doc="R on the op's dim; S elsewhere passes" + passes))
+
+ALONG_DIM = {
+    "cumsum": _along(torch.cumsum, frozenset({"sum", "avg"})),
+    "softmax": _along(F.softmax, frozenset()),
+    "log_softmax": _along(F.log_softmax, frozenset()),
+}
+register_family("reduction", ALONG_DIM)

@@ -3,17 +3,19 @@
 An op is a name, the torch function that defines it (the reference and the meta-inference
 function), a 1-D placement rule, and optionally a `local` hook that picks a different local
 kernel for some placements (mean over a sharded dim runs sum/N locally, for instance).
+Every family writes its table as {name: OpRow}, one row type for all; `register_family` turns
+the rows into OpSpecs.
 Workers resolve kernels by name from `KERNELS` only: a name arriving from a socket can never
 reach an arbitrary attribute.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .rules import Call, Rule
 
-__all__ = ["OpSpec", "register", "lookup", "KERNELS", "REGISTRY", "kernel"]
+__all__ = ["OpSpec", "OpRow", "register", "register_family", "KERNELS", "REGISTRY", "kernel"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,16 @@ class OpSpec:
     doc: str = field(default="", compare=False)
 
 
+class OpRow(NamedTuple):
+    """One row of a family's table: an OpSpec without the name (the table's key) and the family."""
+    torch_fn: Callable
+    rule: Rule
+    local: Callable[[Call, list], tuple[str, dict]] | None = None
+    scalars_by_type: bool = False
+    method: bool = True
+    doc: str = ""
+
+
 REGISTRY: dict[str, OpSpec] = {}
 KERNELS: dict[str, Callable] = {}
 
@@ -43,17 +55,15 @@ def register(spec: OpSpec) -> OpSpec:
     return spec
 
 
+def register_family(family: str, table: dict[str, OpRow]) -> None:
+    for name, row in table.items():
+        register(OpSpec(name, row.torch_fn, row.rule, family, row.local, row.scalars_by_type,
+                        method=row.method, doc=row.doc))
+
+
 def kernel(name: str):
     """Decorator: a local kernel the `local` hook of some op may select by name."""
     def add(fn):
         KERNELS[name] = fn
         return fn
     return add
-
-
-def lookup(name: str) -> OpSpec:
-    spec = REGISTRY.get(name)
-    if spec is None:
-        from .unsupported import unsupported_op   # it reads REGISTRY: imported here, not at the top
-        raise unsupported_op(name, f"dtorch op {name!r}")
-    return spec

@@ -13,8 +13,11 @@ from typing import Callable, NamedTuple, Sequence
 
 from ..distributed_spec import Partial, Placement, Replicate, Shard, format_placements
 from ..errors import PlacementError, user_site
+from .suggest import cheapest_fix, describe_legal, legal_combinations, placement_code
 
-__all__ = ["Call", "Decision", "RuleRejected", "Rule", "expand", "TensorSlot", "R"]
+__all__ = ["Call", "Decision", "RuleRejected", "Rule", "expand", "TensorSlot", "R", "all_replicate", "shard_of",
+           "common_shard_dim", "partial_op", "unshard_fix", "normalize_dim", "follow_rule",
+           "off_dim"]
 
 R = Replicate()
 
@@ -78,7 +81,6 @@ def expand(rule: Rule, call: Call) -> tuple[list[tuple], list[tuple]]:
 
 
 def _rejection_message(rule: Rule, call: Call, mesh_dim: int, placements, rejected: RuleRejected) -> str:
-    from .suggest import cheapest_fix, describe_legal, legal_combinations   # it imports this module
     mesh = call.mesh
     name = f" ({mesh.mesh_dim_names[mesh_dim]!r})" if mesh.mesh_dim_names else ""
     given = ", ".join(f"{format_placements(s.placements)} shape={tuple(s.shape)}" for s in call.inputs)
@@ -112,3 +114,44 @@ def common_shard_dim(placements, legal: str) -> int | None:
 
 def partial_op(placement: Placement) -> str | None:
     return placement.reduce_op if isinstance(placement, Partial) else None
+
+
+def unshard_fix(call: Call, replaced, input_index: int = 0, name: str = "x") -> str:
+    """The redistribute that makes the op legal: `replaced` placements of one input -> Replicate."""
+    placements = call.inputs[input_index].placements
+    codes = ", ".join("Replicate()" if p == replaced else placement_code(p) for p in placements)
+    return f"redistribute with {name}.redistribute(placements=[{codes}]) first"
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    return dim % max(ndim, 1)
+
+
+def follow_rule(out_dim_of, legal: str, partial_ok: bool = True):
+    """A rule for one-input ops whose result dims follow the input's: S(d) -> S(out_dim_of(call,
+    d)) (which raises RuleRejected where d cannot follow), R -> R, Partial -> the same Partial
+    unless the op compares values (topk, sort). Every output gets the same placement."""
+    def rule(call: Call, placements) -> Decision:
+        (p,) = placements
+        if isinstance(p, Shard):
+            p_out = Shard(out_dim_of(call, p.dim))
+        elif isinstance(p, Partial) and not partial_ok:
+            raise RuleRejected(f"{call.op} compares values, so a {p!r} input must be reduced first: "
+                               f"{unshard_fix(call, p)}", legal)
+        else:
+            p_out = p
+        return Decision(placements, (p_out,) * len(call.outputs))
+    return rule
+
+
+def off_dim(position: int, default: int = 0, why: str = "the pieces would not be shards of the pieces",
+            drops: bool = False, legal: str = "S(d) off the op's dim, R, Partial"):
+    """out_dim_of for ops that work along one dim (argument `position`/"dim"): that dim must not
+    be sharded; with `drops` the op removes it (unbind), so later dims shift down."""
+    def out_dim_of(call: Call, dim: int) -> int:
+        along = normalize_dim(call.param(position, "dim", default), len(call.inputs[0].shape))
+        if dim == along:
+            raise RuleRejected(f"{call.op} along sharded dim {dim}: {why}; {unshard_fix(call, Shard(dim))}",
+                               legal)
+        return dim - 1 if drops and dim > along else dim
+    return out_dim_of

@@ -11,7 +11,7 @@ import torch
 from ..distributed_spec import DeviceMesh, Placement, Shard, format_placements, local_shape
 from ..errors import PlacementError
 
-__all__ = ["TensorSpec", "tensor_spec", "check_placements"]
+__all__ = ["TensorSpec", "tensor_spec", "check_placements", "parse_shape"]
 
 
 class TensorSpec(NamedTuple):
@@ -58,3 +58,11 @@ def check_placements(placements, ndim: int, mesh: DeviceMesh) -> tuple:
         if p.is_shard() and not -ndim <= p.dim < ndim:
             raise PlacementError(f"{p!r} names a dim outside a {ndim}-D tensor")
     return tuple(Shard(p.dim % ndim) if p.is_shard() and p.dim < 0 else p for p in placements)
+
+
+def parse_shape(sizes) -> tuple:
+    """torch's two spellings of a shape, `f(4, 6)` and `f((4, 6))` (or a list, or a torch.Size),
+    as one hashable tuple of ints: `sizes` is the tuple of positional arguments."""
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+        sizes = sizes[0]
+    return tuple(int(size) for size in sizes)

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import TYPE_CHECKING
 
-from ..distributed_spec import Partial, Placement, Shard, format_placements
+from ..distributed_spec import Partial, Placement, Replicate, Shard, format_placements
 from ..redistribute import LOCAL_ONLY, plan_redistribute, step_kind
-from .rules import Call, R, Rule
 
-__all__ = ["legal_combinations", "cheapest_fix", "describe_legal", "spell_placements_code", "MOVE_COST"]
+if TYPE_CHECKING:   # rules.py imports this module to word its refusals; only its types are needed here
+    from .rules import Call, Rule
+
+__all__ = ["legal_combinations", "cheapest_fix", "describe_legal", "spell_placements_code", "placement_code",
+           "MOVE_COST"]
+
+R = Replicate()
 
 # Fraction of a tensor's bytes (per rank, before this mesh dim) each rank sends per step kind,
 # on a mesh dim of n ranks: ring all-gather and reduce-scatter, all-reduce as both, all-to-all
@@ -104,11 +110,12 @@ def describe_legal(legal: list[tuple]) -> str:
 
 def spell_placements_code(placements) -> str:
     """How the user writes placements: [Shard(0), Replicate(), Partial()]."""
-    return "[" + ", ".join(map(_constructor, placements)) + "]"
+    return "[" + ", ".join(map(placement_code, placements)) + "]"
 
 
-def _constructor(placement: Placement) -> str:
-    """How the user writes one placement: Shard(0), Replicate(), Partial(), Partial("avg")."""
+def placement_code(placement: Placement) -> str:
+    """How the user writes one placement: Shard(0), Replicate(), Partial(), Partial("avg"), for
+    fixes the user can paste."""
     if isinstance(placement, Shard):
         return f"Shard({placement.dim})"
     if isinstance(placement, Partial):

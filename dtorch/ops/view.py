@@ -24,48 +24,12 @@ import math
 import torch
 
 from ..distributed_spec import Partial, Shard, local_region
-from .registry import OpSpec, kernel, register
-from .rules import Call, Decision, R, RuleRejected, common_shard_dim
+from .registry import OpRow, kernel, register_family
+from .rules import (Call, Decision, R, RuleRejected, common_shard_dim, follow_rule, normalize_dim, off_dim,
+                    unshard_fix)
+from .spec import parse_shape
 
-__all__ = ["reshape_groups", "follow_rule", "off_dim", "unshard_fix", "placement_code", "normalize_dim"]
-
-
-# --- shared by the rules of this family and of indexing.py ------------------------------------
-def placement_code(placement) -> str:
-    """A placement as the Python that builds it, for fixes the user can paste."""
-    if isinstance(placement, Shard):
-        return f"Shard({placement.dim})"
-    if isinstance(placement, Partial):
-        return "Partial()" if placement.reduce_op == "sum" else f"Partial({placement.reduce_op!r})"
-    return "Replicate()"
-
-
-def unshard_fix(call: Call, replaced, input_index: int = 0, name: str = "x") -> str:
-    """The redistribute that makes the op legal: `replaced` placements of one input -> Replicate."""
-    placements = call.inputs[input_index].placements
-    codes = ", ".join("Replicate()" if p == replaced else placement_code(p) for p in placements)
-    return f"redistribute with {name}.redistribute(placements=[{codes}]) first"
-
-
-def normalize_dim(dim: int, ndim: int) -> int:
-    return dim % max(ndim, 1)
-
-
-def follow_rule(out_dim_of, legal: str, partial_ok: bool = True):
-    """A rule for one-input ops whose result dims follow the input's: S(d) -> S(out_dim_of(call,
-    d)) (which raises RuleRejected where d cannot follow), R -> R, Partial -> the same Partial
-    unless the op compares values (topk, sort). Every output gets the same placement."""
-    def rule(call: Call, placements) -> Decision:
-        (p,) = placements
-        if isinstance(p, Shard):
-            p_out = Shard(out_dim_of(call, p.dim))
-        elif isinstance(p, Partial) and not partial_ok:
-            raise RuleRejected(f"{call.op} compares values, so a {p!r} input must be reduced first: "
-                               f"{unshard_fix(call, p)}", legal)
-        else:
-            p_out = p
-        return Decision(placements, (p_out,) * len(call.outputs))
-    return rule
+__all__ = ["VIEW", "reshape_groups", "join_rule"]
 
 
 # --- reshape family ----------------------------------------------------------------------------
@@ -165,15 +129,12 @@ RESHAPES = {
     "squeeze": torch.squeeze,
     "unsqueeze": torch.unsqueeze,
 }
-for _name, _fn in RESHAPES.items():
-    register(OpSpec(_name, _fn, follow_rule(_reshape_out_dim, _RESHAPE_LEGAL), "view", local=_reshape_local))
 
 
 # --- permutations, broadcasts, identities --------------------------------------------------------
 def _dims_arg(call: Call) -> tuple:
     """permute(x, 1, 0) and permute(x, (1, 0)) alike; also repeat's sizes."""
-    rest = call.args[1:] or (call.kwargs.get("dims"),)
-    return tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else tuple(rest)
+    return parse_shape(call.args[1:] or (call.kwargs.get("dims"),))
 
 
 def _transpose_out_dim(call: Call, dim: int) -> int:
@@ -219,17 +180,6 @@ def _repeat_out_dim(call: Call, dim: int) -> int:
     return out_dim
 
 
-_SAME = lambda call, dim: dim  # noqa: E731
-register(OpSpec("transpose", torch.transpose, follow_rule(_transpose_out_dim, "any"), "view"))
-register(OpSpec("permute", torch.Tensor.permute, follow_rule(_permute_out_dim, "any"), "view"))
-register(OpSpec("expand", torch.Tensor.expand, follow_rule(_expand_out_dim, "S(d) on a kept dim, R, Partial"),
-                "view", local=_expand_local))
-register(OpSpec("repeat", torch.Tensor.repeat, follow_rule(_repeat_out_dim, "S(d) on a dim repeated once, R, "
-                                                                           "Partial"), "view"))
-register(OpSpec("contiguous", torch.Tensor.contiguous, follow_rule(_SAME, "any"), "view"))
-register(OpSpec("clone", torch.clone, follow_rule(_SAME, "any"), "view"))
-
-
 # --- joins and splits ----------------------------------------------------------------------------
 _JOIN_LEGAL = "S(d) off the joined dim on every input (R inputs are sliced), all R, or all the same Partial"
 
@@ -255,22 +205,23 @@ def join_rule(stack: bool):
     return rule
 
 
-def off_dim(position: int, default: int = 0, why: str = "the pieces would not be shards of the pieces",
-            drops: bool = False, legal: str = "S(d) off the op's dim, R, Partial"):
-    """out_dim_of for ops that work along one dim (argument `position`/"dim"): that dim must not
-    be sharded; with `drops` the op removes it (unbind), so later dims shift down."""
-    def out_dim_of(call: Call, dim: int) -> int:
-        along = normalize_dim(call.param(position, "dim", default), len(call.inputs[0].shape))
-        if dim == along:
-            raise RuleRejected(f"{call.op} along sharded dim {dim}: {why}; {unshard_fix(call, Shard(dim))}",
-                               legal)
-        return dim - 1 if drops and dim > along else dim
-    return out_dim_of
-
-
+# --- the table ---------------------------------------------------------------------------------------
+_SAME = lambda call, dim: dim  # noqa: E731
 _SPLIT_LEGAL = "S(d) off the split dim, R, Partial"
-register(OpSpec("cat", torch.cat, join_rule(stack=False), "view", method=False))
-register(OpSpec("stack", torch.stack, join_rule(stack=True), "view", method=False))
-register(OpSpec("split", torch.split, follow_rule(off_dim(2), _SPLIT_LEGAL), "view"))
-register(OpSpec("chunk", torch.chunk, follow_rule(off_dim(2), _SPLIT_LEGAL), "view"))
-register(OpSpec("unbind", torch.unbind, follow_rule(off_dim(1, drops=True), _SPLIT_LEGAL), "view"))
+VIEW = {
+    **{name: OpRow(fn, follow_rule(_reshape_out_dim, _RESHAPE_LEGAL), local=_reshape_local)
+       for name, fn in RESHAPES.items()},
+    "transpose": OpRow(torch.transpose, follow_rule(_transpose_out_dim, "any")),
+    "permute": OpRow(torch.Tensor.permute, follow_rule(_permute_out_dim, "any")),
+    "expand": OpRow(torch.Tensor.expand, follow_rule(_expand_out_dim, "S(d) on a kept dim, R, Partial"),
+                    local=_expand_local),
+    "repeat": OpRow(torch.Tensor.repeat, follow_rule(_repeat_out_dim, "S(d) on a dim repeated once, R, Partial")),
+    "contiguous": OpRow(torch.Tensor.contiguous, follow_rule(_SAME, "any")),
+    "clone": OpRow(torch.clone, follow_rule(_SAME, "any")),
+    "cat": OpRow(torch.cat, join_rule(stack=False), method=False),
+    "stack": OpRow(torch.stack, join_rule(stack=True), method=False),
+    "split": OpRow(torch.split, follow_rule(off_dim(2), _SPLIT_LEGAL)),
+    "chunk": OpRow(torch.chunk, follow_rule(off_dim(2), _SPLIT_LEGAL)),
+    "unbind": OpRow(torch.unbind, follow_rule(off_dim(1, drops=True), _SPLIT_LEGAL)),
+}
+register_family("view", VIEW)

@@ -20,7 +20,7 @@ import time
 import traceback
 import warnings
 
-from ..distributed_spec import DeviceMesh, Replicate
+from ..distributed_spec import DeviceMesh, distinct_shard_ranks as _senders
 from ..errors import ProtocolError, SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site, user_frame
 from . import protocol as wire
 from .admission import Rejections, new_secret, secret_matches
@@ -413,7 +413,3 @@ class Controller:
                 self._reads.pop(seq, None)
 
 
-def _senders(mesh: DeviceMesh, placements) -> tuple:
-    """One rank per distinct shard: coordinate 0 on every mesh dim that does not shard."""
-    return tuple(r for r in mesh.ranks
-                 if all(c == 0 for c, p in zip(mesh.coordinate_of(r), placements) if p == Replicate()))

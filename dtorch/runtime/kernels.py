@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Partial, Replicate, chunk_bounds, local_region
+from .. import rng
+from ..distributed_spec import DeviceMesh, Replicate, chunk_bounds, holds_partial_sum_value, local_region
 from ..redistribute import step_kind
-from . import rng
 from .comm import Communicator
 
 __all__ = ["make_factory", "apply_steps", "partial_identity"]
@@ -69,10 +69,7 @@ FACTORY_KINDS = frozenset(_FACTORIES)
 
 def _as_partial(values: torch.Tensor, mesh, placements, coordinate) -> torch.Tensor:
     """A factory value under P(sum) lives on coordinate 0 of that mesh dim; the others hold 0."""
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Partial) and placement.reduce_op == "sum" and coordinate[mesh_dim] != 0:
-            return torch.zeros_like(values)
-    return values
+    return values if holds_partial_sum_value(placements, coordinate) else torch.zeros_like(values)
 
 
 def partial_identity(values: torch.Tensor, reduce_op: str, keep: bool) -> torch.Tensor:

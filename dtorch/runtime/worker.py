@@ -15,7 +15,7 @@ import traceback
 
 import torch
 
-from ..distributed_spec import DeviceMesh, local_region
+from ..distributed_spec import DeviceMesh, local_region, narrow_to_box, nest_ranks
 from ..errors import ProtocolError
 from ..ops import KERNELS
 from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
@@ -152,8 +152,7 @@ class Worker:
 
     # --- handlers: one per command ---------------------------------------------------------------
     def handle_define_mesh(self, command: wire.DefineMesh) -> None:
-        self.meshes[command.mesh_id] = DeviceMesh(command.device_type,
-                                                  _nest(command.ranks, command.shape))
+        self.meshes[command.mesh_id] = DeviceMesh(command.device_type, nest_ranks(command.ranks, command.shape))
 
     def handle_factory(self, command: wire.Factory) -> None:
         mesh = self._member(command.mesh_id)
@@ -292,8 +291,8 @@ class Worker:
                 held = _region_of(command.shape, src_mesh, command.src_placements, self.rank)[0]
                 for sender, receiver, offset, box in moves:
                     if sender == receiver == self.rank:
-                        _block(out, wanted, offset, box).copy_(_block(source, held, offset, box))
-                sends = [(receiver, _block(source, held, offset, box).contiguous().to(staging))
+                        narrow_to_box(out, offset, box, wanted).copy_(narrow_to_box(source, offset, box, held))
+                sends = [(receiver, narrow_to_box(source, offset, box, held).contiguous().to(staging))
                          for receiver, offset, box in outgoing]
         except Exception as error:  # out of memory, say: still take part, then report it
             failure = error
@@ -305,7 +304,7 @@ class Worker:
         if failure is None and out is not None:
             try:
                 for (_, offset, box), (_, buffer) in zip(incoming, receives):
-                    _block(out, wanted, offset, box).copy_(buffer)
+                    narrow_to_box(out, offset, box, wanted).copy_(buffer)
             except Exception as error:
                 failure = error
         return out, failure
@@ -378,14 +377,6 @@ def _region_of(shape, mesh: DeviceMesh, placements, rank: int):
     return local_region(shape, mesh, placements, mesh.coordinate_of(rank))
 
 
-def _block(tensor: torch.Tensor, origin, offset, box) -> torch.Tensor:
-    """The view of `tensor` (which holds the block starting at global `origin`) covering the
-    global box (offset, box)."""
-    for dim, (start, held_start, length) in enumerate(zip(offset, origin, box)):
-        tensor = tensor.narrow(dim, start - held_start, length)
-    return tensor
-
-
 def _flat(args) -> bool:
     return not any(type(a) in (tuple, list, dict) for a in args)
 
@@ -399,8 +390,3 @@ def _map_refs(value, fn):
     if type(value) is dict:
         return {k: _map_refs(v, fn) for k, v in value.items()}
     return value
-
-
-def _nest(ranks, shape):
-    from ..distributed_spec import _nest as nest
-    return nest(list(ranks), list(shape)) if len(shape) > 1 else list(ranks)

@@ -14,18 +14,17 @@ import warnings
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Partial, Replicate, Shard, local_region
-from .dispatch import map_tensors
+from ...distributed_spec import (REDUCE_OPS, DeviceMesh, Partial, Replicate, Shard, local_region, narrow_to_box,
+                                 nest_ranks)
+from ..dispatch import map_tensors
 from .samples import Sample
 
 __all__ = ["placement_options", "tensor_inputs", "with_inputs", "Symbol", "split_partial", "contributions",
-           "matches", "run_ranks", "small_mesh", "map_torch", "as_tuple", "PARTIAL_OPS"]
-
-PARTIAL_OPS = ("sum", "avg", "max", "min")
+           "matches", "run_ranks", "small_mesh", "map_torch", "as_tuple"]
 
 
 # --- the placements an input may take on one mesh dim ----------------------------------------------
-def placement_options(value: torch.Tensor, partial_ops=PARTIAL_OPS) -> list:
+def placement_options(value: torch.Tensor, partial_ops=REDUCE_OPS) -> list:
     options = [Replicate()] + [Shard(d) for d in range(value.dim())]
     for op in partial_ops:
         if op in ("sum", "avg") and value.dtype == torch.bool:
@@ -146,12 +145,6 @@ def contributions(value, mesh: DeviceMesh, placements, g) -> dict:
     return held
 
 
-def _block(tensor, offset, shape):
-    for dim, (start, length) in enumerate(zip(offset, shape)):
-        tensor = tensor.narrow(dim, start, length)
-    return tensor
-
-
 def matches(held: dict, mesh: DeviceMesh, placements, expected: torch.Tensor, exact=False) -> bool:
     """Would the ranks' local values, read through `placements`, give `expected`? Every rank
     must agree (a replica that differs would poison later ops even if a read looked right)."""
@@ -167,7 +160,7 @@ def matches(held: dict, mesh: DeviceMesh, placements, expected: torch.Tensor, ex
         offset, shape = local_region(expected.shape, mesh, placements, coordinate)
         if tuple(value.shape) != tuple(shape) or value.dtype != expected.dtype:
             return False
-        if not _close(value, _block(expected, offset, shape), exact):
+        if not _close(value, narrow_to_box(expected, offset, shape), exact):
             return False
     return True
 
@@ -186,7 +179,7 @@ def run_ranks(kernel, sample, values, held, placements, mesh, extra) -> dict:
     """Each coordinate's outputs: its blocks of the inputs through the kernel, as a worker would."""
     results = {}
     for coordinate in itertools.product(*map(range, mesh.shape)):
-        blocks = [_block(h[coordinate], *local_region(v.shape, mesh, p, coordinate))
+        blocks = [narrow_to_box(h[coordinate], *local_region(v.shape, mesh, p, coordinate))
                   for v, h, p in zip(values, held, placements)]
         args, kwargs = with_inputs(sample, blocks)
         args, kwargs = _as_wire(args), {**_as_wire(kwargs), **extra}
@@ -214,11 +207,4 @@ def as_tuple(result) -> tuple:
 
 def small_mesh(shape) -> DeviceMesh:
     """A mesh of ranks 0..n-1 in the given shape: pure, no workers behind it."""
-    return DeviceMesh("cpu", _nested(list(range(math.prod(shape))), list(shape)))
-
-
-def _nested(flat, shape):
-    if len(shape) <= 1:
-        return flat
-    step = len(flat) // shape[0]
-    return [_nested(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+    return DeviceMesh("cpu", nest_ranks(list(range(math.prod(shape))), list(shape)))

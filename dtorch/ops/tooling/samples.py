@@ -1,5 +1,5 @@
 """PURE: small sample calls per op, shared by the differential sweep (tests/test_ops_sweep.py),
-the rule validator (dtorch.ops.validate) and the docs generator (dtorch.ops.docs).
+the rule validator (dtorch.ops.tooling.validate) and the docs generator (dtorch.ops.tooling.docs).
 
 A sample is one torch call on whole tensors; the op's registered torch function on the same
 arguments is the reference. `samples(op, uneven)` builds them: `uneven=False` sizes every dim
@@ -12,9 +12,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ..indexing import canonical_index
+
 __all__ = ["Sample", "samples", "SAMPLED_FAMILIES", "covered_ops"]
 
-SAMPLED_FAMILIES = ("pointwise", "reduction", "matrix", "nn")
+SAMPLED_FAMILIES = ("pointwise", "reduction", "matrix", "nn", "view", "indexing")
 
 
 class Sample(NamedTuple):
@@ -46,6 +48,15 @@ class _Make:
 
     def bools(self, *shape, density=0.5):
         return torch.rand(shape, generator=self.g) < density
+
+    def distinct(self, *shape):
+        """Distinct integer values as floats: exact through any rearrangement, one right answer
+        for sort and topk."""
+        return torch.randperm(math.prod(shape), generator=self.g).reshape(shape).to(torch.float32)
+
+    def permutations(self, *shape):
+        """A permutation of range(shape[1]) per row: unique scatter positions, valid gather ones."""
+        return torch.rand(shape, generator=self.g).argsort(dim=1)
 
 
 def _matrix(m: _Make):
@@ -247,6 +258,52 @@ def _pad(m: _Make):
             Sample((m.x(2, *shape), (1, 1)), {"mode": "reflect"}, True)]
 
 
+# --- view and indexing: one distinct-valued input, sized (even, uneven) ------------------------------
+_MATRIX, _CUBE, _SIZE_ONE, _VECTOR = ((8, 4), (6, 5)), ((2, 4, 3), (3, 2, 5)), ((4, 1, 4), (3, 1, 5)), ((24,), (9,))
+
+
+def _call(*args, **kwargs):
+    return args, kwargs
+
+
+def _on(sizes, *calls):
+    """Each call(x) -> (args, kwargs) on one input of distinct values of the even or uneven shape."""
+    def build(m: _Make):
+        x = m.distinct(*m.shape(*sizes))
+        return [Sample(*call(x), True) for call in calls]
+    return build
+
+
+def _index(*indices, sizes=_MATRIX):
+    """x[index] for each index, in the canonical form DTensor.__getitem__ sends."""
+    return _on(sizes, *(lambda x, i=index: _call(x, canonical_index(i, tuple(x.shape))) for index in indices))
+
+
+def _with_positions(*calls):
+    """index_select / gather / scatter on (x, positions): calls(x, positions) -> (args, kwargs)."""
+    def build(m: _Make):
+        shape = m.shape((4, 4), (6, 5))
+        x, positions = m.distinct(*shape), m.permutations(*shape)
+        return [Sample(*call(x, positions), True) for call in calls]
+    return build
+
+
+def _index_select(m: _Make):
+    x, index = m.distinct(*m.shape(*_MATRIX)), torch.tensor([3, 0, 2, 2, 1])
+    return [Sample((x, dim, index), {}, True) for dim in (0, 1, -1)]
+
+
+def _pair(*calls):
+    """cat / stack: calls(x, y) -> (args, kwargs) on two distinct-valued matrices."""
+    def build(m: _Make):
+        x, y = m.distinct(*m.shape(*_MATRIX)), m.distinct(*m.shape(*_MATRIX))
+        return [Sample(*call(x, y), True) for call in calls]
+    return build
+
+
+_ALL = slice(None)
+
+
 def _both(*builders):
     return lambda m: [sample for build in builders for sample in build(m)]
 
@@ -309,6 +366,55 @@ _BUILDERS: dict[str, Callable] = {
     "layer_norm": _layer_norm, "rms_norm": _rms_norm, "embedding": _embedding, "dropout": _dropout,
     "scaled_dot_product_attention": _attention, "cross_entropy": _cross_entropy, "mse_loss": _mse_loss,
     "pad": _pad,
+    # view (the cases tests/test_ops_view.py swept on its own before)
+    "view": _both(_on(_MATRIX, lambda x: _call(x, (x.shape[1], x.shape[0])), lambda x: _call(x, (2, -1, x.shape[1]))),
+                  _on(_CUBE, lambda x: _call(x, (-1, x.shape[2]))),
+                  _on(_SIZE_ONE, lambda x: _call(x, (x.shape[0], x.shape[2]))),
+                  _on(_VECTOR, lambda x: _call(x, (-1, 3)), lambda x: _call(x, (3, -1)))),
+    "reshape": _both(_on(_MATRIX, lambda x: _call(x, (-1,)), lambda x: _call(x, (x.shape[0], x.shape[1], 1)),
+                         lambda x: _call(x, (1, -1))),
+                     _on(_CUBE, lambda x: _call(x, (x.shape[0], -1)))),
+    "flatten": _both(_on(_MATRIX, lambda x: _call(x)), _on(_CUBE, lambda x: _call(x, 1))),
+    "unflatten": _both(_on(_MATRIX, lambda x: _call(x, 0, (2, -1))), _on(_CUBE, lambda x: _call(x, 2, (1, -1))),
+                       _on(_VECTOR, lambda x: _call(x, 0, (-1, 3)))),
+    "squeeze": _both(_on(_MATRIX, lambda x: _call(x)), _on(_SIZE_ONE, lambda x: _call(x), lambda x: _call(x, 1))),
+    "unsqueeze": _both(_on(_MATRIX, lambda x: _call(x, 1)), _on(_VECTOR, lambda x: _call(x, 0))),
+    "transpose": _both(_on(_MATRIX, lambda x: _call(x, 0, 1), lambda x: _call(x, -2, -1)),      # x.mT
+                       _on(_CUBE, lambda x: _call(x, 0, 2), lambda x: _call(x, -2, -1))),
+    "permute": _both(_on(_MATRIX, lambda x: _call(x, (1, 0))), _on(_CUBE, lambda x: _call(x, (2, 0, 1)))),
+    "expand": _both(_on(_MATRIX, lambda x: _call(x, 3, *x.shape)), _on(_SIZE_ONE, lambda x: _call(x, -1, 3, -1)),
+                    _on(_VECTOR, lambda x: _call(x, 2, -1))),
+    "repeat": _both(_on(_MATRIX, lambda x: _call(x, 1, 2), lambda x: _call(x, 2, 1, 1)),
+                    _on(_SIZE_ONE, lambda x: _call(x, 1, 2, 1))),
+    "contiguous": _on(_MATRIX, lambda x: _call(x)),
+    "clone": _on(_MATRIX, lambda x: _call(x)),
+    "cat": _both(_pair(lambda x, y: _call([x, y]), lambda x, y: _call([x, y], 1), lambda x, y: _call([x, x]),
+                       lambda x, y: _call([x, x], dim=1)),
+                 _on(_CUBE, lambda x: _call([x, x], 2))),
+    "stack": _both(_pair(lambda x, y: _call([x, x]), lambda x, y: _call((x, x), -1), lambda x, y: _call([x, y], 1)),
+                   _on(_VECTOR, lambda x: _call([x, x], 1))),
+    "split": _on(_MATRIX, lambda x: _call(x, 3), lambda x: _call(x, [1, x.shape[1] - 1], 1),
+                 lambda x: _call(x, 2, dim=1)),
+    "chunk": _on(_MATRIX, lambda x: _call(x, 2, 1)),
+    "unbind": _on(_MATRIX, lambda x: _call(x, 0), lambda x: _call(x, 1)),
+    # indexing
+    "getitem": _both(_index(1, (_ALL, 1), slice(1, 3), (_ALL, slice(None, None, 2)), (None, ..., None), (..., -1),
+                            (_ALL, _ALL), (slice(None, None, 2), None), (-1, slice(1, None))),
+                     _index((_ALL, 1), (..., slice(1, None)), sizes=_CUBE), _index((_ALL, 0), sizes=_SIZE_ONE),
+                     _index((None, slice(2, None)), sizes=_VECTOR)),
+    "narrow": _on(_MATRIX, lambda x: _call(x, 0, 1, 2), lambda x: _call(x, 1, 1, 2)),
+    "index_select": _index_select,
+    "gather": _with_positions(lambda x, i: _call(x, 1, i), lambda x, i: _call(x, 0, i),
+                              lambda x, i: _call(x, 1, i[:, :2].contiguous())),
+    # three positions per row, not all: an index that overwrites every element would make
+    # R-input / Partial-src combinations the rule rightly refuses look correct to the validator
+    "scatter": _with_positions(lambda x, i: _call(x, 1, i[:, :3], x[:, :3] * -3),
+                               lambda x, i: _call(x.T.contiguous(), 0, i[:, :3].T.contiguous(), x[:, :3].T * -3),
+                               lambda x, i: _call(x, 1, i[:, :3], -1.0),
+                               lambda x, i: _call(x, 1, i[:, :3], i[:, :3].to(torch.float32))),
+    "topk": _on(_MATRIX, lambda x: _call(x, 2, dim=1), lambda x: _call(x, 1, 0, largest=False)),
+    "sort": _both(_on(_MATRIX, lambda x: _call(x, 0), lambda x: _call(x, descending=True)),
+                  _on(_CUBE, lambda x: _call(x, 1))),
 }
 
 

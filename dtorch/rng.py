@@ -1,10 +1,13 @@
-"""Counter-based random numbers: element i of a random tensor is a pure function of
-(seed, call counter, i), where i is the element's index in the GLOBAL tensor.
+"""PURE (torch only): counter-based random numbers. Element i of a random tensor is a pure function
+of (seed, call counter, i), where i is the element's index in the GLOBAL tensor.
 
 So a tensor's values depend only on the seed, the sequence of random calls, the global shape and
 the dtype — never on the mesh or the placements — and each worker generates only its own shard.
 The hash is a 32-bit integer mixer (lowbias32 by Chris Wellons) evaluated with int64 torch ops;
 products wrap, and only their low 32 bits are kept, which wrapping leaves exact.
+
+It sits below both of its users, the random factories a worker runs (runtime/kernels.py) and
+dropout's kernel (ops/nn.py), so the rule layer never imports the runtime.
 """
 from __future__ import annotations
 

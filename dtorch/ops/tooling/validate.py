@@ -1,9 +1,9 @@
-"""Brute-force check of placement rules against torch: `python -m dtorch.ops.validate --op add`
+"""Brute-force check of placement rules against torch: `python -m dtorch.ops.tooling.validate --op add`
 (or `--all`, `--family nn`, `--mesh 2,2`).
 
-For every sample call of an op (dtorch/ops/samples.py) and every combination of input
+For every sample call of an op (dtorch/ops/tooling/samples.py) and every combination of input
 placements on a small mesh (R, S(d) for each dim, P(sum|avg|max|min)), it plans the call the
-way the controller does, then SIMULATES the ranks on this CPU (dtorch/ops/simulate.py): each
+way the controller does, then SIMULATES the ranks on this CPU (dtorch/ops/tooling/simulate.py): each
 rank's local inputs are cut with the same local-shape math the workers use, Partial inputs are
 split into random contributions, and each rank runs the kernel from `registry.KERNELS` that a
 worker would. It reports:
@@ -28,14 +28,14 @@ from typing import NamedTuple
 
 import torch
 
-from ..distributed_spec import DeviceMesh, format_placements
-from ..errors import PlacementError
-from .dispatch import plan_call
-from .registry import KERNELS, REGISTRY, OpSpec
+from ...distributed_spec import DeviceMesh, format_placements
+from ...errors import PlacementError
+from ..dispatch import plan_call
+from ..registry import KERNELS, REGISTRY, OpSpec
+from ..spec import tensor_spec
 from .samples import SAMPLED_FAMILIES, Sample, samples
 from .simulate import (Symbol, as_tuple, contributions, map_torch, matches, placement_options, run_ranks,
                        small_mesh, tensor_inputs, with_inputs)
-from .spec import tensor_spec
 
 __all__ = ["validate", "Finding", "Stats", "DECLINED", "main"]
 
@@ -55,7 +55,21 @@ DECLINED = {
     ("to_dtype", "[P(sum)]"): "rounding every contribution to a narrower dtype loses more than rounding the sum",
     ("to_dtype", "[P(avg)]"): "rounding every contribution to a narrower dtype loses more than rounding the sum",
     ("to_dtype", "[P(max)]"): "float -> int of an empty shard's -inf is undefined behaviour",
+    ("getitem", "[S(0)]"): "a strided slice of a sharded dim lines up with the shards for some sizes only",
+    ("getitem", "[S(1)]"): "a strided slice of a sharded dim lines up with the shards for some sizes only",
 }
+_JOIN_PARTIAL_WITH_R = ("[R], [P(avg)]", "[R], [P(max)]", "[R], [P(min)]", "[P(avg)], [R]", "[P(max)], [R]",
+                        "[P(min)], [R]")
+DECLINED.update({(op, combo): "a Partial joined with an R input: exact for P(avg|max|min), refused for simplicity"
+                 for op in ("cat", "stack") for combo in _JOIN_PARTIAL_WITH_R})
+# scatter passes a Partial only as input and src alike (R index); the other forms below are exact
+# too but not derived yet: gaps of the rule, listed so that a new one still shows up as MISSING
+_SCATTER_NOT_DERIVED = ("[P(avg)], [R]", "[P(avg)], [R], [R]", "[P(max)], [R]", "[P(max)], [R], [R]",
+                        "[P(min)], [R]", "[P(min)], [R], [R]", "[P(min)], [S(0)], [S(0)]", "[P(min)], [S(1)]",
+                        "[P(min)], [S(1)], [S(1)]", "[R], [R], [P(avg)]", "[R], [R], [P(max)]",
+                        "[R], [R], [P(min)]", "[R], [S(0)], [S(0)]", "[R], [S(1)]", "[R], [S(1)], [S(1)]")
+DECLINED.update({("scatter", combo): "not derived yet (scatter's rule passes input and src of the same "
+                 "Partial only)" for combo in _SCATTER_NOT_DERIVED})
 
 
 class Finding(NamedTuple):
@@ -211,7 +225,7 @@ def _after_steps(placements, input_steps, index) -> tuple:
 
 # --- command line -----------------------------------------------------------------------------------
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dtorch.ops.validate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dtorch.ops.tooling.validate", description=__doc__.split("\n")[0])
     parser.add_argument("--op", action="append", default=[], help="an op name (repeatable)")
     parser.add_argument("--all", action="store_true", help=f"every op of {', '.join(SAMPLED_FAMILIES)}")
     parser.add_argument("--family", action="append", default=[], help="every op of one family")
