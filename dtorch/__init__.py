@@ -32,12 +32,12 @@ manual_seed = _session.manual_seed
 
 def stats() -> dict:
     """Counters on the controller's sockets: commands_sent, messages_sent, bytes_sent, bytes_received."""
-    return _session.current().stats()
+    return _session.controller().stats()
 
 
 def synchronize(timeout: float | None = None) -> None:
     """Wait until every worker has run everything issued so far; raise unreported remote errors."""
-    _session.current().synchronize(timeout)
+    _session.controller().synchronize(timeout)
 
 
 # dtypes are torch's own objects: dtorch.float32 is torch.float32

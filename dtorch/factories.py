@@ -11,7 +11,7 @@ import torch
 
 from .distributed_spec import DeviceMesh, Placement, Replicate, holds_partial_sum_value, local_region, narrow_to_box
 from .errors import DTorchError
-from .ops.spec import check_placements, parse_shape, tensor_spec
+from .ops.tensor_meta import check_placements, parse_shape, tensor_meta
 from .runtime import session
 from .runtime.protocol import Factory, Upload, dtype_name, tensor_frame
 from .tensor import DTensor
@@ -31,12 +31,12 @@ def _layout(shape, device_mesh: DeviceMesh | None, placements):
 def _factory(kind: str, shape, dtype, device_mesh, placements, args=()) -> DTensor:
     placements = _layout(shape, device_mesh, placements)
     dtype = dtype or torch.get_default_dtype()
-    spec = tensor_spec(shape, dtype, device_mesh, placements)
-    owner = session.current()
-    out_id = owner.new_id()
-    seq = owner.submit(Factory, out_id, owner.define_mesh(device_mesh), kind, shape, dtype_name(dtype),
+    spec = tensor_meta(shape, dtype, device_mesh, placements)
+    controller = session.controller()
+    out_id = controller.new_id()
+    seq = controller.submit(Factory, out_id, controller.define_mesh(device_mesh), kind, shape, dtype_name(dtype),
                        placements, tuple(args))
-    return DTensor(out_id, spec, seq, owner)
+    return DTensor(out_id, spec, seq, controller)
 
 
 def zeros(*size, dtype=None, device_mesh=None, placements: Sequence[Placement] | None = None) -> DTensor:
@@ -94,14 +94,14 @@ def tensor(data, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
     value = torch.as_tensor(data, dtype=dtype).detach().cpu()
     shape = tuple(value.shape)
     placements = _layout(shape, device_mesh, placements)
-    spec = tensor_spec(shape, value.dtype, device_mesh, placements)
-    owner = session.current()
+    spec = tensor_meta(shape, value.dtype, device_mesh, placements)
+    controller = session.controller()
     private = [(rank, tensor_frame(_shard_for(value, device_mesh, placements, rank)))
                for rank in device_mesh.ranks]
-    out_id = owner.new_id()
-    seq = owner.submit(Upload, out_id, owner.define_mesh(device_mesh), shape, dtype_name(value.dtype), placements,
+    out_id = controller.new_id()
+    seq = controller.submit(Upload, out_id, controller.define_mesh(device_mesh), shape, dtype_name(value.dtype), placements,
                        private=private)
-    return DTensor(out_id, spec, seq, owner)
+    return DTensor(out_id, spec, seq, controller)
 
 
 def _shard_for(value: torch.Tensor, mesh: DeviceMesh, placements, rank: int) -> torch.Tensor:

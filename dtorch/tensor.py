@@ -18,7 +18,7 @@ from .ops import REGISTRY, cached_plan
 from .ops.conversions import to_target
 from .ops.dispatch import map_tensors
 from .ops.operators import BINARY_OPERATORS, UNARY_OPERATORS
-from .ops.spec import TensorSpec, check_placements, parse_shape, tensor_spec
+from .ops.tensor_meta import TensorMeta, check_placements, parse_shape, tensor_meta
 from .redistribute import plan_redistribute
 from .runtime import session
 from .runtime.protocol import Redistribute, RunOp, Transfer, dtype_name
@@ -27,27 +27,27 @@ __all__ = ["DTensor", "call_op"]
 
 
 class DTensor:
-    __slots__ = ("_id", "_spec", "_seq", "_session")
+    __slots__ = ("_id", "_meta", "_seq", "_controller")
 
-    def __init__(self, tensor_id: int, spec: TensorSpec, seq: int, owner):
-        self._id, self._spec, self._seq, self._session = tensor_id, spec, seq, owner
+    def __init__(self, tensor_id: int, spec: TensorMeta, seq: int, controller):
+        self._id, self._meta, self._seq, self._controller = tensor_id, spec, seq, controller
 
     def __del__(self):
-        owner = self._session
-        if owner is not None:
-            owner.release(self._id)
+        controller = self._controller
+        if controller is not None:
+            controller.release(self._id)
 
     # --- what the symbol knows -----------------------------------------------------------
     @property
     def shape(self) -> torch.Size:
-        return torch.Size(self._spec.shape)
+        return torch.Size(self._meta.shape)
 
     def size(self, dim: int | None = None):
-        return self.shape if dim is None else self._spec.shape[dim]
+        return self.shape if dim is None else self._meta.shape[dim]
 
     @property
     def ndim(self) -> int:
-        return len(self._spec.shape)
+        return len(self._meta.shape)
 
     def dim(self) -> int:
         return self.ndim
@@ -56,34 +56,34 @@ class DTensor:
         return self.shape.numel()
 
     def __len__(self) -> int:
-        if not self._spec.shape:
+        if not self._meta.shape:
             raise TypeError("len() of a 0-d DTensor")
-        return self._spec.shape[0]
+        return self._meta.shape[0]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._spec.dtype
+        return self._meta.dtype
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        return self._spec.mesh
+        return self._meta.mesh
 
     @property
     def placements(self) -> tuple[Placement, ...]:
-        return self._spec.placements
+        return self._meta.placements
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of the shard that worker `rank` holds."""
-        return local_shape(self._spec.shape, self.device_mesh, self.placements, rank)
+        return local_shape(self._meta.shape, self.device_mesh, self.placements, rank)
 
     def local_offset(self, rank: int) -> tuple[int, ...]:
         """Where the shard of worker `rank` starts in the global tensor."""
-        return local_offset(self._spec.shape, self.device_mesh, self.placements, rank)
+        return local_offset(self._meta.shape, self.device_mesh, self.placements, rank)
 
     def __repr__(self) -> str:
         mesh = self.device_mesh
         names = f" {list(mesh.mesh_dim_names)}" if mesh.mesh_dim_names else ""
-        return (f"DTensor(shape={tuple(self._spec.shape)}, dtype={str(self.dtype)[6:]}, "
+        return (f"DTensor(shape={tuple(self._meta.shape)}, dtype={str(self.dtype)[6:]}, "
                 f"mesh={mesh.device_type}{mesh.shape}{names}, placements={format_placements(self.placements)})")
 
     __hash__ = object.__hash__
@@ -100,23 +100,23 @@ class DTensor:
         if placements == self.placements:
             return self
         steps = tuple(plan_redistribute(self.placements, placements))
-        spec = tensor_spec(self._spec.shape, self.dtype, mesh, placements)
-        owner = self._session
-        out_id = owner.new_id()
-        seq = owner.submit(Redistribute, out_id, self._id, owner.define_mesh(mesh), self._spec.shape,
+        spec = tensor_meta(self._meta.shape, self.dtype, mesh, placements)
+        controller = self._controller
+        out_id = controller.new_id()
+        seq = controller.submit(Redistribute, out_id, self._id, controller.define_mesh(mesh), self._meta.shape,
                            dtype_name(self.dtype), self.placements, steps)
-        return DTensor(out_id, spec, seq, owner)
+        return DTensor(out_id, spec, seq, controller)
 
     def _move_to(self, mesh: DeviceMesh, placements) -> "DTensor":
         """To another mesh (a pipeline stage's sub-mesh, another shape, CPU <-> CUDA): reduce any
         Partial on this mesh, move blocks point-to-point, re-partialize locally on the target."""
         source = self.reduce_partials()
         landing = tuple(Replicate() if p.is_partial() else p for p in placements)
-        owner = self._session
-        out_id = owner.new_id()
-        seq = owner.submit(Transfer, out_id, source._id, owner.define_mesh(source.device_mesh), owner.define_mesh(mesh),
-                           self._spec.shape, dtype_name(self.dtype), source.placements, landing)
-        moved = DTensor(out_id, tensor_spec(self._spec.shape, self.dtype, mesh, landing), seq, owner)
+        controller = self._controller
+        out_id = controller.new_id()
+        seq = controller.submit(Transfer, out_id, source._id, controller.define_mesh(source.device_mesh), controller.define_mesh(mesh),
+                           self._meta.shape, dtype_name(self.dtype), source.placements, landing)
+        moved = DTensor(out_id, tensor_meta(self._meta.shape, self.dtype, mesh, landing), seq, controller)
         return moved.redistribute(placements=placements)
 
     def reduce_partials(self) -> "DTensor":
@@ -130,7 +130,7 @@ class DTensor:
     def fetch(self):
         """An awaitable future of the full logical tensor (also .result(timeout) / .done())."""
         readable = self.reduce_partials()
-        return readable._session.fetch(readable)
+        return readable._controller.fetch(readable)
 
     def to_torch(self) -> torch.Tensor:
         return self.fetch().result()
@@ -226,7 +226,7 @@ class DTensor:
         slice `:`, anything else raises PlacementError naming the redistribute that fixes it.
         Tensor (advanced) indices are not supported: use index_select or gather."""
         from .ops.indexing import canonical_index
-        return call_op("getitem", (self, canonical_index(index, self._spec.shape)), {})
+        return call_op("getitem", (self, canonical_index(index, self._meta.shape)), {})
 
     def view(self, *shape) -> "DTensor":
         """x.view(4, 6) or x.view((4, 6)). The same as reshape: dtorch results never share
@@ -297,22 +297,22 @@ def call_op(name: str, args: tuple, kwargs: dict):
     """Plan (cached), enqueue one RunOp command, return the output symbol(s). Never waits."""
     plan = cached_plan(name, args, kwargs)
     out_specs = plan.out_specs
-    owner = session.current()
-    ref = owner.reference   # checks each input belongs to this session (none kept from an ended one)
+    controller = session.controller()
+    ref = controller.reference   # checks each input belongs to this session (none kept from an ended one)
     wire_args = tuple([ref(a) if type(a) is DTensor else
                        map_tensors(a, ref) if type(a) in (list, tuple) else a for a in args])
     wire_kwargs = map_tensors(kwargs, ref) if kwargs else {}
     if plan.extra_kwargs:
         wire_kwargs.update(plan.extra_kwargs)
-    mesh_id = owner.define_mesh(out_specs[0].mesh)
+    mesh_id = controller.define_mesh(out_specs[0].mesh)
     if not plan.sequence:
-        out_id = owner.new_id()
-        seq = owner.submit(RunOp, (out_id,), mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
-        return DTensor(out_id, out_specs[0], seq, owner)
-    out_ids = owner.new_ids(len(out_specs))
-    seq = owner.submit(RunOp, out_ids, mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
+        out_id = controller.new_id()
+        seq = controller.submit(RunOp, (out_id,), mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
+        return DTensor(out_id, out_specs[0], seq, controller)
+    out_ids = controller.new_ids(len(out_specs))
+    seq = controller.submit(RunOp, out_ids, mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
     # torch's own result type: torch.return_types.max keeps .values / .indices, as in torch
-    return plan.sequence([DTensor(i, spec, seq, owner) for i, spec in zip(out_ids, out_specs)])
+    return plan.sequence([DTensor(i, spec, seq, controller) for i, spec in zip(out_ids, out_specs)])
 
 
 def _method(op_name: str):

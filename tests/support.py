@@ -10,7 +10,7 @@ import textwrap
 import torch
 
 from dtorch.distributed_spec import DeviceMesh
-from dtorch.ops.spec import tensor_spec
+from dtorch.ops.tensor_meta import tensor_meta
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,4 +45,4 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, exact: bool = Fals
 class Symbol:
     """Stands in for a DTensor in pure rule tests: the rules only look at `_spec`."""
     def __init__(self, shape, placements, mesh=DeviceMesh("cpu", [0, 1, 2, 3]), dtype=torch.float32):
-        self._spec = tensor_spec(shape, dtype, mesh, placements)
+        self._meta = tensor_meta(shape, dtype, mesh, placements)

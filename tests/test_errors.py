@@ -91,7 +91,7 @@ def test_mesh_shape_must_be_positive(session):
 def test_version_mismatch_is_refused_with_a_reason(session):
     import zmq
     from dtorch.runtime import protocol, session as runtime_session
-    controller = runtime_session.current()
+    controller = runtime_session.controller()
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.IDENTITY, b"w99")

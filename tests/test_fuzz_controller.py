@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from dtorch.distributed_spec import DeviceMesh, Shard
 from dtorch.errors import ProtocolError
-from dtorch.ops.spec import tensor_spec
+from dtorch.ops.tensor_meta import tensor_meta
 from dtorch.runtime import protocol as wire
 from dtorch.runtime import cluster as cluster_module
 from dtorch.runtime.controller import Controller
@@ -73,7 +73,7 @@ class Harness:
         return socket
 
     def start_read(self, values: torch.Tensor):
-        spec = tensor_spec(tuple(values.shape), values.dtype, MESH, (Shard(0),))
+        spec = tensor_meta(tuple(values.shape), values.dtype, MESH, (Shard(0),))
         future = Future()
         read = FetchRead(MESH.ranks, future, spec, (0, 1), 0)
         seq = self.controller.submit(wire.Fetch, self.controller.new_id(), self.mesh_id, (0, 1), read=read)

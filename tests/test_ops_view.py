@@ -42,7 +42,7 @@ def out_placements(op, *args, **kwargs):
     for value in list(args) + list(kwargs.values()):
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, Symbol):
-                specs.append(item._spec)
+                specs.append(item._meta)
     return [spec.placements for spec in plan_call(lookup(op), args, kwargs, specs).out_specs]
 
 

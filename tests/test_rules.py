@@ -16,7 +16,7 @@ MESH2 = DeviceMesh("cpu", [[0, 1], [2, 3]], ["dp", "tp"])
 
 
 def plan(op, *args, **kwargs):
-    specs = [a._spec for a in list(args) + list(kwargs.values()) if isinstance(a, Symbol)]
+    specs = [a._meta for a in list(args) + list(kwargs.values()) if isinstance(a, Symbol)]
     return plan_call(lookup(op), args, kwargs, specs)
 
 
@@ -270,7 +270,7 @@ def test_dropout_through_torch_cannot_draw_dtorch_randomness():
 
 
 def test_parse_shape_takes_both_spellings():
-    from dtorch.ops.spec import parse_shape
+    from dtorch.ops.tensor_meta import parse_shape
     assert parse_shape((4, 6)) == parse_shape(((4, 6),)) == parse_shape(([4, 6],)) == (4, 6)
     assert parse_shape((torch.Size([2, 3]),)) == (2, 3) and parse_shape(()) == ()
 

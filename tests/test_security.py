@@ -11,7 +11,7 @@ from dtorch.runtime import session, protocol as wire
 
 dtorch.init(num_workers=2, curve=True)
 mesh = init_device_mesh("cpu", (2,))
-controller = session.current()
+controller = session.controller()
 context = zmq.Context()
 
 def socket(kind, keys=None, identity=None, address=controller.sockets.command_address):
@@ -137,7 +137,7 @@ from dtorch.distributed_spec import init_device_mesh, Shard
 from dtorch.runtime import session
 user, intruder, raw_intruder = sys.argv[1], sys.argv[2], sys.argv[3]
 mesh = init_device_mesh("cpu", (2,))
-controller = session.current()
+controller = session.controller()
 sockets = controller.sockets
 private_dir = sockets.private_dir
 x = dtorch.arange(8, device_mesh=mesh, placements=[Shard(0)]) * 1.0

@@ -10,7 +10,7 @@ import torch
 
 import dtorch.ops  # noqa: F401  (registers the families)
 from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard
-from dtorch.ops.registry import REGISTRY, OpSpec
+from dtorch.ops.registry import REGISTRY, RegisteredOp
 from dtorch.ops.rules import Decision, R, RuleRejected
 from dtorch.ops.tooling.samples import SAMPLED_FAMILIES
 from dtorch.ops.tooling.simulate import contributions, matches
@@ -39,7 +39,7 @@ def test_no_wrong_rule_on_a_two_dim_mesh(op):
 
 
 def test_a_wrong_rule_is_reported():
-    lenient = OpSpec("exp", torch.exp, lambda call, placements: Decision(placements, placements), "test")
+    lenient = RegisteredOp("exp", torch.exp, lambda call, placements: Decision(placements, placements), "test")
     stats, findings = validate(lenient, (3,))
     wrong = {f.placements for f in findings if f.kind == "WRONG"}
     assert ((Partial("sum"),),) in wrong and ((Partial("avg"),),) in wrong
@@ -51,7 +51,7 @@ def test_a_missing_rule_is_reported_with_the_placement_that_works():
         if any(not p.is_replicate() for p in placements):
             raise RuleRejected("only R", "R")
         return Decision(placements, (R,))
-    strict = OpSpec("add", torch.add, replicate_only, "test")
+    strict = RegisteredOp("add", torch.add, replicate_only, "test")
     stats, findings = validate(strict, (3,))
     missing = {f.placements: f.detail for f in findings if f.kind == "MISSING"}
     assert "[S(0)]" in missing[((Shard(0),), (Shard(0),))]

@@ -3,6 +3,6 @@
 Importing this package registers every family; nothing here imports zmq or asyncio."""
 from . import view, indexing, matrix, nn, pointwise, reduction  # noqa: F401  (each registers its table, in this order)
 from .dispatch import OpPlan, cached_plan, lookup
-from .registry import KERNELS, REGISTRY, OpSpec
+from .registry import KERNELS, REGISTRY, RegisteredOp
 
-__all__ = ["OpPlan", "cached_plan", "KERNELS", "REGISTRY", "OpSpec", "lookup"]
+__all__ = ["OpPlan", "cached_plan", "KERNELS", "REGISTRY", "RegisteredOp", "lookup"]

@@ -40,7 +40,7 @@ def _refused_target(value) -> Exception:
     if isinstance(value, DeviceMesh):
         return UnsupportedOpError(f"x.to(mesh) is not supported yet (at {user_site()}): move x with "
                                   "x.redistribute(device_mesh=mesh, placements=[...]).")
-    if hasattr(value, "_spec"):
+    if hasattr(value, "_meta"):
         return UnsupportedOpError(f"x.to(other) is not supported yet (at {user_site()}): use "
                                   "x.to(other.dtype) for its dtype, x.redistribute_like(other) for its layout.")
     return TypeError(f"DTensor.to() takes a dtype or a device, not {value!r}")

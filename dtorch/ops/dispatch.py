@@ -12,9 +12,9 @@ from typing import NamedTuple
 from ..distributed_spec import format_placements
 from ..errors import MeshError, PlacementError, ShapeError, user_site
 from ..redistribute import LOCAL_ONLY, plan_redistribute, step_kind
-from .registry import REGISTRY, OpSpec
+from .registry import REGISTRY, RegisteredOp
 from .rules import Call, TensorSlot, expand
-from .spec import TensorSpec, tensor_spec
+from .tensor_meta import TensorMeta, tensor_meta
 from .suggest import spell_placements_code
 from .unsupported import refuse_inplace_flag, unsupported_op
 
@@ -23,7 +23,7 @@ __all__ = ["OpPlan", "lookup", "plan_call", "cached_plan", "signature", "map_ten
 
 class OpPlan(NamedTuple):
     kernel: str
-    out_specs: tuple          # TensorSpec per output
+    out_specs: tuple          # TensorMeta per output
     input_steps: tuple        # ((tensor_index, shape, placements, ((mesh_dim, before, after), ...)), ...)
     extra_kwargs: dict
     sequence: type | None = None   # torch's result type when it returns several (tuple, list,
@@ -33,13 +33,13 @@ class OpPlan(NamedTuple):
 PLAN_CACHE: dict[tuple, OpPlan] = {}
 
 
-def signature(op: OpSpec, args: tuple, kwargs: dict, specs: list) -> tuple:
+def signature(op: RegisteredOp, args: tuple, kwargs: dict, specs: list) -> tuple:
     """The cache key: tensor specs by their interned key, other values by value (or by type for
     pointwise scalars). Tensors inside lists (cat, stack) count, depth-first, args then kwargs;
     `specs` collects the tensor specs in that same order."""
     key = [op.name]
     for a in args:
-        spec = getattr(a, "_spec", None)
+        spec = getattr(a, "_meta", None)
         if spec is not None:   # the common case, inline: this runs for every op
             specs.append(spec)
             key.append((spec.key,))
@@ -51,7 +51,7 @@ def signature(op: OpSpec, args: tuple, kwargs: dict, specs: list) -> tuple:
 
 
 def _key_of(value, specs: list, scalars_by_type: bool):
-    spec = getattr(value, "_spec", None)
+    spec = getattr(value, "_meta", None)
     if spec is not None:
         specs.append(spec)
         return (spec.key,)   # never a bare int: max(x, y) must not share max(x, 1)'s plan
@@ -63,7 +63,7 @@ def _key_of(value, specs: list, scalars_by_type: bool):
     return value
 
 
-def plan_call(op: OpSpec, args: tuple, kwargs: dict, specs: list[TensorSpec]) -> OpPlan:
+def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMeta]) -> OpPlan:
     """Build the plan for one call (cold path: runs meta inference and the rules)."""
     if not specs:
         raise ShapeError(f"{op.name}: no dtorch tensor among the arguments")
@@ -82,13 +82,13 @@ def plan_call(op: OpSpec, args: tuple, kwargs: dict, specs: list[TensorSpec]) ->
     required, out_placements = expand(op.rule, call)
     input_steps = _local_input_steps(call, required)
     kernel, extra = op.local(call, required) if op.local else (op.name, {})
-    out_specs = tuple(tensor_spec(shape, dtype, mesh, placements)
+    out_specs = tuple(tensor_meta(shape, dtype, mesh, placements)
                       for (shape, dtype), placements in zip(outputs, out_placements))
     return OpPlan(kernel, out_specs, input_steps, extra, sequence)
 
 
 def _is_symbol(value) -> bool:
-    return hasattr(value, "_spec")
+    return hasattr(value, "_meta")
 
 
 def map_tensors(value, fn, is_tensor=_is_symbol):
@@ -116,10 +116,10 @@ def warm_up_inference() -> None:
     torch.add(torch.empty(1, device="meta"), 1)
 
 
-def _infer(op: OpSpec, args, kwargs, specs) -> tuple[tuple, bool]:
+def _infer(op: RegisteredOp, args, kwargs, specs) -> tuple[tuple, bool]:
     """Output (shape, dtype) pairs from running the torch function on meta tensors, and whether
     the type of torch's result when it is a sequence (None for a single tensor)."""
-    meta = lambda value: value._spec.meta()  # noqa: E731
+    meta = lambda value: value._meta.meta()  # noqa: E731
     try:
         result = op.torch_fn(*map_tensors(args, meta), **map_tensors(kwargs, meta))
     except Exception as error:
@@ -146,7 +146,7 @@ def _local_input_steps(call: Call, required: list) -> tuple:
     return tuple(steps_per_input)
 
 
-def lookup(name: str) -> OpSpec:
+def lookup(name: str) -> RegisteredOp:
     """The registered op, or UnsupportedOpError naming the nearest ones and what to write instead."""
     spec = REGISTRY.get(name)
     if spec is None:

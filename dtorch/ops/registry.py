@@ -15,11 +15,11 @@ from typing import Callable, NamedTuple
 
 from .rules import Call, Rule
 
-__all__ = ["OpSpec", "OpRow", "register", "register_family", "KERNELS", "REGISTRY", "kernel"]
+__all__ = ["RegisteredOp", "OpRow", "register", "register_family", "KERNELS", "REGISTRY", "kernel"]
 
 
 @dataclass(frozen=True)
-class OpSpec:
+class RegisteredOp:
     name: str
     torch_fn: Callable
     rule: Rule
@@ -34,7 +34,7 @@ class OpSpec:
 
 
 class OpRow(NamedTuple):
-    """One row of a family's table: an OpSpec without the name (the table's key) and the family."""
+    """One row of a family's table: an RegisteredOp without the name (the table's key) and the family."""
     torch_fn: Callable
     rule: Rule
     local: Callable[[Call, list], tuple[str, dict]] | None = None
@@ -43,11 +43,11 @@ class OpRow(NamedTuple):
     doc: str = ""
 
 
-REGISTRY: dict[str, OpSpec] = {}
+REGISTRY: dict[str, RegisteredOp] = {}
 KERNELS: dict[str, Callable] = {}
 
 
-def register(spec: OpSpec) -> OpSpec:
+def register(spec: RegisteredOp) -> RegisteredOp:
     if spec.name in REGISTRY:
         raise ValueError(f"op {spec.name!r} registered twice")
     REGISTRY[spec.name] = spec
@@ -57,7 +57,7 @@ def register(spec: OpSpec) -> OpSpec:
 
 def register_family(family: str, table: dict[str, OpRow]) -> None:
     for name, row in table.items():
-        register(OpSpec(name, row.torch_fn, row.rule, family, row.local, row.scalars_by_type,
+        register(RegisteredOp(name, row.torch_fn, row.rule, family, row.local, row.scalars_by_type,
                         method=row.method, doc=row.doc))
 
 

@@ -29,7 +29,7 @@ class TensorSlot(NamedTuple):
 
 class Call(NamedTuple):
     op: str
-    inputs: tuple          # TensorSpec per tensor argument, in order of appearance
+    inputs: tuple          # TensorMeta per tensor argument, in order of appearance
     args: tuple            # positional args, tensors replaced by TensorSlot
     kwargs: dict
     outputs: tuple         # ((shape, dtype), ...) from meta inference

@@ -27,7 +27,7 @@ from ..distributed_spec import Partial, Shard, local_region
 from .registry import OpRow, kernel, register_family
 from .rules import (Call, Decision, R, RuleRejected, common_shard_dim, follow_rule, normalize_dim, off_dim,
                     unshard_fix)
-from .spec import parse_shape
+from .tensor_meta import parse_shape
 
 __all__ = ["VIEW", "reshape_groups", "join_rule"]
 

@@ -111,7 +111,7 @@ class Controller:
 
     def reference(self, tensor) -> wire.TensorRef:
         """The wire reference to `tensor` as an op input; it must belong to this session."""
-        if tensor._session is not self:
+        if tensor._controller is not self:
             raise SessionEndedError(f"at {format_site(user_frame(skip=1))}: an input of this call, {tensor!r}, "
                                     "belongs to a dtorch session that has ended (dtorch.shutdown()); its "
                                     "data went with that session's workers: build it again in this session")
@@ -159,7 +159,7 @@ class Controller:
             self.submit(wire.DefineMesh, mesh_id, mesh.device_type, mesh.shape, mesh.ranks)
 
     def fetch(self, tensor) -> Future:
-        spec = tensor._spec
+        spec = tensor._meta
         mesh = spec.mesh
         future = Future()
         lost = self.pool.lost_among(mesh.ranks)

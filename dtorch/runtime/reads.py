@@ -13,7 +13,7 @@ import torch
 
 from ..distributed_spec import local_region
 from ..errors import DependencyError, DTorchError, RemoteError
-from ..ops.spec import TensorSpec
+from ..ops.tensor_meta import TensorMeta
 from . import protocol as wire
 
 __all__ = ["Future", "FetchRead", "SyncRead", "RemoteFailure"]
@@ -118,7 +118,7 @@ class SyncRead(_Read):
 
 
 class FetchRead(_Read):
-    def __init__(self, ranks, future: Future, spec: TensorSpec, senders, produced_seq: int):
+    def __init__(self, ranks, future: Future, spec: TensorMeta, senders, produced_seq: int):
         super().__init__(ranks, future)
         self.spec, self.senders, self.produced_seq = spec, senders, produced_seq
 
@@ -164,7 +164,7 @@ class FetchRead(_Read):
         return out
 
 
-def _piece(frames, spec: TensorSpec, rank: int) -> torch.Tensor:
+def _piece(frames, spec: TensorMeta, rank: int) -> torch.Tensor:
     shape = spec.local_shape(rank)
     buffer = frames[0].buffer if frames else b""
     return wire.tensor_from_frame(buffer, spec.dtype, shape)

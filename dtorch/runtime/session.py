@@ -16,7 +16,7 @@ from .cluster import LocalSpawner, worker_config
 from .controller import Controller
 from .transport import LOCAL, make_curve_keys
 
-__all__ = ["current", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random"]
+__all__ = ["controller", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random"]
 
 _lock = threading.RLock()
 _controller: Controller | None = None
@@ -24,12 +24,13 @@ _spawner = None
 _random = {"seed": random.SystemRandom().getrandbits(63), "counter": 0}
 
 
-def current() -> Controller:
-    controller = _controller
-    if controller is None:
+def controller() -> Controller:
+    """This process's one Controller (the session): the name every caller uses for it."""
+    active = _controller
+    if active is None:
         raise SessionEndedError("no dtorch session (none started yet, or dtorch.shutdown() ended it): build a mesh "
                                 "with init_device_mesh(...) or call dtorch.init()")
-    return controller
+    return active
 
 
 def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str | None = None,
@@ -145,7 +146,7 @@ def shutdown() -> None:
 
 def workers() -> list[dict]:
     """rank, host, pid, device (and alive) of every worker in the pool."""
-    return [w.as_dict() for _, w in sorted(current().workers.items())]
+    return [w.as_dict() for _, w in sorted(controller().workers.items())]
 
 
 def manual_seed(seed: int) -> None:

@@ -19,7 +19,7 @@ from ...errors import DTorchError
 from ..dispatch import plan_call
 from ..operators import SPELLINGS
 from ..registry import REGISTRY
-from ..spec import tensor_spec
+from ..tensor_meta import tensor_meta
 from .samples import covered_ops, samples
 from .simulate import Symbol, placement_options, tensor_inputs, with_inputs
 
@@ -102,7 +102,7 @@ def _accepted(name: str) -> list:
     shapes = ", ".join(f"{tuple(v.shape)} {str(v.dtype)[6:]}" for v in values)
     found = []
     for combo in itertools.product(*(placement_options(v) for v in values)):
-        specs = [tensor_spec(v.shape, v.dtype, _MESH, (p,)) for v, p in zip(values, combo)]
+        specs = [tensor_meta(v.shape, v.dtype, _MESH, (p,)) for v, p in zip(values, combo)]
         args, kwargs = with_inputs(sample, [Symbol(s) for s in specs])
         try:
             plan = plan_call(REGISTRY[name], args, kwargs, specs)

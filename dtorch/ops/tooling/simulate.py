@@ -56,10 +56,10 @@ def map_torch(value, fn):
 
 class Symbol:
     """What plan_call sees of a DTensor."""
-    __slots__ = ("_spec",)
+    __slots__ = ("_meta",)
 
     def __init__(self, spec):
-        self._spec = spec
+        self._meta = spec
 
 
 # --- Partial contributions and their reduction ----------------------------------------------------

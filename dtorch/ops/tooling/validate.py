@@ -31,8 +31,8 @@ import torch
 from ...distributed_spec import DeviceMesh, format_placements
 from ...errors import PlacementError
 from ..dispatch import plan_call
-from ..registry import KERNELS, REGISTRY, OpSpec
-from ..spec import tensor_spec
+from ..registry import KERNELS, REGISTRY, RegisteredOp
+from ..tensor_meta import tensor_meta
 from .samples import SAMPLED_FAMILIES, Sample, samples
 from .simulate import (Symbol, as_tuple, contributions, map_torch, matches, placement_options, run_ranks,
                        small_mesh, tensor_inputs, with_inputs)
@@ -90,7 +90,7 @@ class Stats(NamedTuple):
     refused: int = 0      # raised something other than PlacementError (e.g. UnsupportedOpError)
 
 
-def validate(op: OpSpec | str, mesh_shape=(3,), uneven: bool = True, seed: int = 0,
+def validate(op: RegisteredOp | str, mesh_shape=(3,), uneven: bool = True, seed: int = 0,
              limit: int | None = None) -> tuple[Stats, list]:
     """Every sample of `op`, every input placement combination on a mesh of `mesh_shape` (a
     seeded sample of `limit` of them per sample call where there are more)."""
@@ -122,7 +122,7 @@ def _combinations(options, limit, chooser):
 class _Draw:
     """One sample's whole tensors, torch's results on them, and their rank contributions."""
 
-    def __init__(self, op: OpSpec, sample: Sample, mesh: DeviceMesh, seed: int):
+    def __init__(self, op: RegisteredOp, sample: Sample, mesh: DeviceMesh, seed: int):
         # float64 in place of float32: the rules do not depend on it, and contributions that
         # cancel (P(sum) of P(sum)) then leave no rounding to mistake for a wrong rule
         sample = sample._replace(args=map_torch(sample.args, _wider), kwargs=map_torch(sample.kwargs, _wider))
@@ -145,7 +145,7 @@ def _wider(value: torch.Tensor) -> torch.Tensor:
 
 
 def _check(op, draw: _Draw, combo, again):
-    specs = [tensor_spec(v.shape, v.dtype, draw.mesh, p) for v, p in zip(draw.values, combo)]
+    specs = [tensor_meta(v.shape, v.dtype, draw.mesh, p) for v, p in zip(draw.values, combo)]
     args, kwargs = with_inputs(draw.sample, [Symbol(s) for s in specs])
     try:
         plan = plan_call(op, args, kwargs, specs)

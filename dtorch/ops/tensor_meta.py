@@ -1,5 +1,6 @@
-"""PURE: what the controller knows about a tensor without its data, interned so the hot path can
-key caches on one small integer instead of hashing shapes and placements every call."""
+"""PURE: TensorMeta, what the controller knows about a tensor without its data (a DTensor's
+`_meta`), interned so the hot path can key caches on one small integer instead of hashing shapes
+and placements every call. ("spec" now names only distributed_spec, the seed's module path.)"""
 from __future__ import annotations
 
 import itertools
@@ -11,15 +12,15 @@ import torch
 from ..distributed_spec import DeviceMesh, Placement, Shard, format_placements, local_shape
 from ..errors import PlacementError
 
-__all__ = ["TensorSpec", "tensor_spec", "check_placements", "parse_shape"]
+__all__ = ["TensorMeta", "tensor_meta", "check_placements", "parse_shape"]
 
 
-class TensorSpec(NamedTuple):
+class TensorMeta(NamedTuple):
     shape: tuple
     dtype: torch.dtype
     mesh: DeviceMesh
     placements: tuple
-    key: int          # unique per (shape, dtype, mesh, placements): the cache key of this spec
+    key: int          # unique per (shape, dtype, mesh, placements): the plan cache's key for it
 
     def describe(self) -> str:
         return f"{format_placements(self.placements)} shape={tuple(self.shape)} {str(self.dtype)[6:]}"
@@ -31,19 +32,19 @@ class TensorSpec(NamedTuple):
         return torch.empty(self.shape, dtype=self.dtype, device="meta")
 
 
-_interned: dict[tuple, TensorSpec] = {}
+_interned: dict[tuple, TensorMeta] = {}
 _keys = itertools.count()
 _lock = threading.Lock()
 
 
-def tensor_spec(shape, dtype: torch.dtype, mesh: DeviceMesh, placements) -> TensorSpec:
+def tensor_meta(shape, dtype: torch.dtype, mesh: DeviceMesh, placements) -> TensorMeta:
     shape, placements = tuple(shape), tuple(placements)
     identity = (shape, dtype, mesh, placements)
-    spec = _interned.get(identity)
-    if spec is None:
+    found = _interned.get(identity)
+    if found is None:
         with _lock:
-            spec = _interned.setdefault(identity, TensorSpec(shape, dtype, mesh, placements, next(_keys)))
-    return spec
+            found = _interned.setdefault(identity, TensorMeta(shape, dtype, mesh, placements, next(_keys)))
+    return found
 
 
 def check_placements(placements, ndim: int, mesh: DeviceMesh) -> tuple:
