@@ -16,7 +16,7 @@ from .errors import MeshError, PlacementError
 __all__ = [
     "Placement", "Shard", "Replicate", "Partial", "DeviceMesh", "init_device_mesh", "set_worker_starter",
     "chunk_bounds", "local_shape", "local_offset", "local_region", "format_placements", "nest_ranks",
-    "narrow_to_box", "distinct_shard_ranks", "holds_partial_sum_value", "REDUCE_OPS",
+    "narrow_to_box", "distinct_shard_ranks", "holds_partial_sum_value", "REDUCE_OPS", "ShardRegion",
 ]
 
 
@@ -242,6 +242,30 @@ def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
     chunk = -(-size // parts) if size else 0
     start = min(chunk * index, size)
     return start, max(0, min(chunk, size - start))
+
+
+class ShardRegion:
+    """An op argument meaning "where this rank's block of a (shape, placements) tensor sits": a rule
+    puts one in a kernel's keyword arguments, and each rank (a worker, or the rule simulator)
+    replaces it with its own (offset, shape) from local_region. It travels as its own msgpack
+    extension type, so a kernel's kwargs carry no magic names. (Not a tuple: msgpack would pack a
+    tuple subclass as a plain array.)"""
+    __slots__ = ("shape", "placements")
+
+    def __init__(self, shape: Sequence[int], placements: Sequence[Placement]):
+        self.shape, self.placements = tuple(shape), tuple(placements)
+
+    def at(self, mesh: DeviceMesh, coordinate: Sequence[int]) -> tuple[list[int], list[int]]:
+        return local_region(self.shape, mesh, self.placements, coordinate)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is ShardRegion and (other.shape, other.placements) == (self.shape, self.placements)
+
+    def __hash__(self) -> int:
+        return hash((ShardRegion, self.shape, self.placements))
+
+    def __repr__(self) -> str:
+        return f"ShardRegion({self.shape}, {format_placements(self.placements)})"
 
 
 def local_region(global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement],

@@ -74,3 +74,11 @@ def test_an_error_older_than_the_call_site_ring_says_its_line_is_gone():
         assert "not kept" in controller._site_of(0)   # its slot now holds command #SITE_RING's line
     finally:
         controller.shutdown()
+
+
+def test_a_shard_region_travels_as_its_own_type():
+    from dtorch.distributed_spec import DeviceMesh, Partial, Shard, ShardRegion
+    region = ShardRegion((10, 4), (Shard(0), Partial()))
+    assert wire.unpack(wire.pack({"region": region})) == {"region": region}
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]])
+    assert region.at(mesh, (1, 0)) == ([5, 0], [5, 4])

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import dtorch.ops  # noqa: F401  (registers the families)
-from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard
+from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard, ShardRegion
 from dtorch.errors import PlacementError, ShapeError
 from dtorch.ops.dispatch import plan_call
 from dtorch.ops.dispatch import lookup
@@ -240,7 +240,7 @@ def test_embedding_split_vocabulary_is_a_partial_sum_with_a_region():
     ids, table = Symbol((3, 5), [R], dtype=torch.int64), Symbol((10, 4), [Shard(0)])
     result = plan("embedding", ids, table)
     assert placements_of(result) == [(P,)] and result.kernel == "embedding_vocabulary_split"
-    assert result.extra_kwargs["_dtorch_region"] == ((10, 4), (Shard(0),))
+    assert result.extra_kwargs["region"] == ShardRegion((10, 4), (Shard(0),))
     assert placements_of(plan("embedding", ids, Symbol((10, 4), [Shard(1)]))) == [(Shard(2),)]
     assert placements_of(plan("embedding", Symbol((3, 5), [Shard(1)], dtype=torch.int64),
                               Symbol((10, 4), [R]))) == [(Shard(1),)]

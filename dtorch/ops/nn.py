@@ -11,8 +11,8 @@ then forbid the letters the op mixes nonlinearly (a softmax's keys, a loss's cla
                           features; never on keys or the contracted head dim
   cross_entropy / mse_loss       shards on batch (and spatial) dims; reduction 'sum' gives P(sum)
   pad                     padded dims R; Partial passes where the fill value allows
-Kernels that need where their shard sits in the global tensor ask for `_dtorch_region`: the
-controller sends (global shape, placements), the worker substitutes this rank's (offset, shape).
+Kernels that need where their shard sits in the global tensor take a `region` keyword: the rule
+passes a ShardRegion(global shape, placements), and each worker substitutes its (offset, shape).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import rng
-from ..distributed_spec import Partial, Shard
+from ..distributed_spec import Partial, Shard, ShardRegion
 from ..errors import UnsupportedOpError
 from .matrix import einsum_decision
 from .partial_laws import Laws, partial_output
@@ -104,15 +104,15 @@ def _embedding_rule(call: Call, placements) -> Decision:
 
 def _embedding_local(call: Call, required):
     if any(p == Shard(0) for p in required[1]):
-        return "embedding_vocabulary_split", {"_dtorch_region": (call.inputs[1].shape, required[1])}
+        return "embedding_vocabulary_split", {"region": ShardRegion(call.inputs[1].shape, required[1])}
     return "embedding", {}
 
 
 @kernel("embedding_vocabulary_split")
 def embedding_vocabulary_split(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
-                               scale_grad_by_freq=False, sparse=False, *, _dtorch_region):
+                               scale_grad_by_freq=False, sparse=False, *, region):
     """Rows this rank holds are looked up; every other index yields zeros (summed later)."""
-    (first, _), (rows, _) = _dtorch_region
+    (first, _), (rows, _) = region
     local = input - first
     outside = (local < 0) | (local >= rows)
     if rows == 0:
@@ -130,8 +130,8 @@ def dropout(input, p=0.5, training=True, inplace=False, seed=None, counter=None)
 
 @kernel("dropout_counter")
 def dropout_counter(input, p=0.5, training=True, inplace=False, seed=None, counter=None, *,
-                    _dtorch_region, global_shape):
-    return _dropout_block(input, p, training, seed, counter, global_shape, _dtorch_region)
+                    region, global_shape):
+    return _dropout_block(input, p, training, seed, counter, global_shape, region)
 
 
 def _dropout_block(input, p, training, seed, counter, global_shape, region):
@@ -155,7 +155,7 @@ def _dropout_rule(call: Call, placements) -> Decision:
 
 
 def _dropout_local(call: Call, required):
-    return "dropout_counter", {"_dtorch_region": (call.inputs[0].shape, required[0]),
+    return "dropout_counter", {"region": ShardRegion(call.inputs[0].shape, required[0]),
                                "global_shape": call.inputs[0].shape}
 
 

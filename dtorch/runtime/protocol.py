@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import msgpack
 import torch
 
-from ..distributed_spec import Partial, Placement, Replicate, Shard
+from ..distributed_spec import Partial, Placement, Replicate, Shard, ShardRegion
 from ..errors import ProtocolError
 
 __all__ = [
@@ -170,7 +170,7 @@ def handler_name(record_type, prefix: str = "handle_") -> str:
 
 
 # --- values inside commands ----------------------------------------------------------------------
-EXT_TENSOR, EXT_DTYPE, EXT_SLICE, EXT_ELLIPSIS, EXT_PLACEMENT = 1, 2, 3, 4, 5
+EXT_TENSOR, EXT_DTYPE, EXT_SLICE, EXT_ELLIPSIS, EXT_PLACEMENT, EXT_REGION = 1, 2, 3, 4, 5, 6
 _ID = struct.Struct("<q")
 
 
@@ -205,6 +205,8 @@ def _default(value: Any):
         return msgpack.ExtType(EXT_PLACEMENT, struct.pack("b", encode_placement(value)))
     if isinstance(value, torch.Size):
         return list(value)
+    if type(value) is ShardRegion:
+        return msgpack.ExtType(EXT_REGION, msgpack.packb((value.shape, [encode_placement(p) for p in value.placements])))
     raise ProtocolError(f"cannot put {type(value).__name__} on the wire: {value!r}")
 
 
@@ -219,6 +221,9 @@ def _ext_hook(code: int, data: bytes):
         return Ellipsis
     if code == EXT_PLACEMENT:
         return decode_placement(struct.unpack("b", data)[0])
+    if code == EXT_REGION:
+        shape, codes = msgpack.unpackb(data)
+        return ShardRegion(shape, [decode_placement(c) for c in codes])
     raise ProtocolError(f"unknown msgpack extension type {code}")
 
 

@@ -15,7 +15,7 @@ import traceback
 
 import torch
 
-from ..distributed_spec import DeviceMesh, local_region, narrow_to_box, nest_ranks
+from ..distributed_spec import DeviceMesh, ShardRegion, local_region, narrow_to_box, nest_ranks
 from ..errors import ProtocolError
 from ..ops import KERNELS
 from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
@@ -184,9 +184,9 @@ class Worker:
             tensor = self._tensor
             args = [tensor(a.id) if type(a) is TensorRef else a for a in command.args]
             kwargs = _map_refs(command.kwargs, lambda ref: tensor(ref.id)) if command.kwargs else {}
-        if "_dtorch_region" in kwargs:  # (global shape, placements) -> where this rank's block sits
-            shape, placements = kwargs["_dtorch_region"]
-            kwargs["_dtorch_region"] = local_region(shape, mesh, placements, mesh.coordinate_of(self.rank))
+        if kwargs:   # a ShardRegion stands for where this rank's block sits
+            kwargs = {k: v.at(mesh, mesh.coordinate_of(self.rank)) if type(v) is ShardRegion else v
+                      for k, v in kwargs.items()}
         result = KERNELS[command.kernel](*args, **kwargs)
         if isinstance(result, (tuple, list)):
             for tensor_id, value in zip(command.out_ids, result):

@@ -14,8 +14,8 @@ import warnings
 
 import torch
 
-from ...distributed_spec import (REDUCE_OPS, DeviceMesh, Partial, Replicate, Shard, local_region, narrow_to_box,
-                                 nest_ranks)
+from ...distributed_spec import (REDUCE_OPS, DeviceMesh, Partial, Replicate, Shard, ShardRegion, local_region,
+                                 narrow_to_box, nest_ranks)
 from ..dispatch import map_tensors
 from .samples import Sample
 
@@ -183,9 +183,7 @@ def run_ranks(kernel, sample, values, held, placements, mesh, extra) -> dict:
                   for v, h, p in zip(values, held, placements)]
         args, kwargs = with_inputs(sample, blocks)
         args, kwargs = _as_wire(args), {**_as_wire(kwargs), **extra}
-        if "_dtorch_region" in kwargs:
-            shape, region_placements = kwargs["_dtorch_region"]
-            kwargs["_dtorch_region"] = local_region(shape, mesh, region_placements, coordinate)
+        kwargs = {k: v.at(mesh, coordinate) if type(v) is ShardRegion else v for k, v in kwargs.items()}
         with warnings.catch_warnings():   # torch's warnings about tiny shards say nothing about rules
             warnings.simplefilter("ignore")
             results[coordinate] = as_tuple(kernel(*args, **kwargs))
