@@ -159,15 +159,15 @@ class Controller:
             self.submit(wire.DefineMesh, mesh_id, mesh.device_type, mesh.shape, mesh.ranks)
 
     def fetch(self, tensor) -> Future:
-        spec = tensor._meta
-        mesh = spec.mesh
+        meta = tensor._meta
+        mesh = meta.mesh
         future = Future()
         lost = self.pool.lost_among(mesh.ranks)
         if lost:
             future._inner.set_exception(lost)
             return future
-        senders = _senders(mesh, spec.placements)
-        read = FetchRead(mesh.ranks, future, spec, senders, tensor._seq)
+        senders = _senders(mesh, meta.placements)
+        read = FetchRead(mesh.ranks, future, meta, senders, tensor._seq)
         self.submit(wire.Fetch, tensor._id, self.define_mesh(mesh), senders, read=read)
         return future
 

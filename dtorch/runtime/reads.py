@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..distributed_spec import local_region
+from ..distributed_spec import local_region, narrow_to_box
 from ..errors import DependencyError, DTorchError, RemoteError
 from ..ops.tensor_meta import TensorMeta
 from . import protocol as wire
@@ -118,15 +118,15 @@ class SyncRead(_Read):
 
 
 class FetchRead(_Read):
-    def __init__(self, ranks, future: Future, spec: TensorMeta, senders, produced_seq: int):
+    def __init__(self, ranks, future: Future, meta: TensorMeta, senders, produced_seq: int):
         super().__init__(ranks, future)
-        self.spec, self.senders, self.produced_seq = spec, senders, produced_seq
+        self.meta, self.senders, self.produced_seq = meta, senders, produced_seq
 
     def check(self, rank: int, status: str, frames: list) -> str | None:
         """A sender's "ok" carries exactly its shard's bytes; every other reply carries none."""
         if status != "ok" or rank not in self.senders:
             return super().check(rank, status, frames)
-        expected = math.prod(self.spec.local_shape(rank)) * self.spec.dtype.itemsize
+        expected = math.prod(self.meta.local_shape(rank)) * self.meta.dtype.itemsize
         got = sum(len(f) for f in frames)   # zero frames for an empty shard is fine
         if got != expected or len(frames) > 1:
             return f"{got} bytes in {len(frames)} frame(s) where its shard has {expected}"
@@ -143,28 +143,25 @@ class FetchRead(_Read):
             return True
         missing = [r for r, (status, _) in self.statuses.items() if status == "missing"]
         if missing:
-            self.fail(DTorchError(f"tensor {self.spec.describe()} is not on rank(s) {missing}: "
+            self.fail(DTorchError(f"tensor {self.meta.describe()} is not on rank(s) {missing}: "
                                   "it was freed or never created there"))
             return True
         self.future._inner.set_result(self._assemble())
         return True
 
     def _assemble(self) -> torch.Tensor:
-        spec = self.spec
+        meta = self.meta
         if len(self.senders) == 1:
             (rank,) = self.senders
-            return _piece(self.frames.get(rank), spec, rank).clone()
-        out = torch.empty(spec.shape, dtype=spec.dtype)
+            return _piece(self.frames.get(rank), meta, rank).clone()
+        out = torch.empty(meta.shape, dtype=meta.dtype)
         for rank in self.senders:
-            start, shape = local_region(spec.shape, spec.mesh, spec.placements, spec.mesh.coordinate_of(rank))
-            view = out
-            for dim, (begin, length) in enumerate(zip(start, shape)):
-                view = view.narrow(dim, begin, length)
-            view.copy_(_piece(self.frames.get(rank), spec, rank))
+            box = local_region(meta.shape, meta.mesh, meta.placements, meta.mesh.coordinate_of(rank))
+            narrow_to_box(out, *box).copy_(_piece(self.frames.get(rank), meta, rank))
         return out
 
 
-def _piece(frames, spec: TensorMeta, rank: int) -> torch.Tensor:
-    shape = spec.local_shape(rank)
+def _piece(frames, meta: TensorMeta, rank: int) -> torch.Tensor:
+    shape = meta.local_shape(rank)
     buffer = frames[0].buffer if frames else b""
-    return wire.tensor_from_frame(buffer, spec.dtype, shape)
+    return wire.tensor_from_frame(buffer, meta.dtype, shape)
