@@ -218,3 +218,10 @@ def test_legal_there_is_bounded():
     message = rejection("add", Symbol((8, 8, 8, 8), [Shard(0)]), Symbol((8, 8, 8, 8), [P]))
     legal = message.split("Legal there: ")[1].split(". Fix")[0]
     assert legal.count("+") <= 8 and legal.endswith(", … (6 more)"), legal
+
+
+def test_dropout_probability_outside_zero_one_is_refused_at_the_line(mesh4):
+    x = dtorch.ones(8, 4, device_mesh=mesh4, placements=[Shard(0)])
+    with pytest.raises(ValueError, match="between 0 and 1") as info:
+        dtorch.nn.functional.dropout(x, p=2.0)
+    assert "test_api_edges.py" in str(info.value)

@@ -124,6 +124,8 @@ def embedding_vocabulary_split(input, weight, padding_idx=None, max_norm=None, n
 # --- dropout ----------------------------------------------------------------------------------------
 def dropout(input, p=0.5, training=True, inplace=False, seed=None, counter=None):
     """The reference (and meta function): the whole tensor as one block."""
+    if not 0.0 <= p <= 1.0:   # torch's own check and words; the meta run makes it fail at the user's line
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     shape = tuple(input.shape)
     return _dropout_block(input, p, training, seed, counter, shape, ((0,) * len(shape), shape))
 
