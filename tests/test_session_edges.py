@@ -115,3 +115,32 @@ def test_a_failure_nobody_read_is_reported_at_shutdown_naming_the_op_and_line():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "UnreadFailureWarning" in result.stderr, result.stderr[-3000:]
     assert "div failed on rank(s) [1]" in result.stderr and "<string>:7" in result.stderr, result.stderr[-3000:]
+
+
+def test_a_mesh_made_after_a_loss_never_takes_a_live_meshs_id():
+    """Mesh ids are never reused: after the (4,) mesh is dropped with its lost rank, a new (2,)
+    mesh must not take the id of the (1,) mesh that is still alive (the workers would redefine it,
+    and reads of tensors on the (1,) mesh would return the (2,) mesh's layout)."""
+    report = _report(run_script("""
+        import json, os, signal, time, torch, dtorch
+        from dtorch import init_device_mesh, Shard, DeviceMesh
+        whole = init_device_mesh("cpu", (4,))
+        x = dtorch.ones(8, device_mesh=whole, placements=[Shard(0)])
+        one = DeviceMesh("cpu", [0])
+        kept = dtorch.arange(6, device_mesh=one, placements=[Shard(0)])
+        assert kept.sum().item() == 15
+        os.kill(dtorch.workers()[3]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while dtorch.workers()[3]["alive"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pair = DeviceMesh("cpu", [0, 1])
+        y = dtorch.arange(6, device_mesh=pair, placements=[Shard(0)])
+        fresh = dtorch.arange(6, device_mesh=one, placements=[Shard(0)])   # made after the pair's DefineMesh
+        outcome = {"pair": y.to_torch().tolist(), "kept": (kept * 1).to_torch().tolist()}
+        try:
+            outcome["fresh"] = fresh.to_torch().tolist()
+        except Exception as error:
+            outcome["fresh"] = f"{type(error).__name__}: {error}"[:200]
+        print(json.dumps(outcome))
+    """, timeout=60))
+    assert report == {"pair": [0, 1, 2, 3, 4, 5], "kept": [0, 1, 2, 3, 4, 5], "fresh": [0, 1, 2, 3, 4, 5]}, report

@@ -61,6 +61,8 @@ class Controller:
         self._flush_now = False         # an immediate flush (a read, a full batch) is on its way
         self._sites: list = [None] * SITE_RING
         self._mesh_ids: dict[DeviceMesh, int] = {}
+        self._mesh_numbers = itertools.count()
+        self._mesh_lock = threading.Lock()
         self._lost_meshes: dict[DeviceMesh, WorkerLostError] = {}
         self._reads: dict[int, object] = {}
         self._waiting_for_failure: dict[int, list] = collections.defaultdict(list)
@@ -143,12 +145,17 @@ class Controller:
         """The mesh's id; the first call for a mesh also sends DefineMesh (the only way a mesh
         gets an id), after checking that every rank it names is running."""
         mesh_id = self._mesh_ids.get(mesh)
-        if mesh_id is None:
-            if mesh in self._lost_meshes:   # nothing is sent that would wait on a dead worker
-                raise self._lost_meshes[mesh]
-            self.pool.check_ranks(mesh)
-            mesh_id = self._mesh_ids.setdefault(mesh, len(self._mesh_ids))
-            self.submit(wire.DefineMesh, mesh_id, mesh.device_type, mesh.shape, mesh.ranks)
+        if mesh_id is not None:
+            return mesh_id
+        with self._mesh_lock:   # another thread may be defining it: the id is published only after
+            mesh_id = self._mesh_ids.get(mesh)   # DefineMesh is queued, so no command can name an
+            if mesh_id is None:                  # id the workers do not know yet
+                if mesh in self._lost_meshes:   # nothing is sent that would wait on a dead worker
+                    raise self._lost_meshes[mesh]
+                self.pool.check_ranks(mesh)
+                mesh_id = next(self._mesh_numbers)   # never reused, even after a lost mesh is dropped
+                self.submit(wire.DefineMesh, mesh_id, mesh.device_type, mesh.shape, mesh.ranks)
+                self._mesh_ids[mesh] = mesh_id
         return mesh_id
 
     def announce_meshes(self) -> None:
