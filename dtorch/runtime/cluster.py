@@ -115,10 +115,11 @@ class WorkerRecord:
         self.start_seq = 0                            # the first command this rank runs
         self.last_heartbeat = time.monotonic()
         self.lost: str | None = None
+        self.live_tensors = self.rss_bytes = 0         # from the latest heartbeat
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "host": self.host, "pid": self.pid, "device": self.device,
-                "alive": self.lost is None}
+                "alive": self.lost is None, "live_tensors": self.live_tensors, "rss_bytes": self.rss_bytes}
 
 
 def loss_reason(worker: WorkerRecord, now: float) -> str | None:

@@ -344,6 +344,7 @@ class Controller:
         if worker is None or worker.heartbeat_identity is None or worker.heartbeat_identity != identity:
             raise ProtocolError(f"a heartbeat for rank {rank} from a peer that did not register as it")
         worker.last_heartbeat = time.monotonic()
+        worker.live_tensors, worker.rss_bytes = message.live_tensors, message.rss_bytes
         self.sockets.send_to(identity, [_PONG])
 
     def _on_reply(self, identity: bytes, message: wire.Reply, frames: list) -> None:

@@ -384,6 +384,8 @@ class ErrorReport(NamedTuple):  # worker -> controller: a command raised
 
 class Heartbeat(NamedTuple):    # worker -> controller, every HEARTBEAT_INTERVAL, own socket
     rank: int
+    live_tensors: int           # tensors the worker holds now (dtorch.workers() shows it)
+    rss_bytes: int              # the worker process's resident memory (0 where unknown)
 
 
 class Pong(NamedTuple):         # controller -> worker: answers a Heartbeat
@@ -400,7 +402,7 @@ _MESSAGE_BY_KIND = {int(kind): message_type for message_type, kind in MESSAGES.i
 _MESSAGE_FIELDS = {
     Batch: (int, int), Private: (int,), Probe: (), Register: (int, str, int, str, str),
     Welcome: (int, str, NUMBER), Refused: (str,), Reply: (int, int, str, int),
-    ErrorReport: (int, int, str, str, str, str), Heartbeat: (int,), Pong: (),
+    ErrorReport: (int, int, str, str, str, str), Heartbeat: (int, int, int), Pong: (),
 }
 # What workers may send the controller, and how many data frames may follow each header.
 FROM_WORKER = {Register: 0, Reply: 1, ErrorReport: 0, Heartbeat: 0}

@@ -37,15 +37,15 @@ EXIT_CANNOT_START = 2   # a worker that cannot start; launcher/failures.py quote
 _stopping = threading.Event()   # set before the sockets close, so the heartbeat thread goes quietly
 
 
-def _heartbeat(sockets: WorkerSockets, rank: int, timeout_s: float) -> None:
+def _heartbeat(sockets: WorkerSockets, rank: int, timeout_s: float, live_tensors) -> None:
     """Heartbeats both ways on a socket of its own; exit if the controller stops answering,
-    even while the main thread is blocked inside a collective."""
+    even while the main thread is blocked inside a collective. Each beat also says how many
+    tensors the worker holds (`live_tensors()`) and its resident memory."""
     hb = sockets.heartbeat_socket(rank)
     poller, last_answer = Poller(hb), time.monotonic()
-    beat = wire.encode(wire.Heartbeat(rank))
     while not _stopping.is_set():
         try:
-            hb.send_multipart([beat])
+            hb.send_multipart([wire.encode(wire.Heartbeat(rank, live_tensors(), _resident_bytes()))])
             answer = poller.receive(int(wire.HEARTBEAT_INTERVAL * 1000))
         except Exception:
             if _stopping.is_set():
@@ -57,6 +57,17 @@ def _heartbeat(sockets: WorkerSockets, rank: int, timeout_s: float) -> None:
         elif time.monotonic() - last_answer > timeout_s:
             print(f"dtorch worker {rank}: controller silent for {timeout_s:.0f}s, exiting", file=sys.stderr)
             os._exit(3)
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as statm:   # Linux: resident pages are the second field
+            return int(statm.read().split()[1]) * _PAGE_BYTES
+    except OSError:
+        return 0
 
 
 def _register(sockets: WorkerSockets, config: dict) -> wire.Welcome:
@@ -120,13 +131,16 @@ def main() -> None:
         device = make_device(config["device"])
         sockets = WorkerSockets(config["command_address"], config["reply_address"], rank, topics, config.get("curve"))
         start_seq, store_address, gloo_timeout = _register(sockets, config)
-        threading.Thread(target=_heartbeat, args=(sockets, rank, config.get("controller_timeout", 6.0)),
+        holding: list = []   # the Worker, once it exists: the heartbeat reports how many tensors it holds
+        live_tensors = lambda: len(holding[0].tensors) if holding else 0  # noqa: E731
+        threading.Thread(target=_heartbeat, args=(sockets, rank, config.get("controller_timeout", 6.0), live_tensors),
                          name="heartbeat", daemon=True).start()
         comm = device.communicator(store_address, rank, _gloo_host(config), gloo_timeout)
         host_comm = comm.host
     except (Exception, SystemExit) as error:
         _fail_start(rank, error)
     worker = Worker(rank, sockets, comm, device, start_seq, host_comm)
+    holding.append(worker)
     exit_code = 0
     try:
         worker.run()
