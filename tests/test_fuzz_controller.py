@@ -106,7 +106,7 @@ def valid_messages(seq: int, secret: str) -> list:
             [wire.encode(wire.ErrorReport(seq, 1, "add", "ValueError", "forged", ""))],
             [wire.encode(wire.ErrorReport(seq, 0, wire.PROTOCOL_FAILURE, "ProtocolError", "forged", ""))],
             [wire.encode(wire.Register(0, "evil", 1, "cpu", secret))],
-            [wire.encode(wire.Heartbeat(0, 0, 0))]]
+            [wire.encode(wire.Heartbeat(0, 0, 0, -1, 0.0))]]
 
 
 EXAMPLES = fuzz_settings(1200)

@@ -144,3 +144,41 @@ def test_a_mesh_made_after_a_loss_never_takes_a_live_meshs_id():
         print(json.dumps(outcome))
     """, timeout=60))
     assert report == {"pair": [0, 1, 2, 3, 4, 5], "kept": [0, 1, 2, 3, 4, 5], "fresh": [0, 1, 2, 3, 4, 5]}, report
+
+
+def test_a_worker_stuck_in_one_command_is_reported_naming_the_command_and_ended():
+    """A worker alive and heartbeating but running one command past the hang timeout (here a
+    matmul far longer than 1 s on one thread) is treated as lost: the read raises
+    WorkerLostError naming the rank, the command, the op and the user's line, and the process
+    is gone."""
+    report = _report(run_script("""
+        import json, os, time, dtorch
+        from dtorch import DeviceMesh, Replicate
+        dtorch.init(num_workers=2, hang_timeout_s=1.0)
+        one = DeviceMesh("cpu", [1])
+        a = dtorch.ones(6000, 6000, device_mesh=one, placements=[Replicate()])
+        a.sum().item()
+        pid = dtorch.workers()[1]["pid"]
+        start = time.monotonic()
+        product = a @ a @ a @ a   # minutes on one thread
+        try:
+            product.sum().item()
+            outcome = {"read": "a value"}
+        except dtorch.WorkerLostError as error:
+            outcome = {"read": str(error)}
+        outcome["seconds"] = time.monotonic() - start
+        time.sleep(0.5)
+        try:
+            os.kill(pid, 0)
+            outcome["process"] = "running"
+        except ProcessLookupError:
+            outcome["process"] = "gone"
+        survivor = dtorch.ones(4, device_mesh=DeviceMesh("cpu", [0]), placements=[Replicate()])
+        outcome["survivor"] = survivor.sum().item()
+        print(json.dumps(outcome))
+    """, timeout=90))
+    read = report["read"]
+    assert "stuck for" in read and "matmul" in read and "hang timeout" in read, report
+    assert "rank 1" in read and "product = a @ a @ a @ a" not in read, report   # a line, not its text
+    assert "issued at" in read and ":" in read.split("issued at")[1], report
+    assert report["process"] == "gone" and report["survivor"] == 4 and report["seconds"] < 15, report

@@ -116,6 +116,7 @@ class WorkerRecord:
         self.last_heartbeat = time.monotonic()
         self.lost: str | None = None
         self.live_tensors = self.rss_bytes = 0         # from the latest heartbeat
+        self.busy_seq, self.busy_s = -1, 0.0           # the command it runs, and for how long
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "host": self.host, "pid": self.pid, "device": self.device,
@@ -176,6 +177,14 @@ class WorkerPool:
         """(worker, reason) for each worker that exited or went silent since the last look."""
         found = [(w, loss_reason(w, now)) for w in list(self.workers.values()) if w.lost is None]
         return [(w, reason) for w, reason in found if reason]
+
+    def stuck(self, hang_timeout_s: float) -> list:
+        """Live workers running one command past the timeout, those on the earliest such command
+        only: the others are most likely waiting for them inside a collective, and go free (with
+        PeerLostError) once the stuck ones are ended."""
+        hung = [w for w in self.workers.values() if w.lost is None and w.busy_seq >= 0 and w.busy_s > hang_timeout_s]
+        first = min((w.busy_seq for w in hung), default=None)
+        return [w for w in hung if w.busy_seq == first]
 
     def lost_among(self, ranks) -> WorkerLostError | None:
         for rank in ranks:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import os
 import threading
 import time
 import traceback
@@ -40,6 +41,7 @@ FREE_BATCH = 16
 # its seq, so an error about an older command says its line is gone instead of naming another's.
 SITE_RING = 1 << 16
 WATCH_PERIOD_S = 0.1
+HANG_TIMEOUT_S = 600.0   # one command running longer than this on a worker: reported lost and ended
 # Tensor ids are unique across sessions in this process, so a tensor kept from an ended session
 # can never name a tensor of the next one, even where the ownership check is bypassed.
 _TENSOR_IDS = itertools.count(1)
@@ -48,9 +50,11 @@ _PROBE, _PONG = wire.encode(wire.Probe()), wire.encode(wire.Pong())
 
 class Controller:
     def __init__(self, bind_host: str | None = LOCAL, curve: CurveKeys | None = None,
-                 gloo_timeout_s: float = 120.0):
+                 gloo_timeout_s: float = 120.0, hang_timeout_s: float | None = None):
         """bind_host: the address workers on other hosts reach; LOCAL (None) for a session on
-        this machine only (private ipc sockets, the rendezvous store on 127.0.0.1)."""
+        this machine only (private ipc sockets, the rendezvous store on 127.0.0.1).
+        hang_timeout_s: a worker running one command longer than this is reported lost and ended
+        (default: DTORCH_HANG_TIMEOUT_S, else HANG_TIMEOUT_S; 0 turns it off)."""
         self._lock = threading.Lock()
         self._pending: list = []
         self._private: dict[int, list] = {}
@@ -69,6 +73,8 @@ class Controller:
         self.failures: dict[int, RemoteFailure] = {}
         self.commands_sent = self.batches_sent = 0
         self.gloo_timeout_s = gloo_timeout_s
+        self.hang_timeout_s = (float(os.environ.get("DTORCH_HANG_TIMEOUT_S", HANG_TIMEOUT_S))
+                               if hang_timeout_s is None else hang_timeout_s)
         self.closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dtorch-controller", daemon=True)
@@ -97,7 +103,7 @@ class Controller:
             seq = self._next_seq
             self._next_seq = seq + 1
             self._pending.append(command_type(seq, *fields))
-            self._sites[seq % SITE_RING] = (seq, site)
+            self._sites[seq % SITE_RING] = (seq, site, fields[2] if command_type is wire.RunOp else command_type)
             if read is not None:
                 self._reads[seq] = read
             if private is not None:
@@ -345,6 +351,7 @@ class Controller:
             raise ProtocolError(f"a heartbeat for rank {rank} from a peer that did not register as it")
         worker.last_heartbeat = time.monotonic()
         worker.live_tensors, worker.rss_bytes = message.live_tensors, message.rss_bytes
+        worker.busy_seq, worker.busy_s = message.busy_seq, message.busy_s
         self.sockets.send_to(identity, [_PONG])
 
     def _on_reply(self, identity: bytes, message: wire.Reply, frames: list) -> None:
@@ -394,6 +401,13 @@ class Controller:
                     "newest, and only the newest keep their line>")
         return format_site(kept[1])
 
+    def _describe_command(self, seq: int) -> str:
+        kept = self._sites[seq % SITE_RING]
+        if kept is None or kept[0] != seq:
+            return f"command #{seq}"
+        what = kept[2] if type(kept[2]) is str else kept[2].__name__
+        return f"command #{seq} ({what}, issued at {format_site(kept[1])})"
+
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
@@ -406,6 +420,11 @@ class Controller:
         if not self.closed:
             for worker, reason in self.pool.newly_lost(time.monotonic()):
                 self._lose(worker, reason)
+            if self.hang_timeout_s:
+                for worker in self.pool.stuck(self.hang_timeout_s):
+                    self._lose(worker, f"stuck for {worker.busy_s:.0f}s in {self._describe_command(worker.busy_seq)}, "
+                                       f"past the hang timeout of {self.hang_timeout_s:g}s; dtorch ended it")
+                    _end(worker.handle)
         if self._released and not self._flush_scheduled:
             self._flush()
 
@@ -421,3 +440,12 @@ class Controller:
                 self._reads.pop(seq, None)
 
 
+def _end(handle) -> None:
+    """Kill a stuck worker and reap it (a local child would otherwise linger as a zombie)."""
+    if handle is None:
+        return
+    handle.kill()
+    try:
+        handle.wait(2)
+    except Exception:  # an ssh session slow to go: its worker exits on stdin EOF anyway
+        pass

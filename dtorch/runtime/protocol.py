@@ -386,6 +386,8 @@ class Heartbeat(NamedTuple):    # worker -> controller, every HEARTBEAT_INTERVAL
     rank: int
     live_tensors: int           # tensors the worker holds now (dtorch.workers() shows it)
     rss_bytes: int              # the worker process's resident memory (0 where unknown)
+    busy_seq: int               # the command its main thread is running now; -1 when idle
+    busy_s: float               # for how long it has run that command (heartbeat resolution)
 
 
 class Pong(NamedTuple):         # controller -> worker: answers a Heartbeat
@@ -402,7 +404,7 @@ _MESSAGE_BY_KIND = {int(kind): message_type for message_type, kind in MESSAGES.i
 _MESSAGE_FIELDS = {
     Batch: (int, int), Private: (int,), Probe: (), Register: (int, str, int, str, str),
     Welcome: (int, str, NUMBER), Refused: (str,), Reply: (int, int, str, int),
-    ErrorReport: (int, int, str, str, str, str), Heartbeat: (int, int, int), Pong: (),
+    ErrorReport: (int, int, str, str, str, str), Heartbeat: (int, int, int, int, NUMBER), Pong: (),
 }
 # What workers may send the controller, and how many data frames may follow each header.
 FROM_WORKER = {Register: 0, Reply: 1, ErrorReport: 0, Heartbeat: 0}

@@ -35,14 +35,17 @@ def controller() -> Controller:
 
 def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str | None = None,
          controller_address: str | None = None, startup_timeout: float = 120.0,
-         curve: bool | None = None) -> Controller:
+         curve: bool | None = None, hang_timeout_s: float | None = None) -> Controller:
     """Start the controller and `num_workers` workers (default: the hostfile's slots, or 1).
 
     hostfile: start workers over SSH (also set by dtorch-launch through DTORCH_HOSTFILE).
     controller_address: where workers reach this process (default: detected from the hostfile;
     without one, private ipc:// sockets that only this user can open).
     curve: encrypt and authenticate every ZeroMQ channel with fresh CURVE keys. Default: on
-    whenever the controller listens off loopback."""
+    whenever the controller listens off loopback.
+    hang_timeout_s: a worker running one command longer than this (a stuck kernel, a collective
+    that never completes) is reported lost, naming the command and its line, and ended. Default:
+    DTORCH_HANG_TIMEOUT_S, else 600 s; 0 turns the check off."""
     global _controller, _spawner
     with _lock:
         if _controller is not None:
@@ -58,6 +61,8 @@ def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str
         else:
             _controller = Controller(bind_host=controller_address or LOCAL, curve=make_curve_keys() if curve else None)
             _spawner = LocalSpawner()
+        if hang_timeout_s is not None:
+            _controller.hang_timeout_s = hang_timeout_s
         try:
             _grow(device_type, num_workers or 1, startup_timeout)
         except BaseException:

@@ -49,6 +49,7 @@ class Worker:
         self.private: dict[int, list] = {}          # command seq -> raw frames sent to this rank
         self.outgoing: list = []                    # (HostCopy, wire.Reply): replies waiting on the device
         self.running = True
+        self.busy_seq = -1                          # the command running now (read by the heartbeat)
         self._handlers = {cls: getattr(self, wire.handler_name(cls)) for cls in wire.COMMANDS}
 
     # --- the loop -------------------------------------------------------------------------------
@@ -94,6 +95,7 @@ class Worker:
             self._execute(command)
 
     def _execute(self, command) -> None:
+        self.busy_seq = command.seq   # the heartbeat thread reports a command that runs too long
         try:
             with self.device.compute():
                 self._handlers[type(command)](command)
@@ -102,6 +104,8 @@ class Worker:
         except Exception as error:  # any failure of one command; the worker goes on
             self._poison(command, command.seq)
             self._report(command, error)
+        finally:
+            self.busy_seq = -1
 
     def _poison(self, command, origin: int) -> None:
         for tensor_id in _outputs_of(command):

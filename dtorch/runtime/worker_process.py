@@ -37,15 +37,22 @@ EXIT_CANNOT_START = 2   # a worker that cannot start; launcher/failures.py quote
 _stopping = threading.Event()   # set before the sockets close, so the heartbeat thread goes quietly
 
 
-def _heartbeat(sockets: WorkerSockets, rank: int, timeout_s: float, live_tensors) -> None:
+def _heartbeat(sockets: WorkerSockets, rank: int, timeout_s: float, status) -> None:
     """Heartbeats both ways on a socket of its own; exit if the controller stops answering,
     even while the main thread is blocked inside a collective. Each beat also says how many
-    tensors the worker holds (`live_tensors()`) and its resident memory."""
+    tensors the worker holds, its resident memory, and which command it has been running for
+    how long (`status()` gives (live tensors, busy seq)): the controller ends a worker stuck in
+    one command past its hang timeout."""
     hb = sockets.heartbeat_socket(rank)
     poller, last_answer = Poller(hb), time.monotonic()
+    watched_seq, since = -1, time.monotonic()
     while not _stopping.is_set():
+        live, busy_seq = status()
+        if busy_seq != watched_seq:
+            watched_seq, since = busy_seq, time.monotonic()
+        busy_s = time.monotonic() - since if busy_seq >= 0 else 0.0
         try:
-            hb.send_multipart([wire.encode(wire.Heartbeat(rank, live_tensors(), _resident_bytes()))])
+            hb.send_multipart([wire.encode(wire.Heartbeat(rank, live, _resident_bytes(), busy_seq, busy_s))])
             answer = poller.receive(int(wire.HEARTBEAT_INTERVAL * 1000))
         except Exception:
             if _stopping.is_set():
@@ -131,9 +138,9 @@ def main() -> None:
         device = make_device(config["device"])
         sockets = WorkerSockets(config["command_address"], config["reply_address"], rank, topics, config.get("curve"))
         start_seq, store_address, gloo_timeout = _register(sockets, config)
-        holding: list = []   # the Worker, once it exists: the heartbeat reports how many tensors it holds
-        live_tensors = lambda: len(holding[0].tensors) if holding else 0  # noqa: E731
-        threading.Thread(target=_heartbeat, args=(sockets, rank, config.get("controller_timeout", 6.0), live_tensors),
+        holding: list = []   # the Worker, once it exists: the heartbeat reports on it
+        status = lambda: (len(holding[0].tensors), holding[0].busy_seq) if holding else (0, -1)  # noqa: E731
+        threading.Thread(target=_heartbeat, args=(sockets, rank, config.get("controller_timeout", 6.0), status),
                          name="heartbeat", daemon=True).start()
         comm = device.communicator(store_address, rank, _gloo_host(config), gloo_timeout)
         host_comm = comm.host
