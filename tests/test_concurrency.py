@@ -70,24 +70,26 @@ def test_a_hundred_concurrent_fetches_in_one_event_loop(mesh4):
 
 
 def test_a_read_while_another_thread_is_mid_batch(mesh4):
+    """Reads on one thread while another issues a long run of small ops (the controller is
+    mid-batch the whole time). Each read waits for the commands issued before it, no more. (The
+    writer is bounded: dtorch has no backpressure yet, so a writer that never stops would grow the
+    workers' backlog without bound, and reads behind it would wait longer and longer.)"""
     x = dtorch.ones(8, 4, device_mesh=mesh4, placements=[Shard(0)])
-    stop = threading.Event()
-    issued = [0]
+    result = {}
 
-    def issue():   # a long run of small ops: the controller is always mid-batch
+    def issue():
         z = x
-        while not stop.is_set():
+        for _ in range(3000):
             z = z * 1.0 + 0.0
-            issued[0] += 1
+        result["writer"] = z.sum().to_torch()
     writer = threading.Thread(target=issue)
     writer.start()
     try:
         for _ in range(20):
             assert torch.equal((x * 3).sum().to_torch(), torch.tensor(96.0))
     finally:
-        stop.set()
-        writer.join(60)
-    assert issued[0] > 0 and not writer.is_alive()
+        writer.join(90)
+    assert not writer.is_alive() and torch.equal(result["writer"], torch.tensor(32.0))
 
 
 def _quiet_worker_state(expect_alive: int) -> list:
