@@ -67,6 +67,9 @@ SWEEP_PARTIALS = ("sum", "max")    # what the workers' sweep feeds; the validato
 ACCEPTED_PER_MESH = {2: 16, 3: 12}  # N-D combinations run per sample, by mesh rank
 REJECTED_PER_MESH = 4
 SIZE_DEPENDENT = frozenset(RESHAPES)   # see the module docstring
+# The sweep checks the rules as written: a refused combination must raise, not get redistributes
+# inserted (tests/test_auto_redistribute.py sweeps the automatic moves).
+pytestmark = pytest.mark.usefixtures("strict")
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,7 @@ class Controller:
         self._waiting_for_failure: dict[int, list] = collections.defaultdict(list)
         self.failures: dict[int, RemoteFailure] = {}
         self.commands_sent = self.batches_sent = 0
+        self.redistributes_inserted = 0   # by the frontend, before ops whose placements did not line up
         self.gloo_timeout_s = gloo_timeout_s
         self.closed = False
         self._loop = asyncio.new_event_loop()
@@ -190,7 +191,8 @@ class Controller:
                 "messages_sent": s.messages_sent,
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
                 "workers": len(self.workers), "pending_reads": len(self._reads),
-                "messages_rejected": self.rejections.count}
+                "messages_rejected": self.rejections.count,
+                "redistributes_inserted": self.redistributes_inserted}
 
     # --- worker pool ----------------------------------------------------------------------------
     def add_workers(self, handles: list, device: str) -> None:

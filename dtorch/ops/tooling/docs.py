@@ -105,7 +105,7 @@ def _accepted(name: str) -> list:
         specs = [tensor_meta(v.shape, v.dtype, _MESH, (p,)) for v, p in zip(values, combo)]
         args, kwargs = with_inputs(sample, [Symbol(s) for s in specs])
         try:
-            plan = plan_call(REGISTRY[name], args, kwargs, specs)
+            plan = plan_call(REGISTRY[name], args, kwargs, specs, strict=True)
         except DTorchError:
             continue
         sliced = " *sliced*" if plan.input_steps else ""
