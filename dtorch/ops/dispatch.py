@@ -1,6 +1,7 @@
-"""PURE: turn an op call on tensor specs into a plan: output specs, local slicing of inputs, and
-the local kernel. Plans are cached per call signature, so a hot loop pays one dict lookup and
-never re-runs meta inference or the rules.
+"""PURE: turn an op call on tensor specs into a plan: the redistributes to issue first where the
+rules refuse the inputs as given (ops/auto_redistribute.py; none in strict mode, which raises
+instead), output specs, local slicing of inputs, and the local kernel. Plans are cached per call
+signature, so a hot loop pays one dict lookup and never re-runs meta inference or the rules.
 """
 from __future__ import annotations
 
