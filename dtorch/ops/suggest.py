@@ -13,6 +13,8 @@ import itertools
 import math
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..distributed_spec import Partial, Placement, Replicate, Shard, format_placements
 from ..redistribute import LOCAL_ONLY, plan_redistribute, step_kind
 
@@ -42,8 +44,11 @@ FULL_SEARCH_LIMIT = 512   # beyond this many combinations, try uniform ones and 
 
 
 def candidates(spec) -> list[Placement]:
-    """What an input could be on one mesh dim: S(d) for each of its dims, R, P(sum)."""
-    return [Shard(d) for d in range(len(spec.shape))] + [R, Partial("sum")]
+    """What an input could be on one mesh dim: S(d) for each of its dims, R, P(sum) (not for bool:
+    a sum of booleans is not a boolean, and no rule is validated on one). The automatic
+    redistribute moves inputs only to these."""
+    partial = [] if spec.dtype == torch.bool else [Partial("sum")]
+    return [Shard(d) for d in range(len(spec.shape))] + [R] + partial
 
 
 def legal_combinations(rule: Rule, call: Call, mesh_dim: int) -> list[tuple]:
