@@ -51,13 +51,14 @@ class Symbol:
         self._meta = tensor_meta(shape, dtype, mesh, placements)
 
 
-def placed(value, mesh, placements, g):
-    """Upload `value` as `placements`; Partial dims of one kind get random contributions."""
+def placed(value, mesh, placements, g, split=None):
+    """Upload `value` as `placements`; Partial dims of one kind get random contributions
+    (simulate.split_partial's, or `split`'s)."""
     partial_dims = [m for m, p in enumerate(placements) if isinstance(p, Partial)]
     kinds = {placements[m].reduce_op for m in partial_dims}
     if len(kinds) != 1:
         return dtorch.tensor(value, device_mesh=mesh, placements=placements)
-    held = contributions(value, mesh, placements, g)
+    held = contributions(value, mesh, placements, g, split)
     grid = [mesh.shape[m] for m in partial_dims]
     pieces = []
     for index in itertools.product(*map(range, grid)):
