@@ -294,7 +294,8 @@ class DTensor:
 
 
 def call_op(name: str, args: tuple, kwargs: dict):
-    """Plan (cached), enqueue one RunOp command, return the output symbol(s). Never waits."""
+    """Plan (cached), issue the plan's inserted redistributes if any, enqueue one RunOp command,
+    return the output symbol(s). Never waits."""
     plan = cached_plan(name, args, kwargs)
     if plan.moves:
         args, kwargs = _apply_moves(plan.moves, args, kwargs)
