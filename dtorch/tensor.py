@@ -332,7 +332,7 @@ def _apply_moves(moves: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         key = (tensor._id, target)
         if key not in moved:
             moved[key] = tensor.redistribute(placements=target)
-            tensor._controller.redistributes_inserted += 1
+            tensor._controller.count_inserted_redistribute()
         return moved[key]
     return map_tensors(args, move), map_tensors(kwargs, move)
 

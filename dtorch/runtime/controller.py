@@ -110,6 +110,12 @@ class Controller:
                 self._loop.call_soon_threadsafe(self._flush_soon)
         return seq
 
+    def count_inserted_redistribute(self) -> None:
+        """One more redistribute the frontend inserted before an op (stats()); under the lock
+        because several threads may issue ops."""
+        with self._lock:
+            self.redistributes_inserted += 1
+
     def reference(self, tensor) -> wire.TensorRef:
         """The wire reference to `tensor` as an op input; it must belong to this session."""
         if tensor._controller is not self:
