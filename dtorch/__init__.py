@@ -15,6 +15,7 @@ from .errors import (DependencyError, DTorchError, MeshError, PlacementError, Re
                      ShapeError, StartupError, UnreadFailureWarning, UnsupportedOpError, WorkerLostError)
 from .factories import (arange, empty, empty_like, eye, full, full_like, linspace, ones, ones_like, rand, rand_like,
                         randint, randn, randn_like, tensor, zeros, zeros_like)
+from .ops.dispatch import is_strict, set_strict
 from .runtime import session as _session
 from .runtime.reads import Future
 from .tensor import DTensor, call_op
@@ -31,7 +32,8 @@ manual_seed = _session.manual_seed
 
 
 def stats() -> dict:
-    """Counters on the controller's sockets: commands_sent, messages_sent, bytes_sent, bytes_received."""
+    """Counters on the controller: commands_sent, messages_sent, bytes_sent, bytes_received, and
+    redistributes_inserted (moves dtorch added before ops whose placements did not line up)."""
     return _session.controller().stats()
 
 
@@ -60,6 +62,7 @@ for _name in _REGISTRY:
 __all__ = [
     "DTensor", "DeviceMesh", "Shard", "Replicate", "Partial", "init_device_mesh", "Future",
     "init", "init_async", "shutdown", "workers", "stats", "synchronize", "manual_seed",
+    "set_strict", "is_strict",
     "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",

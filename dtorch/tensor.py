@@ -294,8 +294,11 @@ class DTensor:
 
 
 def call_op(name: str, args: tuple, kwargs: dict):
-    """Plan (cached), enqueue one RunOp command, return the output symbol(s). Never waits."""
+    """Plan (cached), issue the plan's inserted redistributes if any, enqueue one RunOp command,
+    return the output symbol(s). Never waits."""
     plan = cached_plan(name, args, kwargs)
+    if plan.moves:
+        args, kwargs = _apply_moves(plan.moves, args, kwargs)
     out_specs = plan.out_specs
     controller = session.controller()
     ref = controller.reference   # checks each input belongs to this session (none kept from an ended one)
@@ -313,6 +316,25 @@ def call_op(name: str, args: tuple, kwargs: dict):
     seq = controller.submit(RunOp, out_ids, mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
     # torch's own result type: torch.return_types.max keeps .values / .indices, as in torch
     return plan.sequence([DTensor(i, spec, seq, controller) for i, spec in zip(out_ids, out_specs)])
+
+
+def _apply_moves(moves: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The plan's inserted redistributes (dtorch.set_strict(False), the default), issued as
+    ordinary Redistribute commands before the op: their failure semantics (a poisoned input joins
+    the collectives with zeros) are the tested ones. Tensors are numbered as `signature` numbers
+    them; one tensor passed twice with the same target moves once."""
+    targets, numbers, moved = dict(moves), iter(range(1 << 30)), {}
+
+    def move(tensor: DTensor) -> DTensor:
+        target = targets.get(next(numbers))
+        if target is None:
+            return tensor
+        key = (tensor._id, target)
+        if key not in moved:
+            moved[key] = tensor.redistribute(placements=target)
+            tensor._controller.count_inserted_redistribute()
+        return moved[key]
+    return map_tensors(args, move), map_tensors(kwargs, move)
 
 
 def _method(op_name: str):

@@ -22,6 +22,25 @@ def session():
         assert not alive(pid), f"worker pid {pid} still running after shutdown"
 
 
+@pytest.fixture
+def strict():
+    """dtorch.set_strict(True) for one test: placements that do not line up raise PlacementError
+    instead of getting redistributes inserted (for tests of the refusal and its message)."""
+    before = dtorch.is_strict()
+    dtorch.set_strict(True)
+    yield
+    dtorch.set_strict(before)
+
+
+@pytest.fixture
+def automatic():
+    """dtorch.set_strict(False) for one test, whatever DTORCH_STRICT says."""
+    before = dtorch.is_strict()
+    dtorch.set_strict(False)
+    yield
+    dtorch.set_strict(before)
+
+
 @pytest.fixture(scope="session")
 def mesh1(session):
     return init_device_mesh("cpu", (1,), mesh_dim_names=["dp"])

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import itertools
 import textwrap
 
 import torch
 
-from dtorch.distributed_spec import DeviceMesh
+import dtorch
+from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard
+from dtorch.ops.tooling.simulate import contributions
 from dtorch.ops.tensor_meta import tensor_meta
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,3 +49,30 @@ class Symbol:
     """Stands in for a DTensor in pure rule tests: the rules only look at `_spec`."""
     def __init__(self, shape, placements, mesh=DeviceMesh("cpu", [0, 1, 2, 3]), dtype=torch.float32):
         self._meta = tensor_meta(shape, dtype, mesh, placements)
+
+
+def placed(value, mesh, placements, g, split=None):
+    """Upload `value` as `placements`; Partial dims of one kind get random contributions
+    (simulate.split_partial's, or `split`'s)."""
+    partial_dims = [m for m, p in enumerate(placements) if isinstance(p, Partial)]
+    kinds = {placements[m].reduce_op for m in partial_dims}
+    if len(kinds) != 1:
+        return dtorch.tensor(value, device_mesh=mesh, placements=placements)
+    held = contributions(value, mesh, placements, g, split)
+    grid = [mesh.shape[m] for m in partial_dims]
+    pieces = []
+    for index in itertools.product(*map(range, grid)):
+        coordinate = [0] * mesh.ndim
+        for m, i in zip(partial_dims, index):
+            coordinate[m] = i
+        pieces.append(held[tuple(coordinate)])
+    stacked = torch.stack(pieces).reshape(*grid, *value.shape)
+    k, layout = len(partial_dims), []
+    for p in placements:
+        layout.append(Shard(partial_dims.index(len(layout))) if isinstance(p, Partial) else
+                      Shard(p.dim + k) if isinstance(p, Shard) else Replicate())
+    spread = dtorch.tensor(stacked, device_mesh=mesh, placements=layout)
+    dims = tuple(range(k))
+    result = spread.sum(dims, dtype=value.dtype) if kinds == {"sum"} else spread.amax(dims)
+    assert result.placements == tuple(placements), (result.placements, placements)
+    return result

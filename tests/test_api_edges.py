@@ -186,7 +186,7 @@ MESH2 = DeviceMesh("cpu", [[0, 1], [2, 3]], ["dp", "tp"])
 def rejection(op, *args, **kwargs):
     specs = [a._meta for a in list(args) + list(kwargs.values()) if isinstance(a, Symbol)]
     with pytest.raises(PlacementError) as info:
-        plan_call(lookup(op), args, kwargs, specs)
+        plan_call(lookup(op), args, kwargs, specs, strict=True)
     return str(info.value)
 
 

@@ -23,7 +23,7 @@ def test_tensors_on_different_meshes(mesh4, mesh22):
         x + y
 
 
-def test_unsupported_placement_names_op_placements_mesh_and_fix(mesh22):
+def test_unsupported_placement_names_op_placements_mesh_and_fix(mesh22, strict):
     x = dtorch.zeros(8, 8, device_mesh=mesh22, placements=[Shard(0), Partial()])
     y = dtorch.zeros(8, 8, device_mesh=mesh22, placements=[Shard(0), Replicate()])
     with pytest.raises(PlacementError) as info:

@@ -59,14 +59,18 @@ from dtorch.errors import PlacementError
 from dtorch.ops import REGISTRY
 from dtorch.ops.view import RESHAPES
 from dtorch.ops.tooling.samples import SAMPLED_FAMILIES, samples
-from dtorch.ops.tooling.simulate import contributions, placement_options, tensor_inputs, with_inputs
+from dtorch.ops.tooling.simulate import placement_options, tensor_inputs, with_inputs
 from dtorch.tensor import call_op
+from support import placed
 
 OPS = sorted(name for name, spec in REGISTRY.items() if spec.family in SAMPLED_FAMILIES)
 SWEEP_PARTIALS = ("sum", "max")    # what the workers' sweep feeds; the validator covers avg and min
 ACCEPTED_PER_MESH = {2: 16, 3: 12}  # N-D combinations run per sample, by mesh rank
 REJECTED_PER_MESH = 4
 SIZE_DEPENDENT = frozenset(RESHAPES)   # see the module docstring
+# The sweep checks the rules as written: a refused combination must raise, not get redistributes
+# inserted (tests/test_auto_redistribute.py sweeps the automatic moves).
+pytestmark = pytest.mark.usefixtures("strict")
 
 
 @pytest.fixture(scope="module")
@@ -140,34 +144,8 @@ class _Case:
     def place(self, mesh, index, placements):
         key = (mesh, index, placements)
         if key not in self.placed:
-            self.placed[key] = _placed(self.values[index], mesh, placements, self.g)
+            self.placed[key] = placed(self.values[index], mesh, placements, self.g)
         return self.placed[key]
-
-
-def _placed(value, mesh, placements, g):
-    """Upload `value` as `placements`; Partial dims of one kind get random contributions."""
-    partial_dims = [m for m, p in enumerate(placements) if isinstance(p, Partial)]
-    kinds = {placements[m].reduce_op for m in partial_dims}
-    if len(kinds) != 1:
-        return dtorch.tensor(value, device_mesh=mesh, placements=placements)
-    held = contributions(value, mesh, placements, g)
-    grid = [mesh.shape[m] for m in partial_dims]
-    pieces = []
-    for index in itertools.product(*map(range, grid)):
-        coordinate = [0] * mesh.ndim
-        for m, i in zip(partial_dims, index):
-            coordinate[m] = i
-        pieces.append(held[tuple(coordinate)])
-    stacked = torch.stack(pieces).reshape(*grid, *value.shape)
-    k, layout = len(partial_dims), []
-    for p in placements:
-        layout.append(Shard(partial_dims.index(len(layout))) if isinstance(p, Partial) else
-                      Shard(p.dim + k) if isinstance(p, Shard) else Replicate())
-    spread = dtorch.tensor(stacked, device_mesh=mesh, placements=layout)
-    dims = tuple(range(k))
-    placed = spread.sum(dims, dtype=value.dtype) if kinds == {"sum"} else spread.amax(dims)
-    assert placed.placements == tuple(placements), (placed.placements, placements)
-    return placed
 
 
 def _short(combo) -> str:

@@ -43,7 +43,7 @@ def out_placements(op, *args, **kwargs):
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, Symbol):
                 specs.append(item._meta)
-    return [spec.placements for spec in plan_call(lookup(op), args, kwargs, specs).out_specs]
+    return [spec.placements for spec in plan_call(lookup(op), args, kwargs, specs, strict=True).out_specs]
 
 
 def test_reshape_groups_pair_equal_products():
@@ -313,7 +313,7 @@ def test_gather_and_scatter_spellings(mesh22):
 
 
 # --- methods of the marked block and odd inputs ------------------------------------------------------
-def test_iteration_and_index_errors(mesh4):
+def test_iteration_and_index_errors(mesh4, strict):
     a = distinct(3, 4)
     x = dtorch.tensor(a, device_mesh=mesh4, placements=[Shard(1)])
     assert [row.tolist() for row in x] == a.tolist()
@@ -363,7 +363,7 @@ KNOWN_GAPS = {  # see the module docstring: each still refuses, cleanly
 
 
 @pytest.mark.parametrize("gap", KNOWN_GAPS)
-def test_known_gaps_still_refuse(mesh4, gap):
+def test_known_gaps_still_refuse(mesh4, gap, strict):
     op, shape, placements = KNOWN_GAPS[gap]
     x = dtorch.tensor(distinct(*shape), device_mesh=mesh4, placements=placements)
     with pytest.raises(PlacementError, match="redistribute"):

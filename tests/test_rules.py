@@ -17,7 +17,7 @@ MESH2 = DeviceMesh("cpu", [[0, 1], [2, 3]], ["dp", "tp"])
 
 def plan(op, *args, **kwargs):
     specs = [a._meta for a in list(args) + list(kwargs.values()) if isinstance(a, Symbol)]
-    return plan_call(lookup(op), args, kwargs, specs)
+    return plan_call(lookup(op), args, kwargs, specs, strict=True)   # the rules as written, no moves
 
 
 def placements_of(result):

@@ -1,9 +1,11 @@
-"""PURE: turn an op call on tensor specs into a plan: output specs, local slicing of inputs, and
-the local kernel. Plans are cached per call signature, so a hot loop pays one dict lookup and
-never re-runs meta inference or the rules.
+"""PURE: turn an op call on tensor specs into a plan: the redistributes to issue first where the
+rules refuse the inputs as given (ops/auto_redistribute.py; none in strict mode, which raises
+instead), output specs, local slicing of inputs, and the local kernel. Plans are cached per call
+signature, so a hot loop pays one dict lookup and never re-runs meta inference or the rules.
 """
 from __future__ import annotations
 
+import os
 from numbers import Number
 
 import torch
@@ -11,14 +13,16 @@ from typing import NamedTuple
 
 from ..distributed_spec import format_placements
 from ..errors import MeshError, PlacementError, ShapeError, user_site
-from ..redistribute import LOCAL_ONLY, plan_redistribute, step_kind
+from ..redistribute import plan_redistribute
+from .auto_redistribute import legal_call, takes_communication
 from .registry import REGISTRY, RegisteredOp
 from .rules import Call, TensorSlot, expand
 from .tensor_meta import TensorMeta, tensor_meta
 from .suggest import spell_placements_code
 from .unsupported import refuse_inplace_flag, unsupported_op
 
-__all__ = ["OpPlan", "lookup", "plan_call", "cached_plan", "signature", "map_tensors", "PLAN_CACHE", "warm_up_inference"]
+__all__ = ["OpPlan", "lookup", "plan_call", "cached_plan", "signature", "map_tensors", "PLAN_CACHE", "warm_up_inference",
+           "set_strict", "is_strict"]
 
 
 class OpPlan(NamedTuple):
@@ -28,9 +32,28 @@ class OpPlan(NamedTuple):
     extra_kwargs: dict
     sequence: type | None = None   # torch's result type when it returns several (tuple, list,
                                    # torch.return_types.max, ...); kept even for one element
+    moves: tuple = ()         # ((tensor_index, target placements), ...): redistributes to issue
+                              # before the op; out_specs, input_steps and kernel are for the moved inputs
 
 
 PLAN_CACHE: dict[tuple, OpPlan] = {}
+# Strict: refuse a call whose placements do not line up (today's PlacementError) instead of
+# inserting the cheapest redistributes. Plans differ by mode, so a change clears the cache.
+_strict = os.environ.get("DTORCH_STRICT", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def set_strict(strict: bool) -> None:
+    """dtorch.set_strict(True): every collective must be spelled out (a call whose placements
+    do not line up raises PlacementError with the legal alternatives); False (the default, unless
+    DTORCH_STRICT=1 at import) inserts the cheapest redistributes before such a call."""
+    global _strict
+    if bool(strict) != _strict:
+        PLAN_CACHE.clear()
+        _strict = bool(strict)
+
+
+def is_strict() -> bool:
+    return _strict
 
 
 def signature(op: RegisteredOp, args: tuple, kwargs: dict, specs: list) -> tuple:
@@ -63,8 +86,10 @@ def _key_of(value, specs: list, scalars_by_type: bool):
     return value
 
 
-def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMeta]) -> OpPlan:
-    """Build the plan for one call (cold path: runs meta inference and the rules)."""
+def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMeta],
+              strict: bool | None = None) -> OpPlan:
+    """Build the plan for one call (cold path: runs meta inference and the rules). Outside strict
+    mode (`strict` None: the global mode) inputs whose placements the rules refuse get moves."""
     if not specs:
         raise ShapeError(f"{op.name}: no dtorch tensor among the arguments")
     if any(isinstance(value, torch.Tensor) for value in list(args) + list(kwargs.values())):
@@ -79,12 +104,17 @@ def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMet
     slot_args, slot_kwargs = _with_slots(args, kwargs)
     outputs, sequence = _infer(op, args, kwargs, specs)
     call = Call(op.name, tuple(specs), slot_args, slot_kwargs, outputs)
+    moves = ()
+    if not (_strict if strict is None else strict):
+        found = legal_call(op.rule, call)
+        if found is not None:   # otherwise no layout works: expand raises the strict error
+            call, moves = found
     required, out_placements = expand(op.rule, call)
     input_steps = _local_input_steps(call, required)
     kernel, extra = op.local(call, required) if op.local else (op.name, {})
     out_specs = tuple(tensor_meta(shape, dtype, mesh, placements)
                       for (shape, dtype), placements in zip(outputs, out_placements))
-    return OpPlan(kernel, out_specs, input_steps, extra, sequence)
+    return OpPlan(kernel, out_specs, input_steps, extra, sequence, moves)
 
 
 def _is_symbol(value) -> bool:
@@ -136,12 +166,12 @@ def _local_input_steps(call: Call, required: list) -> tuple:
     for index, (spec, wanted) in enumerate(zip(call.inputs, required)):
         if spec.placements == wanted:
             continue
-        steps = plan_redistribute(spec.placements, wanted)
-        if any(step_kind(before, after) not in LOCAL_ONLY for _, before, after in steps):
+        if takes_communication(spec.placements, wanted):
             raise PlacementError(f"{call.op}: input {index} is {format_placements(spec.placements)} but the "
                                  f"op needs {format_placements(wanted)} on {spec.mesh}, which takes "
                                  f"communication; redistribute it explicitly at {user_site()}. Fix: "
                                  f"input{index}.redistribute(placements={spell_placements_code(wanted)})")
+        steps = plan_redistribute(spec.placements, wanted)
         steps_per_input.append((index, spec.shape, spec.placements, tuple(steps)))
     return tuple(steps_per_input)
 

@@ -15,7 +15,7 @@ from ..distributed_spec import Partial, Placement, Replicate, Shard, format_plac
 from ..errors import PlacementError, user_site
 from .suggest import cheapest_fix, describe_legal, legal_combinations, placement_code
 
-__all__ = ["Call", "Decision", "RuleRejected", "Rule", "expand", "TensorSlot", "R", "all_replicate", "shard_of",
+__all__ = ["Call", "Decision", "RuleRejected", "Rule", "expand", "try_expand", "Refusal", "TensorSlot", "R", "all_replicate", "shard_of",
            "common_shard_dim", "partial_op", "unshard_fix", "normalize_dim", "follow_rule",
            "off_dim"]
 
@@ -62,17 +62,32 @@ class RuleRejected(Exception):
 Rule = Callable[[Call, tuple], Decision]
 
 
+class Refusal(NamedTuple):
+    """Where `try_expand` stopped: the mesh dim whose placements the rule refused, and why."""
+    mesh_dim: int
+    placements: tuple
+    rejected: RuleRejected
+
+
 def expand(rule: Rule, call: Call) -> tuple[list[tuple], list[tuple]]:
     """Apply a 1-D rule to every mesh dim; return (required input placements, output placements)."""
-    mesh = call.mesh
+    outcome = try_expand(rule, call)
+    if type(outcome) is Refusal:
+        raise PlacementError(_rejection_message(rule, call, *outcome)) from None
+    return outcome
+
+
+def try_expand(rule: Rule, call: Call):
+    """`expand`, but a refusal comes back as a Refusal instead of a worded PlacementError: the
+    automatic redistribute (ops/auto_redistribute.py) needs the mesh dim, not the message."""
     required = [[] for _ in call.inputs]
     outputs = [[] for _ in call.outputs]
-    for mesh_dim in range(mesh.ndim):
+    for mesh_dim in range(call.mesh.ndim):
         placements = tuple(spec.placements[mesh_dim] for spec in call.inputs)
         try:
             decision = rule(call, placements)
         except RuleRejected as rejected:
-            raise PlacementError(_rejection_message(rule, call, mesh_dim, placements, rejected)) from None
+            return Refusal(mesh_dim, placements, rejected)
         for slot, placement in zip(required, decision.inputs):
             slot.append(placement)
         for slot, placement in zip(outputs, decision.outputs):

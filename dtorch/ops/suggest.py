@@ -13,13 +13,15 @@ import itertools
 import math
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..distributed_spec import Partial, Placement, Replicate, Shard, format_placements
 from ..redistribute import LOCAL_ONLY, plan_redistribute, step_kind
 
 if TYPE_CHECKING:   # rules.py imports this module to word its refusals; only its types are needed here
     from .rules import Call, Rule
 
-__all__ = ["legal_combinations", "cheapest_fix", "describe_legal", "spell_placements_code", "placement_code",
+__all__ = ["legal_combinations", "cheapest_combination", "cheapest_fix", "describe_legal", "spell_placements_code", "placement_code",
            "MOVE_COST"]
 
 R = Replicate()
@@ -42,8 +44,11 @@ FULL_SEARCH_LIMIT = 512   # beyond this many combinations, try uniform ones and 
 
 
 def candidates(spec) -> list[Placement]:
-    """What an input could be on one mesh dim: S(d) for each of its dims, R, P(sum)."""
-    return [Shard(d) for d in range(len(spec.shape))] + [R, Partial("sum")]
+    """What an input could be on one mesh dim: S(d) for each of its dims, R, P(sum) (not for bool:
+    a sum of booleans is not a boolean, and no rule is validated on one). The automatic
+    redistribute moves inputs only to these."""
+    partial = [] if spec.dtype == torch.bool else [Partial("sum")]
+    return [Shard(d) for d in range(len(spec.shape))] + [R] + partial
 
 
 def legal_combinations(rule: Rule, call: Call, mesh_dim: int) -> list[tuple]:
@@ -83,13 +88,18 @@ def move_cost(spec, mesh_dim: int, target: Placement) -> tuple[float, list[str]]
     return sum(MOVE_COST[kind](mesh.shape[mesh_dim]) for kind in kinds) * size, kinds
 
 
-def cheapest_fix(call: Call, mesh_dim: int, legal: list[tuple]) -> str:
-    """The move to the legal combination that sends the fewest bytes (fewest inputs moved on a
-    tie), spelled as the redistribute the user can paste."""
+def cheapest_combination(call: Call, mesh_dim: int, legal: list[tuple]) -> tuple:
+    """The legal combination reached by sending the fewest bytes (fewest inputs moved on a tie):
+    the fix a refusal suggests, and the move the automatic redistribute makes."""
     def total(combo):
         moves = [move_cost(spec, mesh_dim, p) for spec, p in zip(call.inputs, combo)]
         return sum(cost for cost, _ in moves), sum(bool(kinds) for _, kinds in moves)
-    best = min(legal, key=total)
+    return min(legal, key=total)
+
+
+def cheapest_fix(call: Call, mesh_dim: int, legal: list[tuple]) -> str:
+    """The cheapest move to a legal combination, spelled as the redistribute the user can paste."""
+    best = cheapest_combination(call, mesh_dim, legal)
     moved = [(i, spec, p) for i, (spec, p) in enumerate(zip(call.inputs, best)) if spec.placements[mesh_dim] != p]
     return " and ".join(_spell_move(i, spec, mesh_dim, p) for i, spec, p in moved)
 

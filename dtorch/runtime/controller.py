@@ -72,6 +72,7 @@ class Controller:
         self._waiting_for_failure: dict[int, list] = collections.defaultdict(list)
         self.failures: dict[int, RemoteFailure] = {}
         self.commands_sent = self.batches_sent = 0
+        self.redistributes_inserted = 0   # by the frontend, before ops whose placements did not line up
         self.gloo_timeout_s = gloo_timeout_s
         self.hang_timeout_s = (float(os.environ.get("DTORCH_HANG_TIMEOUT_S", HANG_TIMEOUT_S))
                                if hang_timeout_s is None else hang_timeout_s)
@@ -116,6 +117,12 @@ class Controller:
                 self._flush_scheduled = True
                 self._loop.call_soon_threadsafe(self._flush_soon)
         return seq
+
+    def count_inserted_redistribute(self) -> None:
+        """One more redistribute the frontend inserted before an op (stats()); under the lock
+        because several threads may issue ops."""
+        with self._lock:
+            self.redistributes_inserted += 1
 
     def reference(self, tensor) -> wire.TensorRef:
         """The wire reference to `tensor` as an op input; it must belong to this session."""
@@ -203,7 +210,8 @@ class Controller:
                 "messages_sent": s.messages_sent,
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
                 "workers": len(self.workers), "pending_reads": len(self._reads),
-                "messages_rejected": self.rejections.count}
+                "messages_rejected": self.rejections.count,
+                "redistributes_inserted": self.redistributes_inserted}
 
     # --- worker pool ----------------------------------------------------------------------------
     def add_workers(self, handles: list, device: str) -> None:

@@ -130,9 +130,11 @@ def _groups(mesh: DeviceMesh, mesh_dim: int):
         yield [base[:mesh_dim] + (i,) + base[mesh_dim + 1:] for i in range(mesh.shape[mesh_dim])]
 
 
-def contributions(value, mesh: DeviceMesh, placements, g) -> dict:
+def contributions(value, mesh: DeviceMesh, placements, g, split=None) -> dict:
     """Each coordinate's full-size contribution: reduced in mesh-dim order they give `value`.
-    Contributions depend on the Partial dims' coordinates only: along R or S dims they repeat."""
+    Contributions depend on the Partial dims' coordinates only: along R or S dims they repeat.
+    `split` replaces split_partial (same arguments)."""
+    split = split or split_partial
     partial_dims = [m for m, p in enumerate(placements) if isinstance(p, Partial)]
     held = {c: value for c in itertools.product(*map(range, mesh.shape))}
     for mesh_dim in reversed(partial_dims):   # the last reduction splits first
@@ -140,7 +142,7 @@ def contributions(value, mesh: DeviceMesh, placements, g) -> dict:
         for group in _groups(mesh, mesh_dim):
             key = tuple(group[0][m] for m in partial_dims if m != mesh_dim)
             if key not in splits:
-                splits[key] = split_partial(held[group[0]], len(group), placements[mesh_dim].reduce_op, g)
+                splits[key] = split(held[group[0]], len(group), placements[mesh_dim].reduce_op, g)
             held.update(zip(group, splits[key]))
     return held
 

@@ -148,7 +148,7 @@ def _check(op, draw: _Draw, combo, again):
     specs = [tensor_meta(v.shape, v.dtype, draw.mesh, p) for v, p in zip(draw.values, combo)]
     args, kwargs = with_inputs(draw.sample, [Symbol(s) for s in specs])
     try:
-        plan = plan_call(op, args, kwargs, specs)
+        plan = plan_call(op, args, kwargs, specs, strict=True)   # the rule as written, no moves
     except PlacementError:
         return "rejected", _missing(op, draw, combo, again)
     except Exception:   # noqa: BLE001  (UnsupportedOpError and the like: refused on purpose)
