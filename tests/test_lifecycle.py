@@ -86,6 +86,14 @@ def test_controller_sigkill_stops_every_worker_within_10s():
         controller.send_signal(signal.SIGKILL)
         controller.wait(10)
         assert _wait_gone(pids, 10), "workers outlived their controller"
+        # its private ipc directory stayed behind; the next session's start removes it
+        import glob, shutil, tempfile
+        from dtorch.runtime import transport
+        left = glob.glob(os.path.join(tempfile.gettempdir(), f"dtorch-{controller.pid}-*"))
+        assert left, "the killed controller's ipc directory should still be there"
+        fresh = transport._private_dir()
+        shutil.rmtree(fresh)
+        assert not any(os.path.exists(path) for path in left), left
     finally:
         controller.kill()
         controller.wait()

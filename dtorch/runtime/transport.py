@@ -125,12 +125,45 @@ class ControllerSockets:
 
 def _private_dir() -> str:
     """mkdtemp: a unique name (concurrent sessions never collide) created with mode 0700.
-    A socket path must fit in sockaddr_un (107 bytes): fall back to /tmp for a long TMPDIR."""
-    path = tempfile.mkdtemp(prefix="dtorch-")
+    A socket path must fit in sockaddr_un (107 bytes): fall back to /tmp for a long TMPDIR.
+    The name carries this process's pid, so a later session removes the directories that
+    controllers killed without a shutdown (SIGKILL) left behind."""
+    prefix = f"dtorch-{os.getpid()}-"
+    path = tempfile.mkdtemp(prefix=prefix)
     if len(path) + len("/commands") > 100:
         os.rmdir(path)
-        path = tempfile.mkdtemp(prefix="dtorch-", dir="/tmp")
+        path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    _remove_stale_dirs(os.path.dirname(path))
     return path
+
+
+def _remove_stale_dirs(parent: str) -> None:
+    """This user's dtorch-<pid>-* directories whose controller process no longer exists."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "dtorch" or not parts[1].isdigit():
+            continue
+        path = os.path.join(parent, name)
+        try:
+            if os.stat(path).st_uid != os.getuid() or _process_exists(int(parts[1])):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's process: alive
+        return True
+    return True
 
 
 def _bind(socket: zmq.Socket, host: str | None, private_dir: str | None, name: str) -> str:
