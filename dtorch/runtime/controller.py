@@ -402,18 +402,23 @@ class Controller:
             if read is not None:
                 self._finish(waiting, read)
 
-    def _site_of(self, seq: int) -> str:
+    def _kept(self, seq: int) -> tuple | None:
+        """(seq, site, what) of a command still in the ring, else None."""
         kept = self._sites[seq % SITE_RING]
-        if kept is None or kept[0] != seq:
+        return kept if kept is not None and kept[0] == seq else None
+
+    def _site_of(self, seq: int) -> str:
+        kept = self._kept(seq)
+        if kept is None:
             return (f"<line not kept: command #{seq} was issued more than {SITE_RING} commands before the "
                     "newest, and only the newest keep their line>")
         return format_site(kept[1])
 
     def _describe_command(self, seq: int) -> str:
-        kept = self._sites[seq % SITE_RING]
-        if kept is None or kept[0] != seq:
+        kept = self._kept(seq)
+        if kept is None:
             return f"command #{seq}"
-        what = kept[2] if type(kept[2]) is str else kept[2].__name__
+        what = kept[2] if type(kept[2]) is str else kept[2].__name__   # a RunOp's user op, else the command
         return f"command #{seq} ({what}, issued at {format_site(kept[1])})"
 
     async def _watch(self) -> None:

@@ -187,10 +187,7 @@ class Worker:
         else:  # the common case: top-level tensors and scalars, nothing to slice
             tensor = self._tensor
             args = [tensor(a.id) if type(a) is TensorRef else a for a in command.args]
-            kwargs = _map_refs(command.kwargs, lambda ref: tensor(ref.id)) if command.kwargs else {}
-        if kwargs:   # a ShardRegion stands for where this rank's block sits
-            kwargs = {k: v.at(mesh, mesh.coordinate_of(self.rank)) if type(v) is ShardRegion else v
-                      for k, v in kwargs.items()}
+            kwargs = _map_refs(command.kwargs, lambda ref: tensor(ref.id), self._place(mesh)) if command.kwargs else {}
         result = KERNELS[command.kernel](*args, **kwargs)
         if isinstance(result, (tuple, list)):
             for tensor_id, value in zip(command.out_ids, result):
@@ -209,7 +206,12 @@ class Worker:
                 shape, placements, steps = local_steps[index]
                 tensor = apply_steps(tensor, shape, mesh, placements, steps, self.rank, self.comm)
             return tensor
-        return _map_refs(command.args, local), _map_refs(command.kwargs, local)
+        place = self._place(mesh)
+        return _map_refs(command.args, local, place), _map_refs(command.kwargs, local, place)
+
+    def _place(self, mesh: DeviceMesh):
+        """Where this rank's block of a ShardRegion sits in the global tensor: (offset, shape)."""
+        return lambda region: region.at(mesh, mesh.coordinate_of(self.rank))
 
     def handle_redistribute(self, command: wire.Redistribute) -> None:
         mesh = self._member(command.mesh_id)
@@ -385,12 +387,15 @@ def _flat(args) -> bool:
     return not any(type(a) in (tuple, list, dict) for a in args)
 
 
-def _map_refs(value, fn):
-    """Replace each TensorRef, depth-first (the order dispatch numbered the tensors in)."""
+def _map_refs(value, fn, place):
+    """Replace each TensorRef with fn(ref), depth-first (the order dispatch numbered the tensors
+    in), and each ShardRegion with place(region): the wire's two stand-ins for rank-local values."""
     if type(value) is TensorRef:
         return fn(value)
     if type(value) in (tuple, list):
-        return [_map_refs(v, fn) for v in value]
+        return [_map_refs(v, fn, place) for v in value]
     if type(value) is dict:
-        return {k: _map_refs(v, fn) for k, v in value.items()}
+        return {k: _map_refs(v, fn, place) for k, v in value.items()}
+    if type(value) is ShardRegion:
+        return place(value)
     return value
