@@ -302,8 +302,10 @@ def call_op(name: str, args: tuple, kwargs: dict):
     out_specs = plan.out_specs
     controller = session.controller()
     ref = controller.reference   # checks each input belongs to this session (none kept from an ended one)
+    # exact types first (the hot case); a subclass (nn.Parameter) or a list takes the general walk
     wire_args = tuple([ref(a) if type(a) is DTensor else
-                       map_tensors(a, ref) if type(a) in (list, tuple) else a for a in args])
+                       map_tensors(a, ref) if type(a) in (list, tuple) or isinstance(a, DTensor) else a
+                       for a in args])
     wire_kwargs = map_tensors(kwargs, ref) if kwargs else {}
     if plan.extra_kwargs:
         wire_kwargs.update(plan.extra_kwargs)

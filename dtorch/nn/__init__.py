@@ -1,4 +1,23 @@
-"""dtorch.nn: functional ops with torch.nn's names (dtorch.nn.functional.relu, ...)."""
+"""dtorch.nn: modules whose parameters live on a mesh's workers, with torch.nn's and DTorch's
+names, parallel styles (parallelize_module), and functional ops (dtorch.nn.functional)."""
 from . import functional
+from .activation import (ELU, GELU, Dropout, Flatten, Identity, LeakyReLU, LogSoftmax, ReLU, Sigmoid, SiLU,
+                         Softmax, Softplus, Tanh, Unflatten)
+from .containers import ModuleDict, ModuleList, Sequential
+from .embedding import Embedding, EmbeddingWithReplicateOutput
+from .linear import (ColumnParallelLinear, ColumnParallelLinearWithReplicateInputOutput,
+                     ColumnParallelLinearWithReplicateOutput, Linear, ReplicateParallelLinear, RowParallelLinear,
+                     RowParallelLinearWithReplicateOutput)
+from .module import IncompatibleKeys, Module
+from .normalization import GroupNorm, LayerNorm, RMSNorm
+from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
+                       SequenceParallel, parallelize_module)
+from .parameter import Parameter
 
-__all__ = ["functional"]
+__all__ = ["functional", "Module", "Parameter", "IncompatibleKeys", "Sequential", "ModuleList", "ModuleDict",
+           "Linear", "ColumnParallelLinear", "RowParallelLinear", "ColumnParallelLinearWithReplicateOutput",
+           "ColumnParallelLinearWithReplicateInputOutput", "RowParallelLinearWithReplicateOutput",
+           "ReplicateParallelLinear", "Embedding", "EmbeddingWithReplicateOutput", "LayerNorm", "RMSNorm",
+           "GroupNorm", "Dropout", "Identity", "ReLU", "GELU", "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU",
+           "Softplus", "Softmax", "LogSoftmax", "Flatten", "Unflatten", "parallelize_module", "ParallelStyle",
+           "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"]

@@ -218,6 +218,9 @@ VIEW = {
     "repeat": OpRow(torch.Tensor.repeat, follow_rule(_repeat_out_dim, "S(d) on a dim repeated once, R, Partial")),
     "contiguous": OpRow(torch.Tensor.contiguous, follow_rule(_SAME, "any")),
     "clone": OpRow(torch.clone, follow_rule(_SAME, "any")),
+    # the same values under a new id, sharing the workers' buffers (no copy): what
+    # nn.Parameter(x) and state_dict() hand out, so that each symbol frees only its own id
+    "detach": OpRow(torch.Tensor.detach, follow_rule(_SAME, "any")),
     "cat": OpRow(torch.cat, join_rule(stack=False), method=False),
     "stack": OpRow(torch.stack, join_rule(stack=True), method=False),
     "split": OpRow(torch.split, follow_rule(off_dim(2), _SPLIT_LEGAL)),

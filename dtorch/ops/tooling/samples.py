@@ -388,6 +388,7 @@ _BUILDERS: dict[str, Callable] = {
                     _on(_SIZE_ONE, lambda x: _call(x, 1, 2, 1))),
     "contiguous": _on(_MATRIX, lambda x: _call(x)),
     "clone": _on(_MATRIX, lambda x: _call(x)),
+    "detach": _on(_MATRIX, lambda x: _call(x)),
     "cat": _both(_pair(lambda x, y: _call([x, y]), lambda x, y: _call([x, y], 1), lambda x, y: _call([x, x]),
                        lambda x, y: _call([x, x], dim=1)),
                  _on(_CUBE, lambda x: _call([x, x], 2))),

@@ -1,0 +1,322 @@
+"""dtorch.nn.Module: torch.nn.Module's machinery over DTensor parameters.
+
+It IS a torch.nn.Module (named_parameters, state_dict, hooks, train/eval, apply, repr and the
+containers all come from torch), with the few places where torch assumes local tensors replaced:
+registration accepts only dtorch Parameters and DTensor buffers, `load_state_dict` checks every
+key and shape before it sends anything and then uploads one tensor at a time (each worker
+receives only its own slice), and `to` / `float` / ... rebind parameters to new symbols.
+
+Each module may also move its input and output, as DTorch's modules do: `__call__` runs
+`redistribute_input(*args, **kwargs) -> (args, kwargs)`, then torch's hooks and `forward`, then
+`redistribute_output(output) -> output`. Both are identities unless a layer overrides them.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections import OrderedDict
+from typing import Callable, Iterator, Mapping, NamedTuple
+
+import torch
+
+from ..distributed_spec import DeviceMesh
+from ..factories import tensor as upload
+from ..tensor import DTensor
+from .parameter import Parameter
+
+__all__ = ["Module", "IncompatibleKeys", "set_path_loader"]
+
+
+class IncompatibleKeys(NamedTuple):
+    """What load_state_dict returns (torch's `_IncompatibleKeys` fields)."""
+    missing_keys: list
+    unexpected_keys: list
+
+
+# dtorch.checkpoint installs the loader for file paths (a layer above nn: nn never imports it)
+_path_loader: Callable | None = None
+
+
+def set_path_loader(loader: Callable) -> None:
+    """Called by dtorch.checkpoint: `loader(module, path, strict) -> IncompatibleKeys`."""
+    global _path_loader
+    _path_loader = loader
+
+
+class Module(torch.nn.Module):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+
+    # --- DTorch's hooks around forward -------------------------------------------------------
+    def redistribute_input(self, *args, **kwargs):
+        """Move inputs before forward; returns (args, kwargs). Identity unless overridden."""
+        return args, kwargs
+
+    def redistribute_output(self, output):
+        """Move the output after forward. Identity unless overridden."""
+        return output
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = self.redistribute_input(*args, **kwargs)
+        return self.redistribute_output(torch.nn.Module.__call__(self, *args, **kwargs))
+
+    # --- registration: dtorch tensors only -----------------------------------------------------
+    def register_parameter(self, name: str, param: Parameter | None) -> None:
+        if "_parameters" not in self.__dict__:
+            raise AttributeError("cannot assign parameters before Module.__init__() call")
+        _check_member_name(self, name, "_parameters")
+        if param is not None and not isinstance(param, Parameter):
+            raise TypeError(_wrong_tensor_kind(name, param, "parameter", "dtorch.nn.Parameter or None"))
+        self._parameters[name] = param
+
+    def register_buffer(self, name: str, tensor: DTensor | None, persistent: bool = True) -> None:
+        if "_buffers" not in self.__dict__:
+            raise AttributeError("cannot assign buffers before Module.__init__() call")
+        _check_member_name(self, name, "_buffers")
+        if tensor is not None and not isinstance(tensor, DTensor):
+            raise TypeError(_wrong_tensor_kind(name, tensor, "buffer", "a DTensor or None"))
+        self._buffers[name] = tensor
+        (self._non_persistent_buffers_set.discard if persistent else self._non_persistent_buffers_set.add)(name)
+
+    def add_module(self, name: str, module: torch.nn.Module | None) -> None:
+        _refuse_local_weights(name, module)
+        super().add_module(name, module)
+
+    register_module = add_module
+
+    def __setattr__(self, name: str, value) -> None:
+        params = self.__dict__.get("_parameters")
+        if isinstance(value, Parameter):
+            if params is None:
+                raise AttributeError("cannot assign parameters before Module.__init__() call")
+            for members in (self.__dict__, self._buffers, self._modules):
+                members.pop(name, None)
+            self._non_persistent_buffers_set.discard(name)
+            self.register_parameter(name, value)
+        elif params is not None and name in params:
+            if value is not None:
+                raise TypeError(_wrong_tensor_kind(name, value, "parameter", "dtorch.nn.Parameter or None"))
+            params[name] = None
+        elif isinstance(value, torch.Tensor):    # torch.nn.Parameter included
+            raise TypeError(_wrong_tensor_kind(name, value, "attribute", "a DTensor (dtorch.nn.Parameter for a "
+                                               "parameter)"))
+        elif isinstance(value, DTensor) and name in self.__dict__.get("_buffers", ()):
+            self._buffers[name] = value
+        else:
+            if isinstance(value, torch.nn.Module):
+                _refuse_local_weights(name, value)
+            super().__setattr__(name, value)
+
+    # --- where the module lives ------------------------------------------------------------------
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The mesh of the first parameter (or buffer); None for a module without tensors."""
+        for tensor in self._all_tensors():
+            return tensor.device_mesh
+        return None
+
+    def _all_tensors(self) -> Iterator[DTensor]:
+        yield from self.parameters()
+        yield from self.buffers()
+
+    # --- conversions: every one rebinds the tensors to new symbols ------------------------------
+    def _apply(self, fn, recurse: bool = True):
+        if recurse:
+            for module in self.children():
+                module._apply(fn)
+        for name, param in self._parameters.items():
+            if param is not None:
+                applied = fn(param)
+                if applied is not param:
+                    self._parameters[name] = Parameter(applied, param.requires_grad)
+        for name, buffer in self._buffers.items():
+            if buffer is not None:
+                self._buffers[name] = fn(buffer)
+        return self
+
+    def to(self, *args, **kwargs):
+        """module.to(dtype) casts floating-point tensors; module.to(device_mesh) (or
+        to(device_mesh=...)) moves every tensor to another mesh of the same number of dims,
+        keeping its placements. torch devices are refused: a mesh says where tensors live."""
+        dtype, mesh = kwargs.pop("dtype", None), kwargs.pop("device_mesh", None)
+        for arg in args:
+            if isinstance(arg, torch.dtype):
+                dtype = arg
+            elif isinstance(arg, DeviceMesh):
+                mesh = arg
+            else:
+                raise TypeError(f"Module.to({arg!r}): dtorch modules take a dtype or a DeviceMesh; a torch "
+                                "device says nothing about which workers hold the tensors")
+        if kwargs:
+            raise TypeError(f"Module.to: unexpected arguments {sorted(kwargs)}")
+        if mesh is not None:
+            self._apply(lambda t: t.redistribute(mesh, t.placements) if t.device_mesh != mesh else t)
+        if dtype is not None:
+            self._apply(lambda t: t.to(dtype) if t.dtype.is_floating_point else t)
+        return self
+
+    def float(self):
+        return self.to(torch.float32)
+
+    def double(self):
+        return self.to(torch.float64)
+
+    def half(self):
+        return self.to(torch.float16)
+
+    def bfloat16(self):
+        return self.to(torch.bfloat16)
+
+    def cuda(self, device=None):
+        raise TypeError("Module.cuda(): a dtorch module lives where its mesh is; build it on "
+                        "init_device_mesh('cuda', ...) or move it with module.to(cuda_mesh)")
+
+    def cpu(self):
+        raise TypeError("Module.cpu(): a dtorch module lives where its mesh is; read a tensor with "
+                        "to_torch(), or move the module with module.to(cpu_mesh)")
+
+    # --- loading ------------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False, *,
+                        progress: bool | None = None) -> IncompatibleKeys:
+        """Load torch tensors, DTensors, or a checkpoint path (a .safetensors file or a
+        transformers directory; each worker then reads its own slices from the file).
+
+        Every key, shape and dtype is checked before anything is sent, so a bad state_dict
+        leaves the module as it was. torch tensors are uploaded one at a time with the target
+        parameter's placements: each worker receives only its own slice. DTensors are cast and
+        redistributed to the target's mesh and placements. `assign` is accepted for torch's
+        signature; dtorch always assigns (values never change under a symbol)."""
+        if isinstance(state_dict, (str, os.PathLike)):
+            if _path_loader is None:
+                raise RuntimeError("loading from a path needs dtorch.checkpoint: `import dtorch` first")
+            return _path_loader(self, state_dict, strict)
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"load_state_dict expects a mapping or a path, got {type(state_dict).__name__}")
+        targets = loadable_tensors(self)
+        keys = IncompatibleKeys([k for k in targets if k not in state_dict],
+                                [k for k in state_dict if k not in targets])
+        if strict and (keys.missing_keys or keys.unexpected_keys):
+            raise RuntimeError(describe_incompatible(type(self).__name__, keys))
+        names = [k for k in targets if k in state_dict]
+        check_loadable({k: state_dict[k] for k in names}, {k: targets[k] for k in names})
+        bar = ProgressBar(len(names), progress)
+        for name in names:
+            put_tensor(self, name, to_target(state_dict[name], targets[name]))
+            bar.step(name)
+        bar.close()
+        return keys
+
+
+# --- what load_state_dict works with (dtorch.checkpoint reuses these) -----------------------------
+def loadable_tensors(module: torch.nn.Module) -> "OrderedDict[str, DTensor]":
+    """state_dict's keys, each with the tensor it names now (parameters and persistent buffers)."""
+    found = OrderedDict()
+    for prefix, owner in module.named_modules():
+        dot = prefix + "." if prefix else ""
+        for name, param in owner._parameters.items():
+            if param is not None:
+                found.setdefault(dot + name, param)
+        for name, buffer in owner._buffers.items():
+            if buffer is not None and name not in owner._non_persistent_buffers_set:
+                found.setdefault(dot + name, buffer)
+    return found
+
+
+def describe_incompatible(owner: str, keys: IncompatibleKeys) -> str:
+    parts = []
+    for label, names in (("Missing key(s)", keys.missing_keys), ("Unexpected key(s)", keys.unexpected_keys)):
+        if names:
+            shown = ", ".join(repr(n) for n in names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+            parts.append(f"{label} in state_dict: {shown}")
+    return (f"Error(s) in loading state_dict for {owner}: " + ". ".join(parts) +
+            ". Nothing was loaded; pass strict=False to load the keys that match.")
+
+
+def check_loadable(values: Mapping, targets: Mapping[str, DTensor]) -> None:
+    """Every value must have its target's shape and a dtype that casts to it; one error lists all."""
+    problems = []
+    for name, value in values.items():
+        target = targets[name]
+        if not isinstance(value, (torch.Tensor, DTensor)):
+            problems.append(f"{name!r}: expected a tensor, got {type(value).__name__}")
+        elif tuple(value.shape) != tuple(target.shape):
+            problems.append(f"{name!r}: the checkpoint has shape {tuple(value.shape)}, the model "
+                            f"{tuple(target.shape)}")
+        elif not castable(value.dtype, target.dtype):
+            problems.append(f"{name!r}: cannot cast {value.dtype} to the model's {target.dtype}")
+    if problems:
+        raise RuntimeError("Error(s) in loading state_dict: " + "; ".join(problems) +
+                           ". Nothing was loaded.")
+
+
+def castable(source: torch.dtype, target: torch.dtype) -> bool:
+    """Floating point to floating point, integer/bool to anything, anything to itself: never
+    floating point to an integer or bool parameter (that would silently truncate weights)."""
+    return source == target or not source.is_floating_point and not source.is_complex or \
+        source.is_floating_point and target.is_floating_point
+
+
+def to_target(value, target: DTensor) -> DTensor:
+    """`value` with the target's dtype, mesh and placements."""
+    if isinstance(value, DTensor):
+        moved = value.to(target.dtype) if value.dtype != target.dtype else value
+        return moved.redistribute(target.device_mesh, target.placements)
+    return upload(value.detach().to(target.dtype), device_mesh=target.device_mesh, placements=target.placements)
+
+
+def put_tensor(module: torch.nn.Module, name: str, value: DTensor) -> None:
+    """Rebind the parameter or buffer at dotted `name` to `value`."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if attr in owner._parameters:
+        old = owner._parameters[attr]
+        owner._parameters[attr] = Parameter(value, old.requires_grad if old is not None else True)
+    else:
+        owner._buffers[attr] = value
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr, only when stderr is a terminal (or progress=True)."""
+
+    def __init__(self, total: int, enabled: bool | None):
+        self.total, self.done = total, 0
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = 30 * self.done // max(self.total, 1)
+            sys.stderr.write(f"\rloading [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
+                             f"{label[-40:]:<40}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+# --- registration checks -------------------------------------------------------------------------
+def _check_member_name(module: torch.nn.Module, name: str, kind: str) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"name should be a string, got {type(name).__name__}")
+    if "." in name or name == "":
+        raise KeyError(f"name {name!r} must be non-empty and contain no '.'")
+    if hasattr(module, name) and name not in getattr(module, kind):
+        raise KeyError(f"attribute {name!r} already exists")
+
+
+def _wrong_tensor_kind(name: str, value, kind: str, expected: str) -> str:
+    found = type(value).__module__ + "." + type(value).__qualname__
+    hint = (" A torch tensor lives in this process: upload it with dtorch.tensor(t, device_mesh=..., "
+            "placements=...) and wrap a parameter in dtorch.nn.Parameter." if isinstance(value, torch.Tensor) else "")
+    return f"cannot assign {found} as {kind} {name!r} ({expected} expected).{hint}"
+
+
+def _refuse_local_weights(name: str, module) -> None:
+    """A torch module whose weights live in this process would fail at its first op, far from
+    here; a torch module without tensors (torch.nn.ReLU) works on DTensors and is accepted."""
+    if module is None or isinstance(module, Module) or not isinstance(module, torch.nn.Module):
+        return
+    if any(True for _ in module.parameters()) or any(True for _ in module.buffers()):
+        raise TypeError(f"submodule {name!r} is a torch module ({type(module).__name__}) holding local tensors; "
+                        f"use the dtorch.nn layer of the same name, which keeps its weights on the workers")

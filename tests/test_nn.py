@@ -1,0 +1,302 @@
+"""dtorch.nn against torch.nn: the same weights (read back with state_dict) give the same outputs
+on every layout; the Module machinery (registration, state_dict, load_state_dict, conversions,
+containers, hooks) behaves as torch's does, and refuses what would fail later with a clear error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import Partial, Replicate, Shard, nn
+from dtorch.distributed_spec import init_device_mesh
+
+from support import assert_same
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def tp2(session):
+    return init_device_mesh("cpu", (2,), mesh_dim_names=["tp"])
+
+
+@pytest.fixture(params=["mesh1", "tp2", "mesh22"])
+def layout(request):
+    """A mesh, and the placements of a (batch, features) input on it (batch over dp where it exists)."""
+    mesh = request.getfixturevalue(request.param)
+    batch = [Shard(0) if name == "dp" else Replicate() for name in mesh.mesh_dim_names]
+    return mesh, batch
+
+
+def torch_copy(module: nn.Module, reference: torch.nn.Module) -> torch.nn.Module:
+    reference.load_state_dict({k: v.to_torch() for k, v in module.state_dict().items()})
+    return reference
+
+
+def run_both(module, reference, x: torch.Tensor, mesh, placements):
+    out = module(dtorch.tensor(x, device_mesh=mesh, placements=placements))
+    with torch.no_grad():
+        expected = torch_copy(module, reference)(x)
+    return out, expected
+
+
+LINEARS = [nn.Linear, nn.ColumnParallelLinear, nn.RowParallelLinear, nn.ColumnParallelLinearWithReplicateOutput,
+           nn.ColumnParallelLinearWithReplicateInputOutput, nn.RowParallelLinearWithReplicateOutput,
+           nn.ReplicateParallelLinear]
+
+
+@pytest.mark.parametrize("cls", LINEARS, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_variants_match_torch(cls, bias, layout):
+    mesh, batch = layout
+    layer = cls(10, 6, bias=bias, device_mesh=mesh)
+    out, expected = run_both(layer, torch.nn.Linear(10, 6, bias=bias), torch.randn(5, 10), mesh, batch)
+    assert_same(out.to_torch(), expected)
+
+
+def test_tensor_parallel_placements_follow_megatron(mesh22):
+    tp = 1
+    col = nn.ColumnParallelLinear(8, 6, device_mesh=mesh22)
+    row = nn.RowParallelLinear(6, 8, device_mesh=mesh22)
+    assert col.weight.placements[tp] == Shard(0) and col.bias.placements[tp] == Shard(0)
+    assert row.weight.placements[tp] == Shard(1) and row.bias.placements[tp] == Replicate()
+    x = dtorch.randn(4, 8, device_mesh=mesh22, placements=[Shard(0), Replicate()])
+    hidden = col(x)
+    assert hidden.placements == (Shard(0), Shard(1))
+    out = row(hidden)
+    assert out.placements == (Shard(0), Partial("sum"))   # no collective until someone needs one
+    assert nn.RowParallelLinearWithReplicateOutput(6, 8, device_mesh=mesh22)(hidden).placements == (Shard(0), Replicate())
+
+
+def test_a_mesh_without_the_tp_name_gives_a_replicated_layer(mesh4):
+    layer = nn.ColumnParallelLinear(8, 4, device_mesh=mesh4)   # mesh4's only dim is "dp"
+    assert layer.tp_dim is None and layer.weight.placements == (Replicate(),)
+    assert nn.ColumnParallelLinear(8, 4, device_mesh=mesh4, tp_dim="dp").weight.placements == (Shard(0),)
+
+
+def test_initialization_is_torchs_and_the_same_on_every_layout(tp2, mesh1):
+    dtorch.manual_seed(3)
+    sharded = nn.ColumnParallelLinear(64, 32, device_mesh=tp2).weight.to_torch()
+    dtorch.manual_seed(3)
+    whole = nn.Linear(64, 32, device_mesh=mesh1).weight.to_torch()
+    assert_same(sharded, whole, exact=True)
+    bound = 1 / 64 ** 0.5
+    assert sharded.abs().max() <= bound and sharded.abs().max() > 0.9 * bound
+
+
+@pytest.mark.parametrize("shard_type", ["dim", "vocab"])
+def test_embedding_matches_torch(shard_type, layout):
+    mesh, batch = layout
+    layer = nn.Embedding(11, 6, padding_idx=2, device_mesh=mesh, tp_shard_type=shard_type)
+    ids = torch.tensor([[1, 2, 10], [0, 5, 2]])
+    out = layer(dtorch.tensor(ids, device_mesh=mesh, placements=batch))
+    expected = torch_copy(layer, torch.nn.Embedding(11, 6, padding_idx=2))(ids)
+    assert_same(out.to_torch(), expected.detach())
+    assert (layer.weight.to_torch()[2] == 0).all()
+    replicated = nn.EmbeddingWithReplicateOutput(11, 6, device_mesh=mesh, tp_shard_type=shard_type)
+    assert all(not p.is_partial() for p in replicated(dtorch.tensor(ids, device_mesh=mesh, placements=batch)).placements)
+
+
+@pytest.mark.parametrize("make, reference", [
+    (lambda mesh: nn.LayerNorm(6, device_mesh=mesh), torch.nn.LayerNorm(6)),
+    (lambda mesh: nn.LayerNorm(6, bias=False, device_mesh=mesh), torch.nn.LayerNorm(6, bias=False)),
+    (lambda mesh: nn.RMSNorm(6, eps=1e-6, device_mesh=mesh), torch.nn.RMSNorm(6, eps=1e-6)),
+    (lambda mesh: nn.RMSNorm([3, 6], device_mesh=mesh), torch.nn.RMSNorm([3, 6])),
+], ids=["layer_norm", "layer_norm_no_bias", "rms_norm", "rms_norm_2d"])
+def test_norms_match_torch(make, reference, layout):
+    mesh, batch = layout
+    layer = make(mesh)
+    x = torch.randn(5, 3, 6)
+    with torch.no_grad():
+        reference.weight.normal_()
+    layer.load_state_dict(reference.state_dict())
+    out = layer(dtorch.tensor(x, device_mesh=mesh, placements=batch))
+    assert_same(out.to_torch(), reference(x).detach())
+
+
+ACTIVATIONS = [("ReLU", ()), ("GELU", ()), ("GELU", ("tanh",)), ("SiLU", ()), ("Sigmoid", ()), ("Tanh", ()),
+               ("LeakyReLU", (0.2,)), ("ELU", (0.5,)), ("Softplus", ()), ("Softmax", (-1,)), ("LogSoftmax", (1,)),
+               ("Flatten", ()), ("Identity", ())]
+
+
+@pytest.mark.parametrize("name, args", ACTIVATIONS, ids=[f"{n}{a}" for n, a in ACTIVATIONS])
+def test_activations_match_torch(name, args, mesh4):
+    x = torch.randn(8, 3, 4)
+    out = getattr(nn, name)(*args)(dtorch.tensor(x, device_mesh=mesh4, placements=[Shard(0)]))
+    assert_same(out.to_torch(), getattr(torch.nn, name)(*args)(x))
+
+
+def test_dropout_follows_train_and_eval(mesh4, mesh1):
+    layer = nn.Dropout(0.5)
+    x = torch.ones(64, 8)
+    layer.eval()
+    assert_same(layer(dtorch.tensor(x, device_mesh=mesh4, placements=[Shard(0)])).to_torch(), x)
+    layer.train()
+    dtorch.manual_seed(9)
+    sharded = layer(dtorch.tensor(x, device_mesh=mesh4, placements=[Shard(0)])).to_torch()
+    dtorch.manual_seed(9)
+    whole = layer(dtorch.tensor(x, device_mesh=mesh1)).to_torch()
+    assert_same(sharded, whole, exact=True)
+    assert set(sharded.unique().tolist()) == {0.0, 2.0}
+
+
+class Block(nn.Module):
+    """A small transformer-ish MLP block, and its torch twin below."""
+
+    def __init__(self, mesh, dim=8, hidden=12):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim, device_mesh=mesh)
+        self.layers = nn.ModuleList([nn.Linear(dim, hidden, device_mesh=mesh), nn.Linear(hidden, dim, device_mesh=mesh)])
+        self.act = nn.SiLU()
+        self.register_buffer("scale", dtorch.full((dim,), 0.5, device_mesh=mesh))
+
+    def forward(self, x):
+        return x + self.layers[1](self.act(self.layers[0](self.norm(x)))) * self.scale
+
+
+class TorchBlock(torch.nn.Module):
+    def __init__(self, dim=8, hidden=12):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(dim)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(dim, hidden), torch.nn.Linear(hidden, dim)])
+        self.act = torch.nn.SiLU()
+        self.register_buffer("scale", torch.full((dim,), 0.5))
+
+    def forward(self, x):
+        return x + self.layers[1](self.act(self.layers[0](self.norm(x)))) * self.scale
+
+
+def test_module_tree_matches_torchs(mesh4):
+    block, reference = Block(mesh4), TorchBlock()
+    assert list(block.state_dict()) == list(reference.state_dict())
+    assert [n for n, _ in block.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    assert [n for n, _ in block.named_buffers()] == ["scale"]
+    assert [n for n, _ in block.named_modules()] == [n for n, _ in reference.named_modules()]
+    assert len(list(block.children())) == 3 and all(isinstance(p, nn.Parameter) for p in block.parameters())
+    assert block.training and not block.eval().training and not block.layers[0].training
+    assert block.train().layers[1].training
+    seen = []
+    block.apply(lambda m: seen.append(type(m).__name__))
+    assert seen[-1] == "Block" and "Linear" in seen
+    assert "RMSNorm((8,)" in repr(block) and block.device_mesh == mesh4
+    x = torch.randn(6, 8)
+    out, expected = run_both(block, reference, x, mesh4, [Shard(0)])
+    assert_same(out.to_torch(), expected)
+
+
+@pytest.mark.parametrize("plan_on", ["mesh", "submesh"])
+def test_parallelize_module_with_patterns_matches_torch(plan_on, mesh22):
+    model = nn.Sequential(Block(mesh22), Block(mesh22))
+    reference = torch_copy(model, torch.nn.Sequential(TorchBlock(), TorchBlock()))
+    plan = {"*.layers.0": nn.ColwiseParallel(), "*.layers.1": nn.RowwiseParallel(), "*.norm": nn.SequenceParallel()}
+    target = mesh22 if plan_on == "mesh" else mesh22["tp"]
+    nn.parallelize_module(model, target, plan)
+    tp = 1
+    assert model[0].layers[0].weight.placements[tp] == Shard(0)
+    assert model[1].layers[1].weight.placements[tp] == Shard(1)
+    x = torch.randn(4, 6, 8)
+    out = model(dtorch.tensor(x, device_mesh=mesh22, placements=[Shard(0), Replicate()]))
+    assert_same(out.to_torch(), reference(x).detach())
+
+
+def test_parallelize_module_refuses_an_unmatched_key_and_a_wrong_module(tp2):
+    model = nn.Sequential(nn.Linear(4, 4, device_mesh=tp2), nn.ReLU())
+    with pytest.raises(ValueError, match="'2' matches no submodule"):
+        nn.parallelize_module(model, tp2, {"2": nn.ColwiseParallel()})
+    with pytest.raises(TypeError, match="ColwiseParallel applies to dtorch.nn Linear or Embedding"):
+        nn.parallelize_module(model, tp2, {"1": nn.ColwiseParallel()})
+
+
+def test_prepare_module_input_and_output(mesh22):
+    layer = nn.Linear(4, 4, device_mesh=mesh22)
+    nn.parallelize_module(layer, mesh22, nn.PrepareModuleInput(desired_input_layouts=[Shard(0)]), tp_dim="tp")
+    nn.parallelize_module(layer, mesh22, nn.PrepareModuleOutput(desired_output_layouts=Replicate()), tp_dim="tp")
+    seen = []
+    layer.register_forward_hook(lambda m, args, out: seen.append(args[0].placements))
+    out = layer(dtorch.randn(6, 4, device_mesh=mesh22))
+    assert seen == [(Replicate(), Shard(0))] and out.placements == (Replicate(), Replicate())
+
+
+def test_load_state_dict_checks_everything_before_sending_anything(tp2):
+    layer = nn.ColumnParallelLinear(4, 6, device_mesh=tp2)
+    before = layer.weight.to_torch()
+    good = torch.nn.Linear(4, 6).state_dict()
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: 'bias'.*Nothing was loaded"):
+        layer.load_state_dict({"weight": good["weight"]})
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: 'extra'"):
+        layer.load_state_dict({**good, "extra": torch.zeros(1)})
+    with pytest.raises(RuntimeError, match=r"'weight': the checkpoint has shape \(6, 5\), the model \(6, 4\)"):
+        layer.load_state_dict({**good, "weight": torch.zeros(6, 5)})
+    with pytest.raises(RuntimeError, match="'bias': expected a tensor, got str"):
+        layer.load_state_dict({**good, "bias": "nope"})
+    assert_same(layer.weight.to_torch(), before, exact=True)   # nothing half-loaded
+    keys = layer.load_state_dict({"weight": good["weight"], "extra": torch.zeros(1)}, strict=False)
+    assert keys == nn.IncompatibleKeys(["bias"], ["extra"])
+    assert_same(layer.weight.to_torch(), good["weight"], exact=True)
+    assert layer.weight.placements == (Shard(0),)
+
+
+def test_load_state_dict_casts_and_takes_dtensors(tp2, mesh1):
+    layer = nn.RowParallelLinear(4, 6, device_mesh=tp2, dtype=torch.bfloat16)
+    source = torch.nn.Linear(4, 6).state_dict()
+    layer.load_state_dict(source)
+    assert layer.weight.dtype == torch.bfloat16 and layer.weight.placements == (Shard(1),)
+    assert_same(layer.weight.to_torch(), source["weight"].to(torch.bfloat16), exact=True)
+    other = nn.Linear(4, 6, device_mesh=mesh1)
+    other.load_state_dict(layer.state_dict())      # DTensors: cast and moved to the target's mesh
+    assert other.weight.device_mesh == mesh1 and other.weight.dtype == torch.float32
+    assert_same(other.weight.to_torch(), source["weight"].to(torch.bfloat16).float(), exact=True)
+    holder = nn.Module()
+    holder.register_buffer("steps", dtorch.zeros(3, dtype=torch.int64, device_mesh=mesh1))
+    with pytest.raises(RuntimeError, match="'steps': cannot cast torch.float32 to the model's torch.int64"):
+        holder.load_state_dict({"steps": torch.zeros(3)})
+
+
+def test_registration_refuses_local_torch_tensors_and_modules(mesh1):
+    module = nn.Module()
+    with pytest.raises(TypeError, match="cannot assign torch.nn.parameter.Parameter as attribute 'w'.*upload it"):
+        module.w = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(TypeError, match="use the dtorch.nn layer of the same name"):
+        module.lin = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="dtorch.nn.Parameter or None expected"):
+        module.register_parameter("p", dtorch.zeros(2, device_mesh=mesh1))
+    with pytest.raises(TypeError, match="takes a DTensor"):
+        nn.Parameter(torch.zeros(2))
+    module.act = torch.nn.ReLU()            # no tensors: works on DTensors through torch's functional
+    module.p = nn.Parameter(dtorch.zeros(2, device_mesh=mesh1))
+    module.p = None
+    assert dict(module.named_parameters()) == {} and "p" in module._parameters
+
+
+def test_a_parameter_shares_values_and_frees_only_its_own_id(mesh1):
+    x = dtorch.arange(4.0, device_mesh=mesh1)
+    p = nn.Parameter(x)
+    del x
+    assert p.requires_grad and p.placements == (Replicate(),)
+    assert_same((p * 2).to_torch(), torch.arange(4.0) * 2)
+    assert repr(p).startswith("Parameter containing:\nDTensor(shape=(4,)")
+
+
+def test_conversions_rebind_parameters(tp2, mesh1):
+    model = nn.Sequential(nn.ColumnParallelLinear(4, 6, device_mesh=tp2), nn.GELU())
+    weight = model[0].weight.to_torch()
+    model.to(torch.float64)
+    assert model[0].weight.dtype == torch.float64 and isinstance(model[0].weight, nn.Parameter)
+    model.bfloat16().float()
+    assert model[0].weight.dtype == torch.float32 and model[0].weight.placements == (Shard(0),)
+    model.to(mesh1)
+    assert model.device_mesh == mesh1 and model[0].weight.placements == (Shard(0),)
+    assert_same(model[0].weight.to_torch(), weight.to(torch.bfloat16).float(), exact=True)
+    with pytest.raises(TypeError, match="take a dtype or a DeviceMesh"):
+        model.to("cuda")
+    with pytest.raises(TypeError, match="lives where its mesh is"):
+        model.cuda()
+
+
+def test_containers_and_redistribute_hooks(tp2):
+    layers = nn.ModuleDict({"up": nn.ColumnParallelLinearWithReplicateInputOutput(4, 6, device_mesh=tp2)})
+    x = dtorch.randn(3, 4, device_mesh=tp2, placements=[Shard(0)])
+    out = layers["up"](x)                      # the hook gathered the input, then the output
+    assert out.placements == (Replicate(),)
+    seq = nn.Sequential(nn.Linear(4, 4, device_mesh=tp2), nn.ReLU())
+    assert isinstance(seq[0:1], nn.Sequential) and len(seq) == 2
