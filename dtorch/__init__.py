@@ -20,6 +20,7 @@ from .runtime import session as _session
 from .runtime.reads import Future
 from .tensor import DTensor, call_op
 from . import nn
+from . import models
 
 # init_device_mesh (pure layer) starts workers through the runtime: the one seam, installed here
 distributed_spec.set_worker_starter(_session.acquire_workers)
@@ -66,5 +67,5 @@ __all__ = [
     "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
-    "DependencyError", "WorkerLostError", "StartupError", "SessionEndedError", "UnreadFailureWarning", "nn",
+    "DependencyError", "WorkerLostError", "StartupError", "SessionEndedError", "UnreadFailureWarning", "nn", "models",
 ] + sorted(n for n in _REGISTRY if n in globals())

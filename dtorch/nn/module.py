@@ -24,7 +24,8 @@ from ..factories import tensor as upload
 from ..tensor import DTensor
 from .parameter import Parameter
 
-__all__ = ["Module", "IncompatibleKeys", "set_path_loader"]
+__all__ = ["Module", "IncompatibleKeys", "set_path_loader", "loadable_tensors", "tie_groups", "check_loadable",
+           "to_target", "put_tensor", "castable", "describe_incompatible", "ProgressBar"]
 
 
 class IncompatibleKeys(NamedTuple):
@@ -97,7 +98,7 @@ class Module(torch.nn.Module):
             if value is not None:
                 raise TypeError(_wrong_tensor_kind(name, value, "parameter", "dtorch.nn.Parameter or None"))
             params[name] = None
-        elif isinstance(value, torch.Tensor):    # torch.nn.Parameter included
+        elif isinstance(value, torch.nn.Parameter):  # a plain torch tensor is a controller-side value
             raise TypeError(_wrong_tensor_kind(name, value, "attribute", "a DTensor (dtorch.nn.Parameter for a "
                                                "parameter)"))
         elif isinstance(value, DTensor) and name in self.__dict__.get("_buffers", ()):
@@ -193,15 +194,18 @@ class Module(torch.nn.Module):
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"load_state_dict expects a mapping or a path, got {type(state_dict).__name__}")
         targets = loadable_tensors(self)
-        keys = IncompatibleKeys([k for k in targets if k not in state_dict],
+        tied = tie_groups(targets)
+        present = {id(targets[k]) for k in state_dict if k in targets}
+        keys = IncompatibleKeys([k for k in targets if id(targets[k]) not in present],
                                 [k for k in state_dict if k not in targets])
         if strict and (keys.missing_keys or keys.unexpected_keys):
             raise RuntimeError(describe_incompatible(type(self).__name__, keys))
-        names = [k for k in targets if k in state_dict]
+        # one load per tensor: the first of its names that the state_dict has
+        names = list({id(targets[k]): k for k in reversed(targets) if k in state_dict}.values())[::-1]
         check_loadable({k: state_dict[k] for k in names}, {k: targets[k] for k in names})
         bar = ProgressBar(len(names), progress)
         for name in names:
-            put_tensor(self, name, to_target(state_dict[name], targets[name]))
+            put_tensor(self, tied[id(targets[name])], to_target(state_dict[name], targets[name]))
             bar.step(name)
         bar.close()
         return keys
@@ -220,6 +224,15 @@ def loadable_tensors(module: torch.nn.Module) -> "OrderedDict[str, DTensor]":
             if buffer is not None and name not in owner._non_persistent_buffers_set:
                 found.setdefault(dot + name, buffer)
     return found
+
+
+def tie_groups(targets: Mapping[str, DTensor]) -> dict[int, list[str]]:
+    """Names that share one tensor (tied weights: lm_head.weight is embed_tokens.weight): loading
+    any of them loads all, and a checkpoint that stores only one (save_pretrained) is complete."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in targets.items():
+        groups.setdefault(id(tensor), []).append(name)
+    return groups
 
 
 def describe_incompatible(owner: str, keys: IncompatibleKeys) -> str:
@@ -264,15 +277,18 @@ def to_target(value, target: DTensor) -> DTensor:
     return upload(value.detach().to(target.dtype), device_mesh=target.device_mesh, placements=target.placements)
 
 
-def put_tensor(module: torch.nn.Module, name: str, value: DTensor) -> None:
-    """Rebind the parameter or buffer at dotted `name` to `value`."""
-    owner_name, _, attr = name.rpartition(".")
-    owner = module.get_submodule(owner_name)
-    if attr in owner._parameters:
-        old = owner._parameters[attr]
-        owner._parameters[attr] = Parameter(value, old.requires_grad if old is not None else True)
-    else:
-        owner._buffers[attr] = value
+def put_tensor(module: torch.nn.Module, names: list[str], value: DTensor) -> None:
+    """Rebind the parameter or buffer at each dotted name (one tensor, tied names share it) to `value`."""
+    replacement = None
+    for name in names:
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        if attr in owner._parameters:
+            if replacement is None:
+                replacement = Parameter(value, owner._parameters[attr].requires_grad)
+            owner._parameters[attr] = replacement
+        else:
+            owner._buffers[attr] = value
 
 
 class ProgressBar:

@@ -1,0 +1,402 @@
+"""Llama (transformers' LlamaForCausalLM, same parameter names and numerics) on any layout of a mesh
+whose dims are named from "dp", "fsdp", "pp", "cp", "tp" (any may be absent or of size 1):
+
+  dp, fsdp  the batch is sharded; parameters are replicated (fsdp shards them in the training issue)
+  tp        Megatron: q/k/v/gate/up column-parallel, o/down row-parallel (their partial sums all-reduced
+            into the residual stream), vocab-parallel embedding and lm_head; the loss is a
+            vocab-parallel cross-entropy that never gathers the logits
+  cp        the sequence is sharded; attention is Ulysses: q/k/v move sequence -> heads with one
+            all-to-all, attend on whole sequences, and move back
+  pp        layers are split into stages, each on its sub-mesh of "pp"; activations move between
+            stages point-to-point, one microbatch at a time, so stage s works on microbatch m+1
+            while stage s+1 works on microbatch m (each worker runs its own commands in order)
+
+The model takes a transformers LlamaConfig, or anything with its attributes (`LlamaSettings.from_json`
+reads a checkpoint's config.json without transformers, which dtorch never imports).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from types import SimpleNamespace
+from typing import NamedTuple
+
+import torch
+
+from ..distributed_spec import DeviceMesh, Replicate, Shard
+from ..factories import arange, tensor as upload
+from ..tensor import DTensor, call_op
+from .. import nn
+from ..nn import functional as F
+
+__all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaSettings", "CausalLMOutput", "MESH_DIMS"]
+
+MESH_DIMS = ("dp", "fsdp", "pp", "cp", "tp")
+_BATCH_DIMS = ("dp", "fsdp")
+
+
+class LlamaSettings(SimpleNamespace):
+    """A LlamaConfig's fields with transformers' defaults, read from a config.json."""
+    DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=None, head_dim=None, hidden_act="silu",
+                    max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    rope_theta=10000.0, rope_scaling=None, rope_parameters=None, attention_bias=False,
+                    mlp_bias=False, pad_token_id=None, bos_token_id=1, eos_token_id=2)
+
+    @classmethod
+    def from_json(cls, path: str) -> "LlamaSettings":
+        with open(path) as file:
+            fields = json.load(file)
+        return cls(**{**cls.DEFAULTS, **fields})
+
+
+class CausalLMOutput(NamedTuple):
+    """What transformers returns, as far as dtorch fills it: `out.logits`, `out.loss`, and
+    `out[0]` / tuple unpacking over the fields that are set (loss first when there is one)."""
+    loss: DTensor | None
+    logits: DTensor
+    past_key_values: list | None = None
+
+    def __getitem__(self, index):
+        return tuple(v for v in tuple.__iter__(self) if v is not None)[index]
+
+
+# --- configuration -----------------------------------------------------------------------------------
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def rope_parameters(config) -> dict:
+    """transformers 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta + rope_scaling."""
+    found = getattr(config, "rope_parameters", None)
+    if found:
+        return dict(found)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    return {"rope_theta": getattr(config, "rope_theta", 10000.0), **scaling}
+
+
+def inverse_frequencies(config) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention scaling) for the rope types Llama checkpoints use (transformers'
+    formulas). A few dozen floats, computed here and uploaded once."""
+    params = rope_parameters(config)
+    kind, dim = params.get("rope_type", "default"), _head_dim(config)
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind in ("default", "dynamic"):   # dynamic equals default up to max_position_embeddings
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / params["factor"], 1.0
+    if kind == "llama3":
+        return _llama3_frequencies(inv_freq, params), 1.0
+    raise NotImplementedError(f"rope_type {kind!r} is not supported yet (default, dynamic, linear, llama3 are)")
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+# --- layout --------------------------------------------------------------------------------------
+def _dim(mesh: DeviceMesh, name: str) -> int | None:
+    names = mesh.mesh_dim_names or ()
+    return names.index(name) if name in names and mesh.shape[names.index(name)] > 1 else None
+
+
+def token_placements(mesh: DeviceMesh) -> list:
+    """Token ids (batch, sequence): batch over dp/fsdp, sequence over cp, replicated elsewhere."""
+    names = mesh.mesh_dim_names or ()
+    return [Shard(0) if n in _BATCH_DIMS else Shard(1) if n == "cp" else Replicate() for n in names] or \
+        [Replicate()] * mesh.ndim
+
+
+def _reduced(tensor: DTensor) -> DTensor:
+    """Partial sums (a row-parallel output, a vocab-parallel lookup) all-reduced to Replicate."""
+    return tensor.reduce_partials()
+
+
+# --- the model ------------------------------------------------------------------------------------------
+class LlamaMLP(nn.Module):
+    def __init__(self, config, mesh: DeviceMesh, dtype):
+        super().__init__()
+        width, hidden, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        common = dict(bias=bias, dtype=dtype, device_mesh=mesh)
+        self.gate_proj = nn.ColumnParallelLinear(width, hidden, **common)
+        self.up_proj = nn.ColumnParallelLinear(width, hidden, **common)
+        self.down_proj = nn.RowParallelLinear(hidden, width, **common)
+        if config.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {config.hidden_act!r}: dtorch's Llama runs SwiGLU (silu)")
+
+    def forward(self, x):
+        return _reduced(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, mesh: DeviceMesh, dtype):
+        super().__init__()
+        self.head_dim, self.heads, self.kv_heads = _head_dim(config), config.num_attention_heads, _kv_heads(config)
+        width, bias = config.hidden_size, config.attention_bias
+        common = dict(bias=bias, dtype=dtype, device_mesh=mesh)
+        self.q_proj = nn.ColumnParallelLinear(width, self.heads * self.head_dim, **common)
+        self.k_proj = nn.ColumnParallelLinear(width, self.kv_heads * self.head_dim, **common)
+        self.v_proj = nn.ColumnParallelLinear(width, self.kv_heads * self.head_dim, **common)
+        self.o_proj = nn.RowParallelLinear(self.heads * self.head_dim, width, **common)
+        self.cp_dim = _dim(mesh, "cp")
+
+    def _heads(self, projected: DTensor, batch: int, seq: int) -> DTensor:
+        return projected.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+    def forward(self, x, cos, sin, cache: list | None = None):
+        batch, seq = x.shape[0], x.shape[1]
+        q = self._heads(self.q_proj(x), batch, seq)
+        k = self._heads(self.k_proj(x), batch, seq)
+        v = self._heads(self.v_proj(x), batch, seq)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            if cache:
+                k, v = _cat([cache[0], k], 2), _cat([cache[1], v], 2)
+            cache[:] = [k, v]
+        attended = self._attend(q, _repeat_kv(k, self.heads // self.kv_heads),
+                                _repeat_kv(v, self.heads // self.kv_heads), causal=seq > 1)
+        merged = attended.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim)
+        return _reduced(self.o_proj(merged))
+
+    def _attend(self, q, k, v, causal: bool):
+        if self.cp_dim is None or q.placements[self.cp_dim] != Shard(2):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        # Ulysses: one all-to-all per tensor moves the cp shards from sequence to heads, so each
+        # rank attends whole sequences for some heads; one more all-to-all moves the result back
+        to_heads = lambda t: _on_dim(t, self.cp_dim, Shard(1))  # noqa: E731
+        out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), is_causal=causal)
+        return _on_dim(out, self.cp_dim, Shard(2))
+
+
+def _cat(tensors, dim: int) -> DTensor:
+    return call_op("cat", (list(tensors),), {"dim": dim})
+
+
+def _on_dim(tensor: DTensor, mesh_dim: int, placement) -> DTensor:
+    placements = list(tensor.placements)
+    placements[mesh_dim] = placement
+    return tensor.redistribute(placements=placements)
+
+
+def _rotate_half(x: DTensor) -> DTensor:
+    half = x.shape[-1] // 2
+    return _cat([-x[..., half:], x[..., :half]], -1)
+
+
+def _repeat_kv(x: DTensor, groups: int) -> DTensor:
+    """Each key/value head repeated for the query heads that share it (GQA), as transformers does."""
+    if groups == 1:
+        return x
+    batch, kv_heads, seq, dim = x.shape
+    return x.unsqueeze(2).expand(batch, kv_heads, groups, seq, dim).reshape(batch, kv_heads * groups, seq, dim)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, mesh: DeviceMesh, dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, mesh, dtype)
+        self.mlp = LlamaMLP(config, mesh, dtype)
+        norm = dict(eps=config.rms_norm_eps, dtype=dtype, device_mesh=mesh)
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, **norm)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, **norm)
+
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, stages: list[DeviceMesh], dtype):
+        super().__init__()
+        layers = config.num_hidden_layers
+        self.stage_of_layer = [i * len(stages) // layers for i in range(layers)]
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id, dtype=dtype,
+                                         device_mesh=stages[0], tp_shard_type="vocab")
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, stages[s], dtype) for s in self.stage_of_layer])
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, device_mesh=stages[-1])
+
+
+class LlamaForCausalLM(nn.Module):
+    """transformers' LlamaForCausalLM on a dtorch mesh. `model(input_ids)` takes a torch LongTensor
+    (uploaded with the batch over dp/fsdp and the sequence over cp) or a DTensor; `labels=` adds
+    transformers' shifted mean cross-entropy as `.loss`."""
+
+    def __init__(self, config, device_mesh: DeviceMesh, *, dtype: torch.dtype | None = None,
+                 microbatches: int | None = None):
+        super().__init__()
+        _check_mesh(device_mesh)
+        self.config, self.mesh = config, device_mesh
+        self.stages = device_mesh.unbind("pp") if _dim(device_mesh, "pp") is not None else [device_mesh]
+        self.microbatches = microbatches or len(self.stages)
+        self.model = LlamaModel(config, self.stages, dtype)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = nn.ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
+                                               device_mesh=self.stages[-1])
+        if self.tied and len(self.stages) == 1:
+            self.lm_head.weight = self.model.embed_tokens.weight   # one Parameter under both names
+        self.inv_freq, self.attention_scaling = inverse_frequencies(config)
+
+    # --- forward ----------------------------------------------------------------------------------------
+    def forward(self, input_ids, labels=None, past_key_values: list | None = None) -> CausalLMOutput:
+        ids = self._upload(input_ids)
+        chunks = self._microbatches(ids) if past_key_values is None else [ids]
+        logits = [self._forward_one(chunk, past_key_values) for chunk in chunks]
+        logits = logits[0] if len(logits) == 1 else _cat(logits, 0)
+        loss = causal_lm_loss(logits, self._upload_labels(labels, logits)) if labels is not None else None
+        return CausalLMOutput(loss, logits, past_key_values)
+
+    def _forward_one(self, ids: DTensor, cache: list | None) -> DTensor:
+        past = cache[0][0].shape[2] if cache and cache[0] else 0
+        h = _reduced(self.model.embed_tokens(ids))
+        stage, rope = 0, self._rope(self.stages[0], past, ids.shape[1], h.dtype)
+        for index, layer in enumerate(self.model.layers):
+            target = self.model.stage_of_layer[index]
+            if target != stage:
+                stage = target
+                h = h.redistribute(self.stages[stage], h.placements)
+                rope = self._rope(self.stages[stage], past, ids.shape[1], h.dtype)
+            h = layer(h, *rope, cache[index] if cache is not None else None)
+        return self.lm_head(self.model.norm(h))
+
+    def _rope(self, mesh: DeviceMesh, past: int, seq: int, dtype) -> tuple[DTensor, DTensor]:
+        """cos and sin for positions past..past+seq, shaped (seq, head_dim) to broadcast over
+        (batch, heads, seq, head_dim); sharded over cp like the sequence."""
+        freqs = torch.outer(torch.arange(past, past + seq, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        placements = [Shard(0) if n == "cp" else Replicate() for n in (mesh.mesh_dim_names or ())] or \
+            [Replicate()] * mesh.ndim
+        if seq == 1:
+            placements = [Replicate()] * mesh.ndim
+        return tuple(upload((part * self.attention_scaling).to(dtype), device_mesh=mesh, placements=placements)
+                     for part in (emb.cos(), emb.sin()))
+
+    def _upload(self, input_ids) -> DTensor:
+        if isinstance(input_ids, DTensor):
+            return input_ids
+        ids = torch.as_tensor(input_ids)
+        placements = token_placements(self.stages[0])
+        if ids.shape[1] == 1:   # one new token (decoding): nothing to split over cp
+            placements = [Replicate() if p == Shard(1) else p for p in placements]
+        return upload(ids, device_mesh=self.stages[0], placements=placements)
+
+    def _upload_labels(self, labels, logits: DTensor) -> DTensor:
+        """transformers' shift: position t predicts token t+1; the last position predicts nothing."""
+        if isinstance(labels, DTensor):
+            labels = labels.to_torch()
+        shifted = torch.nn.functional.pad(torch.as_tensor(labels)[:, 1:], (0, 1), value=-100)
+        mesh = logits.device_mesh
+        placements = [p if isinstance(p, Shard) and p.dim < 2 else Replicate() for p in logits.placements]
+        return upload(shifted, device_mesh=mesh, placements=placements)
+
+    def _microbatches(self, ids: DTensor) -> list[DTensor]:
+        if len(self.stages) == 1 or self.microbatches <= 1 or ids.shape[0] < 2:
+            return [ids]
+        count = min(self.microbatches, ids.shape[0])
+        return list(ids.chunk(count, 0))
+
+    # --- loading -----------------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False, **kwargs):
+        """transformers' keys. A tied lm_head.weight may be absent (save_pretrained drops it): on one
+        stage it is the embedding's Parameter; across pipeline stages each end holds a copy."""
+        if self.tied and len(self.stages) > 1 and not isinstance(state_dict, (str, os.PathLike)):
+            # the stages hold a copy each: the lm_head's comes from the embedding's key
+            state_dict = {**state_dict, "lm_head.weight": state_dict.get("model.embed_tokens.weight")}
+        return super().load_state_dict(state_dict, strict, assign, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, directory: str, device_mesh: DeviceMesh, *, dtype: torch.dtype | None = None,
+                        **kwargs) -> "LlamaForCausalLM":
+        """A transformers-format directory (config.json + safetensors): each worker reads its own
+        slices from the files (dtorch.checkpoint), no weight byte passes through this process."""
+        config = LlamaSettings.from_json(os.path.join(directory, "config.json"))
+        model = cls(config, device_mesh, dtype=dtype, **kwargs)
+        model.load_state_dict(directory)
+        return model
+
+    # --- generation ---------------------------------------------------------------------------------------
+    def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, eos_token_id=None,
+                 pad_token_id=None, on_token=None) -> torch.Tensor:
+        """Greedy decoding with a KV cache kept on the workers (sharded over tp by heads), as
+        transformers' generate(do_sample=False): the prompt plus up to max_new_tokens tokens.
+        Finished sequences (eos) are padded with pad_token_id; reading each step's tokens is the
+        only wait, and only when there is an eos to watch for."""
+        if do_sample:
+            raise NotImplementedError("generate: only greedy decoding (do_sample=False) is implemented")
+        if _dim(self.mesh, "cp") is not None or len(self.stages) > 1:
+            raise NotImplementedError("generate: decoding runs on dp/tp layouts (cp and pp decode one token "
+                                      "at a time, which they cannot split); use a mesh without cp and pp")
+        eos = eos_token_id if eos_token_id is not None else getattr(self.config, "eos_token_id", None)
+        eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
+        pad = pad_token_id if pad_token_id is not None else getattr(self.config, "pad_token_id", None)
+        prompt = torch.as_tensor(input_ids)
+        cache: list = [[] for _ in self.model.layers]
+        tokens, finished = [], torch.zeros(prompt.shape[0], dtype=torch.bool)
+        step_input = prompt
+        for _ in range(max_new_tokens):
+            logits = self._forward_one(self._upload(step_input) if isinstance(step_input, torch.Tensor)
+                                       else step_input, cache)
+            chosen = logits[:, -1, :].argmax(-1)
+            if eos:
+                picked = chosen.to_torch()
+                if pad is not None:
+                    picked = torch.where(finished, torch.full_like(picked, pad), picked)
+                finished |= torch.isin(picked, torch.tensor(sorted(eos)))
+                tokens.append(picked)
+                if on_token:
+                    on_token(picked)
+                if finished.all():
+                    break
+                step_input = picked[:, None]
+            else:
+                tokens.append(chosen)
+                if on_token:
+                    on_token(chosen)
+                step_input = chosen.unsqueeze(1)
+        new = [t.to_torch() if isinstance(t, DTensor) else t for t in tokens]
+        return torch.cat([prompt] + [t[:, None] for t in new], dim=1)
+
+
+def _check_mesh(mesh: DeviceMesh) -> None:
+    names = mesh.mesh_dim_names
+    if mesh.ndim > 1 and not names:
+        raise ValueError(f"LlamaForCausalLM: name the dims of {mesh} (from {MESH_DIMS})")
+    unknown = [n for n in names or () if n not in MESH_DIMS]
+    if unknown:
+        raise ValueError(f"LlamaForCausalLM: mesh dim names {unknown} are not among {MESH_DIMS}")
+
+
+def causal_lm_loss(logits: DTensor, labels: DTensor, ignore_index: int = -100) -> DTensor:
+    """Mean cross-entropy over the labels that are not ignore_index, in float32 as transformers
+    computes it. With the vocabulary sharded (tp) it never gathers the logits: the max, the sum
+    of exponentials and the target's logit are each a small all-reduce over (batch, sequence)."""
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    peak = logits.amax(-1, keepdim=True).reduce_partials()
+    shifted = logits - peak
+    log_total = shifted.exp().sum(-1).reduce_partials().log()
+    classes = arange(vocab, device_mesh=logits.device_mesh, placements=_class_placements(logits))
+    hit = (classes == labels.unsqueeze(-1)).to(shifted.dtype)
+    target = (shifted * hit).sum(-1).reduce_partials()
+    keep = (labels != ignore_index).to(shifted.dtype)
+    # the count is all-reduced (a scalar); the loss stays a pending sum until it is read
+    return ((log_total - target) * keep).sum() / keep.sum().reduce_partials()
+
+
+def _class_placements(logits: DTensor) -> list:
+    """A class index vector laid out like the logits' last dim (sharded where the vocabulary is)."""
+    last = logits.ndim - 1
+    return [Shard(0) if p == Shard(last) else Replicate() for p in logits.placements]

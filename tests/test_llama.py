@@ -1,0 +1,120 @@
+"""dtorch.models.llama against transformers' own LlamaForCausalLM with the same state_dict: logits
+within 1e-4 (float32) and the same loss on every layout, and generate() token for token."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtorch
+from dtorch.distributed_spec import init_device_mesh
+from dtorch.models import LlamaForCausalLM
+from dtorch.models.llama import inverse_frequencies
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.timeout(300)
+
+LAYOUTS = {   # name -> (mesh shape, mesh dim names)
+    "single": ((1,), ["tp"]),
+    "dp2": ((2,), ["dp"]),
+    "tp2": ((2,), ["tp"]),
+    "tp4": ((4,), ["tp"]),          # 2 kv heads over 4 ranks: uneven head shards
+    "pp2": ((2,), ["pp"]),
+    "cp2": ((2,), ["cp"]),
+    "dp2xtp2": ((2, 2), ["dp", "tp"]),
+    "tp2xpp2": ((2, 2), ["tp", "pp"]),
+    "dp2xtp2xcp2": ((2, 2, 2), ["dp", "tp", "cp"]),
+}
+
+
+def small_config(**overrides):
+    fields = dict(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    return transformers.LlamaConfig(**{**fields, **overrides})
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(small_config()).eval()
+
+
+def mesh_for(layout: str):
+    shape, names = LAYOUTS[layout]
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def loaded(reference, mesh, **kwargs) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(reference.config, device_mesh=mesh, **kwargs)
+    assert model.load_state_dict(reference.state_dict()) == ([], [])
+    return model
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_logits_and_loss_equal_transformers(layout, reference, session):
+    ids = torch.randint(0, 96, (4, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(ids, labels=ids)
+    out = loaded(reference, mesh_for(layout))(ids, labels=ids)
+    assert (out.logits.to_torch() - expected.logits).abs().max().item() < 1e-4
+    assert abs(out.loss.item() - expected.loss.item()) < 1e-5
+    assert out[0] is out.loss and out[1] is out.logits
+
+
+def test_tensor_parallel_never_gathers_the_logits(reference, session):
+    model = loaded(reference, mesh_for("dp2xtp2"))
+    ids = torch.randint(0, 96, (4, 6))
+    out = model(ids, labels=ids)
+    assert out.logits.placements == (dtorch.Shard(0), dtorch.Shard(2))   # batch over dp, vocabulary over tp
+    assert model.lm_head.weight.placements[1] == dtorch.Shard(0)
+    assert model.model.layers[0].self_attn.o_proj.weight.placements[1] == dtorch.Shard(1)
+    assert out.loss.item() == pytest.approx(reference(ids, labels=ids).loss.item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_tied_embeddings_and_llama3_rope(layout, session):
+    torch.manual_seed(2)
+    config = small_config(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    reference = transformers.LlamaForCausalLM(config).eval()
+    state = {k: v for k, v in reference.state_dict().items() if k != "lm_head.weight"}   # as save_pretrained
+    model = LlamaForCausalLM(config, device_mesh=mesh_for(layout))
+    model.load_state_dict(state)
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    assert (model(ids).logits.to_torch() - expected).abs().max().item() < 1e-4
+    expected_freq = reference.model.rotary_emb.inv_freq
+    torch.testing.assert_close(inverse_frequencies(config)[0], expected_freq)
+
+
+@pytest.mark.parametrize("layout", ["single", "tp2", "dp2xtp2"])
+def test_generate_equals_transformers_token_for_token(layout, reference, session):
+    model = loaded(reference, mesh_for(layout))
+    prompt = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = reference.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, eos_token_id=None), expected)
+
+
+def test_generate_stops_at_eos_like_transformers(reference, session):
+    model = loaded(reference, mesh_for("tp2"))
+    prompt = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(4))
+    free = model.generate(prompt, max_new_tokens=6, eos_token_id=None)
+    eos = int(free[0, 6])             # a token the first sequence produces: it stops there
+    with torch.no_grad():
+        expected = reference.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=eos,
+                                      pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, eos_token_id=eos, pad_token_id=0), expected)
+
+
+def test_bad_meshes_and_unsupported_settings_are_refused(reference, session):
+    with pytest.raises(ValueError, match=r"mesh dim names \['ep'\] are not among"):
+        LlamaForCausalLM(reference.config, device_mesh=init_device_mesh("cpu", (2,), mesh_dim_names=["ep"]))
+    model = LlamaForCausalLM(reference.config, device_mesh=mesh_for("cp2"))
+    with pytest.raises(NotImplementedError, match="decoding runs on dp/tp layouts"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="rope_type 'yarn' is not supported"):
+        inverse_frequencies(small_config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
