@@ -7,6 +7,7 @@ import io
 import json
 import os
 import random
+import tempfile
 
 import pytest
 import torch
@@ -110,16 +111,22 @@ def test_a_truncated_file_is_refused_before_anything_is_sent(tmp_path, mesh4):
 
 
 # --- loading on meshes and placements ----------------------------------------------------------
-@pytest.mark.parametrize("mesh_name", ["mesh1", "mesh2", "mesh4", "mesh22"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_layout_loads_exactly(request, mesh_name, dtype, checkpoint_file):
-    mesh = request.getfixturevalue(mesh_name)
-    before = dtorch.stats()
-    for choice in range(6 if mesh.ndim == 2 else 4):
-        assert_loaded_exactly(load_tensors(checkpoint_file, targets_for(mesh, dtype, choice)), dtype)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_layout_loads_exactly(mesh, dtype):
+    """Also run on cuda meshes by tests/test_cuda.py (hence its own file, no fixture but the mesh)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "model.safetensors")
+        save_file(SAVED, path)
+        before = dtorch.stats()
+        for choice in range(6 if mesh.ndim == 2 else 4):
+            assert_loaded_exactly(load_tensors(path, targets_for(mesh, dtype, choice)), dtype)
     after = dtorch.stats()
     assert after["checkpoint_bytes_via_controller"] == before["checkpoint_bytes_via_controller"]
     assert after["checkpoint_tensors_loaded"] > before["checkpoint_tensors_loaded"]
+
+
+def test_every_layout_loads_exactly_on_two_ranks(mesh2):
+    test_every_layout_loads_exactly(mesh2, torch.bfloat16)
 
 
 def test_a_sharded_directory_loads_by_folder_or_index(mesh22, sharded_dir):

@@ -28,9 +28,9 @@ SYNC_BYTES = 256 << 20
 class LoadedTensors(dict):
     """name -> DTensor, plus what did not match (strict=False): `missing_keys`, `unexpected_keys`."""
 
-    def __init__(self, tensors=(), incompatible: IncompatibleKeys = IncompatibleKeys([], [])):
+    def __init__(self, tensors=(), incompatible: IncompatibleKeys | None = None):
         super().__init__(tensors)
-        self.missing_keys, self.unexpected_keys = incompatible
+        self.missing_keys, self.unexpected_keys = incompatible or IncompatibleKeys([], [])
 
     @property
     def incompatible_keys(self) -> IncompatibleKeys:
