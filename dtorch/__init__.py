@@ -20,6 +20,7 @@ from .runtime import session as _session
 from .runtime.reads import Future
 from .tensor import DTensor, call_op
 from . import nn
+from . import checkpoint
 from . import models
 
 # init_device_mesh (pure layer) starts workers through the runtime: the one seam, installed here
@@ -34,7 +35,9 @@ manual_seed = _session.manual_seed
 
 def stats() -> dict:
     """Counters on the controller: commands_sent, messages_sent, bytes_sent, bytes_received, and
-    redistributes_inserted (moves dtorch added before ops whose placements did not line up)."""
+    redistributes_inserted (moves dtorch added before ops whose placements did not line up),
+    checkpoint_tensors_loaded and checkpoint_bytes_via_controller (dtorch.checkpoint: tensor bytes
+    the controller read itself, 0 unless via_controller=True)."""
     return _session.controller().stats()
 
 
@@ -67,5 +70,6 @@ __all__ = [
     "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
-    "DependencyError", "WorkerLostError", "StartupError", "SessionEndedError", "UnreadFailureWarning", "nn", "models",
+    "DependencyError", "WorkerLostError", "StartupError", "SessionEndedError", "UnreadFailureWarning", "nn", "checkpoint",
+    "models",
 ] + sorted(n for n in _REGISTRY if n in globals())

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import dtorch
+import test_checkpoint as cpu_checkpoint
 import test_random as cpu_random
 import test_redistribute as cpu_redistribute
 import test_runtime_ops as cpu_ops
@@ -100,6 +101,7 @@ SHARED_CHECKS = [
     ("1-D", cpu_random.test_sequence_and_statistics, {}),
     ("2-D", cpu_random.test_randint_and_dtypes, {}),
     ("1-D", cpu_random.test_partial_random_reads_back_the_same_value, {}),
+    *[("any", cpu_checkpoint.test_every_layout_loads_exactly, {"dtype": d}) for d in [torch.float32, torch.bfloat16]],
 ]
 CASES = [pytest.param(names, check, arguments,
                       id="-".join([check.__name__.removeprefix("test_"), *names, *map(str, arguments.values())]))

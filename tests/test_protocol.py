@@ -82,3 +82,35 @@ def test_a_shard_region_travels_as_its_own_type():
     assert wire.unpack(wire.pack({"region": region})) == {"region": region}
     mesh = DeviceMesh("cpu", [[0, 1], [2, 3]])
     assert region.at(mesh, (1, 0)) == ([5, 0], [5, 4])
+
+
+def _placements(*codes):
+    return tuple(wire.decode_placement(c) for c in codes)
+
+
+COMMAND_EXAMPLES = [
+    wire.DefineMesh(0, 0, "cpu", (2, 2), (0, 1, 2, 3)),
+    wire.Factory(1, 1, 0, "full", (4, 6), "float32", _placements(0, -1), (2.5,)),
+    wire.Upload(2, 2, 0, (4,), "bfloat16", _placements(-2, 0)),
+    wire.LoadShard(3, 3, 0, (7, 5), "bfloat16", _placements(0, 1), "/ckpt/model-00001.safetensors",
+                   "embed.weight", 1 << 33, "float32"),
+    wire.RunOp(4, (4,), 0, "add", "add", (wire.TensorRef(1), wire.TensorRef(2)), {"alpha": 2}, ()),
+    wire.Redistribute(5, 5, 1, 0, (4, 6), "float32", _placements(0, -1), ((0, _placements(0)[0], _placements(-1)[0]),)),
+    wire.Transfer(6, 6, 1, 0, 1, (4, 6), "float32", _placements(0, -1), _placements(-1)),
+    wire.Fetch(7, 1, 0, (0, 2)), wire.Free(8, (1, 2)), wire.Sync(9), wire.Shutdown(10),
+]
+
+
+def test_every_command_has_an_example():
+    assert {type(c) for c in COMMAND_EXAMPLES} == set(wire.COMMANDS)
+
+
+def test_commands_round_trip_in_a_batch():
+    _, header, body = wire.encode_batch(0, COMMAND_EXAMPLES)
+    assert wire.decode_batch(wire.decode(header, (wire.Batch,)), body) == COMMAND_EXAMPLES
+
+
+def test_a_load_shard_with_a_field_of_the_wrong_type_is_refused():
+    row = (wire.OPCODE[wire.LoadShard], 0, 3, 0, (7, 5), "bfloat16", (), "/ckpt/x.safetensors", "w", "8", "float32")
+    with pytest.raises(ProtocolError, match="malformed LoadShard"):
+        wire.decode_batch(wire.Batch(0, 1), wire.pack([row]))

@@ -73,6 +73,8 @@ class Controller:
         self.failures: dict[int, RemoteFailure] = {}
         self.commands_sent = self.batches_sent = 0
         self.redistributes_inserted = 0   # by the frontend, before ops whose placements did not line up
+        self.checkpoint_tensors_loaded = 0          # by dtorch.checkpoint
+        self.checkpoint_bytes_via_controller = 0    # its via_controller fallback; 0 when workers read files
         self.gloo_timeout_s = gloo_timeout_s
         self.hang_timeout_s = (float(os.environ.get("DTORCH_HANG_TIMEOUT_S", HANG_TIMEOUT_S))
                                if hang_timeout_s is None else hang_timeout_s)
@@ -123,6 +125,12 @@ class Controller:
         because several threads may issue ops."""
         with self._lock:
             self.redistributes_inserted += 1
+
+    def count_checkpoint(self, tensors: int, bytes_via_controller: int) -> None:
+        """Tensors dtorch.checkpoint loaded, and the bytes it read here to upload (stats())."""
+        with self._lock:
+            self.checkpoint_tensors_loaded += tensors
+            self.checkpoint_bytes_via_controller += bytes_via_controller
 
     def reference(self, tensor) -> wire.TensorRef:
         """The wire reference to `tensor` as an op input; it must belong to this session."""
@@ -211,7 +219,9 @@ class Controller:
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
                 "workers": len(self.workers), "pending_reads": len(self._reads),
                 "messages_rejected": self.rejections.count,
-                "redistributes_inserted": self.redistributes_inserted}
+                "redistributes_inserted": self.redistributes_inserted,
+                "checkpoint_tensors_loaded": self.checkpoint_tensors_loaded,
+                "checkpoint_bytes_via_controller": self.checkpoint_bytes_via_controller}
 
     # --- worker pool ----------------------------------------------------------------------------
     def add_workers(self, handles: list, device: str) -> None:

@@ -29,7 +29,7 @@ __all__ = [
     "VERSION", "Kind", "HEARTBEAT_INTERVAL", "PROTOCOL_FAILURE", "TOPIC_ALL", "TOPIC_PROBE", "topic_for_rank",
     "lost_worker_key",
     # commands
-    "DefineMesh", "Factory", "Upload", "RunOp", "Redistribute", "Transfer", "Fetch", "Free", "Sync", "Shutdown",
+    "DefineMesh", "Factory", "Upload", "LoadShard", "RunOp", "Redistribute", "Transfer", "Fetch", "Free", "Sync", "Shutdown",
     "COMMANDS", "handler_name", "encode_batch", "decode_batch",
     # every other message
     "Batch", "Private", "Probe", "Register", "Welcome", "Refused", "Reply", "ErrorReport", "Heartbeat", "Pong",
@@ -39,7 +39,8 @@ __all__ = [
     "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 3   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel
+VERSION = 4   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+              # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file)
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -103,6 +104,19 @@ class Upload(NamedTuple):
     placements: tuple
 
 
+class LoadShard(NamedTuple):
+    seq: int
+    out_id: int
+    mesh_id: int
+    shape: tuple         # global shape, the same in the file and in dtorch
+    dtype: str           # the tensor's dtype in dtorch: the stored bytes are cast to it
+    placements: tuple    # each rank reads only its own block; P(sum): one rank per group reads
+    path: str            # the file, as every worker's host names it
+    name: str            # the tensor's name in the file, for errors
+    data_offset: int     # where its bytes start in the file: row-major, little-endian
+    stored_dtype: str    # the dtype of those bytes
+
+
 class RunOp(NamedTuple):
     seq: int
     out_ids: tuple
@@ -157,7 +171,7 @@ class Shutdown(NamedTuple):
     seq: int
 
 
-COMMANDS = (DefineMesh, Factory, Upload, RunOp, Redistribute, Transfer, Fetch, Free, Sync, Shutdown)
+COMMANDS = (DefineMesh, Factory, Upload, LoadShard, RunOp, Redistribute, Transfer, Fetch, Free, Sync, Shutdown)
 OPCODE = {cls: i for i, cls in enumerate(COMMANDS)}
 _BY_OPCODE = dict(enumerate(COMMANDS))
 
@@ -289,7 +303,8 @@ def encode_batch(first_seq: int, commands: list) -> list[bytes]:
 IDS = "ids"
 _FIELD_TYPES = {
     DefineMesh: (int, str, tuple, IDS), Factory: (int, int, str, tuple, str, tuple, tuple),
-    Upload: (int, int, tuple, str, tuple), RunOp: (IDS, int, str, str, tuple, dict, tuple),
+    Upload: (int, int, tuple, str, tuple), LoadShard: (int, int, tuple, str, tuple, str, str, int, str),
+    RunOp: (IDS, int, str, str, tuple, dict, tuple),
     Redistribute: (int, int, int, tuple, str, tuple, tuple),
     Transfer: (int, int, int, int, tuple, str, tuple, tuple), Fetch: (int, int, IDS),
     Free: (IDS,), Sync: (), Shutdown: (),

@@ -11,16 +11,19 @@ on it first), so no read ever returns a wrong value.
 from __future__ import annotations
 
 import itertools
+import socket
 import traceback
 
 import torch
 
-from ..distributed_spec import DeviceMesh, ShardRegion, local_region, narrow_to_box, nest_ranks
+from ..distributed_spec import (DeviceMesh, ShardRegion, holds_partial_sum_value, local_region, narrow_to_box,
+                                nest_ranks)
 from ..errors import ProtocolError
 from ..ops import KERNELS
 from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
 from . import protocol as wire
 from .comm import Communicator
+from .file_shards import read_block
 from .kernels import apply_steps, make_factory
 from .protocol import TensorRef
 from .transport import WorkerSockets
@@ -177,6 +180,31 @@ class Worker:
         _, shape = local_region(command.shape, mesh, command.placements, mesh.coordinate_of(self.rank))
         data = wire.tensor_from_frame(frames[0].buffer, wire.dtype_from_name(command.dtype), shape)
         self.tensors[command.out_id] = self.device.from_host(data)
+
+    def handle_load_shard(self, command: wire.LoadShard) -> None:
+        """Read this rank's block of a tensor straight from a checkpoint file, cast it, keep it.
+        Under P(sum) only one rank per group holds the value (as an upload would): the others
+        hold zeros and read nothing."""
+        mesh = self._member(command.mesh_id)
+        if mesh is None:
+            return
+        coordinate = mesh.coordinate_of(self.rank)
+        offset, shape = local_region(command.shape, mesh, command.placements, coordinate)
+        dtype = wire.dtype_from_name(command.dtype)
+        if not holds_partial_sum_value(command.placements, coordinate):
+            self.tensors[command.out_id] = torch.zeros(shape, dtype=dtype, device=self.device.torch_device)
+            return
+        what = f"tensor {command.name!r}, rank {self.rank} on host {socket.gethostname()}"
+        try:
+            block = read_block(command.path, command.data_offset, wire.dtype_from_name(command.stored_dtype),
+                               command.shape, offset, shape, what)
+        except FileNotFoundError as missing:   # the usual multi-host mistake: say the two ways out
+            raise FileNotFoundError(f"{missing}. Every worker reads its own shard from the path the controller "
+                                    "gave: put the checkpoint on a shared filesystem every host mounts at that path, "
+                                    "or load with via_controller=True") from None
+        # the cast runs where the tensor lives (on a GPU after the upload); the CPU keeps the block as read
+        on_device = block if block.device == self.device.torch_device else self.device.from_host(block)
+        self.tensors[command.out_id] = on_device.to(dtype)
 
     def handle_run_op(self, command: wire.RunOp) -> None:
         mesh = self._member(command.mesh_id)
