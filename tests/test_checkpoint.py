@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 import dtorch
 from dtorch.checkpoint import CheckpointError, IncompatibleKeys, TensorTarget, load_state_dict, load_tensors
 from dtorch.checkpoint.loading import _load_shard
-from dtorch.checkpoint.progress import ProgressBar
+from dtorch.nn.progress import ProgressBar
 from dtorch.checkpoint.safetensors_header import read_checkpoint, read_header
 from dtorch.distributed_spec import Partial, Replicate, Shard, init_device_mesh
 from dtorch.errors import RemoteError

@@ -118,3 +118,30 @@ def test_bad_meshes_and_unsupported_settings_are_refused(reference, session):
         model.generate(torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(NotImplementedError, match="rope_type 'yarn' is not supported"):
         inverse_frequencies(small_config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
+
+
+@pytest.mark.parametrize("layout, tied", [("tp2", False), ("dp2xtp2", True), ("pp2", True)])
+def test_from_pretrained_reads_a_save_pretrained_directory(layout, tied, tmp_path, session):
+    torch.manual_seed(5)
+    reference = transformers.LlamaForCausalLM(small_config(tie_word_embeddings=tied)).eval()
+    reference.save_pretrained(tmp_path)      # config.json + model.safetensors, as on the hub
+    before = dtorch.stats()["checkpoint_bytes_via_controller"]
+    model = LlamaForCausalLM.from_pretrained(tmp_path, device_mesh=mesh_for(layout))
+    ids = torch.randint(0, 96, (4, 7))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    assert (model(ids).logits.to_torch() - expected).abs().max().item() < 1e-4
+    assert dtorch.stats()["checkpoint_bytes_via_controller"] == before   # workers read the file themselves
+
+
+def test_a_module_loads_a_checkpoint_path_and_refuses_a_wrong_one(reference, tmp_path, session):
+    from safetensors.torch import save_file
+    state = {k: v.contiguous() for k, v in reference.state_dict().items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    model = LlamaForCausalLM(reference.config, device_mesh=mesh_for("tp2"))
+    assert model.load_state_dict(str(tmp_path)) == ([], [])
+    assert torch.equal(model.lm_head.weight.to_torch(), state["lm_head.weight"])
+    del state["model.norm.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: 'model.norm.weight'"):
+        model.load_state_dict(str(tmp_path))

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from .loading import LoadedTensors, load_state_dict, load_tensors
 from .matching import IncompatibleKeys, TensorTarget
+from .modules import load_module
 from .safetensors_header import CheckpointError, StoredTensor, read_checkpoint
+from ..nn.module import set_path_loader
 
-__all__ = ["load_tensors", "load_state_dict", "TensorTarget", "IncompatibleKeys", "LoadedTensors",
+set_path_loader(load_module)   # module.load_state_dict("dir/") lands here
+
+__all__ = ["load_tensors", "load_state_dict", "load_module", "TensorTarget", "IncompatibleKeys", "LoadedTensors",
            "CheckpointError", "StoredTensor", "read_checkpoint"]

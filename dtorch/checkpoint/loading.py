@@ -12,17 +12,17 @@ from ..ops.tensor_meta import tensor_meta
 from ..runtime import session
 from ..runtime.file_shards import read_block
 from ..runtime.protocol import LoadShard, dtype_name
+from ..nn.module import SYNC_BYTES
+from ..nn.progress import ProgressBar
 from ..tensor import DTensor
 from .matching import IncompatibleKeys, TensorTarget, as_target, match
-from .progress import ProgressBar
 from .safetensors_header import StoredTensor, read_checkpoint
 
 __all__ = ["load_tensors", "load_state_dict", "LoadedTensors", "SYNC_BYTES"]
 
-# With a progress bar, or via the controller, the caller waits for the workers after about this
-# many bytes: the bar then shows what is loaded, not what is queued, and an upload holds at most
-# this much (plus one tensor) on the controller.
-SYNC_BYTES = 256 << 20
+# SYNC_BYTES (nn.module): with a progress bar, or via the controller, the caller waits for the
+# workers after about this many bytes, so the bar shows what is loaded, not what is queued, and an
+# upload holds at most this much (plus one tensor) on the controller.
 
 
 class LoadedTensors(dict):

@@ -2,9 +2,10 @@
 and unexpected names, shapes, and dtype casts. Every problem found goes into one error, so a
 checkpoint never loads halfway.
 
-The cast rule is torch.can_cast (numpy's "same_kind"): float -> any float (fp32 -> bf16 rounds),
-int -> int or float, bool -> anything. Refused: float -> int and anything -> bool (they would
-silently truncate), complex -> real.
+The cast rule is nn.module.castable, the one Module.load_state_dict applies to torch tensors:
+torch.can_cast (numpy's "same_kind"): float -> any float (fp32 -> bf16 rounds), int -> int or
+float, bool -> anything. Refused: float -> int and anything -> bool (they would silently
+truncate), complex -> real.
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..distributed_spec import DeviceMesh, Placement, Replicate
+from ..nn.module import IncompatibleKeys, castable
 from ..ops.tensor_meta import check_placements
 from .safetensors_header import CheckpointError, StoredTensor, first_names
 
-__all__ = ["TensorTarget", "IncompatibleKeys", "as_target", "match", "cast_allowed"]
+__all__ = ["TensorTarget", "IncompatibleKeys", "as_target", "match"]
 
 
 class TensorTarget(NamedTuple):
@@ -25,12 +27,6 @@ class TensorTarget(NamedTuple):
     dtype: torch.dtype
     device_mesh: DeviceMesh
     placements: Sequence[Placement] | None = None   # None: Replicate on every mesh dim
-
-
-class IncompatibleKeys(NamedTuple):
-    """As torch's load_state_dict returns them (strict=False)."""
-    missing_keys: list
-    unexpected_keys: list
 
 
 def as_target(name: str, target) -> TensorTarget:
@@ -42,10 +38,6 @@ def as_target(name: str, target) -> TensorTarget:
                               f"got {target!r}")
     placements = [Replicate()] * mesh.ndim if placements is None else placements
     return TensorTarget(shape, dtype, mesh, check_placements(placements, len(shape), mesh))
-
-
-def cast_allowed(stored: torch.dtype, target: torch.dtype) -> bool:
-    return torch.can_cast(stored, target)
 
 
 def match(stored: dict[str, StoredTensor], targets: dict[str, TensorTarget], strict: bool):
@@ -71,7 +63,7 @@ def _mismatch(name: str, entry: StoredTensor, target: TensorTarget) -> str | Non
     if tuple(entry.shape) != target.shape:
         return (f"{name!r}: shape {list(entry.shape)} in the checkpoint ({entry.path}), "
                 f"{list(target.shape)} expected")
-    if not cast_allowed(entry.dtype, target.dtype):
+    if not castable(entry.dtype, target.dtype):
         return (f"{name!r}: dtype {entry.dtype} in the checkpoint cannot become {target.dtype} without "
                 "silently losing values (float -> int, anything -> bool); load it as "
                 f"{entry.dtype} and convert it yourself")

@@ -29,6 +29,7 @@ from ..factories import arange, tensor as upload
 from ..tensor import DTensor, call_op
 from .. import nn
 from ..nn import functional as F
+from ..nn.module import describe_incompatible
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaSettings", "CausalLMOutput", "MESH_DIMS"]
 
@@ -312,9 +313,18 @@ class LlamaForCausalLM(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False, **kwargs):
         """transformers' keys. A tied lm_head.weight may be absent (save_pretrained drops it): on one
         stage it is the embedding's Parameter; across pipeline stages each end holds a copy."""
-        if self.tied and len(self.stages) > 1 and not isinstance(state_dict, (str, os.PathLike)):
-            # the stages hold a copy each: the lm_head's comes from the embedding's key
-            state_dict = {**state_dict, "lm_head.weight": state_dict.get("model.embed_tokens.weight")}
+        if not (self.tied and len(self.stages) > 1):
+            return super().load_state_dict(state_dict, strict, assign, **kwargs)
+        # the first and last stages hold a copy each: the lm_head's comes from the embedding's
+        if isinstance(state_dict, (str, os.PathLike)):
+            keys = super().load_state_dict(state_dict, False, assign, **kwargs)
+            embedding, head = self.model.embed_tokens.weight, self.lm_head.weight
+            self.lm_head.weight = nn.Parameter(embedding.redistribute(head.device_mesh, head.placements))
+            keys = nn.IncompatibleKeys([k for k in keys.missing_keys if k != "lm_head.weight"], keys.unexpected_keys)
+            if strict and (keys.missing_keys or keys.unexpected_keys):
+                raise RuntimeError(describe_incompatible(type(self).__name__, keys))
+            return keys
+        state_dict = {**state_dict, "lm_head.weight": state_dict.get("model.embed_tokens.weight")}
         return super().load_state_dict(state_dict, strict, assign, **kwargs)
 
     @classmethod

@@ -22,10 +22,12 @@ import torch
 from ..distributed_spec import DeviceMesh
 from ..factories import tensor as upload
 from ..tensor import DTensor
+from ..runtime import session
 from .parameter import Parameter
+from .progress import ProgressBar
 
 __all__ = ["Module", "IncompatibleKeys", "set_path_loader", "loadable_tensors", "tie_groups", "check_loadable",
-           "to_target", "put_tensor", "castable", "describe_incompatible", "ProgressBar"]
+           "to_target", "put_tensor", "castable", "describe_incompatible", "SYNC_BYTES"]
 
 
 class IncompatibleKeys(NamedTuple):
@@ -34,12 +36,17 @@ class IncompatibleKeys(NamedTuple):
     unexpected_keys: list
 
 
+# Uploads wait for the workers after about this many bytes: a queued upload holds its bytes on
+# the controller until the loop thread sends it, so a large state_dict would otherwise sit here
+# twice. (dtorch.checkpoint's via_controller path uses the same bound.)
+SYNC_BYTES = 256 << 20
+
 # dtorch.checkpoint installs the loader for file paths (a layer above nn: nn never imports it)
 _path_loader: Callable | None = None
 
 
 def set_path_loader(loader: Callable) -> None:
-    """Called by dtorch.checkpoint: `loader(module, path, strict) -> IncompatibleKeys`."""
+    """Called by dtorch.checkpoint: `loader(module, path, strict, progress) -> IncompatibleKeys`."""
     global _path_loader
     _path_loader = loader
 
@@ -190,7 +197,7 @@ class Module(torch.nn.Module):
         if isinstance(state_dict, (str, os.PathLike)):
             if _path_loader is None:
                 raise RuntimeError("loading from a path needs dtorch.checkpoint: `import dtorch` first")
-            return _path_loader(self, state_dict, strict)
+            return _path_loader(self, state_dict, strict, progress)
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"load_state_dict expects a mapping or a path, got {type(state_dict).__name__}")
         targets = loadable_tensors(self)
@@ -203,11 +210,20 @@ class Module(torch.nn.Module):
         # one load per tensor: the first of its names that the state_dict has
         names = list({id(targets[k]): k for k in reversed(targets) if k in state_dict}.values())[::-1]
         check_loadable({k: state_dict[k] for k in names}, {k: targets[k] for k in names})
-        bar = ProgressBar(len(names), progress)
-        for name in names:
-            put_tensor(self, tied[id(targets[name])], to_target(state_dict[name], targets[name]))
-            bar.step(name)
-        bar.close()
+        sizes = [targets[k].numel() * targets[k].dtype.itemsize for k in names]
+        bar = ProgressBar(len(names), sum(sizes), progress)
+        controller, waiting = session.controller(), 0
+        try:
+            for name, size in zip(names, sizes):
+                put_tensor(self, tied[id(targets[name])], to_target(state_dict[name], targets[name]))
+                waiting += size
+                if waiting >= SYNC_BYTES:   # queued uploads hold their bytes until they are sent
+                    controller.synchronize()
+                    bar.advance(0, waiting)
+                    waiting = 0
+                bar.advance(1, 0)
+        finally:
+            bar.close()
         return keys
 
 
@@ -263,10 +279,9 @@ def check_loadable(values: Mapping, targets: Mapping[str, DTensor]) -> None:
 
 
 def castable(source: torch.dtype, target: torch.dtype) -> bool:
-    """Floating point to floating point, integer/bool to anything, anything to itself: never
-    floating point to an integer or bool parameter (that would silently truncate weights)."""
-    return source == target or not source.is_floating_point and not source.is_complex or \
-        source.is_floating_point and target.is_floating_point
+    """torch.can_cast (numpy's "same_kind"): float -> any float, int -> int or float, bool -> any.
+    Never float -> int or anything -> bool: that would silently truncate weights."""
+    return torch.can_cast(source, target)
 
 
 def to_target(value, target: DTensor) -> DTensor:
@@ -289,26 +304,6 @@ def put_tensor(module: torch.nn.Module, names: list[str], value: DTensor) -> Non
             owner._parameters[attr] = replacement
         else:
             owner._buffers[attr] = value
-
-
-class ProgressBar:
-    """A one-line progress bar on stderr, only when stderr is a terminal (or progress=True)."""
-
-    def __init__(self, total: int, enabled: bool | None):
-        self.total, self.done = total, 0
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if self.enabled:
-            filled = 30 * self.done // max(self.total, 1)
-            sys.stderr.write(f"\rloading [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
-                             f"{label[-40:]:<40}")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
 
 
 # --- registration checks -------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""A plain-text progress bar on stderr for checkpoint loads: on a terminal only (or when asked),
-redrawn at most ten times a second, no dependency."""
+"""A plain-text progress bar on stderr for weight loads (Module.load_state_dict, dtorch.checkpoint):
+on a terminal only (or when asked), redrawn at most ten times a second, no dependency."""
 from __future__ import annotations
 
 import sys
@@ -35,7 +35,7 @@ class ProgressBar:
     def _draw(self) -> None:
         self._drawn_at = time.monotonic()
         filled = WIDTH * self.bytes // self.total_bytes
-        self.stream.write(f"\rloading checkpoint [{'#' * filled}{'.' * (WIDTH - filled)}] "
+        self.stream.write(f"\rloading weights [{'#' * filled}{'.' * (WIDTH - filled)}] "
                           f"{self.tensors}/{self.total_tensors} tensors, "
                           f"{_gib(self.bytes)}/{_gib(self.total_bytes)} GiB")
         self.stream.flush()
