@@ -10,7 +10,8 @@ reduction over ranks commutes with any rearrangement of elements).
                    (48,) S(0) -> (8,6) S(0); but (7,6) S(0) -> (42,) is refused.
   permutations     transpose, permute: S(d) follows d.
   broadcasts       expand (S on an expanded size-1 dim refused), repeat (S on a repeated dim
-                   refused).
+                   refused), repeat_interleave (int repeats; S on the repeated dim only where
+                   every block repeats into a whole block of the result).
   identity         contiguous, clone.
   joins            cat: S(d) off the cat dim (R inputs sliced to match), all-R, or all the same
                    Partial; stack: the same, S(d) shifted past the new dim.
@@ -180,6 +181,42 @@ def _repeat_out_dim(call: Call, dim: int) -> int:
     return out_dim
 
 
+_INTERLEAVE_LEGAL = ("S(d) off the repeated dim, S(dim) when every shard repeats into a whole shard of the "
+                     "result, R, Partial")
+
+
+def _repeat_interleave_out_dim(call: Call, dim: int) -> int:
+    """Off the repeated dim a shard stays put. On it, rank k's block [a, b) becomes [a*r, b*r),
+    a shard of the result only where the chunk sizes agree (every rank checked, shards nested)."""
+    spec = call.inputs[0]
+    along = call.param(2, "dim")
+    if along is None and len(spec.shape) > 1:
+        raise RuleRejected(f"repeat_interleave without dim flattens sharded dim {dim}; "
+                           f"{unshard_fix(call, Shard(dim))}", _INTERLEAVE_LEGAL)
+    along = normalize_dim(0 if along is None else along, len(spec.shape))
+    if dim != along:
+        return dim
+    repeats = call.param(1, "repeats")
+    fix = unshard_fix(call, Shard(dim))
+    if call.kwargs.get("output_size") is not None:
+        raise RuleRejected(f"output_size= is the whole result's size, not a shard's; {fix}", _INTERLEAVE_LEGAL)
+    mesh = spec.mesh
+    for coordinate in itertools.product(*map(range, mesh.shape)):
+        in_offset, in_size = local_region(spec.shape, mesh, spec.placements, coordinate)
+        out_offset, out_size = local_region(call.out_shape, mesh, spec.placements, coordinate)
+        if (in_offset[dim] * repeats, in_size[dim] * repeats) != (out_offset[dim], out_size[dim]):
+            raise RuleRejected(f"the S({dim}) shards of size {spec.shape[dim]} repeated {repeats} times do not "
+                               f"fall on the result's shard boundaries; {fix}", _INTERLEAVE_LEGAL)
+    return dim
+
+
+def _repeat_interleave_rule(call: Call, placements) -> Decision:
+    if len(call.inputs) > 1 or not isinstance(call.param(1, "repeats"), int):
+        raise RuleRejected("repeats as a tensor makes the result's shape depend on its values; "
+                           "pass an int", "an int repeats")
+    return follow_rule(_repeat_interleave_out_dim, _INTERLEAVE_LEGAL)(call, placements)
+
+
 # --- joins and splits ----------------------------------------------------------------------------
 _JOIN_LEGAL = "S(d) off the joined dim on every input (R inputs are sliced), all R, or all the same Partial"
 
@@ -216,6 +253,7 @@ VIEW = {
     "expand": OpRow(torch.Tensor.expand, follow_rule(_expand_out_dim, "S(d) on a kept dim, R, Partial"),
                     local=_expand_local),
     "repeat": OpRow(torch.Tensor.repeat, follow_rule(_repeat_out_dim, "S(d) on a dim repeated once, R, Partial")),
+    "repeat_interleave": OpRow(torch.repeat_interleave, _repeat_interleave_rule),
     "contiguous": OpRow(torch.Tensor.contiguous, follow_rule(_SAME, "any")),
     "clone": OpRow(torch.clone, follow_rule(_SAME, "any")),
     "cat": OpRow(torch.cat, join_rule(stack=False), method=False),
