@@ -18,7 +18,7 @@ from .ops import REGISTRY, cached_plan
 from .ops.conversions import to_target
 from .ops.dispatch import map_tensors
 from .ops.operators import BINARY_OPERATORS, UNARY_OPERATORS
-from .ops.tensor_meta import TensorMeta, check_placements, parse_shape, tensor_meta
+from .ops.tensor_meta import TensorMeta, check_placements, shape_argument, tensor_meta
 from .redistribute import plan_redistribute
 from .runtime import session
 from .runtime.protocol import Redistribute, RunOp, Transfer, dtype_name
@@ -228,17 +228,17 @@ class DTensor:
         from .ops.indexing import canonical_index
         return call_op("getitem", (self, canonical_index(index, self._meta.shape)), {})
 
-    def view(self, *shape) -> "DTensor":
-        """x.view(4, 6) or x.view((4, 6)). The same as reshape: dtorch results never share
-        storage visibly, so view's no-copy promise has nothing to keep."""
-        if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+    def view(self, *shape, **size) -> "DTensor":
+        """x.view(4, 6), x.view((4, 6)) or x.view(size=(4, 6)). The same as reshape: dtorch
+        results never share storage visibly, so view's no-copy promise has nothing to keep."""
+        if len(shape) == 1 and isinstance(shape[0], torch.dtype) or isinstance(size.get("dtype"), torch.dtype):
             raise UnsupportedOpError("view(dtype) reinterprets bytes, which dtorch does not support; "
                                      "use x.to(dtype) to convert values")
-        return call_op("view", (self, parse_shape(shape)), {})
+        return call_op("view", (self, shape_argument("view", shape, size, "size")), {})
 
-    def reshape(self, *shape) -> "DTensor":
-        """x.reshape(4, 6) or x.reshape((4, 6)); one size may be -1."""
-        return call_op("reshape", (self, parse_shape(shape)), {})
+    def reshape(self, *shape, **keyword) -> "DTensor":
+        """x.reshape(4, 6), x.reshape((4, 6)) or x.reshape(shape=(4, 6)); one size may be -1."""
+        return call_op("reshape", (self, shape_argument("reshape", shape, keyword, "shape")), {})
 
     @property
     def T(self) -> "DTensor":

@@ -28,7 +28,7 @@ from ..distributed_spec import Partial, Shard, local_region
 from .registry import OpRow, kernel, register_family
 from .rules import (Call, Decision, R, RuleRejected, common_shard_dim, follow_rule, normalize_dim, off_dim,
                     unshard_fix)
-from .tensor_meta import parse_shape
+from .tensor_meta import parse_shape, shape_argument
 
 __all__ = ["VIEW", "reshape_groups", "join_rule"]
 
@@ -122,9 +122,18 @@ def reshape_local(input, *args, view_sizes, **kwargs):
 
 
 # view is reshape here: dtorch symbols are immutable, so no one can observe whether storage is shared
+def _reshape_spelled(op: str, keyword: str):
+    """reshape(x, 4, 6), reshape(x, (4, 6)) and torch's keyword form reshape(x, shape=(4, 6))
+    (view's keyword is size=)."""
+    def reshape(input, *sizes, **given):
+        return input.reshape(shape_argument(op, sizes, given, keyword))
+    reshape.__name__ = op
+    return reshape
+
+
 RESHAPES = {
-    "view": lambda input, *shape: input.reshape(*shape),
-    "reshape": lambda input, *shape: input.reshape(*shape),
+    "view": _reshape_spelled("view", "size"),
+    "reshape": _reshape_spelled("reshape", "shape"),
     "flatten": torch.flatten,
     "unflatten": torch.unflatten,
     "squeeze": torch.squeeze,
@@ -134,8 +143,9 @@ RESHAPES = {
 
 # --- permutations, broadcasts, identities --------------------------------------------------------
 def _dims_arg(call: Call) -> tuple:
-    """permute(x, 1, 0) and permute(x, (1, 0)) alike; also repeat's sizes."""
-    return parse_shape(call.args[1:] or (call.kwargs.get("dims"),))
+    """permute(x, 1, 0), permute(x, (1, 0)) and permute(x, dims=(1, 0)) alike; also repeat's sizes
+    (repeats=)."""
+    return parse_shape(call.args[1:] or (call.kwargs.get("dims", call.kwargs.get("repeats")),))
 
 
 def _transpose_out_dim(call: Call, dim: int) -> int:
@@ -242,6 +252,11 @@ def join_rule(stack: bool):
     return rule
 
 
+def _split(tensor, split_size_or_sections=None, dim=0, *, split_size=None):
+    """torch.split's keyword is split_size_or_sections=, Tensor.split's split_size=."""
+    return torch.split(tensor, split_size if split_size_or_sections is None else split_size_or_sections, dim)
+
+
 # --- the table ---------------------------------------------------------------------------------------
 _SAME = lambda call, dim: dim  # noqa: E731
 _SPLIT_LEGAL = "S(d) off the split dim, R, Partial"
@@ -258,7 +273,7 @@ VIEW = {
     "clone": OpRow(torch.clone, follow_rule(_SAME, "any")),
     "cat": OpRow(torch.cat, join_rule(stack=False), method=False),
     "stack": OpRow(torch.stack, join_rule(stack=True), method=False),
-    "split": OpRow(torch.split, follow_rule(off_dim(2), _SPLIT_LEGAL)),
+    "split": OpRow(_split, follow_rule(off_dim(2), _SPLIT_LEGAL)),
     "chunk": OpRow(torch.chunk, follow_rule(off_dim(2), _SPLIT_LEGAL)),
     "unbind": OpRow(torch.unbind, follow_rule(off_dim(1, drops=True), _SPLIT_LEGAL)),
 }
