@@ -15,6 +15,8 @@ from .errors import (DependencyError, DTorchError, MeshError, PlacementError, Re
                      ShapeError, StartupError, UnreadFailureWarning, UnsupportedOpError, WorkerLostError)
 from .factories import (arange, empty, empty_like, eye, full, full_like, linspace, ones, ones_like, rand, rand_like,
                         randint, randn, randn_like, tensor, zeros, zeros_like)
+from .factories import Tensor
+from .rng import Generator
 from .ops.dispatch import is_strict, set_strict
 from .runtime import session as _session
 from .runtime.reads import Future
@@ -65,6 +67,7 @@ __all__ = [
     "set_strict", "is_strict",
     "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+    "Tensor", "Generator",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
     "DependencyError", "WorkerLostError", "StartupError", "SessionEndedError", "UnreadFailureWarning", "nn",
 ] + sorted(n for n in _REGISTRY if n in globals())
