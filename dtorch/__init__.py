@@ -47,6 +47,8 @@ def synchronize(timeout: float | None = None) -> None:
 # dtypes are torch's own objects: dtorch.float32 is torch.float32
 float32, float64, float16, bfloat16 = _torch.float32, _torch.float64, _torch.float16, _torch.bfloat16
 int8, int16, int32, int64, uint8, bool = _torch.int8, _torch.int16, _torch.int32, _torch.int64, _torch.uint8, _torch.bool
+# as in DTorch, torch's type objects under dtorch's name: dtorch.device is torch.device
+device, dtype, finfo, iinfo = _torch.device, _torch.dtype, _torch.finfo, _torch.iinfo
 
 
 def _op_function(name: str):

@@ -96,6 +96,7 @@ def test_device_data_and_to_torch_async(mesh4):
     assert x.device == torch.device("cpu") and x.data is x
     future = (x * 2).to_torch_async()
     assert torch.equal(future.result(timeout=60), a * 2)
+    assert future.is_ready() and torch.equal(future.get(), a * 2)   # DTorch's TensorFuture names
 
     async def read():
         return await x.to_torch_async()
