@@ -15,6 +15,8 @@ from .errors import (DependencyError, DTorchError, MeshError, PlacementError, Re
                      ShapeError, StartupError, UnreadFailureWarning, UnsupportedOpError, WorkerLostError)
 from .factories import (arange, empty, empty_like, eye, full, full_like, linspace, ones, ones_like, rand, rand_like,
                         randint, randn, randn_like, tensor, zeros, zeros_like)
+from .factories import Tensor
+from .rng import Generator
 from .ops.dispatch import is_strict, set_strict
 from .runtime import session as _session
 from .runtime.reads import Future
@@ -49,6 +51,8 @@ def synchronize(timeout: float | None = None) -> None:
 # dtypes are torch's own objects: dtorch.float32 is torch.float32
 float32, float64, float16, bfloat16 = _torch.float32, _torch.float64, _torch.float16, _torch.bfloat16
 int8, int16, int32, int64, uint8, bool = _torch.int8, _torch.int16, _torch.int32, _torch.int64, _torch.uint8, _torch.bool
+# as in DTorch, torch's type objects under dtorch's name: dtorch.device is torch.device
+device, dtype, finfo, iinfo = _torch.device, _torch.dtype, _torch.finfo, _torch.iinfo
 
 
 def _op_function(name: str):
@@ -69,6 +73,7 @@ __all__ = [
     "set_strict", "is_strict",
     "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+    "Tensor", "Generator",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
     "DependencyError", "WorkerLostError", "StartupError", "SessionEndedError", "UnreadFailureWarning", "nn", "checkpoint",
     "models",

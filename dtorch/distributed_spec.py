@@ -7,6 +7,7 @@ calls the worker starter that dtorch/__init__.py installs with `set_worker_start
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -16,7 +17,7 @@ from .errors import MeshError, PlacementError
 __all__ = [
     "Placement", "Shard", "Replicate", "Partial", "DeviceMesh", "init_device_mesh", "set_worker_starter",
     "chunk_bounds", "local_shape", "local_offset", "local_region", "format_placements", "nest_ranks",
-    "narrow_to_box", "distinct_shard_ranks", "holds_partial_sum_value", "REDUCE_OPS", "ShardRegion",
+    "narrow_to_box", "distinct_shard_ranks", "holds_partial_sum_value", "REDUCE_OPS", "ShardRegion", "Placements",
 ]
 
 
@@ -77,6 +78,20 @@ class Partial(Placement):
 
 def format_placements(placements: Sequence[Placement]) -> str:
     return "[" + ", ".join(map(repr, placements)) + "]"
+
+
+class Placements(tuple):
+    """A DTensor's placements: a tuple that also equals a list of the same placements
+    (x.placements == [Shard(0)], as in DTorch); hashes like the tuple."""
+    __slots__ = ()
+
+    def __eq__(self, other) -> bool:
+        return tuple.__eq__(self, tuple(other) if isinstance(other, list) else other)
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    __hash__ = tuple.__hash__
 
 
 class DeviceMesh:
@@ -168,15 +183,22 @@ class DeviceMesh:
                 names = self.mesh_dim_names
         return DeviceMesh(self.device_type, nested, names)
 
-    def unbind(self, mesh_dim: int | str) -> list["DeviceMesh"]:
-        """One sub-mesh per index of `mesh_dim` (e.g. one per pipeline stage)."""
-        dim = self.dim_index(mesh_dim)
-        names = self.mesh_dim_names[:dim] + self.mesh_dim_names[dim + 1:] if self.mesh_dim_names else None
+    def unbind(self, mesh_dim: int | str | Sequence[int | str] | None = None, *,
+               dims: int | str | Sequence[int | str] | None = None) -> list["DeviceMesh"]:
+        """One sub-mesh per index of `mesh_dim` (e.g. one per pipeline stage). Several dims
+        (a list, or DTorch's dims=[...]) give one sub-mesh per combination of their indices, in
+        row-major order, each over the dims not listed."""
+        given = dims if mesh_dim is None else mesh_dim
+        if given is None:
+            raise MeshError("unbind needs the mesh dim(s) to split along: mesh.unbind('pp') or dims=[...]")
+        listed = sorted({self.dim_index(d) for d in ([given] if isinstance(given, (int, str)) else given)})
+        kept = [d for d in range(self.ndim) if d not in listed]
+        names = tuple(self.mesh_dim_names[d] for d in kept) if self.mesh_dim_names and kept else None
+        shape = tuple(self.shape[d] for d in kept) or (1,)
         out = []
-        for i in range(self.shape[dim]):
-            ranks = [r for r in self._flat if self.coordinate_of(r)[dim] == i]
-            shape = self.shape[:dim] + self.shape[dim + 1:] or (1,)
-            out.append(DeviceMesh(self.device_type, nest_ranks(ranks, shape), names or None))
+        for index in itertools.product(*(range(self.shape[d]) for d in listed)):
+            ranks = [r for r in self._flat if tuple(self.coordinate_of(r)[d] for d in listed) == index]
+            out.append(DeviceMesh(self.device_type, nest_ranks(ranks, shape), names))
         return out
 
     def _only_dim(self, dim: int) -> "DeviceMesh":
@@ -223,11 +245,11 @@ def set_worker_starter(start_workers: Callable[[str, int], Sequence[int]] | None
     _start_workers = start_workers
 
 
-def init_device_mesh(device_type: str, mesh_shape: Sequence[int],
+def init_device_mesh(device_type: str, mesh_shape: int | Sequence[int],
                      mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
     """Make a mesh over running workers. Not pure: the first mesh STARTS worker processes and a
     larger one grows the local pool, through the installed worker starter."""
-    mesh_shape = tuple(int(s) for s in mesh_shape)
+    mesh_shape = (int(mesh_shape),) if isinstance(mesh_shape, int) else tuple(int(s) for s in mesh_shape)
     if not mesh_shape or any(s < 1 for s in mesh_shape):
         raise MeshError(f"mesh_shape must be positive integers, got {mesh_shape}")
     if _start_workers is None:

@@ -9,14 +9,16 @@ from typing import Sequence
 
 import torch
 
-from .distributed_spec import DeviceMesh, Placement, Replicate, holds_partial_sum_value, local_region, narrow_to_box
+from .distributed_spec import (DeviceMesh, Placement, Replicate, holds_partial_sum_value, init_device_mesh, local_region,
+                               narrow_to_box)
 from .errors import DTorchError
 from .ops.tensor_meta import check_placements, parse_shape, tensor_meta
+from .rng import Generator
 from .runtime import session
 from .runtime.protocol import Factory, Upload, dtype_name, tensor_frame
 from .tensor import DTensor
 
-__all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
+__all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor", "Tensor",
            "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"]
 
 
@@ -57,21 +59,33 @@ def full(size, fill_value, *, dtype=None, device_mesh=None, placements=None) -> 
     return _factory("full", parse_shape((size,)), dtype, device_mesh, placements, (fill_value,))
 
 
-def rand(*size, dtype=None, device_mesh=None, placements=None) -> DTensor:
-    return _factory("rand", parse_shape(size), dtype, device_mesh, placements, session.next_random())
+def _random_call(generator) -> tuple[int, int]:
+    """(seed, counter) of the next random call: from `generator`, or the global stream."""
+    if generator is None:
+        return session.next_random()
+    if not isinstance(generator, Generator):
+        raise TypeError(f"generator= takes a dtorch.Generator, not {type(generator).__name__}: a torch.Generator's "
+                        "values depend on how many elements one process draws, so they cannot be made per "
+                        "shard; use dtorch.Generator().manual_seed(seed)")
+    return generator.next_call()
 
 
-def randn(*size, dtype=None, device_mesh=None, placements=None) -> DTensor:
-    return _factory("randn", parse_shape(size), dtype, device_mesh, placements, session.next_random())
+def rand(*size, generator=None, dtype=None, device_mesh=None, placements=None) -> DTensor:
+    return _factory("rand", parse_shape(size), dtype, device_mesh, placements, _random_call(generator))
 
 
-def randint(low, high=None, size=None, *, dtype=torch.int64, device_mesh=None, placements=None) -> DTensor:
+def randn(*size, generator=None, dtype=None, device_mesh=None, placements=None) -> DTensor:
+    return _factory("randn", parse_shape(size), dtype, device_mesh, placements, _random_call(generator))
+
+
+def randint(low, high=None, size=None, *, generator=None, dtype=torch.int64, device_mesh=None,
+            placements=None) -> DTensor:
     if high is None:
         low, high = 0, low
     if size is None:
         raise DTorchError("randint needs size=")
     return _factory("randint", parse_shape((size,)), dtype, device_mesh, placements,
-                    session.next_random() + (int(low), int(high)))
+                    _random_call(generator) + (int(low), int(high)))
 
 
 def arange(start, end=None, step=1, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
@@ -89,10 +103,13 @@ def eye(n: int, m: int | None = None, *, dtype=None, device_mesh=None, placement
     return _factory("eye", (int(n), int(n if m is None else m)), dtype, device_mesh, placements)
 
 
-def tensor(data, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
-    """Upload a local tensor: each worker receives only its own shard (private frames)."""
+def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None) -> DTensor:
+    """Upload a local tensor: each worker receives only its own shard (private frames). Without
+    device_mesh it lands on a one-device mesh (one worker of `device`'s type, "cpu" by default),
+    which ops with tensors of another mesh treat as a constant (dtorch/ops/one_device.py)."""
     value = torch.as_tensor(data, dtype=dtype).detach().cpu()
     shape = tuple(value.shape)
+    device_mesh = _mesh_or_one_device(device, device_mesh)
     placements = _layout(shape, device_mesh, placements)
     spec = tensor_meta(shape, value.dtype, device_mesh, placements)
     controller = session.controller()
@@ -104,6 +121,31 @@ def tensor(data, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
     return DTensor(out_id, spec, seq, controller)
 
 
+def _mesh_or_one_device(device, device_mesh: DeviceMesh | None) -> DeviceMesh:
+    if device is not None and device_mesh is not None:
+        raise DTorchError("pass device= or device_mesh=, not both (device= means a one-device mesh)")
+    return device_mesh if device_mesh is not None else init_device_mesh(torch.device(device or "cpu").type, 1)
+
+
+class _TensorType(type):
+    """dtorch.Tensor is DTorch's spelling: calling it uploads (dtorch.tensor), and isinstance(x,
+    dtorch.Tensor) holds for every DTensor, so code that checks for DTorch's Tensor keeps working."""
+
+    def __instancecheck__(cls, value) -> bool:
+        return isinstance(value, DTensor)
+
+    def __subclasscheck__(cls, subclass) -> bool:
+        return isinstance(subclass, type) and issubclass(subclass, DTensor)
+
+    def __call__(cls, data, *, dtype=None, device=None, device_mesh=None, placements=None) -> DTensor:
+        return tensor(data, dtype=dtype, device=device, device_mesh=device_mesh, placements=placements)
+
+
+class Tensor(metaclass=_TensorType):
+    """dtorch.Tensor(data, device_mesh=None, placements=None): the same upload as dtorch.tensor; the
+    result is a DTensor (type(x) is DTensor), and isinstance(x, dtorch.Tensor) is True."""
+
+
 def _shard_for(value: torch.Tensor, mesh: DeviceMesh, placements, rank: int) -> torch.Tensor:
     coordinate = mesh.coordinate_of(rank)
     shard = narrow_to_box(value, *local_region(value.shape, mesh, placements, coordinate))
@@ -111,10 +153,10 @@ def _shard_for(value: torch.Tensor, mesh: DeviceMesh, placements, rank: int) -> 
 
 
 def _like(factory):
-    def make(other: DTensor, *args, dtype=None, device_mesh=None, placements=None):
+    def make(other: DTensor, *args, dtype=None, device_mesh=None, placements=None, **extra):
         return factory(*((tuple(other.shape),) + args), dtype=dtype or other.dtype,
                        device_mesh=device_mesh or other.device_mesh,
-                       placements=placements if placements is not None else _no_partial(other.placements))
+                       placements=placements if placements is not None else _no_partial(other.placements), **extra)
     return make
 
 

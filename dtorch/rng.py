@@ -12,11 +12,12 @@ dropout's kernel (ops/nn.py), so the rule layer never imports the runtime.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Sequence
 
 import torch
 
-__all__ = ["global_indices", "uniform", "normal", "integers"]
+__all__ = ["global_indices", "uniform", "normal", "integers", "Generator"]
 
 _MASK = 0xFFFFFFFF
 
@@ -80,3 +81,33 @@ def integers(index, seed, counter, dtype: torch.dtype, low: int, high: int) -> t
     """Uniform integers in [low, high) from 63 random bits (bias below 2**-30 for spans < 2**33)."""
     bits = ((_bits(index, seed, counter, 4) >> 1) << 32) | _bits(index, seed, counter, 5)
     return (low + torch.remainder(bits, high - low)).to(dtype)
+
+
+class Generator:
+    """A random stream of its own (dtorch.Generator().manual_seed(s), passed as generator= to the
+    random factories), like torch.Generator: it neither reads nor advances the global stream of
+    dtorch.manual_seed. Each call it serves takes the next counter of this stream, so the values
+    still depend only on (seed, call order, global shape, dtype), never on the layout. The same
+    seed gives the same values as dtorch.manual_seed(seed) does, as with torch's generators."""
+
+    DEFAULT_SEED = 67280421310721    # torch.Generator().initial_seed()
+
+    def __init__(self, device=None):
+        self._seed, self._counter, self._lock = self.DEFAULT_SEED, 0, threading.Lock()
+
+    def manual_seed(self, seed: int) -> "Generator":
+        with self._lock:
+            self._seed, self._counter = int(seed), 0
+        return self
+
+    def initial_seed(self) -> int:
+        return self._seed
+
+    def next_call(self) -> tuple[int, int]:
+        """(seed, counter) for one random call, the same pair the global stream sends."""
+        with self._lock:
+            counter, self._counter = self._counter, self._counter + 1
+            return self._seed, counter
+
+    def __repr__(self) -> str:
+        return f"dtorch.Generator(seed={self._seed}, calls={self._counter})"

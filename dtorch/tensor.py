@@ -9,16 +9,17 @@ from typing import Sequence
 
 import torch
 
-from .distributed_spec import (DeviceMesh, Partial, Placement, Replicate, format_placements, local_offset,
-                               local_shape)
-from .errors import UnsupportedOpError
+from .distributed_spec import (DeviceMesh, Partial, Placement, Placements, Replicate, format_placements,
+                               local_offset, local_shape)
+from .errors import MeshError, UnsupportedOpError
 from .ops.unsupported import (NOTES, inplace_flag_refused, item_assignment_refused, unsupported_method,
                                unsupported_op)
 from .ops import REGISTRY, cached_plan
 from .ops.conversions import to_target
-from .ops.dispatch import map_tensors
+from .ops.dispatch import is_strict, map_tensors
+from .ops.one_device import join_target
 from .ops.operators import BINARY_OPERATORS, UNARY_OPERATORS
-from .ops.tensor_meta import TensorMeta, check_placements, parse_shape, tensor_meta
+from .ops.tensor_meta import TensorMeta, check_placements, shape_argument, tensor_meta
 from .redistribute import plan_redistribute
 from .runtime import session
 from .runtime.protocol import Redistribute, RunOp, Transfer, dtype_name
@@ -69,8 +70,9 @@ class DTensor:
         return self._meta.mesh
 
     @property
-    def placements(self) -> tuple[Placement, ...]:
-        return self._meta.placements
+    def placements(self) -> Placements:
+        """A tuple that also equals a list: x.placements == [Shard(0)]."""
+        return Placements(self._meta.placements)
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of the shard that worker `rank` holds."""
@@ -188,7 +190,11 @@ class DTensor:
     def to(self, *args, **kwargs):
         """x.to(dtype) casts (a new DTensor). x.to("cpu"), x.to("cpu", dtype) and x.to(device="cpu")
         are a blocking read like to_torch(): they return a torch.Tensor (torch's DTensor would
-        keep a DTensor). Another device or a mesh is refused: use redistribute(device_mesh=...)."""
+        keep a DTensor). x.to(mesh) (or x.to(mesh, placements=[...])) moves it to another mesh:
+        the same placements when that mesh has as many dims, else Replicate. Another device is
+        refused: move to a mesh of that device instead."""
+        if args and isinstance(args[0], DeviceMesh) or "device_mesh" in kwargs:
+            return self._to_mesh(*args, **kwargs)
         device, dtype = to_target(args, kwargs)
         if device is None:
             return call_op("to_dtype", (self, dtype), {}) if dtype not in (None, self.dtype) else self
@@ -228,17 +234,17 @@ class DTensor:
         from .ops.indexing import canonical_index
         return call_op("getitem", (self, canonical_index(index, self._meta.shape)), {})
 
-    def view(self, *shape) -> "DTensor":
-        """x.view(4, 6) or x.view((4, 6)). The same as reshape: dtorch results never share
-        storage visibly, so view's no-copy promise has nothing to keep."""
-        if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+    def view(self, *shape, **size) -> "DTensor":
+        """x.view(4, 6), x.view((4, 6)) or x.view(size=(4, 6)). The same as reshape: dtorch
+        results never share storage visibly, so view's no-copy promise has nothing to keep."""
+        if len(shape) == 1 and isinstance(shape[0], torch.dtype) or isinstance(size.get("dtype"), torch.dtype):
             raise UnsupportedOpError("view(dtype) reinterprets bytes, which dtorch does not support; "
                                      "use x.to(dtype) to convert values")
-        return call_op("view", (self, parse_shape(shape)), {})
+        return call_op("view", (self, shape_argument("view", shape, size, "size")), {})
 
-    def reshape(self, *shape) -> "DTensor":
-        """x.reshape(4, 6) or x.reshape((4, 6)); one size may be -1."""
-        return call_op("reshape", (self, parse_shape(shape)), {})
+    def reshape(self, *shape, **keyword) -> "DTensor":
+        """x.reshape(4, 6), x.reshape((4, 6)) or x.reshape(shape=(4, 6)); one size may be -1."""
+        return call_op("reshape", (self, shape_argument("reshape", shape, keyword, "shape")), {})
 
     @property
     def T(self) -> "DTensor":
@@ -255,21 +261,54 @@ class DTensor:
         operand before an op). Other meshes follow whatever `redistribute` supports."""
         return self.redistribute(other.device_mesh, other.placements)
 
-    def redistribute_by_dict(self, placements_by_dim: dict) -> "DTensor":
-        """Redistribute naming mesh dims: x.redistribute_by_dict({"dp": Shard(0), "tp": Replicate()}).
+    def redistribute_by_dict(self, device_mesh: DeviceMesh | dict | None = None, placements_dict: dict | None = None,
+                             default_placement_mode: str = "keep") -> "DTensor":
+        """Redistribute naming mesh dims: x.redistribute_by_dict({"dp": Shard(0), "tp": Replicate()}),
+        or DTorch's spelling x.redistribute_by_dict(mesh, placements_dict={...},
+        default_placement_mode="keep" | "replicate" | "raise_error").
 
         Keys are mesh dim names or indices (an unnamed mesh takes indices only). A mesh dim that
-        the dict does not list keeps its current placement. An unknown name raises MeshError,
-        and so does naming one mesh dim twice (by name and by index)."""
-        from .errors import MeshError
-        placements, given = list(self.placements), set()
-        for key, placement in placements_by_dim.items():
-            mesh_dim = self.device_mesh.dim_index(key)
+        the dict does not list keeps its current placement ("keep", the default), becomes
+        Replicate ("replicate"), or raises MeshError ("raise_error", DTorch's default). An unknown
+        name raises MeshError, and so does naming one mesh dim twice (by name and by index)."""
+        if isinstance(device_mesh, dict):   # dtorch's own order: the dict first
+            device_mesh, placements_dict = placements_dict, device_mesh
+        mesh = device_mesh if device_mesh is not None else self.device_mesh
+        placements, given = _unlisted_placements(self, mesh, default_placement_mode), set()
+        for key, placement in (placements_dict or {}).items():
+            mesh_dim = mesh.dim_index(key)
             if mesh_dim in given:
-                raise MeshError(f"redistribute_by_dict: mesh dim {key!r} is given twice in {placements_by_dim}")
+                raise MeshError(f"redistribute_by_dict: mesh dim {key!r} is given twice in {placements_dict}")
             given.add(mesh_dim)
             placements[mesh_dim] = placement
-        return self.redistribute(placements=placements)
+        if None in placements:
+            missing = [mesh.mesh_dim_names[d] if mesh.mesh_dim_names else d for d, p in enumerate(placements) if p is None]
+            raise MeshError(f"redistribute_by_dict: mesh dims {missing} are not in placements_dict and "
+                            "default_placement_mode is 'raise_error'")
+        return self.redistribute(mesh, placements)
+
+    # --- DTorch's spellings (docs/migrating_from_dtorch.md) ---
+    @property
+    def device(self) -> torch.device:
+        """The device type of the mesh's workers, torch.device("cpu") or torch.device("cuda"): the
+        tensor lives on many devices, so no index."""
+        return torch.device(self._meta.mesh.device_type)
+
+    @property
+    def data(self) -> "DTensor":
+        """The tensor itself (not a new symbol with the same id: two symbols would each free the
+        workers' buffer). A DTensor has no autograd history to detach from."""
+        return self
+
+    def to_torch_async(self):
+        """DTorch's name for fetch(): a future of the whole tensor (await it, or .result())."""
+        return self.fetch()
+
+    def _to_mesh(self, device_mesh: DeviceMesh, placements=None) -> "DTensor":
+        """x.to(mesh): the same placements when the mesh has as many dims, else Replicate."""
+        if placements is None and device_mesh.ndim == self.device_mesh.ndim:
+            placements = self._meta.placements
+        return self.redistribute(device_mesh, placements)
 
     # --- casts (op coverage) ---
     # torch's cast methods, each the one to_dtype op (its rule: dtorch/ops/pointwise.py).
@@ -296,7 +335,14 @@ class DTensor:
 def call_op(name: str, args: tuple, kwargs: dict):
     """Plan (cached), issue the plan's inserted redistributes if any, enqueue one RunOp command,
     return the output symbol(s). Never waits."""
-    plan = cached_plan(name, args, kwargs)
+    try:
+        plan = cached_plan(name, args, kwargs)
+    except MeshError:
+        joined = _join_one_device_inputs(args, kwargs)
+        if joined is None:
+            raise
+        args, kwargs = joined
+        plan = cached_plan(name, args, kwargs)
     if plan.moves:
         args, kwargs = _apply_moves(plan.moves, args, kwargs)
     out_specs = plan.out_specs
@@ -337,6 +383,36 @@ def _apply_moves(moves: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             tensor._controller.count_inserted_redistribute()
         return moved[key]
     return map_tensors(args, move), map_tensors(kwargs, move)
+
+
+def _unlisted_placements(tensor: DTensor, mesh: DeviceMesh, mode: str) -> list:
+    """redistribute_by_dict's start: what a mesh dim the dict does not list gets (None: must be listed)."""
+    if mode == "keep":
+        if mesh.ndim != tensor.device_mesh.ndim:
+            raise MeshError(f"redistribute_by_dict: default_placement_mode='keep' needs a mesh of {tensor.device_mesh.ndim} "
+                            f"dims like the tensor's, {mesh} has {mesh.ndim}; list every dim or use 'replicate'")
+        return list(tensor._meta.placements)
+    if mode in ("replicate", "raise_error"):
+        return [Replicate() if mode == "replicate" else None] * mesh.ndim
+    raise ValueError(f"default_placement_mode must be 'keep', 'replicate' or 'raise_error', not {mode!r}")
+
+
+def _join_one_device_inputs(args: tuple, kwargs: dict):
+    """The one rule for inputs on different meshes (dtorch/ops/one_device.py): those on a one-device
+    mesh move, as Replicate, to the mesh the others share. None where it does not apply, or in
+    strict mode (every move spelled out)."""
+    metas = []
+    map_tensors((args, kwargs), lambda t: metas.append(t._meta))
+    target = None if is_strict() else join_target(metas)
+    if target is None:
+        return None
+
+    def join(tensor: DTensor) -> DTensor:
+        if tensor.device_mesh == target:
+            return tensor
+        tensor._controller.count_inserted_redistribute()
+        return tensor.redistribute(target, [Replicate()] * target.ndim)
+    return map_tensors(args, join), map_tensors(kwargs, join)
 
 
 def _method(op_name: str):

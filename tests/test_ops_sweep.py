@@ -14,7 +14,7 @@ dims' choices is):
                combination accepted on each dim may still raise PlacementError as a whole: when
                the free R -> S(d) slice would nest under another mesh dim's S(d) it takes
                communication, and dispatch refuses it. The reshape family (view, reshape,
-               flatten, ...) is the exception to "a rejected dim must raise": whether a shard's
+               flatten, ...) and repeat_interleave are the exception to "a rejected dim must raise": whether a shard's
                blocks fall on whole rows of the result depends on the mesh dim's size, so a choice
                refused on 4 ranks may be right on 2; such a combination is compared if accepted.
 Partial inputs are genuine: random contributions uploaded stacked and reduced on the workers
@@ -67,7 +67,7 @@ OPS = sorted(name for name, spec in REGISTRY.items() if spec.family in SAMPLED_F
 SWEEP_PARTIALS = ("sum", "max")    # what the workers' sweep feeds; the validator covers avg and min
 ACCEPTED_PER_MESH = {2: 16, 3: 12}  # N-D combinations run per sample, by mesh rank
 REJECTED_PER_MESH = 4
-SIZE_DEPENDENT = frozenset(RESHAPES)   # see the module docstring
+SIZE_DEPENDENT = frozenset(RESHAPES) | {"repeat_interleave"}   # see the module docstring
 # The sweep checks the rules as written: a refused combination must raise, not get redistributes
 # inserted (tests/test_auto_redistribute.py sweeps the automatic moves).
 pytestmark = pytest.mark.usefixtures("strict")

@@ -1,5 +1,6 @@
 """PURE: what torch's `x.to(...)` forms ask of a DTensor. A dtype is a cast (an op); "cpu" is a
-read into this process; another device or a mesh is a move that `to` does not make yet."""
+read into this process; another device is a move that `to` does not make yet (a mesh first,
+x.to(mesh), is a move DTensor.to makes before it asks here)."""
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,8 @@ def to_target(args: tuple, kwargs: dict) -> tuple[torch.device | None, torch.dty
 
 def _refused_target(value) -> Exception:
     if isinstance(value, DeviceMesh):
-        return UnsupportedOpError(f"x.to(mesh) is not supported yet (at {user_site()}): move x with "
-                                  "x.redistribute(device_mesh=mesh, placements=[...]).")
+        return TypeError(f"x.to(...) takes a mesh as its first argument only (at {user_site()}): "
+                         "x.to(mesh).to(dtype), or x.redistribute(device_mesh=mesh, placements=[...]).")
     if hasattr(value, "_meta"):
         return UnsupportedOpError(f"x.to(other) is not supported yet (at {user_site()}): use "
                                   "x.to(other.dtype) for its dtype, x.redistribute_like(other) for its layout.")

@@ -137,6 +137,15 @@ AND = Laws(monotone=(1, 1), lattice={"min": (0, 1)}, when=_booleans)
 OR = Laws(monotone=(1, 1), lattice={"max": (0, 1)}, when=_booleans)
 
 
+# Non-decreasing on the whole extended line (+-inf included), so one P(max|min) passes.
+_RISING = ("floor", "ceil", "trunc", "round", "atan", "sinh", "asinh", "exp2", "expm1", "sign")
+# asin, atanh: rising, but on [-1, 1]: a max's or a min's other contributions may lie outside.
+# reciprocal falls on each half-line but jumps at 0; fmod, remainder, floor_divide and hypot are
+# not monotone in the divisor (and plans key scalars by type, so not in a scalar's sign either).
+_NO_LAWS = ("frac", "asin", "acos", "atanh", "cosh", "atan2", "reciprocal", "fmod", "remainder", "floor_divide",
+            "hypot", "isclose")
+
+
 def _leaky_relu(input, negative_slope=0.01, inplace=False):
     return F.leaky_relu(input, negative_slope)   # never in place: a worker's buffers are shared
 
@@ -208,6 +217,21 @@ POINTWISE = {
                  method=False),
     "to_dtype": _row(lambda input, dtype: input.to(dtype), Laws(params=("input", "dtype"), linear=_cast_linear,
                                                                 monotone=_cast_signs, by_value=True)),
+    **{name: _row(getattr(torch, name), UP) for name in _RISING},
+    **{name: _row(getattr(torch, name), UP_ON_DOMAIN) for name in ("log2", "log10", "acosh")},
+    **{name: _row(getattr(torch, name), NONE) for name in _NO_LAWS},
+    "sgn": _row(torch.sgn, UP),    # sign, for real inputs
+    "clamp_min": _row(torch.clamp_min, Laws(params=("input", "min"), monotone=(1, 1), lattice={"max": (0, 1)})),
+    "clamp_max": _row(torch.clamp_max, Laws(params=("input", "max"), monotone=(1, 1), lattice={"min": (0, 1)})),
+    "logaddexp": _row(torch.logaddexp, Laws(monotone=(1, 1))),
+    # rising on numbers, but a max (min) that carries nan is nan and nan_to_num sends it to 0
+    "nan_to_num": _row(torch.nan_to_num, NONE),
+    "lerp": _row(torch.lerp, Laws(params=("input", "end", "weight"), linear=((0, 1),))),
+    # input + value * tensor1 * tensor2 (or / tensor2): linear in input with either factor
+    "addcmul": _row(torch.addcmul, Laws(params=("input", "tensor1", "tensor2"), linear=((0, 1), (0, 2)),
+                                        monotone=(1, 0, 0), arithmetic=True)),
+    "addcdiv": _row(torch.addcdiv, Laws(params=("input", "tensor1", "tensor2"), linear=((0, 1),),
+                                        monotone=(1, 0, 0), arithmetic=True)),
 }
 
 register_family("pointwise", POINTWISE)

@@ -67,3 +67,11 @@ def parse_shape(sizes) -> tuple:
     if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
         sizes = sizes[0]
     return tuple(int(size) for size in sizes)
+
+
+def shape_argument(op: str, sizes: tuple, given: dict, keyword: str) -> tuple:
+    """parse_shape, plus torch's keyword spelling: reshape(x, shape=(4, 6)), x.view(size=(4, 6))."""
+    if set(given) - {keyword} or bool(sizes) == (keyword in given):
+        raise TypeError(f"{op}() takes its shape as sizes, as one sequence or as {keyword}=; "
+                        f"got {sizes} and keywords {sorted(given)}")
+    return parse_shape(sizes or (given[keyword],))

@@ -46,6 +46,13 @@ _AUTOGRAD = "dtorch has no autograd yet: compute gradients with torch on to_torc
 NOTES = {
     "backward": _AUTOGRAD, "grad": _AUTOGRAD, "requires_grad": _AUTOGRAD, "requires_grad_": _AUTOGRAD,
     "grad_fn": _AUTOGRAD, "retain_grad": _AUTOGRAD,
+    # nonzero: a refusal, not a read: its shape is the count of nonzeros, which no rank knows
+    # alone, and returning a DTensor would mean a read plus an upload behind one op's name
+    **dict.fromkeys(("nonzero", "argwhere", "nonzero_static"),
+                    "its shape is the number of nonzero elements, known only after reading the values: "
+                    "read them with x.to_torch().nonzero(as_tuple=...) (and upload the indices with "
+                    "dtorch.tensor(...) if needed), or keep the shape with a mask: where(mask, x, 0), "
+                    "masked_fill, (x != 0).sum()"),
     "to_local": "the controller holds no shards: read the whole tensor with x.to_torch() (or await "
                 "x.fetch()); x.local_shape(rank) and x.local_offset(rank) say where each rank's shard sits",
 }

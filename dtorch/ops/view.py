@@ -10,7 +10,8 @@ reduction over ranks commutes with any rearrangement of elements).
                    (48,) S(0) -> (8,6) S(0); but (7,6) S(0) -> (42,) is refused.
   permutations     transpose, permute: S(d) follows d.
   broadcasts       expand (S on an expanded size-1 dim refused), repeat (S on a repeated dim
-                   refused).
+                   refused), repeat_interleave (int repeats; S on the repeated dim only where
+                   every block repeats into a whole block of the result).
   identity         contiguous, clone.
   joins            cat: S(d) off the cat dim (R inputs sliced to match), all-R, or all the same
                    Partial; stack: the same, S(d) shifted past the new dim.
@@ -27,7 +28,7 @@ from ..distributed_spec import Partial, Shard, local_region
 from .registry import OpRow, kernel, register_family
 from .rules import (Call, Decision, R, RuleRejected, common_shard_dim, follow_rule, normalize_dim, off_dim,
                     unshard_fix)
-from .tensor_meta import parse_shape
+from .tensor_meta import parse_shape, shape_argument
 
 __all__ = ["VIEW", "reshape_groups", "join_rule"]
 
@@ -121,9 +122,18 @@ def reshape_local(input, *args, view_sizes, **kwargs):
 
 
 # view is reshape here: dtorch symbols are immutable, so no one can observe whether storage is shared
+def _reshape_spelled(op: str, keyword: str):
+    """reshape(x, 4, 6), reshape(x, (4, 6)) and torch's keyword form reshape(x, shape=(4, 6))
+    (view's keyword is size=)."""
+    def reshape(input, *sizes, **given):
+        return input.reshape(shape_argument(op, sizes, given, keyword))
+    reshape.__name__ = op
+    return reshape
+
+
 RESHAPES = {
-    "view": lambda input, *shape: input.reshape(*shape),
-    "reshape": lambda input, *shape: input.reshape(*shape),
+    "view": _reshape_spelled("view", "size"),
+    "reshape": _reshape_spelled("reshape", "shape"),
     "flatten": torch.flatten,
     "unflatten": torch.unflatten,
     "squeeze": torch.squeeze,
@@ -133,8 +143,9 @@ RESHAPES = {
 
 # --- permutations, broadcasts, identities --------------------------------------------------------
 def _dims_arg(call: Call) -> tuple:
-    """permute(x, 1, 0) and permute(x, (1, 0)) alike; also repeat's sizes."""
-    return parse_shape(call.args[1:] or (call.kwargs.get("dims"),))
+    """permute(x, 1, 0), permute(x, (1, 0)) and permute(x, dims=(1, 0)) alike; also repeat's sizes
+    (repeats=)."""
+    return parse_shape(call.args[1:] or (call.kwargs.get("dims", call.kwargs.get("repeats")),))
 
 
 def _transpose_out_dim(call: Call, dim: int) -> int:
@@ -180,6 +191,42 @@ def _repeat_out_dim(call: Call, dim: int) -> int:
     return out_dim
 
 
+_INTERLEAVE_LEGAL = ("S(d) off the repeated dim, S(dim) when every shard repeats into a whole shard of the "
+                     "result, R, Partial")
+
+
+def _repeat_interleave_out_dim(call: Call, dim: int) -> int:
+    """Off the repeated dim a shard stays put. On it, rank k's block [a, b) becomes [a*r, b*r),
+    a shard of the result only where the chunk sizes agree (every rank checked, shards nested)."""
+    spec = call.inputs[0]
+    along = call.param(2, "dim")
+    if along is None and len(spec.shape) > 1:
+        raise RuleRejected(f"repeat_interleave without dim flattens sharded dim {dim}; "
+                           f"{unshard_fix(call, Shard(dim))}", _INTERLEAVE_LEGAL)
+    along = normalize_dim(0 if along is None else along, len(spec.shape))
+    if dim != along:
+        return dim
+    repeats = call.param(1, "repeats")
+    fix = unshard_fix(call, Shard(dim))
+    if call.kwargs.get("output_size") is not None:
+        raise RuleRejected(f"output_size= is the whole result's size, not a shard's; {fix}", _INTERLEAVE_LEGAL)
+    mesh = spec.mesh
+    for coordinate in itertools.product(*map(range, mesh.shape)):
+        in_offset, in_size = local_region(spec.shape, mesh, spec.placements, coordinate)
+        out_offset, out_size = local_region(call.out_shape, mesh, spec.placements, coordinate)
+        if (in_offset[dim] * repeats, in_size[dim] * repeats) != (out_offset[dim], out_size[dim]):
+            raise RuleRejected(f"the S({dim}) shards of size {spec.shape[dim]} repeated {repeats} times do not "
+                               f"fall on the result's shard boundaries; {fix}", _INTERLEAVE_LEGAL)
+    return dim
+
+
+def _repeat_interleave_rule(call: Call, placements) -> Decision:
+    if len(call.inputs) > 1 or not isinstance(call.param(1, "repeats"), int):
+        raise RuleRejected("repeats as a tensor makes the result's shape depend on its values; "
+                           "pass an int", "an int repeats")
+    return follow_rule(_repeat_interleave_out_dim, _INTERLEAVE_LEGAL)(call, placements)
+
+
 # --- joins and splits ----------------------------------------------------------------------------
 _JOIN_LEGAL = "S(d) off the joined dim on every input (R inputs are sliced), all R, or all the same Partial"
 
@@ -205,6 +252,11 @@ def join_rule(stack: bool):
     return rule
 
 
+def _split(tensor, split_size_or_sections=None, dim=0, *, split_size=None):
+    """torch.split's keyword is split_size_or_sections=, Tensor.split's split_size=."""
+    return torch.split(tensor, split_size if split_size_or_sections is None else split_size_or_sections, dim)
+
+
 # --- the table ---------------------------------------------------------------------------------------
 _SAME = lambda call, dim: dim  # noqa: E731
 _SPLIT_LEGAL = "S(d) off the split dim, R, Partial"
@@ -216,6 +268,7 @@ VIEW = {
     "expand": OpRow(torch.Tensor.expand, follow_rule(_expand_out_dim, "S(d) on a kept dim, R, Partial"),
                     local=_expand_local),
     "repeat": OpRow(torch.Tensor.repeat, follow_rule(_repeat_out_dim, "S(d) on a dim repeated once, R, Partial")),
+    "repeat_interleave": OpRow(torch.repeat_interleave, _repeat_interleave_rule),
     "contiguous": OpRow(torch.Tensor.contiguous, follow_rule(_SAME, "any")),
     "clone": OpRow(torch.clone, follow_rule(_SAME, "any")),
     # the same values under a new id, sharing the workers' buffers (no copy): what
@@ -223,7 +276,7 @@ VIEW = {
     "detach": OpRow(torch.Tensor.detach, follow_rule(_SAME, "any")),
     "cat": OpRow(torch.cat, join_rule(stack=False), method=False),
     "stack": OpRow(torch.stack, join_rule(stack=True), method=False),
-    "split": OpRow(torch.split, follow_rule(off_dim(2), _SPLIT_LEGAL)),
+    "split": OpRow(_split, follow_rule(off_dim(2), _SPLIT_LEGAL)),
     "chunk": OpRow(torch.chunk, follow_rule(off_dim(2), _SPLIT_LEGAL)),
     "unbind": OpRow(torch.unbind, follow_rule(off_dim(1, drops=True), _SPLIT_LEGAL)),
 }

@@ -57,6 +57,14 @@ class Future(collections.abc.Coroutine):
     def exception(self, timeout: float | None = None):
         return self._inner.exception(timeout)
 
+    # DTorch's TensorFuture spellings (x.to_torch_async().get()); unlike DTorch's, a result can
+    # be read any number of times, so is_ready() stays True after get().
+    def get(self):
+        return self.result()
+
+    def is_ready(self) -> bool:
+        return self.done()
+
     def __repr__(self) -> str:
         return f"<dtorch.Future {'done' if self.done() else 'pending'}>"
 

@@ -53,6 +53,16 @@ _AUTOMATIC = [
     "code.", "",
 ]
 
+# Inputs on different meshes (dtorch/ops/one_device.py).
+_MESHES = [
+    "**Inputs on different meshes.** An op's inputs share one mesh, with one exception: an input on a",
+    "one-device mesh (`dtorch.Tensor(data)` or `dtorch.tensor(data)` without `device_mesh=` lands on",
+    "one) is a constant to the others. It joins the one mesh the other inputs share, moved there as",
+    "Replicate by the mesh-to-mesh transfer (`x.to(mesh)`), and `redistributes_inserted` counts the",
+    "move. The move is made again at every such op: move a tensor used often once, `b = b.to(mesh)`.",
+    "Inputs on two larger meshes, and every mixed-mesh call in strict mode, raise MeshError.", "",
+]
+
 # What no rule table can say: whole features dtorch lacks. Each raises UnsupportedOpError at the
 # user's line (dtorch/ops/unsupported.py), never a silent wrong value.
 _NOT_YET = [
@@ -68,8 +78,12 @@ _NOT_YET = [
     "- **`distribute_tensor(t, mesh, placements)`**: use `dtorch.tensor(t, device_mesh=mesh,",
     "  placements=placements)`, or a factory (`dtorch.randn(..., device_mesh=, placements=)`) so no",
     "  process holds the whole tensor.",
-    "- **`x.to(other_mesh)`, `x.to(\"cuda\")`**: use `x.redistribute(device_mesh=mesh, placements=[...])`;",
-    "  `x.to(\"cpu\")`, `x.cpu()` and `x.numpy()` are blocking reads like `to_torch()`.",
+    "- **`x.to(\"cuda\")`**: move to a mesh of that device, `x.to(mesh)` or",
+    "  `x.redistribute(device_mesh=mesh, placements=[...])`; `x.to(\"cpu\")`, `x.cpu()` and `x.numpy()` are",
+    "  blocking reads like `to_torch()`.",
+    "- **`nonzero`, `argwhere`**: the result's shape is the count of nonzeros, which no rank knows",
+    "  alone; read with `x.to_torch().nonzero(as_tuple=...)`, or keep the shape with a mask",
+    "  (`where(mask, x, 0)`, `masked_fill`, `(x != 0).sum()`).",
     "- **`mesh[\"dp\"]`** keeps index 0 of the other mesh dims (torch's DeviceMesh gives the calling",
     "  rank's own slice; a single controller has no calling rank): `mesh.unbind(\"tp\")` gives every slice.",
     "",
@@ -84,7 +98,7 @@ def render() -> str:
              "Placements: `R` Replicate, `S(d)` Shard(d), `P(op)` Partial. A rule is written for one mesh dim",
              "and applied to every dim of an N-D mesh. The combinations listed per op are those its rule",
              "accepts as given; R -> S(d), a local slice, is done inside the op (marked *sliced* below).",
-             "See docs/adding_an_op.md to add one.", ""] + _AUTOMATIC + _NOT_YET
+             "See docs/adding_an_op.md to add one.", ""] + _AUTOMATIC + _MESHES + _NOT_YET
     counts = {family: sum(s.family == family for s in REGISTRY.values()) for family in families}
     lines += [f"- [{family}](#{family}): {counts[family]} ops" for family in families]
     for family in families:

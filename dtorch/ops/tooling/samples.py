@@ -102,7 +102,8 @@ def _power(m: _Make):
 def _where(m: _Make):
     shape = _matrix(m)
     return [Sample((m.bools(*shape), m.x(*shape), m.x(*shape)), {}, True),
-            Sample((m.bools(*shape), m.x(*shape), 0.0), {}, True)]
+            Sample((m.bools(*shape), m.x(*shape), 0.0), {}, True),
+            Sample((m.bools(*shape), 1.0, m.x(*shape)), {}, True)]
 
 
 def _masked_fill(m: _Make):
@@ -134,6 +135,53 @@ def _special_values(m: _Make):
     x = m.x(*_matrix(m))
     x[0, 0], x[-1, -1], x[1, 0] = math.nan, math.inf, -math.inf
     return [Sample((x,), {}, True)]
+
+
+def _unary(transform, exact=False, kwargs=({},)):
+    """A unary op on transform(a random 2-D float input): into the op's domain."""
+    def build(m: _Make):
+        x = transform(m.x(*_matrix(m)))
+        return [Sample((x,), dict(kw), exact) for kw in kwargs]
+    return build
+
+
+def _divisions(exact=False):
+    """fmod, remainder, floor_divide: by a nonzero tensor, by a broadcast row and by a scalar."""
+    def build(m: _Make):
+        shape = _matrix(m)
+        x = m.x(*shape) * 4
+        return [Sample((x, m.x(*shape, nonzero=True)), {}, exact), Sample((x, m.x(shape[-1], nonzero=True)), {}, exact),
+                Sample((x, 1.5), {}, exact)]
+    return build
+
+
+def _isclose(m: _Make):
+    x = m.x(*_matrix(m))
+    y = torch.where(m.bools(*x.shape), x + 1e-3, x)
+    return [Sample((x, y), {}, True), Sample((x, y), {"rtol": 1e-2}, True)]
+
+
+def _lerp(m: _Make):
+    shape = _matrix(m)
+    return [Sample((m.x(*shape), m.x(*shape), 0.3), {}), Sample((m.x(*shape), m.x(*shape), m.x(*shape)), {})]
+
+
+def _addc(m: _Make):
+    """addcmul, addcdiv: input + value * tensor1 (* or /) tensor2 (nonzero)."""
+    shape = _matrix(m)
+    return [Sample((m.x(*shape), m.x(*shape), m.x(*shape, nonzero=True)), {}),
+            Sample((m.x(*shape), m.x(*shape), m.x(shape[-1], nonzero=True)), {"value": 0.5})]
+
+
+def _clamp_one_side(m: _Make):
+    shape = _matrix(m)
+    return [Sample((m.x(*shape), 0.1), {}, True), Sample((m.x(*shape), m.x(shape[-1])), {}, True)]
+
+
+def _nan_to_num(m: _Make):
+    x = _special_values(m)[0].args[0]
+    return [Sample((x,), {}, True), Sample((x,), {"nan": 1.0, "posinf": 2.0}, True),
+            Sample((x, 0.0, None, -3.0), {}, True)]
 
 
 # --- reductions -------------------------------------------------------------------------------------
@@ -334,6 +382,17 @@ _BUILDERS: dict[str, Callable] = {
     "clamp": _clamp, "where": _where, "masked_fill": _masked_fill, "to_dtype": _casts,
     "logical_not": _logical_not, "bitwise_not": _bitwise_not,
     "isnan": _special_values, "isinf": _special_values, "isfinite": _special_values,
+    **{name: _one(exact=True) for name in ("floor", "ceil", "trunc", "frac", "sign", "sgn")},
+    "round": _unary(lambda x: x * 3, exact=True, kwargs=({}, {"decimals": 1})),
+    **{name: _one() for name in ("atan", "sinh", "cosh", "asinh", "exp2", "expm1")},
+    **{name: _one(positive=True) for name in ("log2", "log10")},
+    **{name: _unary(torch.tanh) for name in ("asin", "acos", "atanh")},
+    "acosh": _unary(lambda x: x.abs() + 1),
+    "reciprocal": _unary(lambda x: x.sign() * (x.abs() + 0.25)),
+    "atan2": _two(broadcast=True), "hypot": _two(broadcast=True), "logaddexp": _two(broadcast=True),
+    "fmod": _divisions(exact=True), "remainder": _divisions(), "floor_divide": _divisions(),
+    "isclose": _isclose, "lerp": _lerp, "addcmul": _addc, "addcdiv": _addc,
+    "clamp_min": _clamp_one_side, "clamp_max": _clamp_one_side, "nan_to_num": _nan_to_num,
     "rsub": _with_scalar(2.0), "rdiv": _with_scalar(2.0, nonzero=True), "rpow": _with_scalar(2.0, exact=False),
     # reductions
     "sum": _both(_reduce(*_ALL_DIMS), _reduce(((1,), {}), ((), {}), kind="ints", exact=True),
@@ -386,6 +445,9 @@ _BUILDERS: dict[str, Callable] = {
                     _on(_VECTOR, lambda x: _call(x, 2, -1))),
     "repeat": _both(_on(_MATRIX, lambda x: _call(x, 1, 2), lambda x: _call(x, 2, 1, 1)),
                     _on(_SIZE_ONE, lambda x: _call(x, 1, 2, 1))),
+    "repeat_interleave": _both(_on(_MATRIX, lambda x: _call(x, 2, dim=1), lambda x: _call(x, 3, 0),
+                                   lambda x: _call(x, 2), lambda x: _call(x, repeats=2, dim=-1)),
+                               _on(_VECTOR, lambda x: _call(x, 2))),
     "contiguous": _on(_MATRIX, lambda x: _call(x)),
     "clone": _on(_MATRIX, lambda x: _call(x)),
     "detach": _on(_MATRIX, lambda x: _call(x)),

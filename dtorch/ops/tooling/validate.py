@@ -62,6 +62,18 @@ _JOIN_PARTIAL_WITH_R = ("[R], [P(avg)]", "[R], [P(max)]", "[R], [P(min)]", "[P(a
                         "[P(min)], [R]")
 DECLINED.update({(op, combo): "a Partial joined with an R input: exact for P(avg|max|min), refused for simplicity"
                  for op in ("cat", "stack") for combo in _JOIN_PARTIAL_WITH_R})
+_NAN_TO_NUM_SUM = "a sum whose contributions are replaced one by one differs once one is inf or nan"
+_NAN_TO_NUM_ORDER = "a max (min) carrying nan is nan, which nan_to_num sends to 0 while the other contributions stay"
+DECLINED.update({
+    ("nan_to_num", "[P(sum)]"): _NAN_TO_NUM_SUM, ("nan_to_num", "[P(avg)]"): _NAN_TO_NUM_SUM,
+    ("nan_to_num", "[P(max)]"): _NAN_TO_NUM_ORDER, ("nan_to_num", "[P(min)]"): _NAN_TO_NUM_ORDER,
+    ("repeat_interleave", "[S(0)]"): "without dim, rows flatten into whole shards for some sizes only (as reshape)",
+    ("lerp", "[R], [P(max)]"): "lerp rises in end only for weight >= 0; plans key a scalar weight by type",
+    ("lerp", "[R], [P(min)]"): "lerp rises in end only for weight >= 0; plans key a scalar weight by type",
+    ("lerp", "[R], [R], [P(avg)]"): "exact (lerp is affine in weight) but not derived: Laws has no affine-only group",
+    **{("isclose", combo): "a contribution other than the max (min) may be close where the max (min) is not"
+       for combo in ("[R], [P(max)]", "[R], [P(min)]", "[P(max)], [R]", "[P(min)], [R]")},
+})
 # scatter passes a Partial only as input and src alike (R index); the other forms below are exact
 # too but not derived yet: gaps of the rule, listed so that a new one still shows up as MISSING
 _SCATTER_NOT_DERIVED = ("[P(avg)], [R]", "[P(avg)], [R], [R]", "[P(max)], [R]", "[P(max)], [R], [R]",
