@@ -19,6 +19,8 @@ from .ops.dispatch import is_strict, set_strict
 from .runtime import session as _session
 from .runtime.reads import Future
 from .tensor import DTensor, call_op
+from . import inplace as _inplace  # noqa: F401  (installs x[i] = v and the in-place methods)
+from .inplace import AliasingError
 from . import nn
 
 # init_device_mesh (pure layer) starts workers through the runtime: the one seam, installed here
@@ -66,5 +68,5 @@ __all__ = [
     "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
-    "DependencyError", "WorkerLostError", "StartupError", "SessionEndedError", "UnreadFailureWarning", "nn",
+    "DependencyError", "WorkerLostError", "AliasingError", "StartupError", "SessionEndedError", "UnreadFailureWarning", "nn",
 ] + sorted(n for n in _REGISTRY if n in globals())
