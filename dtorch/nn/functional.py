@@ -4,6 +4,7 @@ through __torch_function__, except dropout, which needs dtorch's random stream (
 from __future__ import annotations
 
 from ..runtime import session
+from ..inplace import assign
 from ..tensor import call_op
 
 __all__ = ["relu", "gelu", "silu", "sigmoid", "tanh", "leaky_relu", "elu", "softplus", "softmax",
@@ -29,9 +30,11 @@ def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False)
     """The mask is a pure function of (dtorch.manual_seed, call order, global element index):
     the same on every layout, so a run reproduces under any placements."""
     if not training or p == 0:
-        return call_op("dropout", (input, p, False, inplace, 0, 0), {})
-    seed, counter = session.next_random()
-    return call_op("dropout", (input, p, True, inplace, seed, counter), {})
+        result = call_op("dropout", (input, p, False, False, 0, 0), {})
+    else:
+        seed, counter = session.next_random()
+        result = call_op("dropout", (input, p, True, False, seed, counter), {})
+    return assign(input, result, "dropout(inplace=True)") if inplace else result
 
 
 gelu, sigmoid, tanh, softplus = map(_forward, ("gelu", "sigmoid", "tanh", "softplus"))
