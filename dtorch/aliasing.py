@@ -5,8 +5,9 @@ buffers, so aliasing is bookkeeping: each result of a view op gets a `Node` that
 base's node and the step that made it. dtorch/inplace.py walks these nodes when a tensor changes
 in place, to write a view's change back into its base and re-derive the base's other views.
 
-Cost: tensor.call_op calls `note_view` only for the ops in VIEW_OPS; a tensor that never had a
-view made from it (and is not one) has no node, and nothing else on the hot path looks here.
+Cost: tensor.call_op calls `note_view` only for the ops in VIEW_OPS (one node per view, plus one
+for a base the first time); a tensor that never had a view made from it (and is not one) has no
+node, and nothing else on the hot path looks here.
 Nodes hold their objects weakly: a view never keeps its base's buffers alive. A dead node stays
 in the tree (a "ghost") while it has live descendants, so that they still reach their live
 ancestors; its value is re-derived from its parent when needed.
@@ -84,18 +85,13 @@ def _died_callback(key: int):
 
 
 def prune(node: Node) -> None:
-    """Drop nodes nothing needs any more: a dead node without children, and a live root
-    without children (a plain tensor again). A live view keeps its node: it may write back."""
-    while node is not None and not node.children:
-        live = node.ref() is not None
-        if live and node.parent is not None:
-            return
-        parent = node.parent
+    """Drop dead nodes without children, upwards. A live node stays while its object lives: a
+    view may write back, and a base that had a view is likely to get the next one (x.T in every
+    step), which then costs one node, not two."""
+    while node is not None and not node.children and node.ref() is None:
+        parent, node.parent = node.parent, None
         if parent is not None:
             parent.children.pop(node.key, None)
-        elif live and _NODES.get(node.key) is node:
-            del _NODES[node.key]
-        node.parent = None
         node = parent
 
 

@@ -21,9 +21,22 @@ def _forward(name: str):
     return function
 
 
-# relu, silu, leaky_relu and elu take torch's `inplace` flag as given: dtorch has no in-place ops
-# yet, so the dispatch refuses inplace=True (by keyword or by position) instead of ignoring it.
-relu, silu, leaky_relu, elu = map(_forward, ("relu", "silu", "leaky_relu", "elu"))
+def _with_inplace(name: str, position: int):
+    """torch's `inplace` flag (by keyword or at `position`): the op runs out of place and the
+    input is rebound to its result (dtorch/inplace.py)."""
+    def function(*args, **kwargs):
+        inplace = kwargs.pop("inplace", False)
+        if len(args) > position:
+            inplace, args = args[position], args[:position] + args[position + 1:]
+        result = call_op(name, args, kwargs)
+        return assign(args[0], result, f"{name}(inplace=True)") if inplace else result
+    function.__name__ = function.__qualname__ = name
+    function.__doc__ = f"torch.nn.functional.{name} on DTensors (op {name!r}); inplace=True rebinds the input."
+    return function
+
+
+relu, silu = _with_inplace("relu", 1), _with_inplace("silu", 1)
+leaky_relu, elu = _with_inplace("leaky_relu", 2), _with_inplace("elu", 2)
 
 
 def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):

@@ -8,7 +8,8 @@ broadcasts to the indexed region.
                                    (a KV-cache write `cache[:, :, pos] = k` with cache and k S(heads))
   target S(d), other index on d    value R: each rank writes the part of the region inside its
                                    shard (the kernel learns its block from a ShardRegion)
-  target R                         value R
+  target R                         value R; or a P(max|min|avg) value -> that Partial (the rest of
+                                   the target repeats on every rank, which those reductions keep)
   target Partial                   value the same Partial (each rank writes its share), or R / a
                                    scalar when the reduction keeps a repeated value (max, min, avg)
 """
@@ -24,7 +25,7 @@ from .rules import Call, Decision, R, RuleRejected
 __all__ = ["ASSIGNMENT", "setitem", "torch_index", "region_dims"]
 
 _LEGAL = ("target S(d) with `:` on d and the value S(its region dim) or broadcast and R; target S(d) with "
-          "any other index on d and the value R; all R; target and value the same Partial")
+          "any other index on d and the value R; all R; target and value the same Partial; target R with a P(max|min|avg) value")
 
 
 def torch_index(index) -> tuple:
@@ -75,7 +76,9 @@ def _setitem_rule(call: Call, placements) -> Decision:
         raise RuleRejected(f"a {target!r} target takes a value of the same Partial (or R / a scalar for "
                            "max, min and avg): any other value would count once per rank", _LEGAL)
     if isinstance(value, Partial):
-        raise RuleRejected(f"a {value!r} value needs a target of the same Partial", _LEGAL)
+        if target.is_replicate() and value.reduce_op != "sum":   # max/min/avg keep the repeated rest
+            return Decision(placements, (value,))
+        raise RuleRejected(f"a {value!r} value needs a target of the same Partial (or R for max, min, avg)", _LEGAL)
     if target.is_replicate():
         if value is None or value.is_replicate():
             return Decision(placements, (R,))
