@@ -21,6 +21,8 @@ from .ops.dispatch import is_strict, set_strict
 from .runtime import session as _session
 from .runtime.reads import Future
 from .tensor import DTensor, call_op
+from . import inplace as _inplace  # noqa: F401  (installs x[i] = v and the in-place methods)
+from .inplace import AliasingError
 from . import nn
 from . import checkpoint
 from . import models
@@ -75,6 +77,6 @@ __all__ = [
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "Tensor", "Generator",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
-    "DependencyError", "WorkerLostError", "StartupError", "SessionEndedError", "UnreadFailureWarning", "nn", "checkpoint",
-    "models",
+    "DependencyError", "WorkerLostError", "AliasingError", "StartupError", "SessionEndedError", "UnreadFailureWarning",
+    "nn", "checkpoint", "models",
 ] + sorted(n for n in _REGISTRY if n in globals())

@@ -12,14 +12,14 @@ import torch
 from .distributed_spec import (DeviceMesh, Partial, Placement, Placements, Replicate, format_placements,
                                local_offset, local_shape)
 from .errors import MeshError, UnsupportedOpError
-from .ops.unsupported import (NOTES, inplace_flag_refused, item_assignment_refused, unsupported_method,
-                               unsupported_op)
+from .ops.unsupported import NOTES, is_inplace_name, unsupported_method, unsupported_op
 from .ops import REGISTRY, cached_plan
 from .ops.conversions import to_target
 from .ops.dispatch import is_strict, map_tensors
 from .ops.one_device import join_target
 from .ops.operators import BINARY_OPERATORS, UNARY_OPERATORS
 from .ops.tensor_meta import TensorMeta, check_placements, shape_argument, tensor_meta
+from .aliasing import VIEW_OPS, note_view
 from .redistribute import plan_redistribute
 from .runtime import session
 from .runtime.protocol import Redistribute, RunOp, Transfer, dtype_name
@@ -28,7 +28,8 @@ __all__ = ["DTensor", "call_op"]
 
 
 class DTensor:
-    __slots__ = ("_id", "_meta", "_seq", "_controller")
+    # __weakref__: dtorch/aliasing.py tracks views weakly (a view never keeps its base alive)
+    __slots__ = ("_id", "_meta", "_seq", "_controller", "__weakref__")
 
     def __init__(self, tensor_id: int, spec: TensorMeta, seq: int, controller):
         self._id, self._meta, self._seq, self._controller = tensor_id, spec, seq, controller
@@ -161,10 +162,12 @@ class DTensor:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
-        if kwargs and kwargs.get("inplace"):   # before the lookup: F.hardtanh has no op either
-            raise inplace_flag_refused(name)
         if name in REGISTRY:
+            if kwargs and kwargs.get("inplace"):   # F.relu(x, inplace=True): computed, then x rebound
+                return args[0]._assign(call_op(name, tuple(args), dict(kwargs, inplace=False)), f"{name}(inplace=True)")
             return call_op(name, tuple(args), kwargs or {})
+        if is_inplace_name(name) and hasattr(DTensor, name):   # torch.relu_(x), torch.Tensor.add_(x, y)
+            return getattr(DTensor, name)(*args, **(kwargs or {}))
         module = "torch.nn.functional" if getattr(func, "__module__", "").startswith("torch.nn") else "torch"
         raise unsupported_op(name, f"{module}.{name}")
 
@@ -176,16 +179,14 @@ class DTensor:
             raise AttributeError(f"'DTensor' object has no attribute {name!r}")
         raise unsupported_method(name)
 
-    def __setitem__(self, index, value):
-        raise item_assignment_refused()
-
-    # A DTensor's values never change, so a copy is the symbol itself (as for a str or a tuple).
-    # copy's default would clone the slots and free the workers' buffer twice.
+    # copy.copy of a torch tensor shares its storage, so here it is the symbol itself (copy's
+    # default would clone the slots and free the workers' buffer twice); deepcopy is a clone.
+    # x[index] = value and the in-place methods are installed by dtorch/inplace.py.
     def __copy__(self) -> "DTensor":
         return self
 
     def __deepcopy__(self, memo) -> "DTensor":
-        return self
+        return call_op("clone", (self,), {})
 
     def to(self, *args, **kwargs):
         """x.to(dtype) casts (a new DTensor). x.to("cpu"), x.to("cpu", dtype) and x.to(device="cpu")
@@ -335,6 +336,7 @@ class DTensor:
 def call_op(name: str, args: tuple, kwargs: dict):
     """Plan (cached), issue the plan's inserted redistributes if any, enqueue one RunOp command,
     return the output symbol(s). Never waits."""
+    given = args   # a view's base is the tensor the user passed, not an inserted move's copy
     try:
         plan = cached_plan(name, args, kwargs)
     except MeshError:
@@ -359,11 +361,15 @@ def call_op(name: str, args: tuple, kwargs: dict):
     if not plan.sequence:
         out_id = controller.new_id()
         seq = controller.submit(RunOp, (out_id,), mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
-        return DTensor(out_id, out_specs[0], seq, controller)
-    out_ids = controller.new_ids(len(out_specs))
-    seq = controller.submit(RunOp, out_ids, mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
-    # torch's own result type: torch.return_types.max keeps .values / .indices, as in torch
-    return plan.sequence([DTensor(i, spec, seq, controller) for i, spec in zip(out_ids, out_specs)])
+        result = DTensor(out_id, out_specs[0], seq, controller)
+    else:
+        out_ids = controller.new_ids(len(out_specs))
+        seq = controller.submit(RunOp, out_ids, mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
+        # torch's own result type: torch.return_types.max keeps .values / .indices, as in torch
+        result = plan.sequence([DTensor(i, spec, seq, controller) for i, spec in zip(out_ids, out_specs)])
+    if name in VIEW_OPS:   # views remember their base, for in-place ops (dtorch/aliasing.py)
+        note_view(name, given, kwargs, result)
+    return result
 
 
 def _apply_moves(moves: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

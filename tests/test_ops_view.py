@@ -7,7 +7,7 @@ sample calls in dtorch/ops/tooling/samples.py; its docstring lists the known gap
 with a PlacementError that names the redistribute to run first (test_known_gaps_still_refuse pins
 a sample). Other gaps:
   - tensor (advanced) indexing x[idx] raises UnsupportedOpError: use index_select or gather.
-  - view never aliases storage (dtorch results are immutable); view(dtype) is unsupported.
+  - view(dtype) is unsupported. Views and in-place ops: tests/test_inplace.py (docs/inplace.md).
 """
 import math
 

@@ -2,6 +2,7 @@
 
 Importing this package registers every family; nothing here imports zmq or asyncio."""
 from . import view, indexing, matrix, nn, pointwise, reduction  # noqa: F401  (each registers its table, in this order)
+from . import assignment  # noqa: F401  (x[index] = value as an op: dtorch/inplace.py)
 from .dispatch import OpPlan, cached_plan, lookup
 from .registry import KERNELS, REGISTRY, RegisteredOp
 

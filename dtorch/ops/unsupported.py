@@ -2,9 +2,9 @@
 write instead, so a missing op or an in-place call is never a bare AttributeError, a wall of op
 names, or (worst) a flag silently ignored.
 
-In-place ops are refused as a family: a DTensor is a symbol whose values never change (plans,
-reads and frees all rely on it), so `F.relu(x, inplace=True)` cannot be honoured by a new symbol
-without leaving `x` with its old values.
+In-place methods exist for dtorch's non-view ops (dtorch/inplace.py: x.add_, x[i] = v, ...);
+the rest (an in-place form of an op dtorch lacks, or one that changes x's shape such as
+x.transpose_) is refused here with what to write instead, never silently ignored.
 """
 from __future__ import annotations
 
@@ -15,14 +15,11 @@ from ..errors import UnsupportedMethodError, UnsupportedOpError, user_site
 from .registry import REGISTRY
 
 __all__ = ["unsupported_op", "unsupported_method", "inplace_flag_refused", "refuse_inplace_flag",
-           "item_assignment_refused", "is_inplace_name", "NOTES"]
+           "is_inplace_name", "NOTES"]
 
 # What to write instead of an in-place method whose out-of-place twin is not an op of its own.
 INPLACE_ALTERNATIVES = {
-    "zero_": "x = dtorch.zeros_like(x)",
-    "fill_": "x = dtorch.full_like(x, value)",
-    "copy_": "x = y (a DTensor is never aliased, so rebinding is the copy)",
-    "normal_": "x = dtorch.randn_like(x) * std + mean",
+    "normal_": "x.copy_(dtorch.randn_like(x) * std + mean)",
     "uniform_": "x = dtorch.rand_like(x) * (high - low) + low",
 }
 
@@ -82,19 +79,20 @@ def _inplace_method(name: str, spelled: str, error: type) -> UnsupportedOpError:
     base = name[:-1]
     if name in INPLACE_ALTERNATIVES:
         advice = f"Write {INPLACE_ALTERNATIVES[name]} instead."
-    elif base in REGISTRY:
-        advice = f"Write {f'x = x.{base}(...)' if REGISTRY[base].method else f'x = dtorch.{base}(x, ...)'} instead."
+    elif base in REGISTRY:   # a view op: its in-place form changes x's shape, not its values
+        advice = (f"It changes x's shape or layout in place, which dtorch does not do: write "
+                  f"{f'x = x.{base}(...)' if REGISTRY[base].method else f'x = dtorch.{base}(x, ...)'} instead.")
     else:
         advice = f"dtorch has no {base} op yet either.{_nearest_hint(base)}"
-    return error(f"{spelled} changes a tensor in place, which dtorch does not support yet "
-                 f"(at {user_site()}): a DTensor's values never change. {advice}")
+    return error(f"{spelled} changes a tensor in place, which dtorch does not support for this op "
+                 f"(at {user_site()}); docs/inplace.md lists the in-place forms it has. {advice}")
 
 
 def inplace_flag_refused(name: str) -> UnsupportedOpError:
     return UnsupportedOpError(
-        f"{name}(..., inplace=True) would change its input in place, which dtorch does not support yet "
-        f"(at {user_site()}): the input would silently keep its old values. Write y = F.{name}(x) "
-        "(inplace=False) and use y.")
+        f"dtorch.{name}(..., inplace=True) at {user_site()}: the registry op takes no in-place flag (the "
+        f"input would silently keep its old values). Call torch.nn.functional.{name}(x, inplace=True) or "
+        f"dtorch.nn.functional.{name}(x, inplace=True), or write y = dtorch.{name}(x) and use y.")
 
 
 def refuse_inplace_flag(name: str, torch_fn, args: tuple, kwargs: dict) -> None:
@@ -112,10 +110,3 @@ def _positional(fn, args: tuple, parameter: str):
     except (TypeError, ValueError):   # builtins without a signature take no positional inplace
         return False
     return bound.arguments.get(parameter, False)
-
-
-def item_assignment_refused() -> UnsupportedOpError:
-    return UnsupportedOpError(
-        f"x[index] = value changes x in place, which dtorch does not support yet (at {user_site()}): "
-        "a DTensor's values never change. Build a new tensor instead, e.g. "
-        "x = dtorch.where(mask, value, x) or x = x.masked_fill(mask, value).")

@@ -465,6 +465,12 @@ _BUILDERS: dict[str, Callable] = {
                             (_ALL, _ALL), (slice(None, None, 2), None), (-1, slice(1, None))),
                      _index((_ALL, 1), (..., slice(1, None)), sizes=_CUBE), _index((_ALL, 0), sizes=_SIZE_ONE),
                      _index((None, slice(2, None)), sizes=_VECTOR)),
+    "setitem": _on(_MATRIX, *(lambda x, i=index, v=value: _call(x, canonical_index(i, tuple(x.shape)),
+                                                                 v(x[i]) if callable(v) else v)
+                               for index, value in (((_ALL, 1), -2.0), (1, lambda r: r * -1), (slice(1, 3), 5.0),
+                                                    ((_ALL, slice(None, None, 2)), lambda r: r[..., :1] + 100),
+                                                    ((slice(None), slice(1, None)), lambda r: -r)))),
+    # never the whole tensor: overwriting every element would make any placement look right
     "narrow": _on(_MATRIX, lambda x: _call(x, 0, 1, 2), lambda x: _call(x, 1, 1, 2)),
     "index_select": _index_select,
     "gather": _with_positions(lambda x, i: _call(x, 1, i), lambda x, i: _call(x, 0, i),

@@ -1,0 +1,315 @@
+"""In-place ops and item assignment, functional underneath (docs/inplace.md).
+
+`x.add_(y)` computes `x.add(y)` as an ordinary op and rebinds the Python object x to the new
+symbol (the old id is released once; the temporary never frees the new one). The result takes
+torch's in-place semantics: cast to x's dtype, x's shape (broadcasting may not grow it), and x's
+placements (redistributed back if the op's rule chose others), so x's layout never changes under
+the user. `x[index] = value` is the `setitem` op (dtorch/ops/assignment.py), rebound the same way.
+
+Aliasing (dtorch/aliasing.py holds the bookkeeping): when x changes, the live views made from it
+are re-derived from its new value, and when a view changes, the change is written back into its
+base (through every view step up to the storage root) before the root's other views are
+re-derived: torch's semantics. What cannot be followed raises AliasingError at the in-place call,
+before anything changes: a write through `expand`, and a write through a view whose root is gone
+while another view of that root still lives.
+
+The in-place methods are derived from the registry: `<op>_` for every non-view op that
+torch.Tensor has an `<op>_` method for, so a new pointwise op gets its in-place form for free.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import aliasing
+from .distributed_spec import Partial, Replicate
+from .errors import DTorchError, ShapeError, user_site
+from .factories import full, tensor as upload
+from .ops import REGISTRY
+from .ops.indexing import WHOLE, canonical_index
+from .tensor import DTensor, call_op
+
+__all__ = ["AliasingError", "assign", "INPLACE_METHODS"]
+
+
+class AliasingError(DTorchError, RuntimeError):
+    """An in-place change dtorch cannot carry to every tensor that shares its values in torch."""
+
+
+# --- rebinding ------------------------------------------------------------------------------------
+def assign(target: DTensor, result: DTensor, op: str, cast_any: bool = False) -> DTensor:
+    """`target` takes `result`'s values in place; `result` must be a fresh symbol (it is consumed)."""
+    result = _conform(target, result, op, cast_any)
+    node = aliasing.node_of(target)
+    if node is None:    # the common case: no views, not a view
+        _rebind(target, result)
+    else:
+        _write(node, result, op)
+    return target
+
+
+def _conform(target: DTensor, result: DTensor, op: str, cast_any: bool = False) -> DTensor:
+    if tuple(result.shape) != tuple(target.shape):
+        raise ShapeError(f"{op} at {user_site()}: output with shape {list(target.shape)} doesn't match the "
+                         f"broadcast shape {list(result.shape)} (an in-place op keeps its tensor's shape)")
+    if result.dtype != target.dtype:
+        if not (cast_any or torch.can_cast(result.dtype, target.dtype)):
+            raise ShapeError(f"{op} at {user_site()}: result type {_dtype(result.dtype)} can't be cast to the "
+                             f"desired output type {_dtype(target.dtype)}")
+        result = result.to(target.dtype)
+    if result.device_mesh != target.device_mesh or result.placements != target.placements:
+        result = result.redistribute(target.device_mesh, target.placements)
+    return result
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
+            torch.bool: "Bool", torch.float16: "Half", torch.bfloat16: "BFloat16"}.get(dtype, str(dtype))
+
+
+def _rebind(target: DTensor, result: DTensor) -> None:
+    if result is target:
+        return
+    old, controller = target._id, target._controller
+    target._id, target._meta, target._seq = result._id, result._meta, result._seq
+    result._controller = None          # the temporary must not free the id target now holds
+    controller.release(old)
+
+
+DTensor._assign = lambda self, result, op: assign(self, result, op)   # tensor.py's inplace=True seam
+
+
+# --- aliasing: write up to the storage root, then re-derive its views ------------------------------
+def _write(node: aliasing.Node, result: DTensor, op: str) -> None:
+    path = _storage_path(node, op)
+    with aliasing.tracking_paused():
+        values = _current_values(path)
+        values[node] = result
+        for child, parent in zip(path, path[1:]):
+            values[parent] = _conform_meta(parent, _write_back(values[parent], child.step, values[child]), op)
+        for n in path:
+            if n.obj() is not None:
+                _rebind(n.obj(), values[n])
+                values[n] = n.obj()
+        _refresh(path[-1], values, set(path))
+
+
+def _storage_path(node: aliasing.Node, op: str) -> list:
+    """node, its parent, ... up to the highest ancestor it aliases (the storage root), checked
+    before anything changes."""
+    path = [node]
+    while path[-1].parent is not None and aliasing.aliases(path[-1]):
+        if path[-1].step[0] == "expand":
+            raise AliasingError(f"{op} at {user_site()} writes through an expand: several elements share one "
+                                "memory location in torch (torch refuses it too); clone() the expanded tensor first")
+        path.append(path[-1].parent)
+    top = path[-1]
+    if top.obj() is None:   # the root is gone: fine unless another view of it still lives
+        other = _live_view(top, skip=path[0])
+        if other is not None:
+            raise AliasingError(
+                f"{op} at {user_site()} changes a view whose base tensor is gone while another view of that "
+                f"base, {other!r}, still lives: in torch both share memory and dtorch can no longer update the "
+                "other one. Keep the base alive (and change it, or the view, with it alive), or clone() the view first")
+        aliasing.detach(node)
+        return [node]
+    return path
+
+
+def _live_view(node: aliasing.Node, skip: aliasing.Node):
+    for child in list(node.children.values()):
+        if child is skip or not aliasing.aliases(child):
+            continue
+        found = child.obj()
+        if found is None:
+            found = _live_view(child, skip)
+        if found is not None:
+            return found
+    return None
+
+
+def _current_values(path: list) -> dict:
+    """Each node of the path as a DTensor: a live one is its object, a ghost is derived from above."""
+    values = {path[-1]: path[-1].obj()}
+    for child, parent in reversed(list(zip(path, path[1:]))):
+        values[child] = child.obj() if child.obj() is not None else _derive(values[parent], child.step)
+    return values
+
+
+def _refresh(node: aliasing.Node, values: dict, written: set) -> None:
+    """Re-derive every live view below `node` (except the written path, already current)."""
+    for child in list(node.children.values()):
+        if not aliasing.aliases(child):
+            continue
+        if child not in written:
+            if not _has_live(child):
+                continue
+            values[child] = _conform_meta(child, _derive(values[node], child.step), "re-deriving a view")
+            if child.obj() is not None:
+                _rebind(child.obj(), values[child])
+                values[child] = child.obj()
+        _refresh(child, values, written)
+
+
+def _has_live(node: aliasing.Node) -> bool:
+    return node.obj() is not None or any(_has_live(c) for c in list(node.children.values()))
+
+
+def _conform_meta(node: aliasing.Node, value: DTensor, op: str) -> DTensor:
+    """A re-derived value in the node's own dtype and placements (its layout never changes)."""
+    meta = node.meta
+    if value.dtype != meta.dtype:
+        value = value.to(meta.dtype)
+    if value.placements != meta.placements:
+        value = value.redistribute(meta.mesh, meta.placements)
+    return value
+
+
+def _derive(base: DTensor, step) -> DTensor:
+    name, rest, kwargs, index = step
+    out = call_op(name, (base,) + tuple(rest), kwargs)
+    return out if index is None else out[index]
+
+
+# --- writing a view's new value back into its base, per view op -------------------------------------
+def _write_back(base: DTensor, step, value: DTensor) -> DTensor:
+    name, rest, kwargs, index = step
+    if name in _REGION_STEPS:
+        return call_op("setitem", (base, _REGION_STEPS[name](base, rest, kwargs, index), value), {})
+    if name == "transpose":
+        dim0, dim1 = _params(rest, kwargs, ("dim0", "dim1"))
+        return call_op("transpose", (value, dim0, dim1), {})
+    if name == "permute":
+        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest or kwargs["dims"]
+        inverse = sorted(range(len(dims)), key=lambda i: dims[i] % len(dims))
+        return call_op("permute", (value, tuple(inverse)), {})
+    if name == "contiguous":
+        return call_op("clone", (value,), {})
+    return call_op("reshape", (value, tuple(base.shape)), {})   # the reshape family keeps element order
+
+
+def _params(rest: tuple, kwargs: dict, names: tuple, defaults: tuple = ()) -> list:
+    values = list(rest) + [None] * (len(names) - len(rest))
+    for i, name in enumerate(names):
+        if name in kwargs:
+            values[i] = kwargs[name]
+        elif values[i] is None and i >= len(names) - len(defaults):
+            values[i] = defaults[i - (len(names) - len(defaults))]
+    return values
+
+
+def _along(base: DTensor, dim: int, item) -> tuple:
+    dim %= base.ndim
+    return (WHOLE,) * dim + (item,) + (WHOLE,) * (base.ndim - dim - 1)
+
+
+def _narrow_index(base, rest, kwargs, index):
+    dim, start, length = _params(rest, kwargs, ("dim", "start", "length"))
+    dim %= base.ndim
+    start += base.shape[dim] if start < 0 else 0
+    return _along(base, dim, (start, start + length, 1))
+
+
+_REGION_STEPS = {
+    "getitem": lambda base, rest, kwargs, index: rest[0],
+    "narrow": _narrow_index,
+}
+
+
+def _pieces(name):
+    def index_of(base, rest, kwargs, index):
+        pieces = REGISTRY[name].torch_fn(base._meta.meta(), *rest, **kwargs)
+        dim = _params(rest, kwargs, ("dim",) if name == "unbind" else ("_", "dim"), (0,))[-1] % base.ndim
+        if name == "unbind":
+            return _along(base, dim, index)
+        start = sum(piece.shape[dim] for piece in pieces[:index])
+        return _along(base, dim, (start, start + pieces[index].shape[dim], 1))
+    return index_of
+
+
+_REGION_STEPS.update({name: _pieces(name) for name in ("split", "chunk", "unbind")})
+
+
+# --- item assignment ----------------------------------------------------------------------------------
+def _setitem(self: DTensor, index, value) -> None:
+    if isinstance(value, torch.Tensor):   # an explicit upload: the only way local data enters
+        value = upload(value, device_mesh=self.device_mesh, placements=[Replicate()] * self.device_mesh.ndim)
+    result = call_op("setitem", (self, canonical_index(index, self._meta.shape), value), {})
+    assign(self, result, "x[index] = value")
+
+
+DTensor.__setitem__ = _setitem
+
+
+# --- the in-place methods -------------------------------------------------------------------------------
+def _method(op_name: str):
+    def method(self, *args, **kwargs):
+        return assign(self, call_op(op_name, (self,) + args, kwargs), f"x.{op_name}_")
+    method.__name__ = f"{op_name}_"
+    method.__doc__ = f"x.{op_name}_(...): x = x.{op_name}(...) in place (x's dtype, shape and placements kept)"
+    return method
+
+
+def _unpartial(placements):
+    return [Replicate() if isinstance(p, Partial) else p for p in placements]
+
+
+def _fill_(self, value):
+    if isinstance(value, DTensor):
+        return _copy_(self, value)
+    made = full(tuple(self.shape), value, dtype=self.dtype, device_mesh=self.device_mesh,
+                placements=_unpartial(self.placements))
+    return assign(self, made, "x.fill_")
+
+
+def _zero_(self):
+    return _fill_(self, 0)
+
+
+def _copy_(self, src, non_blocking=False):
+    if isinstance(src, torch.Tensor):
+        src = upload(src, device_mesh=self.device_mesh, placements=[Replicate()] * self.device_mesh.ndim)
+    with aliasing.tracking_paused():
+        fresh = (call_op("expand", (src, tuple(self.shape)), {}) if tuple(src.shape) != tuple(self.shape)
+                 else call_op("clone", (src,), {}))
+    return assign(self, fresh, "x.copy_", cast_any=True)
+
+
+def _clamp_min_(self, min):
+    return assign(self, call_op("clamp", (self, min), {}), "x.clamp_min_")
+
+
+def _clamp_max_(self, max):
+    return assign(self, call_op("clamp", (self,), {"max": max}), "x.clamp_max_")
+
+
+def _lerp_(self, end, weight):
+    """torch's two-sided formula for a scalar weight: exact at both ends."""
+    if isinstance(weight, DTensor):
+        return assign(self, self + weight * (end - self), "x.lerp_")
+    result = self + weight * (end - self) if weight < 0.5 else end - (end - self) * (1 - weight)
+    return assign(self, result, "x.lerp_")
+
+
+EXTRA_METHODS = {"fill_": _fill_, "zero_": _zero_, "copy_": _copy_, "clamp_min_": _clamp_min_,
+                 "clamp_max_": _clamp_max_, "lerp_": _lerp_}
+
+
+def _derived_names() -> list[str]:
+    """`<op>_` for every registered method op torch has an in-place form of, view ops aside
+    (x.transpose_ or x.unsqueeze_ change x's shape, not its values)."""
+    return sorted(name for name, op in REGISTRY.items()
+                  if op.method and op.family != "view" and name not in aliasing.VIEW_OPS
+                  and hasattr(torch.Tensor, name + "_"))
+
+
+def _install() -> tuple:
+    for name in _derived_names():
+        if name + "_" not in DTensor.__dict__:
+            setattr(DTensor, name + "_", _method(name))
+    for name, fn in EXTRA_METHODS.items():
+        if name not in DTensor.__dict__:
+            setattr(DTensor, name, fn)
+    return tuple(sorted([n + "_" for n in _derived_names()] + list(EXTRA_METHODS)))
+
+
+INPLACE_METHODS = _install()
