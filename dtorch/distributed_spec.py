@@ -17,7 +17,7 @@ from .errors import MeshError, PlacementError
 __all__ = [
     "Placement", "Shard", "Replicate", "Partial", "DeviceMesh", "init_device_mesh", "set_worker_starter",
     "chunk_bounds", "local_shape", "local_offset", "local_region", "format_placements", "nest_ranks",
-    "narrow_to_box", "distinct_shard_ranks", "holds_partial_sum_value", "REDUCE_OPS", "ShardRegion", "Placements",
+    "narrow_to_box", "distinct_shard_ranks", "holds_partial_sum_value", "REDUCE_OPS", "ShardRegion", "PeerGroup", "Placements",
 ]
 
 
@@ -288,6 +288,37 @@ class ShardRegion:
 
     def __repr__(self) -> str:
         return f"ShardRegion({self.shape}, {format_placements(self.placements)})"
+
+
+class PeerGroup:
+    """An op argument meaning "the ranks along one mesh dim, and where each of them holds its
+    block of some tensors": a kernel that exchanges data with its peers (ring attention) takes
+    one. Each rank (a worker, or the rule simulator) replaces it with a peers object: its
+    `index` and `size` along the dim, `blocks[i][member]` = (offset, shape) of layout i at each
+    member, and `pass_along(payload, incoming)`, which sends `payload` to the next member and
+    returns the `incoming` elements the previous one sent. Its own msgpack extension type."""
+    __slots__ = ("mesh_dim", "layouts")
+
+    def __init__(self, mesh_dim: int, layouts: Sequence[ShardRegion] = ()):
+        self.mesh_dim, self.layouts = int(mesh_dim), tuple(layouts)
+
+    def blocks(self, mesh: DeviceMesh, coordinate: Sequence[int]) -> list[list[tuple]]:
+        """For each layout, every member's (offset, shape), members in order along the dim."""
+        members = []
+        for member in range(mesh.shape[self.mesh_dim]):
+            at = list(coordinate)
+            at[self.mesh_dim] = member
+            members.append(at)
+        return [[tuple(layout.at(mesh, at)) for at in members] for layout in self.layouts]
+
+    def __eq__(self, other) -> bool:
+        return type(other) is PeerGroup and (other.mesh_dim, other.layouts) == (self.mesh_dim, self.layouts)
+
+    def __hash__(self) -> int:
+        return hash((PeerGroup, self.mesh_dim, self.layouts))
+
+    def __repr__(self) -> str:
+        return f"PeerGroup(mesh dim {self.mesh_dim}, {list(self.layouts)})"
 
 
 def local_region(global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement],

@@ -50,12 +50,16 @@ def loaded(reference, mesh, **kwargs) -> LlamaForCausalLM:
     return model
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+RING = ["cp2-ring", "dp2xtp2xcp2-ring"]   # the same layouts with cp_attention="ring"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS) + RING)
 def test_logits_and_loss_equal_transformers(layout, reference, session):
     ids = torch.randint(0, 96, (4, 10), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(ids, labels=ids)
-    out = loaded(reference, mesh_for(layout))(ids, labels=ids)
+    name, _, ring = layout.partition("-")
+    out = loaded(reference, mesh_for(name), cp_attention="ulysses" if not ring else "ring")(ids, labels=ids)
     assert (out.logits.to_torch() - expected.logits).abs().max().item() < 1e-4
     assert abs(out.loss.item() - expected.loss.item()) < 1e-5
     assert out[0] is out.loss and out[1] is out.logits

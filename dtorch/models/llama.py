@@ -5,8 +5,9 @@ whose dims are named from "dp", "fsdp", "pp", "cp", "tp" (any may be absent or o
   tp        Megatron: q/k/v/gate/up column-parallel, o/down row-parallel (their partial sums all-reduced
             into the residual stream), vocab-parallel embedding and lm_head; the loss is a
             vocab-parallel cross-entropy that never gathers the logits
-  cp        the sequence is sharded; attention is Ulysses: q/k/v move sequence -> heads with one
-            all-to-all, attend on whole sequences, and move back
+  cp        the sequence is sharded; attention is Ulysses (default: q/k/v move sequence -> heads with
+            one all-to-all, attend on whole sequences, and move back) or ring (cp_attention="ring":
+            key/value blocks travel around the cp ring, nothing is gathered)
   pp        layers are split into stages, each on its sub-mesh of "pp"; activations move between
             stages point-to-point, one microbatch at a time, so stage s works on microbatch m+1
             while stage s+1 works on microbatch m (each worker runs its own commands in order)
@@ -144,7 +145,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, mesh: DeviceMesh, dtype):
+    def __init__(self, config, mesh: DeviceMesh, dtype, cp_attention: str = "ulysses"):
         super().__init__()
         self.head_dim, self.heads, self.kv_heads = _head_dim(config), config.num_attention_heads, _kv_heads(config)
         width, bias = config.hidden_size, config.attention_bias
@@ -153,7 +154,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.ColumnParallelLinear(width, self.kv_heads * self.head_dim, **common)
         self.v_proj = nn.ColumnParallelLinear(width, self.kv_heads * self.head_dim, **common)
         self.o_proj = nn.RowParallelLinear(self.heads * self.head_dim, width, **common)
-        self.cp_dim = _dim(mesh, "cp")
+        self.cp_dim, self.cp_attention = _dim(mesh, "cp"), cp_attention
 
     def _heads(self, projected: DTensor, batch: int, seq: int) -> DTensor:
         return projected.view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -174,7 +175,8 @@ class LlamaAttention(nn.Module):
         return _reduced(self.o_proj(merged))
 
     def _attend(self, q, k, v, causal: bool):
-        if self.cp_dim is None or q.placements[self.cp_dim] != Shard(2):
+        if self.cp_dim is None or q.placements[self.cp_dim] != Shard(2) or self.cp_attention == "ring":
+            # ring attention when the sequence is sharded: the op's rule picks it (ops/ring_attention.py)
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         # Ulysses: one all-to-all per tensor moves the cp shards from sequence to heads, so each
         # rank attends whole sequences for some heads; one more all-to-all moves the result back
@@ -207,9 +209,9 @@ def _repeat_kv(x: DTensor, groups: int) -> DTensor:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, mesh: DeviceMesh, dtype):
+    def __init__(self, config, mesh: DeviceMesh, dtype, cp_attention: str = "ulysses"):
         super().__init__()
-        self.self_attn = LlamaAttention(config, mesh, dtype)
+        self.self_attn = LlamaAttention(config, mesh, dtype, cp_attention)
         self.mlp = LlamaMLP(config, mesh, dtype)
         norm = dict(eps=config.rms_norm_eps, dtype=dtype, device_mesh=mesh)
         self.input_layernorm = nn.RMSNorm(config.hidden_size, **norm)
@@ -221,13 +223,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, stages: list[DeviceMesh], dtype):
+    def __init__(self, config, stages: list[DeviceMesh], dtype, cp_attention: str = "ulysses"):
         super().__init__()
         layers = config.num_hidden_layers
         self.stage_of_layer = [i * len(stages) // layers for i in range(layers)]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id, dtype=dtype,
                                          device_mesh=stages[0], tp_shard_type="vocab")
-        self.layers = nn.ModuleList([LlamaDecoderLayer(config, stages[s], dtype) for s in self.stage_of_layer])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, stages[s], dtype, cp_attention)
+                                     for s in self.stage_of_layer])
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, device_mesh=stages[-1])
 
 
@@ -237,13 +240,15 @@ class LlamaForCausalLM(nn.Module):
     transformers' shifted mean cross-entropy as `.loss`."""
 
     def __init__(self, config, device_mesh: DeviceMesh, *, dtype: torch.dtype | None = None,
-                 microbatches: int | None = None):
+                 microbatches: int | None = None, cp_attention: str = "ulysses"):
         super().__init__()
         _check_mesh(device_mesh)
+        if cp_attention not in ("ulysses", "ring"):
+            raise ValueError(f"cp_attention must be 'ulysses' or 'ring', got {cp_attention!r}")
         self.config, self.mesh = config, device_mesh
         self.stages = device_mesh.unbind("pp") if _dim(device_mesh, "pp") is not None else [device_mesh]
         self.microbatches = microbatches or len(self.stages)
-        self.model = LlamaModel(config, self.stages, dtype)
+        self.model = LlamaModel(config, self.stages, dtype, cp_attention)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
                                                device_mesh=self.stages[-1])

@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import rng
-from ..distributed_spec import Partial, Shard, ShardRegion
+from ..distributed_spec import Partial, PeerGroup, Shard, ShardRegion
 from ..errors import UnsupportedOpError
 from .matrix import einsum_decision
+from . import ring_attention  # noqa: F401  (registers the ring kernel that _attention_local selects)
 from .partial_laws import Laws, partial_output
 from .pointwise import shard_decision
 from .registry import OpRow, kernel, register_family
@@ -174,6 +175,8 @@ def _attention_rule(call: Call, placements) -> Decision:
     value, others = placements[2], placements[:2] + placements[3:]
     if isinstance(value, Partial) and value.reduce_op in ("sum", "avg") and all(p.is_replicate() for p in others):
         return Decision(placements, (value,))   # softmax(q k) v is linear in v
+    if _sequence_sharded(call, placements[1], 1):
+        return _ring_decision(call, placements, ranks)
     causal = call.param(5, "is_causal", False)
     forbidden = "se" + ("l" if causal else "")
     legal = "S on batch/head dims of q, k, v alike; S on q's sequence dim (not causal) with k, v R; " \
@@ -182,6 +185,34 @@ def _attention_rule(call: Call, placements) -> Decision:
 
 
 _BATCH_LETTERS = "ABCDEFGHIJ"
+_RING_LEGAL = "q, k and v all S(sequence) on the mesh dim (ring attention), with no attn_mask"
+
+
+def _sequence_sharded(call: Call, placement, index: int) -> bool:
+    return isinstance(placement, Shard) and placement.dim == len(call.inputs[index].shape) - 2
+
+
+def _ring_decision(call: Call, placements, ranks) -> Decision:
+    """Keys sharded on their sequence: ring attention (ops/ring_attention.py), which needs the
+    queries and values sharded the same way and no mask tensor (its blocks would have to travel too)."""
+    if len(ranks) > 3:
+        raise RuleRejected("ring attention takes no attn_mask tensor (use is_causal)", _RING_LEGAL)
+    if sum(_sequence_sharded(call, p, 1) for p in call.inputs[1].placements) > 1:
+        raise RuleRejected("the keys' sequence is sharded over two mesh dims; ring attention runs over one",
+                           _RING_LEGAL + ", on one mesh dim only")
+    if not (_sequence_sharded(call, placements[0], 0) and _sequence_sharded(call, placements[2], 2)):
+        raise RuleRejected("keys sharded on their sequence need queries and values sharded on theirs "
+                           "(ring attention)", _RING_LEGAL)
+    return Decision(placements, (Shard(len(call.out_shape) - 2),))
+
+
+def _attention_local(call: Call, required):
+    """Ring attention where a mesh dim shards the keys' sequence; torch's kernel otherwise."""
+    ring_dims = [d for d, p in enumerate(required[1]) if _sequence_sharded(call, p, 1)]
+    if not ring_dims:
+        return "scaled_dot_product_attention", {}
+    layouts = [ShardRegion(spec.shape, placements) for spec, placements in zip(call.inputs[:3], required[:3])]
+    return "ring_attention", {"peers": PeerGroup(ring_dims[0], layouts), "dtype": call.inputs[0].dtype}
 
 
 # --- losses -----------------------------------------------------------------------------------------
@@ -308,7 +339,7 @@ NN = {
     "rms_norm": _row(F.rms_norm, _norm_rule),
     "embedding": _row(F.embedding, _embedding_rule, _embedding_local),
     "dropout": _row(dropout, _dropout_rule, _dropout_local, scalars_by_type=True),   # seed, counter vary per call
-    "scaled_dot_product_attention": _row(F.scaled_dot_product_attention, _attention_rule),
+    "scaled_dot_product_attention": _row(F.scaled_dot_product_attention, _attention_rule, _attention_local),
     "cross_entropy": _row(F.cross_entropy, _cross_entropy_rule, _mean_as_partial_sum(_cross_entropy_count)),
     "mse_loss": _row(F.mse_loss, _mse_rule, _mean_as_partial_sum(_mse_count)),
     "pad": _row(_pad, _pad_rule),

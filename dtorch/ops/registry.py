@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 
 from .rules import Call, Rule
 
-__all__ = ["RegisteredOp", "OpRow", "register", "register_family", "KERNELS", "REGISTRY", "kernel"]
+__all__ = ["RegisteredOp", "OpRow", "register", "register_family", "KERNELS", "PEER_KERNELS", "REGISTRY", "kernel"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,9 @@ class OpRow(NamedTuple):
 
 REGISTRY: dict[str, RegisteredOp] = {}
 KERNELS: dict[str, Callable] = {}
+# Kernels that exchange data with their peers (they take a PeerGroup): every member must run
+# them, even one whose input failed (with stand-in zeros), or the others would wait forever.
+PEER_KERNELS: set[str] = set()
 
 
 def register(spec: RegisteredOp) -> RegisteredOp:
@@ -61,9 +64,12 @@ def register_family(family: str, table: dict[str, OpRow]) -> None:
                         method=row.method, doc=row.doc))
 
 
-def kernel(name: str):
-    """Decorator: a local kernel the `local` hook of some op may select by name."""
+def kernel(name: str, peers: bool = False):
+    """Decorator: a local kernel the `local` hook of some op may select by name. `peers`: it
+    exchanges data with the other ranks of a PeerGroup (and takes `standin=True`, below)."""
     def add(fn):
         KERNELS[name] = fn
+        if peers:
+            PEER_KERNELS.add(name)
         return fn
     return add

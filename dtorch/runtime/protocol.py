@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import msgpack
 import torch
 
-from ..distributed_spec import Partial, Placement, Replicate, Shard, ShardRegion
+from ..distributed_spec import Partial, PeerGroup, Placement, Replicate, Shard, ShardRegion
 from ..errors import ProtocolError
 
 __all__ = [
@@ -39,8 +39,9 @@ __all__ = [
     "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 4   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
-              # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file)
+VERSION = 5   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+              # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
+              # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention)
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -184,7 +185,7 @@ def handler_name(record_type, prefix: str = "handle_") -> str:
 
 
 # --- values inside commands ----------------------------------------------------------------------
-EXT_TENSOR, EXT_DTYPE, EXT_SLICE, EXT_ELLIPSIS, EXT_PLACEMENT, EXT_REGION = 1, 2, 3, 4, 5, 6
+EXT_TENSOR, EXT_DTYPE, EXT_SLICE, EXT_ELLIPSIS, EXT_PLACEMENT, EXT_REGION, EXT_PEERS = 1, 2, 3, 4, 5, 6, 7
 _ID = struct.Struct("<q")
 
 
@@ -220,8 +221,18 @@ def _default(value: Any):
     if isinstance(value, torch.Size):
         return list(value)
     if type(value) is ShardRegion:
-        return msgpack.ExtType(EXT_REGION, msgpack.packb((value.shape, [encode_placement(p) for p in value.placements])))
+        return msgpack.ExtType(EXT_REGION, msgpack.packb(_region_fields(value)))
+    if type(value) is PeerGroup:
+        return msgpack.ExtType(EXT_PEERS, msgpack.packb((value.mesh_dim, [_region_fields(r) for r in value.layouts])))
     raise ProtocolError(f"cannot put {type(value).__name__} on the wire: {value!r}")
+
+
+def _region_fields(region: ShardRegion) -> tuple:
+    return region.shape, [encode_placement(p) for p in region.placements]
+
+
+def _region(shape, codes) -> ShardRegion:
+    return ShardRegion(shape, [decode_placement(c) for c in codes])
 
 
 def _ext_hook(code: int, data: bytes):
@@ -236,8 +247,10 @@ def _ext_hook(code: int, data: bytes):
     if code == EXT_PLACEMENT:
         return decode_placement(struct.unpack("b", data)[0])
     if code == EXT_REGION:
-        shape, codes = msgpack.unpackb(data)
-        return ShardRegion(shape, [decode_placement(c) for c in codes])
+        return _region(*msgpack.unpackb(data))
+    if code == EXT_PEERS:
+        mesh_dim, layouts = msgpack.unpackb(data)
+        return PeerGroup(mesh_dim, [_region(*fields) for fields in layouts])
     raise ProtocolError(f"unknown msgpack extension type {code}")
 
 

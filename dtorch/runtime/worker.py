@@ -16,15 +16,17 @@ import traceback
 
 import torch
 
-from ..distributed_spec import (DeviceMesh, ShardRegion, holds_partial_sum_value, local_region, narrow_to_box,
-                                nest_ranks)
+from ..distributed_spec import (DeviceMesh, PeerGroup, ShardRegion, holds_partial_sum_value, local_region,
+                                narrow_to_box, nest_ranks)
 from ..errors import ProtocolError
 from ..ops import KERNELS
+from ..ops.registry import PEER_KERNELS
 from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
 from . import protocol as wire
 from .comm import Communicator
 from .file_shards import read_block
 from .kernels import apply_steps, make_factory
+from .peers import Peers
 from .protocol import TensorRef
 from .transport import WorkerSockets
 
@@ -210,6 +212,8 @@ class Worker:
         mesh = self._member(command.mesh_id)
         if mesh is None:
             return
+        if command.kernel in PEER_KERNELS:
+            return self._run_with_peers(command, mesh)
         if command.input_steps or not _flat(command.args):
             args, kwargs = self._localized_args(command, mesh)
         else:  # the common case: top-level tensors and scalars, nothing to slice
@@ -238,8 +242,31 @@ class Worker:
         return _map_refs(command.args, local, place), _map_refs(command.kwargs, local, place)
 
     def _place(self, mesh: DeviceMesh):
-        """Where this rank's block of a ShardRegion sits in the global tensor: (offset, shape)."""
-        return lambda region: region.at(mesh, mesh.coordinate_of(self.rank))
+        """The rank-local value of a ShardRegion (where this rank's block sits: (offset, shape))
+        or of a PeerGroup (this rank's peers along a mesh dim, over the communicator)."""
+        def place(value):
+            if type(value) is ShardRegion:
+                return value.at(mesh, mesh.coordinate_of(self.rank))
+            return Peers(value, mesh, self.rank, self.comm)
+        return place
+
+    def _run_with_peers(self, command: wire.RunOp, mesh: DeviceMesh) -> None:
+        """A kernel that exchanges blocks with its peers: it runs on every member, on the
+        communication stream. If this rank's input failed it still runs, with stand-in zeros
+        (`standin=True`), so the others never wait; its output is then poisoned."""
+        try:
+            args, kwargs = self._localized_args(command, mesh)
+            failed = None
+        except Poisoned as poisoned:
+            failed = poisoned
+            args = [None if type(a) is TensorRef else a for a in command.args]
+            kwargs = _map_refs(command.kwargs, lambda ref: None, self._place(mesh))
+            kwargs["standin"] = True
+        tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+        out, done = self.device.communicate(lambda: KERNELS[command.kernel](*args, **kwargs), tensors)
+        if failed is not None:
+            raise failed
+        self._keep(command.out_ids[0], out, done)
 
     def handle_redistribute(self, command: wire.Redistribute) -> None:
         mesh = self._member(command.mesh_id)
@@ -415,15 +442,19 @@ def _flat(args) -> bool:
     return not any(type(a) in (tuple, list, dict) for a in args)
 
 
+RANK_LOCAL = (ShardRegion, PeerGroup)   # argument types each rank replaces with its own value
+
+
 def _map_refs(value, fn, place):
     """Replace each TensorRef with fn(ref), depth-first (the order dispatch numbered the tensors
-    in), and each ShardRegion with place(region): the wire's two stand-ins for rank-local values."""
+    in), and each ShardRegion or PeerGroup with place(value): the wire's stand-ins for rank-local
+    values."""
     if type(value) is TensorRef:
         return fn(value)
     if type(value) in (tuple, list):
         return [_map_refs(v, fn, place) for v in value]
     if type(value) is dict:
         return {k: _map_refs(v, fn, place) for k, v in value.items()}
-    if type(value) is ShardRegion:
+    if type(value) in RANK_LOCAL:
         return place(value)
     return value

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import queue
+import threading
 import warnings
 
 import torch
 
-from ...distributed_spec import (REDUCE_OPS, DeviceMesh, Partial, Replicate, Shard, ShardRegion, local_region,
-                                 narrow_to_box, nest_ranks)
+from ...distributed_spec import (REDUCE_OPS, DeviceMesh, Partial, PeerGroup, Replicate, Shard, ShardRegion,
+                                 local_region, narrow_to_box, nest_ranks)
 from ..dispatch import map_tensors
 from .samples import Sample
 
@@ -178,18 +180,68 @@ def _close(actual, expected, exact) -> bool:
 
 
 def run_ranks(kernel, sample, values, held, placements, mesh, extra) -> dict:
-    """Each coordinate's outputs: its blocks of the inputs through the kernel, as a worker would."""
+    """Each coordinate's outputs: its blocks of the inputs through the kernel, as a worker would.
+    A kernel that exchanges data with its peers (a PeerGroup argument) runs on every coordinate
+    at once, one thread each, its exchanges carried by queues."""
+    coordinates = list(itertools.product(*map(range, mesh.shape)))
+    mailboxes = {c: queue.Queue() for c in coordinates}
     results = {}
-    for coordinate in itertools.product(*map(range, mesh.shape)):
+
+    def run(coordinate) -> None:
         blocks = [narrow_to_box(h[coordinate], *local_region(v.shape, mesh, p, coordinate))
                   for v, h, p in zip(values, held, placements)]
         args, kwargs = with_inputs(sample, blocks)
         args, kwargs = _as_wire(args), {**_as_wire(kwargs), **extra}
-        kwargs = {k: v.at(mesh, coordinate) if type(v) is ShardRegion else v for k, v in kwargs.items()}
+        kwargs = {k: _rank_local(v, mesh, coordinate, mailboxes) for k, v in kwargs.items()}
         with warnings.catch_warnings():   # torch's warnings about tiny shards say nothing about rules
             warnings.simplefilter("ignore")
             results[coordinate] = as_tuple(kernel(*args, **kwargs))
+    if not any(type(v) is PeerGroup for v in extra.values()):
+        for coordinate in coordinates:
+            run(coordinate)
+        return results
+    failures = []
+
+    def run_or_record(coordinate) -> None:
+        try:
+            run(coordinate)
+        except Exception as error:  # noqa: BLE001 -- re-raised below, on the caller's thread
+            failures.append(error)
+    threads = [threading.Thread(target=run_or_record, args=(c,), daemon=True) for c in coordinates]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    if failures or any(t.is_alive() for t in threads):
+        raise failures[0] if failures else TimeoutError("simulated peers did not finish their exchanges")
     return results
+
+
+def _rank_local(value, mesh, coordinate, mailboxes):
+    """What a worker substitutes for a ShardRegion or a PeerGroup, at `coordinate`."""
+    if type(value) is ShardRegion:
+        return value.at(mesh, coordinate)
+    if type(value) is PeerGroup:
+        return SimulatedPeers(value, mesh, coordinate, mailboxes)
+    return value
+
+
+class SimulatedPeers:
+    """runtime.peers.Peers over in-process queues: each coordinate has a mailbox; pass_along
+    posts to the next member's and takes from its own (FIFO per sender suffices: one sender)."""
+
+    def __init__(self, group: PeerGroup, mesh, coordinate, mailboxes):
+        self.index, self.size = coordinate[group.mesh_dim], mesh.shape[group.mesh_dim]
+        self.blocks = group.blocks(mesh, coordinate)
+        following = list(coordinate)
+        following[group.mesh_dim] = (self.index + 1) % self.size
+        self._mine, self._next = mailboxes[tuple(coordinate)], mailboxes[tuple(following)]
+
+    def pass_along(self, payload: torch.Tensor, incoming: int) -> torch.Tensor:
+        self._next.put(payload.clone())
+        received = self._mine.get(timeout=30)
+        assert received.numel() == incoming, (received.numel(), incoming)
+        return received
 
 
 def _as_wire(value):

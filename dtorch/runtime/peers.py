@@ -1,0 +1,28 @@
+"""A kernel's view of its peers along one mesh dim (a resolved distributed_spec.PeerGroup), backed
+by the worker's communicator: what ring attention passes its key/value blocks around with."""
+from __future__ import annotations
+
+import torch
+
+from ..distributed_spec import DeviceMesh, PeerGroup
+from .comm import Communicator
+
+__all__ = ["Peers"]
+
+
+class Peers:
+    def __init__(self, group: PeerGroup, mesh: DeviceMesh, rank: int, comm: Communicator):
+        coordinate = mesh.coordinate_of(rank)
+        self.ranks = mesh.group_along(rank, group.mesh_dim)
+        self.index, self.size = coordinate[group.mesh_dim], len(self.ranks)
+        self.blocks = group.blocks(mesh, coordinate)
+        self._comm = comm
+
+    def pass_along(self, payload: torch.Tensor, incoming: int) -> torch.Tensor:
+        """Send `payload` to the next member of the ring; return the `incoming` elements that
+        the previous member sent (every member calls this the same number of times)."""
+        received = torch.empty(incoming, dtype=payload.dtype, device=payload.device)
+        following = self.ranks[(self.index + 1) % self.size]
+        preceding = self.ranks[(self.index - 1) % self.size]
+        self._comm.exchange(self.ranks, [(following, payload)], [(preceding, received)])
+        return received
