@@ -82,8 +82,9 @@ REPOSITORY = TESTS_DIRECTORY.parents[1]
 LAUNCH_COMMAND = [sys.executable, str(TESTS_DIRECTORY / "dtorch_launch_from_tree.py")]
 
 
-def launch_mesh_script(ssh_config: Path, host_names: list[str], directory: Path, *script_args: str):
-    """Start dtorch-launch on tests/launcher/mesh_over_ssh.py with one worker per host.
+def launch_mesh_script(ssh_config: Path, host_names: list[str], directory: Path, *script_args: str,
+                       script: str = "mesh_over_ssh.py"):
+    """Start dtorch-launch on tests/launcher/<script> (mesh_over_ssh.py) with one worker per host.
 
     Returns the controller process (stdin, stdout piped as text) and its stderr file, where the
     workers' prefixed output lands.
@@ -97,7 +98,7 @@ def launch_mesh_script(ssh_config: Path, host_names: list[str], directory: Path,
         controller = subprocess.Popen(
             [*LAUNCH_COMMAND, "--hostfile", str(hostfile), "--ssh-option", f"-F {ssh_config}",
              "--chdir", str(REPOSITORY), "--log-dir", str(directory / "logs"), "--connect-timeout", "5",
-             str(TESTS_DIRECTORY / "mesh_over_ssh.py"), *script_args],
+             str(TESTS_DIRECTORY / script), *script_args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=environment)
     return controller, stderr_path
 

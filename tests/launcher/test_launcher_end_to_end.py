@@ -87,3 +87,30 @@ def test_an_unreachable_host_fails_the_start_naming_it(sshd_hosts, tmp_path):
         config.write("\nHost host-gone\n    HostName 127.0.0.9\n    Port 9\n")
     message = start_failure(sshd_hosts.ssh_config, ["host-a", "host-gone"], tmp_path)
     assert "host-gone" in message or "127.0.0.9" in message, message
+
+
+def test_llama_from_pretrained_over_two_hosts_equals_transformers(sshd_hosts, tmp_path):
+    """The issue's "over dtorch-launch": a save_pretrained directory (on a path both hosts see),
+    loaded by the workers themselves onto a tp mesh spanning two ssh hosts."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path / "model")
+    ids = torch.randint(0, 64, (2, 6))
+    controller, stderr_path = launch_mesh_script(sshd_hosts.ssh_config, ["host-a", "host-b"], tmp_path,
+                                                 str(tmp_path / "model"), json.dumps(ids.tolist()),
+                                                 script="llama_over_ssh.py")
+    try:
+        logits = torch.tensor(json.loads(read_tagged_line(controller.stdout, "LOGITS ", stderr_path)))
+        tokens = torch.tensor(json.loads(read_tagged_line(controller.stdout, "TOKENS ", stderr_path)))
+        assert read_tagged_line(controller.stdout, "BYTES ", stderr_path) == "0"
+        assert controller.wait(30) == 0, stderr_path.read_text()
+    finally:
+        stop_controller(controller, [])
+    with torch.no_grad():
+        assert (logits - reference(ids).logits).abs().max().item() < 1e-4
+        expected = reference.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                      attention_mask=torch.ones_like(ids))
+    assert torch.equal(tokens, expected)
