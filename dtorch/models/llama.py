@@ -334,12 +334,13 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str, device_mesh: DeviceMesh, *, dtype: torch.dtype | None = None,
-                        **kwargs) -> "LlamaForCausalLM":
+                        progress: bool | None = None, via_controller: bool = False, **kwargs) -> "LlamaForCausalLM":
         """A transformers-format directory (config.json + safetensors): each worker reads its own
-        slices from the files (dtorch.checkpoint), no weight byte passes through this process."""
+        slices from the files (dtorch.checkpoint), no weight byte passes through this process.
+        via_controller=True reads them here instead, for hosts that do not all see `directory`."""
         config = LlamaSettings.from_json(os.path.join(directory, "config.json"))
         model = cls(config, device_mesh, dtype=dtype, **kwargs)
-        model.load_state_dict(directory)
+        model.load_state_dict(directory, progress=progress, via_controller=via_controller)
         return model
 
     # --- generation ---------------------------------------------------------------------------------------

@@ -3,7 +3,9 @@ names, parallel styles (parallelize_module), and functional ops (dtorch.nn.funct
 from . import functional
 from .activation import (ELU, GELU, Dropout, Flatten, Identity, LeakyReLU, LogSoftmax, ReLU, Sigmoid, SiLU,
                          Softmax, Softplus, Tanh, Unflatten)
+from .batchnorm import BatchNorm2d
 from .containers import ModuleDict, ModuleList, Sequential
+from .conv import Conv2d
 from .embedding import Embedding, EmbeddingWithReplicateOutput
 from .linear import (ColumnParallelLinear, ColumnParallelLinearWithReplicateInputOutput,
                      ColumnParallelLinearWithReplicateOutput, Linear, ReplicateParallelLinear, RowParallelLinear,
@@ -13,6 +15,7 @@ from .normalization import GroupNorm, LayerNorm, RMSNorm
 from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
                        SequenceParallel, parallelize_module)
 from .parameter import Parameter
+from .pooling import AdaptiveAvgPool2d, AdaptiveMaxPool2d, AvgPool2d, MaxPool2d
 
 __all__ = ["functional", "Module", "Parameter", "IncompatibleKeys", "Sequential", "ModuleList", "ModuleDict",
            "Linear", "ColumnParallelLinear", "RowParallelLinear", "ColumnParallelLinearWithReplicateOutput",
@@ -20,4 +23,5 @@ __all__ = ["functional", "Module", "Parameter", "IncompatibleKeys", "Sequential"
            "ReplicateParallelLinear", "Embedding", "EmbeddingWithReplicateOutput", "LayerNorm", "RMSNorm",
            "GroupNorm", "Dropout", "Identity", "ReLU", "GELU", "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU",
            "Softplus", "Softmax", "LogSoftmax", "Flatten", "Unflatten", "parallelize_module", "ParallelStyle",
-           "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"]
+           "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+           "Conv2d", "BatchNorm2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d"]

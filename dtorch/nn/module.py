@@ -46,7 +46,7 @@ _path_loader: Callable | None = None
 
 
 def set_path_loader(loader: Callable) -> None:
-    """Called by dtorch.checkpoint: `loader(module, path, strict, progress) -> IncompatibleKeys`."""
+    """Called by dtorch.checkpoint: `loader(module, path, strict, progress, via_controller) -> IncompatibleKeys`."""
     global _path_loader
     _path_loader = loader
 
@@ -185,7 +185,7 @@ class Module(torch.nn.Module):
 
     # --- loading ------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False, *,
-                        progress: bool | None = None) -> IncompatibleKeys:
+                        progress: bool | None = None, via_controller: bool = False) -> IncompatibleKeys:
         """Load torch tensors, DTensors, or a checkpoint path (a .safetensors file or a
         transformers directory; each worker then reads its own slices from the file).
 
@@ -193,11 +193,12 @@ class Module(torch.nn.Module):
         leaves the module as it was. torch tensors are uploaded one at a time with the target
         parameter's placements: each worker receives only its own slice. DTensors are cast and
         redistributed to the target's mesh and placements. `assign` is accepted for torch's
-        signature; dtorch always assigns (values never change under a symbol)."""
+        signature; dtorch always assigns (values never change under a symbol). via_controller
+        (a path only): read the file here and upload, for hosts that do not all see the path."""
         if isinstance(state_dict, (str, os.PathLike)):
             if _path_loader is None:
                 raise RuntimeError("loading from a path needs dtorch.checkpoint: `import dtorch` first")
-            return _path_loader(self, state_dict, strict, progress)
+            return _path_loader(self, state_dict, strict, progress, via_controller)
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"load_state_dict expects a mapping or a path, got {type(state_dict).__name__}")
         targets = loadable_tensors(self)
