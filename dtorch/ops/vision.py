@@ -284,6 +284,10 @@ def _linear_partials(call: Call):
     return _LINEAR
 
 
+def _no_partials(call: Call):
+    return frozenset()
+
+
 def _row(torch_fn, rule, doc: str, local=None) -> OpRow:
     return OpRow(torch_fn, rule, local, method=False, doc=doc)
 
@@ -297,6 +301,12 @@ VISION = {
                                 global_reduce="max"),
                                 _PER_IMAGE_DOC + "P(max) passes unless return_indices; to one pixel, S(H|W) -> "
                                 "P(max)", _global_pool_local("global_max_pool_partial", False)),
+    # torch's F.max_pool2d(..., return_indices=True) reaches __torch_function__ under these names
+    "max_pool2d_with_indices": _row(_empty_safe(F.max_pool2d_with_indices), _per_image_rule(_no_partials),
+                                    _PER_IMAGE_DOC + "no Partial (each rank's argmax differs)"),
+    "adaptive_max_pool2d_with_indices": _row(_empty_safe(F.adaptive_max_pool2d_with_indices),
+                                             _per_image_rule(_no_partials),
+                                             _PER_IMAGE_DOC + "no Partial (each rank's argmax differs)"),
     "avg_pool2d": _row(_empty_safe(F.avg_pool2d), _per_image_rule(_linear_partials),
                        _PER_IMAGE_DOC + "linear: P(sum|avg) pass"),
     "adaptive_avg_pool2d": _row(_empty_safe(F.adaptive_avg_pool2d), _per_image_rule(_linear_partials,

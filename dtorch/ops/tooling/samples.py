@@ -439,6 +439,8 @@ _BUILDERS: dict[str, Callable] = {
     "max_pool2d": _pools(((2,), {}), ((3, 2, 1), {"ceil_mode": True}), ((2,), {"return_indices": True}),
                          ((3,), {"stride": 1}), exact=True),
     "avg_pool2d": _pools(((2,), {}), ((3, 2, 1, True, False), {}), ((2,), {"divisor_override": 3}), ((3,), {})),
+    "max_pool2d_with_indices": _pools(((3, 2, 1), {"ceil_mode": True}), ((2,), {})),
+    "adaptive_max_pool2d_with_indices": _pools((((3, 2),), {}), ((1,), {})),
     "adaptive_avg_pool2d": _pools(((1,), {}), (((3, 2),), {}), ((2,), {})),
     "adaptive_max_pool2d": _pools(((1,), {}), (((3, 2), True), {}), ((2,), {}), exact=True),
     # view (the cases tests/test_ops_view.py swept on its own before)
