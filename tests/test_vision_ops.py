@@ -152,7 +152,8 @@ def test_torch_functional_spellings_reach_the_ops(mesh4, strict):
 
 
 @pytest.mark.usefixtures("strict")
-@pytest.mark.parametrize("pool, partial", [(F.adaptive_avg_pool2d, Partial("sum")), (F.adaptive_max_pool2d, Partial("max"))])
+@pytest.mark.parametrize("pool, partial", [(F.adaptive_avg_pool2d, Partial("sum")),
+                                           (F.adaptive_max_pool2d, Partial("max"))])
 @pytest.mark.parametrize("dim", [2, 3])
 def test_global_pooling_over_a_sharded_image_is_partial(mesh4, pool, partial, dim):
     a = _image(2, 3, 7, 6)

@@ -22,7 +22,7 @@ to a layout the rule accepts (usually a shard of N or C); in strict mode it name
                     tensors are immutable). dtorch.nn.functional.batch_norm_with_running_stats
                     computes batch statistics across ranks from batch_norm_moments (a P(sum)
                     over a sharded batch) and returns the new running statistics
-                    (ops/vision_batch_norm.py).
+                    (ops/vision_norm.py, which holds the norms' rows).
 """
 from __future__ import annotations
 
@@ -111,8 +111,8 @@ def _empty_safe(fn):
 
 
 # --- conv2d -----------------------------------------------------------------------------------------
-_CONV_LAWS = Laws(params=("input", "weight", "bias"), linear=present_groups(("input", "weight", "bias"), (0, 2), (1, 2)),
-                  monotone=(0, 0, 1))
+_CONV_PARAMS = ("input", "weight", "bias")
+_CONV_LAWS = Laws(params=_CONV_PARAMS, linear=present_groups(_CONV_PARAMS, (0, 2), (1, 2)), monotone=(0, 0, 1))
 _CONV_LEGAL = ("input S(N) with weight, bias R; weight S(0), bias S(0) with input R (groups=1); input S(C) "
                "with weight S(1) (groups=1) -> P(sum), bias P(sum); groups > 1: input S(C), weight S(0), bias "
                "S(0) on whole groups; a P(sum|avg) input or weight with the rest R; never S(H) or S(W)")

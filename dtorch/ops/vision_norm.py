@@ -93,6 +93,14 @@ def _group_norm_local(call: Call, required):
 
 
 # --- batch_norm ---------------------------------------------------------------------------------------
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
+               eps=1e-5):
+    """F.batch_norm, also on an empty shard (torch's training mode refuses 0 channels)."""
+    if _empty_block(input):
+        return torch.zeros_like(input)
+    return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
 _BATCH_PARAMS = ("input", "running_mean", "running_var", "weight", "bias")
 _BATCH_LEGAL = ("input S(N|H|W) (eval mode) or R with the per-channel tensors R; input S(C) with them S(0); "
                 "P(avg) input (eval); weight, bias P(sum|avg) with the rest R")
@@ -105,8 +113,9 @@ def _batch_norm_laws(call: Call, training: bool) -> Laws:
     rising = 0 if "weight" in _slots(call, _BATCH_PARAMS) else 1
     if training:
         return Laws(params=_BATCH_PARAMS, linear=present_groups(_BATCH_PARAMS, (3, 4)), monotone=(0, 0, 0, 0, 1))
+    # arithmetic: a P(max) input and a P(max) mean on two mesh dims would meet as -inf - -inf
     return Laws(params=_BATCH_PARAMS, linear=present_groups(_BATCH_PARAMS, (0, 1), (3, 4)),
-                monotone=(rising, -rising, 0, 0, 1))
+                monotone=(rising, -rising, 0, 0, 1), arithmetic=True)
 
 
 def _batch_norm_rule(call: Call, placements) -> Decision:
@@ -222,7 +231,7 @@ def _row(torch_fn, rule, local=None) -> OpRow:
 
 VISION_NORM = {
     "group_norm": _row(group_norm, _group_norm_rule, _group_norm_local),
-    "batch_norm": _row(F.batch_norm, _batch_norm_rule),
+    "batch_norm": _row(batch_norm, _batch_norm_rule),
     "batch_norm_moments": _row(batch_norm_moments, _moments_rule),
     "batch_norm_from_moments": _row(batch_norm_from_moments, _from_moments_rule, _from_moments_local),
 }
