@@ -30,6 +30,11 @@ Known gaps (not silently skipped; each is rejected with an error that says so, o
     argmax/argmin, max/min with dim, norm with p other than 0, 1, inf, -inf; cumsum and softmax
     need R on their dim; cross_entropy(reduction='mean') with class-index targets needs R on the
     batch (its denominator counts non-ignored targets, data no rank knows alone).
+  - vision ops (conv2d, pools, interpolate, group_norm, batch_norm) refuse a shard of H or W:
+    their windows would need neighbouring ranks' rows (a halo exchange); only an adaptive pool to
+    one pixel takes one (P(sum) or P(max)). torch.nn.functional.batch_norm(training=True) with
+    running statistics raises UnsupportedOpError (torch updates them in place);
+    dtorch.nn.functional.batch_norm_with_running_stats returns them (tests/test_vision_ops.py).
   - scaled_dot_product_attention(dropout_p > 0) and embedding(max_norm=...) raise
     UnsupportedOpError (worker-local torch RNG; in-place weight renormalization).
   - Gloo's MAX/MIN all-reduce drops nan coming from other ranks; the runtime now carries a nan

@@ -1,15 +1,20 @@
 """torch.nn.functional names over dtorch ops. Each is one registry op (rules in dtorch/ops/:
-pointwise, reduction, matrix, nn); `torch.nn.functional.<name>(dtensor)` reaches the same op
-through __torch_function__, except dropout, which needs dtorch's random stream (below)."""
+pointwise, reduction, matrix, nn, vision); `torch.nn.functional.<name>(dtensor)` reaches the same op
+through __torch_function__, except dropout, which needs dtorch's random stream (below), and
+batch_norm in training mode, whose batch statistics dtorch computes across ranks (below)."""
 from __future__ import annotations
 
+from ..distributed_spec import Replicate
+from ..errors import UnsupportedOpError
 from ..runtime import session
 from ..inplace import assign
 from ..tensor import call_op
 
 __all__ = ["relu", "gelu", "silu", "sigmoid", "tanh", "leaky_relu", "elu", "softplus", "softmax",
            "log_softmax", "linear", "layer_norm", "rms_norm", "embedding", "dropout", "pad",
-           "scaled_dot_product_attention", "cross_entropy", "mse_loss"]
+           "scaled_dot_product_attention", "cross_entropy", "mse_loss",
+           "conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "interpolate",
+           "group_norm", "batch_norm", "batch_norm_with_running_stats"]
 
 
 def _forward(name: str):
@@ -55,3 +60,46 @@ softmax, log_softmax, linear = map(_forward, ("softmax", "log_softmax", "linear"
 layer_norm, rms_norm, embedding, pad = map(_forward, ("layer_norm", "rms_norm", "embedding", "pad"))
 scaled_dot_product_attention = _forward("scaled_dot_product_attention")
 cross_entropy, mse_loss = map(_forward, ("cross_entropy", "mse_loss"))
+conv2d, max_pool2d, avg_pool2d = map(_forward, ("conv2d", "max_pool2d", "avg_pool2d"))
+adaptive_avg_pool2d, adaptive_max_pool2d = map(_forward, ("adaptive_avg_pool2d", "adaptive_max_pool2d"))
+interpolate, group_norm = map(_forward, ("interpolate", "group_norm"))
+
+
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training: bool = False,
+               momentum: float = 0.1, eps: float = 1e-5):
+    """torch's F.batch_norm. In training mode the batch statistics are computed across ranks
+    (an input sharded on its batch costs one all-reduce of 2 x C numbers, not a gather). torch
+    updates running_mean/var in place there; dtorch tensors never change, so training mode with
+    running statistics raises: use batch_norm_with_running_stats, which returns the new ones."""
+    if training and (running_mean is not None or running_var is not None):
+        raise UnsupportedOpError(
+            "batch_norm(training=True) with running_mean/running_var updates them in place in torch, and dtorch "
+            "tensors never change: call dtorch.nn.functional.batch_norm_with_running_stats(...), which returns "
+            "(output, new_running_mean, new_running_var)")
+    if not training:
+        return call_op("batch_norm", (input, running_mean, running_var, weight, bias, False, momentum, eps), {})
+    return batch_norm_with_running_stats(input, None, None, weight, bias, True, momentum, eps)[0]
+
+
+def batch_norm_with_running_stats(input, running_mean, running_var, weight=None, bias=None,
+                                  training: bool = False, momentum: float = 0.1, eps: float = 1e-5):
+    """F.batch_norm that returns (output, new_running_mean, new_running_var) instead of updating
+    the running statistics in place (torch's training mode). In eval mode they come back as
+    given. In training mode the output is normalized with the whole batch's mean and biased
+    variance, computed across ranks: per-channel [sum, sum of squares] (P(sum) where the batch or
+    pixels are sharded) are all-reduced explicitly (this works in strict mode too), and the new
+    statistics are `momentum * batch + (1 - momentum) * running` with the unbiased variance, as
+    torch. A None running statistic comes back None. momentum=None (torch's cumulative average)
+    needs the module's num_batches_tracked: pass momentum=1 / num_batches_tracked instead."""
+    if not training:
+        out = call_op("batch_norm", (input, running_mean, running_var, weight, bias, False, momentum, eps), {})
+        return out, running_mean, running_var
+    if momentum is None:
+        raise UnsupportedOpError("batch_norm_with_running_stats(momentum=None): a cumulative average needs the "
+                                 "count of batches seen; pass momentum=1 / num_batches_tracked")
+    moments = call_op("batch_norm_moments", (input,), {})
+    if any(p.is_partial() for p in moments.placements):
+        moments = moments.redistribute(placements=[Replicate() if p.is_partial() else p for p in moments.placements])
+    out, mean, var = call_op("batch_norm_from_moments",
+                             (input, moments, running_mean, running_var, weight, bias, momentum, eps), {})
+    return out, (None if running_mean is None else mean), (None if running_var is None else var)

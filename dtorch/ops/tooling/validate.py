@@ -58,6 +58,11 @@ DECLINED = {
     ("getitem", "[S(0)]"): "a strided slice of a sharded dim lines up with the shards for some sizes only",
     ("getitem", "[S(1)]"): "a strided slice of a sharded dim lines up with the shards for some sizes only",
 }
+# batch_norm_from_moments is the second step of dtorch.nn.functional.batch_norm_with_running_stats:
+# its input and moments come from one tensor, so a Partial input never meets whole moments
+DECLINED.update({("batch_norm_from_moments", combo): "an internal step whose moments come from its own input: "
+                 "Partial forms not derived" for combo in ("[P(avg)], [R], [R], [P(avg)], [R], [R]", "[P(avg)], [R]",
+                                                          "[P(max)], [R]", "[P(min)], [R]")})
 _JOIN_PARTIAL_WITH_R = ("[R], [P(avg)]", "[R], [P(max)]", "[R], [P(min)]", "[P(avg)], [R]", "[P(max)], [R]",
                         "[P(min)], [R]")
 DECLINED.update({(op, combo): "a Partial joined with an R input: exact for P(avg|max|min), refused for simplicity"
