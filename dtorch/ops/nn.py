@@ -8,7 +8,9 @@ then forbid the letters the op mixes nonlinearly (a softmax's keys, a loss's cla
   dropout                 any placement: the mask is a pure function of (seed, counter, global
                           index), so it is the same on replicas and partial contributions
   scaled_dot_product_attention   shards on batch/head dims, on queries (not causal), on values'
-                          features; never on keys or the contracted head dim
+                          features; q, k, v all sharded on their sequence: ring attention
+                          (ops/ring_attention.py, key/value blocks passed around that mesh dim);
+                          never on the contracted head dim
   cross_entropy / mse_loss       shards on batch (and spatial) dims; reduction 'sum' gives P(sum)
   pad                     padded dims R; Partial passes where the fill value allows
 Kernels that need where their shard sits in the global tensor take a `region` keyword: the rule
@@ -164,6 +166,8 @@ def _dropout_local(call: Call, required):
 
 # --- attention --------------------------------------------------------------------------------------
 def _attention_rule(call: Call, placements) -> Decision:
+    """Shards on batch and head dims of q, k, v alike; on q's sequence (not causal) with k, v R; on
+    v's features with q, k R; q, k, v all on their sequence: ring attention (causal or not, no mask)."""
     if call.param(4, "dropout_p", 0.0):
         raise UnsupportedOpError("scaled_dot_product_attention(dropout_p>0) would draw torch's random "
                                  "numbers on each worker; apply dtorch.nn.functional.dropout instead")
