@@ -247,12 +247,13 @@ def _partial_put(x, value, accumulate: bool) -> Decision:
     if isinstance(x, Partial):
         if value == x and (not accumulate or x.reduce_op in ("sum", "avg")):
             return Decision(None, (x,))
-        if not accumulate and x.reduce_op != "sum" and (value is None or value.is_replicate()):
+        # a repeated value: max/min/avg keep it when written, and commute with adding it
+        if (value is None or value.is_replicate()) and x.reduce_op != "sum":
             return Decision(None, (x,))
-        raise RuleRejected(f"a {x!r} target takes a value of the same Partial (or R for max, min and avg when not "
-                           "accumulating): any other value would count once per rank", _PUT_LEGAL)
-    if x.is_replicate() and value.reduce_op != "sum" and not accumulate:
-        return Decision(None, (value,))   # max/min/avg keep the rest, repeated on every rank
+        raise RuleRejected(f"a {x!r} target takes a value of the same Partial (or R for max, min and avg): any "
+                           "other value would count once per rank", _PUT_LEGAL)
+    if x.is_replicate() and (value.reduce_op == "avg" if accumulate else value.reduce_op != "sum"):
+        return Decision(None, (value,))   # the rest repeats on every rank; repeated positions add up linearly
     raise RuleRejected(f"a {value!r} value needs a target of the same Partial (or R for max, min, avg)", _PUT_LEGAL)
 
 
