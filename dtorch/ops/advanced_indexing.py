@@ -367,10 +367,16 @@ def _indexed_dims(call: Call):
 
 ADVANCED_INDEXING = {
     "index": OpRow(index, _index_rule, _local_hook("index_block", _indexed_dims), method=False,
-                   doc="x[tensor index]: use the operator"),
+                   doc="x[t] with index tensors (use the operator; rules in dtorch/ops/advanced_indexing.py): a dim "
+                       "no index tensor touches keeps its shard; x S(d) on an indexed dim with R index tensors -> "
+                       "P(sum), each rank picking what its block holds; x R with split index tensors -> S"),
     "index_put": OpRow(index_put, _fill_inputs(_index_put_rule), _local_hook("index_put_block", _indexed_dims),
-                       method=False, doc="x[tensor index] = v; x.index_put(indices, values, accumulate)"),
+                       method=False,
+                       doc="x[t] = v, x.index_put(indices, values, accumulate): x S(d) on an indexed dim with R "
+                           "index tensors and value: each rank writes what falls in its block, no communication"),
     "masked_scatter": OpRow(torch.Tensor.masked_scatter, _fill_inputs(_masked_scatter_rule),
-                            _local_hook("masked_scatter_block", lambda call: range(len(call.inputs[0].shape)))),
+                            _local_hook("masked_scatter_block", lambda call: range(len(call.inputs[0].shape))),
+                            doc="x S(d) with mask and source R: each rank numbers the whole mask's Trues and "
+                                "takes its part of source"),
 }
 register_family("indexing", ADVANCED_INDEXING)
