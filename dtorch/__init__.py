@@ -23,6 +23,7 @@ from .runtime.reads import Future
 from .tensor import DTensor, call_op
 from . import inplace as _inplace  # noqa: F401  (installs x[i] = v and the in-place methods)
 from .inplace import AliasingError
+from . import advanced_indexing as _advanced_indexing  # noqa: F401  (x[t], x[t] = v, index_put)
 from . import nn
 from . import checkpoint
 from . import models

@@ -25,7 +25,7 @@ from .distributed_spec import Partial, Replicate
 from .errors import DTorchError, ShapeError, user_site
 from .factories import full, tensor as upload
 from .ops import REGISTRY
-from .ops.indexing import WHOLE, canonical_index
+from .ops.indexing import WHOLE, AdvancedIndex, canonical_index
 from .tensor import DTensor, call_op
 
 __all__ = ["AliasingError", "assign", "INPLACE_METHODS"]
@@ -231,9 +231,13 @@ _REGION_STEPS.update({name: _pieces(name) for name in ("split", "chunk", "unbind
 
 # --- item assignment ----------------------------------------------------------------------------------
 def _setitem(self: DTensor, index, value) -> None:
+    try:
+        canonical = canonical_index(index, self._meta.shape)
+    except AdvancedIndex:   # index tensors, lists, masks: dtorch/advanced_indexing.py
+        return self._advanced_setitem(index, value)
     if isinstance(value, torch.Tensor):   # an explicit upload: the only way local data enters
         value = upload(value, device_mesh=self.device_mesh, placements=[Replicate()] * self.device_mesh.ndim)
-    result = call_op("setitem", (self, canonical_index(index, self._meta.shape), value), {})
+    result = call_op("setitem", (self, canonical, value), {})
     assign(self, result, "x[index] = value")
 
 

@@ -228,12 +228,16 @@ class DTensor:
     # Forms torch spells differently from one registry op; the rules live in dtorch/ops/view.py
     # and dtorch/ops/indexing.py. Imports are local to keep this block self-contained.
     def __getitem__(self, index) -> "DTensor":
-        """Basic indexing with torch's semantics: ints, slices (step > 0), None and Ellipsis.
-        Any index works on a Replicate or unsharded dim; a sharded dim takes only a whole
-        slice `:`, anything else raises PlacementError naming the redistribute that fixes it.
-        Tensor (advanced) indices are not supported: use index_select or gather."""
-        from .ops.indexing import canonical_index
-        return call_op("getitem", (self, canonical_index(index, self._meta.shape)), {})
+        """Indexing with torch's semantics. Basic: ints, slices (step > 0), None and Ellipsis;
+        any index works on a Replicate or unsharded dim, a sharded dim takes only a whole slice
+        `:`. Advanced (index tensors, lists, bool masks the controller holds): the `index` op
+        (dtorch/advanced_indexing.py; its rules: dtorch/ops/advanced_indexing.py)."""
+        from .ops.indexing import AdvancedIndex, canonical_index
+        try:
+            canonical = canonical_index(index, self._meta.shape)
+        except AdvancedIndex:
+            return self._advanced_getitem(index)   # installed by dtorch/advanced_indexing.py
+        return call_op("getitem", (self, canonical), {})
 
     def view(self, *shape, **size) -> "DTensor":
         """x.view(4, 6), x.view((4, 6)) or x.view(size=(4, 6)). The same as reshape: dtorch

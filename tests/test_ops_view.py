@@ -6,7 +6,7 @@ The placement sweep of these ops (every input placement combination on meshes (4
 sample calls in dtorch/ops/tooling/samples.py; its docstring lists the known gaps, each refused
 with a PlacementError that names the redistribute to run first (test_known_gaps_still_refuse pins
 a sample). Other gaps:
-  - tensor (advanced) indexing x[idx] raises UnsupportedOpError: use index_select or gather.
+  - tensor (advanced) indexing x[idx] is tests/test_indexing.py's (a DTensor bool mask in a read raises).
   - view(dtype) is unsupported. Views and in-place ops: tests/test_inplace.py (docs/inplace.md).
 """
 import math
@@ -18,7 +18,7 @@ import dtorch
 from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
 from dtorch.errors import MeshError, PlacementError, UnsupportedOpError
 from dtorch.ops.dispatch import plan_call
-from dtorch.ops.indexing import WHOLE, canonical_index
+from dtorch.ops.indexing import WHOLE, AdvancedIndex, canonical_index
 from dtorch.ops.dispatch import lookup
 from dtorch.ops.view import reshape_groups
 from support import assert_same
@@ -130,8 +130,10 @@ def test_canonical_index():
         canonical_index(4, (4, 5))
     with pytest.raises(IndexError):
         canonical_index((0, 0, 0), (4, 5))
-    with pytest.raises(UnsupportedOpError, match="index_select"):
+    with pytest.raises(AdvancedIndex):   # index tensors, lists, bools: the advanced path's
         canonical_index([0, 1], (4, 5))
+    with pytest.raises(UnsupportedOpError, match="index tensors"):
+        canonical_index("0", (4, 5))
 
 
 def test_sub_meshes_and_unbind():
@@ -319,8 +321,8 @@ def test_iteration_and_index_errors(mesh4, strict):
     assert [row.tolist() for row in x] == a.tolist()
     with pytest.raises(IndexError):
         x[3]
-    with pytest.raises(UnsupportedOpError, match="gather"):
-        x[dtorch.tensor(torch.tensor([0]), device_mesh=mesh4)]
+    with pytest.raises(UnsupportedOpError, match="bool mask"):
+        x[dtorch.tensor(torch.tensor([True, False, True]), device_mesh=mesh4)]
     with pytest.raises(UnsupportedOpError, match="view"):
         x.view(torch.int32)
     with pytest.raises(PlacementError, match=r"x.redistribute\(placements=\[Replicate\(\)\]\)"):

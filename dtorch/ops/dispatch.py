@@ -92,7 +92,7 @@ def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMet
     mode (`strict` None: the global mode) inputs whose placements the rules refuse get moves."""
     if not specs:
         raise ShapeError(f"{op.name}: no dtorch tensor among the arguments")
-    if any(isinstance(value, torch.Tensor) for value in list(args) + list(kwargs.values())):
+    if _holds_torch_tensor(args, kwargs):
         raise TypeError(f"{op.name}: mixing a local torch.Tensor with DTensors; upload it first with "
                         "dtorch.tensor(t, device_mesh=..., placements=...)")
     mesh = specs[0].mesh
@@ -115,6 +115,13 @@ def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMet
     out_specs = tuple(tensor_meta(shape, dtype, mesh, placements)
                       for (shape, dtype), placements in zip(outputs, out_placements))
     return OpPlan(kernel, out_specs, input_steps, extra, sequence, moves)
+
+
+def _holds_torch_tensor(args, kwargs) -> bool:
+    """A local torch.Tensor anywhere in the arguments (inside torch.index_put's tuple, say)."""
+    found = []
+    map_tensors((args, kwargs), found.append, lambda value: isinstance(value, torch.Tensor))
+    return bool(found)
 
 
 def _is_symbol(value) -> bool:

@@ -3,6 +3,7 @@ passes as long as the positions come from a Replicate operand; what cannot work 
 selecting along a sharded dim, where the wanted values live on other ranks.
 
   getitem        x[ints, slices, None, ...]: a sharded dim takes only a whole slice `:`
+                 (tensor indices: the index / index_put ops of ops/advanced_indexing.py)
   narrow         S(d) off the narrowed dim
   index_select   source S(d) off dim with index R -> S(d); source R with index S(0) -> S(dim)
   gather         source and index sharded alike off dim (R sliced to match) -> that S;
@@ -23,7 +24,7 @@ from .registry import OpRow, register_family
 from .rules import (Call, Decision, R, RuleRejected, common_shard_dim, follow_rule, normalize_dim, off_dim,
                     unshard_fix)
 
-__all__ = ["INDEXING", "canonical_index", "getitem"]
+__all__ = ["INDEXING", "AdvancedIndex", "canonical_index", "getitem"]
 
 WHOLE = (None, None, None)  # a slice `:` over the whole dim
 
@@ -50,15 +51,22 @@ def canonical_index(index, shape) -> tuple:
     return tuple(None if item is None else _canonical_item(item, *next(dims)) for item in items)
 
 
+class AdvancedIndex(Exception):
+    """Raised by canonical_index for an index with tensors, lists or bools: the caller takes the
+    advanced path (dtorch/advanced_indexing.py, ops/advanced_indexing.py) instead of getitem's."""
+
+
 def _check_item(item):
-    """The item itself, or an int for int-like ones (numpy ints); tensors, lists and bools are
-    advanced indexing, which dtorch does not do."""
-    if item is None or item is Ellipsis or isinstance(item, slice):
+    """The item itself, or an int for int-like ones (numpy ints); AdvancedIndex for tensors (a
+    DTensor has `_meta`), lists, bools and arrays."""
+    if item is None or item is Ellipsis or isinstance(item, slice) or type(item) is int:
         return item
-    if not isinstance(item, (bool, torch.Tensor)) and hasattr(type(item), "__index__"):
+    if isinstance(item, (bool, list, torch.Tensor)) or hasattr(item, "_meta") or getattr(item, "ndim", 0):
+        raise AdvancedIndex(item)
+    if hasattr(type(item), "__index__"):
         return operator.index(item)
-    raise UnsupportedOpError(f"DTensor indexing takes ints, slices, None and Ellipsis, not "
-                             f"{type(item).__name__}; for tensor indices use index_select or gather")
+    raise UnsupportedOpError(f"DTensor indexing takes ints, slices, None, Ellipsis, index tensors, lists and "
+                             f"bool masks, not {type(item).__name__}")
 
 
 def _canonical_item(item, dim: int, size: int):

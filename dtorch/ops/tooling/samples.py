@@ -419,6 +419,37 @@ def _pair(*calls):
     return build
 
 
+# --- advanced indexing: canonical indices with index tensors (dtorch/ops/advanced_indexing.py) -------
+_W = (None, None, None)   # indexing.WHOLE: `:`
+
+
+def _tensor_index(m: _Make):
+    """x[t] forms on distinct values: one dim, the second dim, two broadcast together, a 0-d select,
+    and tensors separated by a slice on a cube (their broadcast dims go to the front)."""
+    x, cube = m.distinct(*m.shape(*_MATRIX)), m.distinct(*m.shape(*_CUBE))
+    rows, pair = torch.tensor([3, 0, -1, 2, 2]), torch.tensor([[0, 1, 3], [2, 2, 0]])
+    return [Sample((x, (rows,)), {}, True), Sample((x, (_W, torch.tensor([1, -1, 0, 1]))), {}, True),
+            Sample((x, (pair, torch.tensor([1, 0, 2]))), {}, True), Sample((x, (_W, torch.tensor(1))), {}, True),
+            Sample((cube, (torch.tensor([1, 0]), _W, torch.tensor([2, 0]))), {}, True)]
+
+
+def _index_put(m: _Make):
+    """x[t] = v with distinct positions (torch leaves the winner of repeated ones unspecified), a
+    broadcast value and a scalar; accumulate=True with repeated positions."""
+    x = m.distinct(*m.shape(*_MATRIX))
+    rows, columns = torch.tensor([3, 0, -1]), torch.tensor([2, 0])
+    return [Sample((x, (rows,), m.x(3, x.shape[1])), {}, True),
+            Sample((x, (_W, columns), m.x(columns.shape[0])), {}, True),
+            Sample((x, (rows, columns[:1]), 5.5), {}, True),   # between x's values: no P(min) by chance
+            Sample((x, (torch.tensor([1, 0, 1]),), m.x(3, x.shape[1])), {"accumulate": True})]
+
+
+def _masked_scatter(m: _Make):
+    shape = _matrix(m)
+    return [Sample((m.x(*shape), m.bools(*shape), m.x(shape[0] * shape[1])), {}, True),
+            Sample((m.x(*shape), m.bools(shape[1]), m.x(shape[0] * shape[1] + 3)), {}, True)]
+
+
 _ALL = slice(None)
 
 
@@ -564,6 +595,7 @@ _BUILDERS: dict[str, Callable] = {
     "topk": _on(_MATRIX, lambda x: _call(x, 2, dim=1), lambda x: _call(x, 1, 0, largest=False)),
     "sort": _both(_on(_MATRIX, lambda x: _call(x, 0), lambda x: _call(x, descending=True)),
                   _on(_CUBE, lambda x: _call(x, 1))),
+    "index": _tensor_index, "index_put": _index_put, "masked_scatter": _masked_scatter,
 }
 
 

@@ -79,6 +79,8 @@ DECLINED.update({
     **{("isclose", combo): "a contribution other than the max (min) may be close where the max (min) is not"
        for combo in ("[R], [P(max)]", "[R], [P(min)]", "[P(max)], [R]", "[P(min)], [R]")},
 })
+DECLINED[("index_put", "[P(sum)], [S(0)], [S(0)]")] = (
+    "accumulate with positions and values split alike into a P(sum) target is exact, not derived yet")
 # scatter passes a Partial only as input and src alike (R index); the other forms below are exact
 # too but not derived yet: gaps of the rule, listed so that a new one still shows up as MISSING
 _SCATTER_NOT_DERIVED = ("[P(avg)], [R]", "[P(avg)], [R], [R]", "[P(max)], [R]", "[P(max)], [R], [R]",
