@@ -300,3 +300,14 @@ def test_containers_and_redistribute_hooks(tp2):
     assert out.placements == (Replicate(),)
     seq = nn.Sequential(nn.Linear(4, 4, device_mesh=tp2), nn.ReLU())
     assert isinstance(seq[0:1], nn.Sequential) and len(seq) == 2
+
+
+@pytest.mark.parametrize("style, weight", [(nn.ColwiseParallel, Shard(1)), (nn.RowwiseParallel, Shard(0))])
+def test_parallel_styles_on_an_embedding(style, weight, tp2):
+    layer = nn.Embedding(10, 6, device_mesh=tp2, tp_dim=None)
+    reference = torch_copy(layer, torch.nn.Embedding(10, 6))
+    nn.parallelize_module(layer, tp2, style())
+    assert layer.weight.placements == (weight,)
+    ids = torch.tensor([[1, 9, 4], [0, 0, 7]])
+    out = layer(dtorch.tensor(ids, device_mesh=tp2))
+    assert_same(out.to_torch(), reference(ids).detach())

@@ -72,42 +72,38 @@ def _needs(module, kinds: tuple, style: str) -> None:
         raise TypeError(f"{style} applies to dtorch.nn {names} modules, not {type(module).__name__}")
 
 
-class ColwiseParallel(ParallelStyle):
-    """Linear: weight and bias S(0); Embedding: weight S(1). Input R, output S(-1) (or output_layouts)."""
+class _TensorParallel(ParallelStyle):
+    """Colwise and Rowwise are data: the placement of each parameter on the tp mesh dim, the input
+    placement forward needs, per module kind; and the default output placement."""
+    LINEAR: dict = {}
+    EMBEDDING: dict = {}
+    INPUT: dict = {}          # module kind -> the input's placement on tp
+    OUTPUT: Placement = Replicate()
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
                  use_local_output: bool = True):
         self.input_layouts, self.output_layouts = input_layouts, output_layouts
 
     def apply(self, module, mesh_dim: int) -> None:
-        _needs(module, (Linear, Embedding), "ColwiseParallel")
-        if isinstance(module, Linear):
-            _shard_parameter(module, "weight", mesh_dim, Shard(0))
-            _shard_parameter(module, "bias", mesh_dim, Shard(0))
-        else:
-            _shard_parameter(module, "weight", mesh_dim, Shard(1))
-        self.move_inputs(module, mesh_dim, [Replicate()])
-        self.move_output(module, mesh_dim, self.output_layouts or Shard(-1))
+        _needs(module, (Linear, Embedding), type(self).__name__)
+        kind = Linear if isinstance(module, Linear) else Embedding
+        for name, placement in (self.LINEAR if kind is Linear else self.EMBEDDING).items():
+            _shard_parameter(module, name, mesh_dim, placement)
+        self.move_inputs(module, mesh_dim, [self.INPUT[kind]])
+        self.move_output(module, mesh_dim, self.output_layouts or self.OUTPUT)
 
 
-class RowwiseParallel(ParallelStyle):
+class ColwiseParallel(_TensorParallel):
+    """Linear: weight and bias S(0); Embedding: weight S(1). Input R, output S(-1) (or output_layouts)."""
+    LINEAR, EMBEDDING = {"weight": Shard(0), "bias": Shard(0)}, {"weight": Shard(1)}
+    INPUT, OUTPUT = {Linear: Replicate(), Embedding: Replicate()}, Shard(-1)
+
+
+class RowwiseParallel(_TensorParallel):
     """Linear: weight S(1), bias R, input S(-1); Embedding: weight S(0), input R. Output R (the
     partial sums all-reduced) or output_layouts (Shard(1) for sequence parallel: a reduce-scatter)."""
-
-    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
-                 use_local_output: bool = True):
-        self.input_layouts, self.output_layouts = input_layouts, output_layouts
-
-    def apply(self, module, mesh_dim: int) -> None:
-        _needs(module, (Linear, Embedding), "RowwiseParallel")
-        if isinstance(module, Linear):
-            _shard_parameter(module, "weight", mesh_dim, Shard(1))
-            _shard_parameter(module, "bias", mesh_dim, Replicate())
-            self.move_inputs(module, mesh_dim, [Shard(-1)])
-        else:
-            _shard_parameter(module, "weight", mesh_dim, Shard(0))
-            self.move_inputs(module, mesh_dim, [Replicate()])
-        self.move_output(module, mesh_dim, self.output_layouts or Replicate())
+    LINEAR, EMBEDDING = {"weight": Shard(1), "bias": Replicate()}, {"weight": Shard(0)}
+    INPUT, OUTPUT = {Linear: Shard(-1), Embedding: Replicate()}, Replicate()
 
 
 class SequenceParallel(ParallelStyle):
