@@ -75,7 +75,7 @@ def test_a_killed_worker_is_replaced_and_its_mesh_works_again():
     _all_ended(report["pids"])
 
 
-def test_nothing_lost_is_a_no_op_and_a_second_loss_is_recovered_too():
+def test_nothing_lost_is_a_no_op_and_later_losses_are_recovered_too():
     report = _report(run_script("""
         import json, os, signal, torch, dtorch
         from dtorch.distributed_spec import init_device_mesh, Replicate, Shard
@@ -97,11 +97,23 @@ def test_nothing_lost_is_a_no_op_and_a_second_loss_is_recovered_too():
             pids.append(replaced["pid"])
             y = dtorch.arange(12.0, device_mesh=mesh, placements=[Shard(0)])
             sums.append(y.redistribute(mesh, [Replicate()]).sum().item())
-        print(json.dumps({"noop": noop, "same": same, "sums": sums, "pids": pids}))
+        for worker in dtorch.workers():   # every worker at once: no survivor to wait for
+            os.kill(worker["pid"], signal.SIGKILL)
+        try:
+            y.sum().item()
+        except dtorch.WorkerLostError:
+            pass
+        replaced = dtorch.replace_lost_workers(timeout=60)
+        pids += [r["pid"] for r in replaced]
+        y = dtorch.arange(12.0, device_mesh=mesh, placements=[Shard(0)])
+        sums.append(y.redistribute(mesh, [Replicate()]).sum().item())
+        print(json.dumps({"noop": noop, "same": same, "sums": sums, "pids": pids,
+                          "all_lost": sorted(r["rank"] for r in replaced)}))
     """, timeout=150))
     assert report["noop"] == [] and report["same"]
-    assert report["sums"] == [66.0, 66.0, 66.0]
-    assert len(set(report["pids"])) == len(report["pids"]) == 5
+    assert report["sums"] == [66.0] * 4
+    assert report["all_lost"] == [0, 1]
+    assert len(set(report["pids"])) == len(report["pids"]) == 7
     _all_ended(report["pids"])
 
 
@@ -160,3 +172,33 @@ def test_training_killed_mid_run_resumes_from_its_checkpoint_with_the_same_losse
     print("losses after the reload (step, clean, recovered):",
           [(int(s), clean[s], recovered[s]) for s in sorted(after, key=int)])
     _all_ended(report["pids"])
+
+
+def test_groups_of_a_new_generation_get_new_names_and_drop_only_replaced_ranks():
+    from dtorch.runtime.comm import GlooCommunicator, group_name
+    assert group_name((0, 1), 0) == "0-1"          # no recovery yet: the names as before
+    assert group_name((0, 1), 2) == "g2/0-1"
+    comm = GlooCommunicator.__new__(GlooCommunicator)   # no store: regroup only edits the caches
+    comm._groups, comm._broken, comm._abandoned, comm.generation = {(0, 1): "a", (0, 2): "b"}, {(1, 2): "gone"}, [], 0
+    comm.regroup(1, (1,))
+    assert comm.generation == 1 and list(comm._groups) == [(0, 2)] and comm._broken == {}
+    assert comm._abandoned == [("a", None)]   # kept, never destroyed
+
+
+def test_the_worker_regroups_its_communicator_and_its_host_channel_once_each():
+    from dtorch.runtime import protocol as wire
+    from dtorch.runtime.devices import CpuDevice
+    from dtorch.runtime.worker import Worker
+
+    class Recording:
+        def __init__(self):
+            self.calls = []
+
+        def regroup(self, generation, replaced):
+            self.calls.append((generation, replaced))
+    comm, host = Recording(), Recording()
+    Worker(0, None, comm, CpuDevice(), 0, host).handle_regroup(wire.Regroup(5, 3, (1, 2)))
+    assert comm.calls == host.calls == [(3, (1, 2))]
+    same = Recording()
+    Worker(0, None, same, CpuDevice(), 0).handle_regroup(wire.Regroup(5, 3, (1,)))
+    assert same.calls == [(3, (1,))]

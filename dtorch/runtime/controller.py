@@ -262,8 +262,11 @@ class Controller:
     def settle_survivors(self, timeout: float) -> None:
         """Wait until every live worker has run everything issued so far: a survivor still in a
         collective with a lost peer leaves it (it sees the peer's lost key) before that key goes."""
+        live = self.pool.live_ranks()
+        if not live:   # every worker was lost: nobody to wait for
+            return
         future = Future()
-        self.submit(wire.Sync, read=SyncRead(self.pool.live_ranks(), future))
+        self.submit(wire.Sync, read=SyncRead(live, future))
         future.result(timeout)
 
     def forget_loss(self, rank: int) -> None:

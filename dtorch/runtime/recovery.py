@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 
+from ..errors import WorkerLostError
 from .cluster import stop_process, worker_config
 
 __all__ = ["replace_lost_workers"]
@@ -26,11 +27,11 @@ __all__ = ["replace_lost_workers"]
 def replace_lost_workers(controller, spawner, timeout: float, progress_for=None) -> list[dict]:
     """Start a process for each lost rank; returns one dict per replaced rank (rank, host, pid,
     lost_pid, reason), [] when nothing was lost."""
-    lost = sorted((w for w in controller.workers.values() if w.lost), key=lambda w: w.rank)
-    if not lost:
+    if not any(w.lost for w in controller.workers.values()):
         return []
     deadline = time.monotonic() + timeout
-    controller.settle_survivors(timeout)
+    _settle(controller, timeout)
+    lost = sorted((w for w in controller.workers.values() if w.lost), key=lambda w: w.rank)
     losses = [controller.pool.lost_among([w.rank]) for w in lost]
     for worker in lost:
         stop_process(worker.handle, time.monotonic())
@@ -44,6 +45,15 @@ def replace_lost_workers(controller, spawner, timeout: float, progress_for=None)
     controller.regroup(losses)
     return [{"rank": w.rank, "host": controller.workers[w.rank].host, "pid": controller.workers[w.rank].pid,
              "lost_pid": w.pid, "reason": w.lost} for w in lost]
+
+
+def _settle(controller, timeout: float) -> None:
+    """Survivors idle; one found lost meanwhile (dead, but not yet noticed) is replaced too."""
+    while True:
+        try:
+            return controller.settle_survivors(timeout)
+        except WorkerLostError:   # each retry waits on fewer ranks; none left returns at once
+            continue
 
 
 def _config(controller, spawner, lost) -> dict:
