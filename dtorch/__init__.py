@@ -13,6 +13,7 @@ from . import distributed_spec
 from .distributed_spec import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
 from .errors import (DependencyError, DTorchError, MeshError, PlacementError, RemoteError, SessionEndedError,
                      ShapeError, StartupError, UnreadFailureWarning, UnsupportedOpError, WorkerLostError)
+from .errors import LostTensorError
 from .factories import (arange, empty, empty_like, eye, full, full_like, linspace, ones, ones_like, rand, rand_like,
                         randint, randn, randn_like, tensor, zeros, zeros_like)
 from .factories import Tensor
@@ -35,6 +36,7 @@ init = _session.init
 init_async = _session.init_async
 shutdown = _session.shutdown
 workers = _session.workers
+replace_lost_workers = _session.replace_lost_workers
 manual_seed = _session.manual_seed
 
 
@@ -72,12 +74,12 @@ for _name in _REGISTRY:
 
 __all__ = [
     "DTensor", "DeviceMesh", "Shard", "Replicate", "Partial", "init_device_mesh", "Future",
-    "init", "init_async", "shutdown", "workers", "stats", "synchronize", "manual_seed",
+    "init", "init_async", "shutdown", "workers", "replace_lost_workers", "stats", "synchronize", "manual_seed",
     "set_strict", "is_strict",
     "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "Tensor", "Generator",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
-    "DependencyError", "WorkerLostError", "AliasingError", "StartupError", "SessionEndedError", "UnreadFailureWarning",
+    "DependencyError", "WorkerLostError", "LostTensorError", "AliasingError", "StartupError", "SessionEndedError", "UnreadFailureWarning",
     "nn", "checkpoint", "models",
 ] + sorted(n for n in _REGISTRY if n in globals())

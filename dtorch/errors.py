@@ -12,7 +12,7 @@ import sys
 
 __all__ = [
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "UnsupportedMethodError",
-    "RemoteError", "DependencyError", "WorkerLostError", "ProtocolError", "StartupError", "SessionEndedError",
+    "RemoteError", "DependencyError", "WorkerLostError", "LostTensorError", "ProtocolError", "StartupError", "SessionEndedError",
     "UnreadFailureWarning", "user_site", "user_frame", "format_site",
 ]
 
@@ -71,8 +71,18 @@ class WorkerLostError(DTorchError):
     def __init__(self, rank: int, host: str, pid: int | None, reason: str):
         self.rank, self.host, self.pid, self.reason = rank, host, pid, reason
         super().__init__(f"worker rank {rank} on host {host} (pid {pid}) is lost: {reason}. "
-                         "Results that live on it cannot be read; dtorch.shutdown() and a new "
-                         "mesh start fresh workers.")
+                         "Results that live on it cannot be read; dtorch.replace_lost_workers() starts "
+                         "a new process for that rank (then rebuild the tensors that lived on it), or "
+                         "dtorch.shutdown() and a new mesh start fresh workers.")
+
+
+class LostTensorError(WorkerLostError):
+    """A tensor kept from before dtorch.replace_lost_workers() whose mesh held a rank that was
+    lost: its data went with the lost process. A WorkerLostError, so one handler covers both."""
+
+    def __init__(self, rank: int, host: str, pid: int | None, reason: str, message: str):
+        self.rank, self.host, self.pid, self.reason = rank, host, pid, reason
+        DTorchError.__init__(self, message)
 
 
 class ProtocolError(DTorchError):

@@ -105,6 +105,7 @@ class DTensor:
         steps = tuple(plan_redistribute(self.placements, placements))
         spec = tensor_meta(self._meta.shape, self.dtype, mesh, placements)
         controller = self._controller
+        controller.check_current(self)   # not a tensor that lived on a lost, since replaced, worker
         out_id = controller.new_id()
         seq = controller.submit(Redistribute, out_id, self._id, controller.define_mesh(mesh), self._meta.shape,
                            dtype_name(self.dtype), self.placements, steps)
@@ -116,6 +117,7 @@ class DTensor:
         source = self.reduce_partials()
         landing = tuple(Replicate() if p.is_partial() else p for p in placements)
         controller = self._controller
+        controller.check_current(source)
         out_id = controller.new_id()
         seq = controller.submit(Transfer, out_id, source._id, controller.define_mesh(source.device_mesh), controller.define_mesh(mesh),
                            self._meta.shape, dtype_name(self.dtype), source.placements, landing)

@@ -98,6 +98,7 @@ COMMAND_EXAMPLES = [
     wire.Redistribute(5, 5, 1, 0, (4, 6), "float32", _placements(0, -1), ((0, _placements(0)[0], _placements(-1)[0]),)),
     wire.Transfer(6, 6, 1, 0, 1, (4, 6), "float32", _placements(0, -1), _placements(-1)),
     wire.Fetch(7, 1, 0, (0, 2)), wire.Free(8, (1, 2)), wire.Sync(9), wire.Shutdown(10),
+    wire.Regroup(11, 1, (2,)),
 ]
 
 

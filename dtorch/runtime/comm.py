@@ -28,7 +28,7 @@ from ..errors import DTorchError
 from .protocol import lost_worker_key
 
 __all__ = ["Communicator", "GlooCommunicator", "PeerLostError", "REDUCE_OPS", "backend_reduce_op",
-           "finish_reduction"]
+           "finish_reduction", "group_name", "holds_any"]
 
 # --- reductions, the same on every backend -------------------------------------------------------
 # Each reduce op is one primitive of the backend; avg has none of its own on either, so it is a
@@ -101,11 +101,21 @@ class Communicator(Protocol):
         watchdog and closes its host communicator. The worker calls it as it exits; a second
         call does no harm."""
 
+    def regroup(self, generation: int, replaced: tuple) -> None:
+        """Lost ranks `replaced` run in new processes now (dtorch.replace_lost_workers): drop
+        every cached group that holds one (kept, never destroyed: destroying joins threads that
+        wait for the dead peer), forget that such groups broke, and name groups created from here
+        on with `generation`, so no member ever meets a rendezvous key of an older group. Every
+        worker runs it at the same command; NCCL's leaves its host communicator to the worker."""
+
 
 # --- Gloo ------------------------------------------------------------------------------------------
 # How often a waiting collective or group creation looks for lost peers. A healthy collective
 # finishes within the first wait, so this costs nothing on the normal path.
 PEER_CHECK_S = 0.25
+# After a Gloo error, how long to wait for the controller to mark a dead peer lost (it looks at
+# process exits every 0.1 s): only then is the error a consequence of the loss.
+LOSS_NOTICE_S = 1.0
 
 GLOO_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -119,6 +129,7 @@ class GlooCommunicator:
         self._groups: dict[tuple, dist.ProcessGroup] = {}
         self._broken: dict[tuple, str] = {}
         self._abandoned: list = []
+        self.generation = 0   # bumped by regroup after lost ranks are replaced
 
     @property
     def host(self) -> GlooCommunicator:
@@ -130,7 +141,7 @@ class GlooCommunicator:
         if pg is None:
             if ranks in self._broken:
                 raise PeerLostError(self._broken[ranks])
-            name = "-".join(map(str, ranks))
+            name = group_name(ranks, self.generation)
             self._wait_for_members(name, ranks)
             prefix = dist.PrefixStore("gloo/" + name, self.store)
             options = dist.ProcessGroupGloo._Options()
@@ -155,15 +166,39 @@ class GlooCommunicator:
         """Until `finished_within(seconds)` says True; between tries, fail if the controller
         marked a member lost or the timeout has passed."""
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while not finished_within(PEER_CHECK_S):
+        while not self._finished(ranks, finished_within):
             problem = self._lost_member(ranks) or (
                 time.monotonic() > deadline and f"ranks {ranks} did not finish within {self.timeout}")
             if problem:
-                self._broken[ranks] = problem
-                # Kept, never dropped: destroying a Gloo group (or its work) joins threads that
-                # still wait for the lost peer, which would hang this worker after all.
-                self._abandoned.append((self._groups.pop(ranks, None), finished_within))
-                raise PeerLostError(problem)
+                self._break(ranks, problem, finished_within)
+
+    def _finished(self, ranks: tuple, finished_within) -> bool:
+        """One short wait. Gloo's own error when a peer's process died (connection reset) becomes
+        PeerLostError once the controller marks the peer lost, as a wait that sees the key first
+        would: the failure then reads as the loss's consequence, not a failure of its own."""
+        try:
+            return finished_within(PEER_CHECK_S)
+        except RuntimeError as error:
+            problem = self._lost_member_soon(ranks)
+            if problem is None:
+                raise
+            self._break(ranks, problem, finished_within, error)
+
+    def _break(self, ranks: tuple, problem: str, finished_within, cause=None):
+        self._broken[ranks] = problem
+        # Kept, never dropped: destroying a Gloo group (or its work) joins threads that
+        # still wait for the lost peer, which would hang this worker after all.
+        self._abandoned.append((self._groups.pop(ranks, None), finished_within))
+        raise PeerLostError(problem) from cause
+
+    def _lost_member_soon(self, ranks: tuple) -> str | None:
+        """A lost member, waiting up to LOSS_NOTICE_S for the controller to notice a dead process."""
+        deadline = time.monotonic() + LOSS_NOTICE_S
+        while True:
+            problem = self._lost_member(ranks)
+            if problem or time.monotonic() > deadline:
+                return problem
+            time.sleep(0.05)
 
     def _lost_member(self, ranks: tuple) -> str | None:
         for peer in ranks:
@@ -214,6 +249,14 @@ class GlooCommunicator:
         self._run(ranks, self.group(ranks).allreduce([flag], _allreduce_options("max")))
         return int(flag.item())
 
+    def regroup(self, generation: int, replaced: tuple) -> None:
+        """See Communicator.regroup."""
+        self.generation = generation
+        for ranks in [r for r in self._groups if holds_any(r, replaced)]:
+            self._abandoned.append((self._groups.pop(ranks), None))
+        for ranks in [r for r in self._broken if holds_any(r, replaced)]:
+            del self._broken[ranks]
+
     def close(self) -> None:
         for pg in self._groups.values():
             try:
@@ -221,6 +264,17 @@ class GlooCommunicator:
             except RuntimeError:
                 pass
         self._groups.clear()
+
+
+def group_name(ranks: tuple, generation: int) -> str:
+    """The group's name in the rendezvous store; generation 0 (no worker ever replaced) keeps
+    the plain name."""
+    name = "-".join(map(str, ranks))
+    return f"g{generation}/{name}" if generation else name
+
+
+def holds_any(ranks: tuple, replaced: tuple) -> bool:
+    return any(r in ranks for r in replaced)
 
 
 def _wait_work(work, seconds: float) -> bool:

@@ -22,7 +22,8 @@ import traceback
 import warnings
 
 from ..distributed_spec import DeviceMesh, distinct_shard_ranks as _senders
-from ..errors import ProtocolError, SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site, user_frame
+from ..errors import (LostTensorError, ProtocolError, SessionEndedError, UnreadFailureWarning, WorkerLostError,
+                      format_site, user_frame)
 from . import protocol as wire
 from .admission import Rejections, new_secret, secret_matches
 from .reads import FetchRead, Future, RemoteFailure, SyncRead
@@ -68,6 +69,12 @@ class Controller:
         self._mesh_numbers = itertools.count()
         self._mesh_lock = threading.Lock()
         self._lost_meshes: dict[DeviceMesh, WorkerLostError] = {}
+        # After dtorch.replace_lost_workers: tensors with an id below _first_valid_id may have
+        # lived on a lost rank; _replaced_meshes says, per mesh that held one, below which id
+        # (and after which loss). One int compare on the hot path; the dict only for older ids.
+        self.generation = 0
+        self._first_valid_id = 0
+        self._replaced_meshes: dict[DeviceMesh, tuple[int, WorkerLostError]] = {}
         self._reads: dict[int, object] = {}
         self._waiting_for_failure: dict[int, list] = collections.defaultdict(list)
         self.failures: dict[int, RemoteFailure] = {}
@@ -138,7 +145,25 @@ class Controller:
             raise SessionEndedError(f"at {format_site(user_frame(skip=1))}: an input of this call, {tensor!r}, "
                                     "belongs to a dtorch session that has ended (dtorch.shutdown()); its "
                                     "data went with that session's workers: build it again in this session")
+        if tensor._id < self._first_valid_id:
+            self._check_not_lost(tensor)
         return wire.TensorRef(tensor._id)
+
+    def check_current(self, tensor) -> None:
+        """Refuse a tensor whose data went with a lost, since replaced, worker (LostTensorError)."""
+        if tensor._id < self._first_valid_id:
+            self._check_not_lost(tensor)
+
+    def _check_not_lost(self, tensor) -> None:
+        replaced = self._replaced_meshes.get(tensor._meta.mesh)
+        if replaced is None or tensor._id >= replaced[0]:
+            return
+        loss = replaced[1]
+        raise LostTensorError(loss.rank, loss.host, loss.pid, loss.reason, (
+            f"at {format_site(user_frame(skip=1))}: {tensor!r} was built before worker rank {loss.rank} "
+            f"(host {loss.host}, pid {loss.pid}) of its mesh was lost ({loss.reason}) and replaced by "
+            "dtorch.replace_lost_workers(); its data went with the lost process. Rebuild it on the mesh: "
+            "reload it from a checkpoint (dtorch.tensor, dtorch.checkpoint) or compute it again"))
 
     def curve_for_worker(self) -> dict | None:
         return self.curve.for_worker() if self.curve is not None else None
@@ -190,6 +215,8 @@ class Controller:
         meta = tensor._meta
         mesh = meta.mesh
         future = Future()
+        if tensor._id < self._first_valid_id:
+            self._check_not_lost(tensor)
         lost = self.pool.lost_among(mesh.ranks)
         if lost:
             future._inner.set_exception(lost)
@@ -230,6 +257,43 @@ class Controller:
 
     def wait_registered(self, ranks, timeout: float, progress=None) -> None:
         self.pool.wait_registered(ranks, timeout, progress)
+
+    # --- recovery (runtime/recovery.py drives it) ----------------------------------------------
+    def settle_survivors(self, timeout: float) -> None:
+        """Wait until every live worker has run everything issued so far: a survivor still in a
+        collective with a lost peer leaves it (it sees the peer's lost key) before that key goes."""
+        live = self.pool.live_ranks()
+        if not live:   # every worker was lost: nobody to wait for
+            return
+        future = Future()
+        self.submit(wire.Sync, read=SyncRead(live, future))
+        future.result(timeout)
+
+    def forget_loss(self, rank: int) -> None:
+        """The lost rank's key leaves the rendezvous store, so a new process can take the rank."""
+        self.store.delete_key(wire.lost_worker_key(rank))
+
+    def regroup(self, losses: list) -> None:
+        """The lost ranks of `losses` (WorkerLostErrors) run in new, registered processes: every
+        worker drops the groups that held them (Regroup), meshes that held them can be defined
+        again (new ids), and tensors built on those meshes before now are refused."""
+        replaced = tuple(sorted(loss.rank for loss in losses))
+        by_rank = {loss.rank: loss for loss in losses}
+        with self._mesh_lock:
+            self.generation += 1
+            self.submit(wire.Regroup, self.generation, replaced)
+            cutoff = self.new_id()   # every tensor built from here on has a larger id
+            for mesh, error in list(self._lost_meshes.items()):
+                held = [r for r in mesh.ranks if r in by_rank]
+                if held:
+                    self._replaced_meshes[mesh] = (cutoff, by_rank[held[0]])
+                if not self.pool.lost_among(mesh.ranks):
+                    del self._lost_meshes[mesh]
+            self._first_valid_id = cutoff
+        for failure in self.failures.values():   # survivors' collectives that broke with the loss,
+            if failure.exception_type == "PeerLostError":   # which WorkerLostError already reported
+                failure.reported = True
+        self.announce_meshes()   # the new processes learn the meshes of the survivors
 
     # --- shutdown -------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:

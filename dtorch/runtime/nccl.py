@@ -32,7 +32,7 @@ import time
 import torch
 
 from . import protocol as wire
-from .comm import GlooCommunicator, backend_reduce_op, finish_reduction
+from .comm import GlooCommunicator, backend_reduce_op, finish_reduction, group_name, holds_any
 from .gpu_assignment import cupy_missing_message
 
 __all__ = ["NcclCommunicator", "NCCL_DATATYPES", "NCCL_REDUCE_OPS", "encode_unique_id",
@@ -88,12 +88,14 @@ class NcclCommunicator:
         self.host = GlooCommunicator(store_address, rank, hostname, timeout_s)
         self.single_rank = os.environ.get(SINGLE_RANK_VARIABLE) == "1"
         self._comms: dict[tuple, object] = {}
+        self._abandoned: list = []
+        self.generation = 0   # bumped by regroup after lost ranks are replaced
         self._watchdog = Watchdog(self, store_address)
 
     def group(self, ranks: tuple):
         comm = self._comms.get(ranks)
         if comm is None:
-            key = "dtorch/nccl/" + "-".join(map(str, ranks))
+            key = "dtorch/nccl/" + group_name(ranks, self.generation)
             index = ranks.index(self.rank)
             if index == 0:
                 self.host.store.set(key, encode_unique_id(self._nccl.get_unique_id()))
@@ -102,6 +104,12 @@ class NcclCommunicator:
                 comm = self._create(len(ranks), raw, index)
             self._comms[ranks] = comm
         return comm
+
+    def regroup(self, generation: int, replaced: tuple) -> None:
+        """See Communicator.regroup (the worker regroups the host communicator itself)."""
+        self.generation = generation
+        for ranks in [r for r in self._comms if holds_any(r, replaced)]:
+            self._abandoned.append(self._comms.pop(ranks))
 
     def _create(self, size: int, raw: bytes, index: int):
         """cupy 14 takes the id as bytes; older cupy as a tuple. The type check fails before any

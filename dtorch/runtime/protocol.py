@@ -30,7 +30,7 @@ __all__ = [
     "lost_worker_key",
     # commands
     "DefineMesh", "Factory", "Upload", "LoadShard", "RunOp", "Redistribute", "Transfer", "Fetch", "Free", "Sync", "Shutdown",
-    "COMMANDS", "handler_name", "encode_batch", "decode_batch",
+    "Regroup", "COMMANDS", "handler_name", "encode_batch", "decode_batch",
     # every other message
     "Batch", "Private", "Probe", "Register", "Welcome", "Refused", "Reply", "ErrorReport", "Heartbeat", "Pong",
     "MESSAGES", "FROM_WORKER", "REPLY_STATUSES", "encode", "decode", "decode_from_worker", "read_header",
@@ -39,9 +39,10 @@ __all__ = [
     "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 5   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+VERSION = 6   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
               # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
-              # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention)
+              # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention);
+              # 6: Regroup (lost ranks were replaced: communication groups of a new generation)
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -172,7 +173,14 @@ class Shutdown(NamedTuple):
     seq: int
 
 
-COMMANDS = (DefineMesh, Factory, Upload, LoadShard, RunOp, Redistribute, Transfer, Fetch, Free, Sync, Shutdown)
+class Regroup(NamedTuple):
+    seq: int
+    generation: int      # groups created from here on are named with it, so none reuses an old one
+    replaced: tuple      # ranks now run by new processes: cached groups holding them are dropped
+
+
+COMMANDS = (DefineMesh, Factory, Upload, LoadShard, RunOp, Redistribute, Transfer, Fetch, Free, Sync, Shutdown,
+            Regroup)
 OPCODE = {cls: i for i, cls in enumerate(COMMANDS)}
 _BY_OPCODE = dict(enumerate(COMMANDS))
 
@@ -320,7 +328,7 @@ _FIELD_TYPES = {
     RunOp: (IDS, int, str, str, tuple, dict, tuple),
     Redistribute: (int, int, int, tuple, str, tuple, tuple),
     Transfer: (int, int, int, int, tuple, str, tuple, tuple), Fetch: (int, int, IDS),
-    Free: (IDS,), Sync: (), Shutdown: (),
+    Free: (IDS,), Sync: (), Shutdown: (), Regroup: (int, IDS),
 }
 
 

@@ -14,9 +14,11 @@ from ..errors import MeshError, SessionEndedError
 from ..ops.dispatch import warm_up_inference
 from .cluster import LocalSpawner, worker_config
 from .controller import Controller
+from . import recovery
 from .transport import LOCAL, make_curve_keys
 
-__all__ = ["controller", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random"]
+__all__ = ["controller", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random",
+           "replace_lost_workers"]
 
 _lock = threading.RLock()
 _controller: Controller | None = None
@@ -130,6 +132,17 @@ def _grow(device_type: str, extra: int, timeout: float) -> None:
     _controller.add_workers(handles, device_type)
     _controller.wait_registered([h.rank for h in handles], timeout, _progress(handles))
     _controller.announce_meshes()
+
+
+def replace_lost_workers(timeout: float = 120.0) -> list[dict]:
+    """Start a new process for each lost worker, keeping its rank (locally, or over SSH on the
+    same hostfile slot), so meshes that named the rank work again. Tensors that lived on a
+    mesh holding a lost rank are refused from then on (LostTensorError: rebuild them, e.g. from a
+    checkpoint); tensors on meshes of surviving ranks only stay valid. Returns one dict per
+    replaced rank: rank, host, pid (the new process), lost_pid, reason; [] if none was lost.
+    docs/launcher.md, "Recovering from a lost worker"."""
+    with _lock:
+        return recovery.replace_lost_workers(controller(), _spawner, timeout, _progress)
 
 
 def _progress(handles):

@@ -420,6 +420,12 @@ class Worker:
     def handle_shutdown(self, command: wire.Shutdown) -> None:
         self.running = False
 
+    def handle_regroup(self, command: wire.Regroup) -> None:
+        """Lost ranks were replaced: no group holding one is used again (comm.regroup). Poison
+        and tensors of the old processes are the controller's to refuse; nothing here holds them."""
+        for comm in {id(self.comm): self.comm, id(self.host_comm): self.host_comm}.values():
+            comm.regroup(command.generation, command.replaced)
+
 
 _ON_COMMAND_SOCKET = (wire.Batch, wire.Private, wire.Probe)   # probes need no answer once registered
 
