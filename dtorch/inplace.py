@@ -306,6 +306,20 @@ def _derived_names() -> list[str]:
                   and hasattr(torch.Tensor, name + "_"))
 
 
+# `x += y` is in place in torch: another name for x (y = x; y += 1) sees the change. Without
+# these, Python would fall back to `x = x + y` and leave the other names with stale values.
+AUGMENTED_ASSIGNMENT = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_", "__itruediv__": "div_",
+                        "__ifloordiv__": "floor_divide_", "__imod__": "remainder_", "__ipow__": "pow_",
+                        "__iand__": "bitwise_and_", "__ior__": "bitwise_or_", "__ixor__": "bitwise_xor_"}
+
+
+def _augmented(method: str):
+    def operator(self, other):
+        return getattr(self, method)(other)
+    operator.__name__ = method
+    return operator
+
+
 def _install() -> tuple:
     for name in _derived_names():
         if name + "_" not in DTensor.__dict__:
@@ -313,6 +327,9 @@ def _install() -> tuple:
     for name, fn in EXTRA_METHODS.items():
         if name not in DTensor.__dict__:
             setattr(DTensor, name, fn)
+    for dunder, method in AUGMENTED_ASSIGNMENT.items():
+        if hasattr(DTensor, method):
+            setattr(DTensor, dunder, _augmented(method))
     return tuple(sorted([n + "_" for n in _derived_names()] + list(EXTRA_METHODS)))
 
 

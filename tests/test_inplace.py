@@ -324,3 +324,19 @@ def test_views_hold_their_base_weakly_and_leave_no_nodes(mesh2):
     assert len(aliasing._NODES) == before + 1 and v.shape == (4,)
     del v
     assert len(aliasing._NODES) == before
+
+
+def test_augmented_assignment_is_in_place_like_torch(mesh4):
+    x = dtorch.tensor(torch.arange(8.0), device_mesh=mesh4, placements=[Shard(0)])
+    y = x                       # another name for the same tensor
+    y += 1
+    y *= 2
+    y -= 1
+    y /= 4
+    expected = ((torch.arange(8.0) + 1) * 2 - 1) / 4
+    assert y is x and torch.equal(x.to_torch(), expected)
+    counts = dtorch.tensor(torch.arange(4), device_mesh=mesh4, placements=[Shard(0)])
+    with pytest.raises(dtorch.ShapeError, match="can't be cast"):
+        counts /= 2             # torch: true division into an integer tensor is refused
+    counts //= 2
+    assert torch.equal(counts.to_torch(), torch.arange(4) // 2)
