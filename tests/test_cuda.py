@@ -366,7 +366,7 @@ def test_nccl_and_gloo_have_the_communicator_interface():
     import inspect
     from dtorch.runtime.comm import Communicator, GlooCommunicator
     declared = {name: member for name, member in vars(Communicator).items() if not name.startswith("_")}
-    assert set(declared) == {"host", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "exchange",
+    assert set(declared) == {"host", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "exchange", "regroup",
                              "agree_max", "close"}
     for backend in (GlooCommunicator, nccl.NcclCommunicator):
         for name, member in declared.items():
