@@ -1,71 +1,34 @@
 """PURE: small sample calls per op, shared by the differential sweep (tests/test_ops_sweep.py),
 the rule validator (dtorch.ops.tooling.validate) and the docs generator (dtorch.ops.tooling.docs).
 
-A sample is one torch call on whole tensors; the op's registered torch function on the same
-arguments is the reference. `samples(op, uneven)` builds them: `uneven=False` sizes every dim
+A sample is one torch call on whole tensors (sample_making.py); the op's registered torch
+function on the same arguments is the reference. The vision ops' samples live in
+vision_samples.py and join this table. `samples(op, uneven)` builds them: `uneven=False` sizes every dim
 to divide by 4, `uneven=True` leaves remainders (and empty shards on a 4-way split).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
 from ..indexing import canonical_index
+from .sample_making import Make, Sample
+from .vision_samples import VISION
 
 __all__ = ["Sample", "samples", "SAMPLED_FAMILIES", "covered_ops"]
 
 SAMPLED_FAMILIES = ("pointwise", "reduction", "matrix", "nn", "view", "indexing", "vision")
 
 
-class Sample(NamedTuple):
-    args: tuple
-    kwargs: dict
-    exact: bool = False     # correctly rounded per element: a shard's bits equal the whole's
-
-
-class _Make:
-    """Random inputs from one seeded generator, sized for an even or an uneven split."""
-
-    def __init__(self, uneven: bool, seed: int = 0):
-        self.g = torch.Generator().manual_seed(seed)
-        self.uneven = uneven
-
-    def shape(self, even, uneven=None):
-        return tuple(uneven) if self.uneven and uneven is not None else tuple(even)
-
-    def x(self, *shape, positive=False, nonzero=False, zeros=False, dtype=torch.float32):
-        value = torch.randn(shape, generator=self.g)
-        if positive or nonzero:
-            value = value.sign() * (value.abs() + 0.25) if nonzero else value.abs() + 0.25
-        if zeros:   # exact zeros, so that a count of nonzeros or a cast to bool is not constant
-            value = torch.where(value.abs() < 0.4, 0.0, value)
-        return value.to(dtype)
-
-    def ints(self, *shape, low=-6, high=6, dtype=torch.int64):
-        return torch.randint(low, high, shape, generator=self.g, dtype=dtype)
-
-    def bools(self, *shape, density=0.5):
-        return torch.rand(shape, generator=self.g) < density
-
-    def distinct(self, *shape):
-        """Distinct integer values as floats: exact through any rearrangement, one right answer
-        for sort and topk."""
-        return torch.randperm(math.prod(shape), generator=self.g).reshape(shape).to(torch.float32)
-
-    def permutations(self, *shape):
-        """A permutation of range(shape[1]) per row: unique scatter positions, valid gather ones."""
-        return torch.rand(shape, generator=self.g).argsort(dim=1)
-
-
-def _matrix(m: _Make):
+def _matrix(m: Make):
     return m.shape((8, 4), (7, 5))
 
 
 def _one(*kwargs_variants, positive=False, exact=False, extra=()):
     """A unary op on a 2-D float input, once per kwargs variant."""
-    def build(m: _Make):
+    def build(m: Make):
         x = m.x(*_matrix(m), positive=positive)
         return [Sample((x,) + tuple(extra), dict(kw), exact) for kw in (kwargs_variants or ({},))]
     return build
@@ -73,7 +36,7 @@ def _one(*kwargs_variants, positive=False, exact=False, extra=()):
 
 def _two(broadcast=False, positive=False, exact=False, kwargs=(), dtype=torch.float32, high=16):
     """A binary op on two same-shape inputs (and a row broadcast against a matrix)."""
-    def build(m: _Make):
+    def build(m: Make):
         shape = _matrix(m)
         make = (lambda s: m.bools(*s)) if dtype == torch.bool else \
                (lambda s: m.ints(*s, low=0, high=high)) if dtype == torch.int64 else \
@@ -89,49 +52,49 @@ def _with_scalar(scalar, positive=False, nonzero=False, exact=True):
     return lambda m: [Sample((m.x(*_matrix(m), positive=positive, nonzero=nonzero), scalar), {}, exact)]
 
 
-def _divide(m: _Make):
+def _divide(m: Make):
     shape = _matrix(m)
     return [Sample((m.x(*shape), m.x(*shape, nonzero=True)), kw, True) for kw in ({}, {"rounding_mode": "floor"})]
 
 
-def _power(m: _Make):
+def _power(m: Make):
     shape = _matrix(m)
     return [Sample((m.x(*shape, positive=True), m.x(*shape)), {})]
 
 
-def _where(m: _Make):
+def _where(m: Make):
     shape = _matrix(m)
     return [Sample((m.bools(*shape), m.x(*shape), m.x(*shape)), {}, True),
             Sample((m.bools(*shape), m.x(*shape), 0.0), {}, True),
             Sample((m.bools(*shape), 1.0, m.x(*shape)), {}, True)]
 
 
-def _masked_fill(m: _Make):
+def _masked_fill(m: Make):
     shape = _matrix(m)
     return [Sample((m.x(*shape), m.bools(*shape), 0.5), {}, True),
             Sample((m.x(*shape), m.bools(shape[-1]), -1.0), {}, True)]
 
 
-def _clamp(m: _Make):
+def _clamp(m: Make):
     shape = _matrix(m)
     return [Sample((m.x(*shape), -0.5, 0.5), {}, True), Sample((m.x(*shape),), {"min": m.x(shape[-1])}, True)]
 
 
-def _casts(m: _Make):
+def _casts(m: Make):
     x, n = m.x(*_matrix(m), zeros=True), m.ints(*_matrix(m))
     return [Sample((x, dtype), {}, True) for dtype in (torch.float16, torch.bfloat16, torch.int64, torch.bool)] + \
            [Sample((n, torch.float32), {}, True)]
 
 
-def _logical_not(m: _Make):
+def _logical_not(m: Make):
     return [Sample((m.bools(*_matrix(m)),), {}, True), Sample((m.x(*_matrix(m), zeros=True),), {}, True)]
 
 
-def _bitwise_not(m: _Make):
+def _bitwise_not(m: Make):
     return [Sample((m.ints(*_matrix(m)),), {}, True), Sample((m.bools(*_matrix(m)),), {}, True)]
 
 
-def _special_values(m: _Make):
+def _special_values(m: Make):
     x = m.x(*_matrix(m))
     x[0, 0], x[-1, -1], x[1, 0] = math.nan, math.inf, -math.inf
     return [Sample((x,), {}, True)]
@@ -139,7 +102,7 @@ def _special_values(m: _Make):
 
 def _unary(transform, exact=False, kwargs=({},)):
     """A unary op on transform(a random 2-D float input): into the op's domain."""
-    def build(m: _Make):
+    def build(m: Make):
         x = transform(m.x(*_matrix(m)))
         return [Sample((x,), dict(kw), exact) for kw in kwargs]
     return build
@@ -147,7 +110,7 @@ def _unary(transform, exact=False, kwargs=({},)):
 
 def _divisions(exact=False):
     """fmod, remainder, floor_divide: by a nonzero tensor, by a broadcast row and by a scalar."""
-    def build(m: _Make):
+    def build(m: Make):
         shape = _matrix(m)
         x = m.x(*shape) * 4
         return [Sample((x, m.x(*shape, nonzero=True)), {}, exact), Sample((x, m.x(shape[-1], nonzero=True)), {}, exact),
@@ -155,30 +118,30 @@ def _divisions(exact=False):
     return build
 
 
-def _isclose(m: _Make):
+def _isclose(m: Make):
     x = m.x(*_matrix(m))
     y = torch.where(m.bools(*x.shape), x + 1e-3, x)
     return [Sample((x, y), {}, True), Sample((x, y), {"rtol": 1e-2}, True)]
 
 
-def _lerp(m: _Make):
+def _lerp(m: Make):
     shape = _matrix(m)
     return [Sample((m.x(*shape), m.x(*shape), 0.3), {}), Sample((m.x(*shape), m.x(*shape), m.x(*shape)), {})]
 
 
-def _addc(m: _Make):
+def _addc(m: Make):
     """addcmul, addcdiv: input + value * tensor1 (* or /) tensor2 (nonzero)."""
     shape = _matrix(m)
     return [Sample((m.x(*shape), m.x(*shape), m.x(*shape, nonzero=True)), {}),
             Sample((m.x(*shape), m.x(*shape), m.x(shape[-1], nonzero=True)), {"value": 0.5})]
 
 
-def _clamp_one_side(m: _Make):
+def _clamp_one_side(m: Make):
     shape = _matrix(m)
     return [Sample((m.x(*shape), 0.1), {}, True), Sample((m.x(*shape), m.x(shape[-1])), {}, True)]
 
 
-def _nan_to_num(m: _Make):
+def _nan_to_num(m: Make):
     x = _special_values(m)[0].args[0]
     return [Sample((x,), {}, True), Sample((x,), {"nan": 1.0, "posinf": 2.0}, True),
             Sample((x, 0.0, None, -3.0), {}, True)]
@@ -187,7 +150,7 @@ def _nan_to_num(m: _Make):
 # --- reductions -------------------------------------------------------------------------------------
 def _reduce(*variants, kind="x", exact=False):
     """(args after the input, kwargs) variants over one 2-D input of `kind` x / ints / bools."""
-    def build(m: _Make):
+    def build(m: Make):
         shape = _matrix(m)
         value = {"x": lambda: m.x(*shape), "ints": lambda: m.ints(*shape), "bools": lambda: m.bools(*shape),
                  "zeros": lambda: m.x(*shape, zeros=True), "sparse": lambda: m.bools(*shape, density=0.1),
@@ -207,82 +170,82 @@ _ALL_DIMS = [((), {}), ((0,), {}), ((1,), {"keepdim": True}), (((0, 1),), {})]
 _ONE_DIM = [((0,), {}), ((1,), {"keepdim": True}), ((-1,), {})]
 
 
-def _max_like(m: _Make):
+def _max_like(m: Make):
     shape = _matrix(m)
     return [Sample((m.x(*shape),), {}, True), Sample((m.x(*shape), 1), {}, True),
             Sample((m.x(*shape), 0, True), {}, True), Sample((m.x(*shape), m.x(*shape)), {}, True)]
 
 
 # --- matrix -----------------------------------------------------------------------------------------
-def _mm(m: _Make):
+def _mm(m: Make):
     a, k, b = m.shape((8, 4, 4), (7, 5, 3))
     return [Sample((m.x(a, k), m.x(k, b)), {})]
 
 
-def _bmm(m: _Make):
+def _bmm(m: Make):
     n, a, k, b = m.shape((4, 4, 8, 4), (3, 5, 2, 7))
     return [Sample((m.x(n, a, k), m.x(n, k, b)), {})]
 
 
-def _matmul(m: _Make):
+def _matmul(m: Make):
     n, a, k, b = m.shape((4, 4, 8, 4), (3, 5, 2, 7))
     return [Sample((m.x(a, k), m.x(k, b)), {}), Sample((m.x(k), m.x(k, b)), {}),
             Sample((m.x(n, a, k), m.x(k, b)), {}), Sample((m.x(n, a, k), m.x(k)), {})]
 
 
-def _linear(m: _Make):
+def _linear(m: Make):
     n, a, k, b = m.shape((4, 4, 8, 4), (3, 5, 2, 7))
     return [Sample((m.x(a, k), m.x(b, k), m.x(b)), {}), Sample((m.x(n, a, k), m.x(b, k)), {})]
 
 
-def _einsum(m: _Make):
+def _einsum(m: Make):
     n, a, k, b = m.shape((4, 4, 8, 4), (3, 5, 2, 7))
     return [Sample(("ij,jk->ik", m.x(a, k), m.x(k, b)), {}), Sample(("bij,bjk", m.x(n, a, k), m.x(n, k, b)), {}),
             Sample(("...j,j->...", m.x(n, a, k), m.x(k)), {}), Sample(("ii->i", m.x(a, a)), {}, True),
             Sample(("i,j->ij", m.x(a), m.x(b)), {}, True)]
 
 
-def _outer(m: _Make):
+def _outer(m: Make):
     a, b = m.shape((8, 4), (7, 5))
     return [Sample((m.x(a), m.x(b)), {}, True)]
 
 
-def _baddbmm(m: _Make):
+def _baddbmm(m: Make):
     n, a, k, b = m.shape((4, 4, 8, 4), (3, 5, 2, 7))
     return [Sample((m.x(n, a, b), m.x(n, a, k), m.x(n, k, b)), {"beta": 0.5, "alpha": 2.0}),
             Sample((m.x(b), m.x(n, a, k), m.x(n, k, b)), {})]
 
 
 # --- nn.functional ----------------------------------------------------------------------------------
-def _layer_norm(m: _Make):
+def _layer_norm(m: Make):
     n, a, d = m.shape((4, 4, 8), (3, 5, 6))
     return [Sample((m.x(n, a, d), [d], m.x(d), m.x(d)), {}), Sample((m.x(n, a, d), [a, d]), {"eps": 1e-3})]
 
 
-def _rms_norm(m: _Make):
+def _rms_norm(m: Make):
     n, a, d = m.shape((4, 4, 8), (3, 5, 6))
     return [Sample((m.x(n, a, d), [d], m.x(d)), {}), Sample((m.x(n, a, d), [a, d]), {"eps": 1e-6})]
 
 
-def _embedding(m: _Make):
+def _embedding(m: Make):
     vocab, width, n, a = m.shape((8, 4, 4, 4), (7, 5, 3, 5))
     return [Sample((m.ints(n, a, low=0, high=vocab), m.x(vocab, width)), {}, True),
             Sample((m.ints(n, low=0, high=vocab), m.x(vocab, width)), {"padding_idx": 0}, True)]
 
 
-def _dropout(m: _Make):
+def _dropout(m: Make):
     x = m.x(*m.shape((8, 4, 4), (7, 5, 3)))
     return [Sample((x, 0.5, True, False, 1234, 7), {}, True), Sample((x, 0.25, False, False, 0, 0), {}, True)]
 
 
-def _attention(m: _Make):
+def _attention(m: Make):
     n, h, length, keys, e, f = m.shape((4, 4, 4, 4, 4, 4), (2, 3, 5, 6, 3, 2))
     q, k, v = m.x(n, h, length, e), m.x(n, h, keys, e), m.x(n, h, keys, f)
     return [Sample((q, k, v), {}), Sample((q, k, v), {"is_causal": True}),
             Sample((q, k, v, m.x(length, keys)), {})]
 
 
-def _cross_entropy(m: _Make):
+def _cross_entropy(m: Make):
     n, c, d = m.shape((8, 4, 4), (7, 5, 3))
     x, target = m.x(n, c), m.ints(n, low=0, high=c)
     ignored = target.clone()
@@ -294,86 +257,16 @@ def _cross_entropy(m: _Make):
         Sample((m.x(n, c, d), m.ints(n, d, low=0, high=c)), {"reduction": "none"})]
 
 
-def _mse_loss(m: _Make):
+def _mse_loss(m: Make):
     shape = _matrix(m)
     return [Sample((m.x(*shape), m.x(*shape)), {"reduction": r}) for r in ("none", "sum", "mean")]
 
 
-def _pad(m: _Make):
+def _pad(m: Make):
     shape = _matrix(m)
     return [Sample((m.x(*shape), (1, 2)), {}, True),
             Sample((m.x(*shape), (0, 0, 1, 1), "constant", 0.5), {}, True),
             Sample((m.x(2, *shape), (1, 1)), {"mode": "reflect"}, True)]
-
-
-# --- vision: (N, C, H, W) images; uneven sizes leave N and C remainders (and empty 4-way shards) --
-def _image(m: _Make, channels=(4, 3)):
-    n, c, h, w = m.shape((4, channels[0], 8, 8), (5, channels[1], 7, 7))
-    return m.x(n, c, h, w)
-
-
-def _conv2d(m: _Make):
-    # float64: the sweep's P(sum) inputs on two mesh dims are random contributions ~10x the value,
-    # and a 27-54 term contraction of them in float32 rounds past its atol on outputs near zero
-    x = _image(m).double()
-    n, c, h, w = x.shape
-    out = m.shape((8,), (5,))[0]
-    grouped = _image(m, channels=(4, 6)).double()      # groups of 2 input and 4 output channels
-    groups = grouped.shape[1] // 2
-    f64 = lambda *shape: m.x(*shape, dtype=torch.float64)  # noqa: E731
-    return [Sample((x, f64(out, c, 3, 3), f64(out)), {}),
-            Sample((x, f64(out, c, 3, 3)), {"stride": 2, "padding": 1}),
-            Sample((x, f64(out, c, 2, 3), f64(out)), {"padding": "same", "dilation": 2}),
-            Sample((grouped, f64(4 * groups, 2, 3, 3), f64(4 * groups)), {"groups": groups, "padding": 1}),
-            Sample((x[0], f64(out, c, 3, 3)), {"stride": (1, 2)})]
-
-
-def _pools(*variants, exact=False):
-    """(args after the image, kwargs) variants; the last one on an unbatched (C, H, W) image."""
-    def build(m: _Make):
-        x = _image(m)
-        images = [x] * (len(variants) - 1) + [x[0]]
-        return [Sample((image,) + tuple(args), dict(kwargs), exact) for image, (args, kwargs) in zip(images, variants)]
-    return build
-
-
-def _interpolate(m: _Make):
-    x = _image(m)
-    return [Sample((x,), {"scale_factor": 2}, True),
-            Sample((x,), {"size": (5, 4), "mode": "bilinear", "align_corners": False}),
-            Sample((x, (9, 3), None, "bilinear", True), {}),
-            Sample((x[:, :, 0],), {"scale_factor": 1.5, "mode": "nearest-exact"}, True)]
-
-
-def _group_norm(m: _Make):
-    x = _image(m, channels=(4, 6))
-    c = x.shape[1]
-    return [Sample((x, c // 2, m.x(c), m.x(c)), {}), Sample((x, 1), {"eps": 1e-3}),
-            Sample((x[:, :, 0], c // 2, m.x(c)), {})]
-
-
-def _per_channel(m: _Make, c: int) -> tuple:
-    return m.x(c), m.x(c, positive=True), m.x(c), m.x(c)    # running mean, running var, weight, bias
-
-
-def _batch_norm(m: _Make):
-    x = _image(m)
-    mean, var, weight, bias = _per_channel(m, x.shape[1])
-    return [Sample((x, mean, var, weight, bias), {}), Sample((x, mean, var), {"eps": 1e-3}),
-            Sample((x, None, None, weight, bias, True), {}), Sample((x[:, :, 0, 0], mean, var, weight), {})]
-
-
-def _batch_norm_moments(m: _Make):
-    x = _image(m)
-    return [Sample((x,), {}), Sample((x[:, :, 0],), {})]
-
-
-def _batch_norm_from_moments(m: _Make):
-    from ..vision_norm import batch_norm_moments
-    x = _image(m)
-    mean, var, weight, bias = _per_channel(m, x.shape[1])
-    moments = batch_norm_moments(x)
-    return [Sample((x, moments, mean, var, weight, bias, 0.1, 1e-5), {}), Sample((x, moments), {"momentum": 0.5})]
 
 
 # --- view and indexing: one distinct-valued input, sized (even, uneven) ------------------------------
@@ -386,7 +279,7 @@ def _call(*args, **kwargs):
 
 def _on(sizes, *calls):
     """Each call(x) -> (args, kwargs) on one input of distinct values of the even or uneven shape."""
-    def build(m: _Make):
+    def build(m: Make):
         x = m.distinct(*m.shape(*sizes))
         return [Sample(*call(x), True) for call in calls]
     return build
@@ -399,21 +292,21 @@ def _index(*indices, sizes=_MATRIX):
 
 def _with_positions(*calls):
     """index_select / gather / scatter on (x, positions): calls(x, positions) -> (args, kwargs)."""
-    def build(m: _Make):
+    def build(m: Make):
         shape = m.shape((4, 4), (6, 5))
         x, positions = m.distinct(*shape), m.permutations(*shape)
         return [Sample(*call(x, positions), True) for call in calls]
     return build
 
 
-def _index_select(m: _Make):
+def _index_select(m: Make):
     x, index = m.distinct(*m.shape(*_MATRIX)), torch.tensor([3, 0, 2, 2, 1])
     return [Sample((x, dim, index), {}, True) for dim in (0, 1, -1)]
 
 
 def _pair(*calls):
     """cat / stack: calls(x, y) -> (args, kwargs) on two distinct-valued matrices."""
-    def build(m: _Make):
+    def build(m: Make):
         x, y = m.distinct(*m.shape(*_MATRIX)), m.distinct(*m.shape(*_MATRIX))
         return [Sample(*call(x, y), True) for call in calls]
     return build
@@ -423,7 +316,7 @@ def _pair(*calls):
 _W = (None, None, None)   # indexing.WHOLE: `:`
 
 
-def _tensor_index(m: _Make):
+def _tensor_index(m: Make):
     """x[t] forms on distinct values: one dim, the second dim, two broadcast together, a 0-d select,
     and tensors separated by a slice on a cube (their broadcast dims go to the front)."""
     x, cube = m.distinct(*m.shape(*_MATRIX)), m.distinct(*m.shape(*_CUBE))
@@ -433,7 +326,7 @@ def _tensor_index(m: _Make):
             Sample((cube, (torch.tensor([1, 0]), _W, torch.tensor([2, 0]))), {}, True)]
 
 
-def _index_put(m: _Make):
+def _index_put(m: Make):
     """x[t] = v with distinct positions (torch leaves the winner of repeated ones unspecified), a
     broadcast value and a scalar; accumulate=True with repeated positions."""
     x = m.distinct(*m.shape(*_MATRIX))
@@ -444,7 +337,7 @@ def _index_put(m: _Make):
             Sample((x, (torch.tensor([1, 0, 1]),), m.x(3, x.shape[1])), {"accumulate": True})]
 
 
-def _masked_scatter(m: _Make):
+def _masked_scatter(m: Make):
     shape = _matrix(m)
     return [Sample((m.x(*shape), m.bools(*shape), m.x(shape[0] * shape[1])), {}, True),
             Sample((m.x(*shape), m.bools(shape[1]), m.x(shape[0] * shape[1] + 3)), {}, True)]
@@ -526,16 +419,6 @@ _BUILDERS: dict[str, Callable] = {
     "layer_norm": _layer_norm, "rms_norm": _rms_norm, "embedding": _embedding, "dropout": _dropout,
     "scaled_dot_product_attention": _attention, "cross_entropy": _cross_entropy, "mse_loss": _mse_loss,
     "pad": _pad,
-    # vision
-    "conv2d": _conv2d, "interpolate": _interpolate, "group_norm": _group_norm, "batch_norm": _batch_norm,
-    "batch_norm_moments": _batch_norm_moments, "batch_norm_from_moments": _batch_norm_from_moments,
-    "max_pool2d": _pools(((2,), {}), ((3, 2, 1), {"ceil_mode": True}), ((2,), {"return_indices": True}),
-                         ((3,), {"stride": 1}), exact=True),
-    "avg_pool2d": _pools(((2,), {}), ((3, 2, 1, True, False), {}), ((2,), {"divisor_override": 3}), ((3,), {})),
-    "max_pool2d_with_indices": _pools(((3, 2, 1), {"ceil_mode": True}), ((2,), {})),
-    "adaptive_max_pool2d_with_indices": _pools((((3, 2),), {}), ((1,), {})),
-    "adaptive_avg_pool2d": _pools(((1,), {}), (((3, 2),), {}), ((2,), {})),
-    "adaptive_max_pool2d": _pools(((1,), {}), (((3, 2), True), {}), ((2,), {}), exact=True),
     # view (the cases tests/test_ops_view.py swept on its own before)
     "view": _both(_on(_MATRIX, lambda x: _call(x, (x.shape[1], x.shape[0])), lambda x: _call(x, (2, -1, x.shape[1]))),
                   _on(_CUBE, lambda x: _call(x, (-1, x.shape[2]))),
@@ -596,12 +479,13 @@ _BUILDERS: dict[str, Callable] = {
     "sort": _both(_on(_MATRIX, lambda x: _call(x, 0), lambda x: _call(x, descending=True)),
                   _on(_CUBE, lambda x: _call(x, 1))),
     "index": _tensor_index, "index_put": _index_put, "masked_scatter": _masked_scatter,
+    **VISION,
 }
 
 
 def samples(op: str, uneven: bool = False, seed: int = 0) -> list[Sample]:
     """The sample calls of `op`, sized for an even or uneven split (KeyError: none yet)."""
-    return _BUILDERS[op](_Make(uneven, seed))
+    return _BUILDERS[op](Make(uneven, seed))
 
 
 def covered_ops() -> frozenset:
