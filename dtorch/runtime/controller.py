@@ -22,10 +22,10 @@ import traceback
 import warnings
 
 from ..distributed_spec import DeviceMesh, distinct_shard_ranks as _senders
-from ..errors import (LostTensorError, ProtocolError, SessionEndedError, UnreadFailureWarning, WorkerLostError,
-                      format_site, user_frame)
+from ..errors import ProtocolError, SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site, user_frame
 from . import protocol as wire
 from .admission import Rejections, new_secret, secret_matches
+from .lost_tensors import LostTensors
 from .reads import FetchRead, Future, RemoteFailure, SyncRead
 from .rendezvous import host_store
 from .cluster import WorkerPool, WorkerRecord
@@ -69,12 +69,11 @@ class Controller:
         self._mesh_numbers = itertools.count()
         self._mesh_lock = threading.Lock()
         self._lost_meshes: dict[DeviceMesh, WorkerLostError] = {}
-        # After dtorch.replace_lost_workers: tensors with an id below _first_valid_id may have
-        # lived on a lost rank; _replaced_meshes says, per mesh that held one, below which id
-        # (and after which loss). One int compare on the hot path; the dict only for older ids.
+        # After dtorch.replace_lost_workers: a tensor with an id below _first_valid_id may have
+        # lived on a lost rank, which lost_tensors decides (one int compare on the hot path)
         self.generation = 0
         self._first_valid_id = 0
-        self._replaced_meshes: dict[DeviceMesh, tuple[int, WorkerLostError]] = {}
+        self.lost_tensors = LostTensors()
         self._reads: dict[int, object] = {}
         self._waiting_for_failure: dict[int, list] = collections.defaultdict(list)
         self.failures: dict[int, RemoteFailure] = {}
@@ -145,25 +144,14 @@ class Controller:
             raise SessionEndedError(f"at {format_site(user_frame(skip=1))}: an input of this call, {tensor!r}, "
                                     "belongs to a dtorch session that has ended (dtorch.shutdown()); its "
                                     "data went with that session's workers: build it again in this session")
-        if tensor._id < self._first_valid_id:
-            self._check_not_lost(tensor)
+        if tensor._id < self._first_valid_id:   # inline: this runs for every input of every op
+            self.lost_tensors.check(tensor)
         return wire.TensorRef(tensor._id)
 
     def check_current(self, tensor) -> None:
         """Refuse a tensor whose data went with a lost, since replaced, worker (LostTensorError)."""
         if tensor._id < self._first_valid_id:
-            self._check_not_lost(tensor)
-
-    def _check_not_lost(self, tensor) -> None:
-        replaced = self._replaced_meshes.get(tensor._meta.mesh)
-        if replaced is None or tensor._id >= replaced[0]:
-            return
-        loss = replaced[1]
-        raise LostTensorError(loss.rank, loss.host, loss.pid, loss.reason, (
-            f"at {format_site(user_frame(skip=1))}: {tensor!r} was built before worker rank {loss.rank} "
-            f"(host {loss.host}, pid {loss.pid}) of its mesh was lost ({loss.reason}) and replaced by "
-            "dtorch.replace_lost_workers(); its data went with the lost process. Rebuild it on the mesh: "
-            "reload it from a checkpoint (dtorch.tensor, dtorch.checkpoint) or compute it again"))
+            self.lost_tensors.check(tensor)
 
     def curve_for_worker(self) -> dict | None:
         return self.curve.for_worker() if self.curve is not None else None
@@ -215,8 +203,7 @@ class Controller:
         meta = tensor._meta
         mesh = meta.mesh
         future = Future()
-        if tensor._id < self._first_valid_id:
-            self._check_not_lost(tensor)
+        self.check_current(tensor)
         lost = self.pool.lost_among(mesh.ranks)
         if lost:
             future._inner.set_exception(lost)
@@ -286,7 +273,7 @@ class Controller:
             for mesh, error in list(self._lost_meshes.items()):
                 held = [r for r in mesh.ranks if r in by_rank]
                 if held:
-                    self._replaced_meshes[mesh] = (cutoff, by_rank[held[0]])
+                    self.lost_tensors.record(mesh, cutoff, by_rank[held[0]])
                 if not self.pool.lost_among(mesh.ranks):
                     del self._lost_meshes[mesh]
             self._first_valid_id = cutoff
