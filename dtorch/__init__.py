@@ -25,6 +25,8 @@ from .tensor import DTensor, call_op
 from . import inplace as _inplace  # noqa: F401  (installs x[i] = v and the in-place methods)
 from .inplace import AliasingError
 from . import advanced_indexing as _advanced_indexing  # noqa: F401  (x[t], x[t] = v, index_put)
+from . import autograd
+from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from . import nn
 from . import checkpoint
 from . import models
@@ -75,7 +77,7 @@ for _name in _REGISTRY:
 __all__ = [
     "DTensor", "DeviceMesh", "Shard", "Replicate", "Partial", "init_device_mesh", "Future",
     "init", "init_async", "shutdown", "workers", "replace_lost_workers", "stats", "synchronize", "manual_seed",
-    "set_strict", "is_strict",
+    "set_strict", "is_strict", "autograd", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
     "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "Tensor", "Generator",

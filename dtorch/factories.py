@@ -30,7 +30,7 @@ def _layout(shape, device_mesh: DeviceMesh | None, placements):
     return check_placements(placements, len(shape), device_mesh)
 
 
-def _factory(kind: str, shape, dtype, device_mesh, placements, args=()) -> DTensor:
+def _factory(kind: str, shape, dtype, device_mesh, placements, args=(), requires_grad: bool = False) -> DTensor:
     placements = _layout(shape, device_mesh, placements)
     dtype = dtype or torch.get_default_dtype()
     spec = tensor_meta(shape, dtype, device_mesh, placements)
@@ -38,25 +38,26 @@ def _factory(kind: str, shape, dtype, device_mesh, placements, args=()) -> DTens
     out_id = controller.new_id()
     seq = controller.submit(Factory, out_id, controller.define_mesh(device_mesh), kind, shape, dtype_name(dtype),
                        placements, tuple(args))
-    return DTensor(out_id, spec, seq, controller)
+    made = DTensor(out_id, spec, seq, controller)
+    return made.requires_grad_() if requires_grad else made
 
 
-def zeros(*size, dtype=None, device_mesh=None, placements: Sequence[Placement] | None = None) -> DTensor:
-    return _factory("zeros", parse_shape(size), dtype, device_mesh, placements)
+def zeros(*size, dtype=None, device_mesh=None, requires_grad=False, placements: Sequence[Placement] | None = None) -> DTensor:
+    return _factory("zeros", parse_shape(size), dtype, device_mesh, placements, requires_grad=requires_grad)
 
 
-def ones(*size, dtype=None, device_mesh=None, placements=None) -> DTensor:
-    return _factory("ones", parse_shape(size), dtype, device_mesh, placements)
+def ones(*size, dtype=None, device_mesh=None, requires_grad=False, placements=None) -> DTensor:
+    return _factory("ones", parse_shape(size), dtype, device_mesh, placements, requires_grad=requires_grad)
 
 
-def empty(*size, dtype=None, device_mesh=None, placements=None) -> DTensor:
-    return _factory("empty", parse_shape(size), dtype, device_mesh, placements)
+def empty(*size, dtype=None, device_mesh=None, requires_grad=False, placements=None) -> DTensor:
+    return _factory("empty", parse_shape(size), dtype, device_mesh, placements, requires_grad=requires_grad)
 
 
-def full(size, fill_value, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
+def full(size, fill_value, *, dtype=None, device_mesh=None, placements=None, requires_grad=False) -> DTensor:
     if dtype is None:
         dtype = torch.full((), fill_value).dtype
-    return _factory("full", parse_shape((size,)), dtype, device_mesh, placements, (fill_value,))
+    return _factory("full", parse_shape((size,)), dtype, device_mesh, placements, (fill_value,), requires_grad)
 
 
 def _random_call(generator) -> tuple[int, int]:
@@ -70,12 +71,12 @@ def _random_call(generator) -> tuple[int, int]:
     return generator.next_call()
 
 
-def rand(*size, generator=None, dtype=None, device_mesh=None, placements=None) -> DTensor:
-    return _factory("rand", parse_shape(size), dtype, device_mesh, placements, _random_call(generator))
+def rand(*size, generator=None, dtype=None, device_mesh=None, placements=None, requires_grad=False) -> DTensor:
+    return _factory("rand", parse_shape(size), dtype, device_mesh, placements, _random_call(generator), requires_grad)
 
 
-def randn(*size, generator=None, dtype=None, device_mesh=None, placements=None) -> DTensor:
-    return _factory("randn", parse_shape(size), dtype, device_mesh, placements, _random_call(generator))
+def randn(*size, generator=None, dtype=None, device_mesh=None, placements=None, requires_grad=False) -> DTensor:
+    return _factory("randn", parse_shape(size), dtype, device_mesh, placements, _random_call(generator), requires_grad)
 
 
 def randint(low, high=None, size=None, *, generator=None, dtype=torch.int64, device_mesh=None,
@@ -88,22 +89,23 @@ def randint(low, high=None, size=None, *, generator=None, dtype=torch.int64, dev
                     _random_call(generator) + (int(low), int(high)))
 
 
-def arange(start, end=None, step=1, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
+def arange(start, end=None, step=1, *, dtype=None, device_mesh=None, placements=None, requires_grad=False) -> DTensor:
     if end is None:
         start, end = 0, start
     reference = torch.arange(start, end, step, dtype=dtype, device="meta")
-    return _factory("arange", tuple(reference.shape), reference.dtype, device_mesh, placements, (start, step))
+    return _factory("arange", tuple(reference.shape), reference.dtype, device_mesh, placements, (start, step),
+                    requires_grad)
 
 
-def linspace(start, end, steps: int, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
-    return _factory("linspace", (int(steps),), dtype, device_mesh, placements, (start, end))
+def linspace(start, end, steps: int, *, dtype=None, device_mesh=None, placements=None, requires_grad=False) -> DTensor:
+    return _factory("linspace", (int(steps),), dtype, device_mesh, placements, (start, end), requires_grad)
 
 
-def eye(n: int, m: int | None = None, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
-    return _factory("eye", (int(n), int(n if m is None else m)), dtype, device_mesh, placements)
+def eye(n: int, m: int | None = None, *, dtype=None, device_mesh=None, placements=None, requires_grad=False) -> DTensor:
+    return _factory("eye", (int(n), int(n if m is None else m)), dtype, device_mesh, placements, (), requires_grad)
 
 
-def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None) -> DTensor:
+def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, requires_grad=False) -> DTensor:
     """Upload a local tensor: each worker receives only its own shard (private frames). Without
     device_mesh it lands on a one-device mesh (one worker of `device`'s type, "cpu" by default),
     which ops with tensors of another mesh treat as a constant (dtorch/ops/one_device.py)."""
@@ -118,7 +120,8 @@ def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None) 
     out_id = controller.new_id()
     seq = controller.submit(Upload, out_id, controller.define_mesh(device_mesh), shape, dtype_name(value.dtype), placements,
                        private=private)
-    return DTensor(out_id, spec, seq, controller)
+    made = DTensor(out_id, spec, seq, controller)
+    return made.requires_grad_() if requires_grad else made
 
 
 def _mesh_or_one_device(device, device_mesh: DeviceMesh | None) -> DeviceMesh:
@@ -137,8 +140,9 @@ class _TensorType(type):
     def __subclasscheck__(cls, subclass) -> bool:
         return isinstance(subclass, type) and issubclass(subclass, DTensor)
 
-    def __call__(cls, data, *, dtype=None, device=None, device_mesh=None, placements=None) -> DTensor:
-        return tensor(data, dtype=dtype, device=device, device_mesh=device_mesh, placements=placements)
+    def __call__(cls, data, *, dtype=None, device=None, device_mesh=None, placements=None, requires_grad=False) -> DTensor:
+        return tensor(data, dtype=dtype, device=device, device_mesh=device_mesh, placements=placements,
+                      requires_grad=requires_grad)
 
 
 class Tensor(metaclass=_TensorType):
@@ -167,9 +171,11 @@ def _no_partial(placements):
 zeros_like, ones_like, empty_like, rand_like, randn_like = map(_like, (zeros, ones, empty, rand, randn))
 
 
-def full_like(other: DTensor, fill_value, *, dtype=None, device_mesh=None, placements=None) -> DTensor:
+def full_like(other: DTensor, fill_value, *, dtype=None, device_mesh=None, placements=None,
+              requires_grad=False) -> DTensor:
     return full(tuple(other.shape), fill_value, dtype=dtype or other.dtype,
                 device_mesh=device_mesh or other.device_mesh,
-                placements=placements if placements is not None else _no_partial(other.placements))
+                placements=placements if placements is not None else _no_partial(other.placements),
+                requires_grad=requires_grad)
 
 

@@ -22,17 +22,20 @@ from .ops.tensor_meta import TensorMeta, check_placements, shape_argument, tenso
 from .aliasing import VIEW_OPS, note_view
 from .redistribute import plan_redistribute
 from .runtime import session
-from .runtime.protocol import Redistribute, RunOp, Transfer, dtype_name
+from .recording import HopNode, Leaf, OpNode, is_grad_enabled, record_op
+from .runtime.protocol import Redistribute, RequireGrad, RunOp, Transfer, dtype_name
 
 __all__ = ["DTensor", "call_op"]
 
 
 class DTensor:
     # __weakref__: dtorch/aliasing.py tracks views weakly (a view never keeps its base alive)
-    __slots__ = ("_id", "_meta", "_seq", "_controller", "__weakref__")
+    # _node: None, or what autograd knows of this tensor (dtorch/recording.py)
+    __slots__ = ("_id", "_meta", "_seq", "_controller", "_node", "__weakref__")
 
     def __init__(self, tensor_id: int, spec: TensorMeta, seq: int, controller):
         self._id, self._meta, self._seq, self._controller = tensor_id, spec, seq, controller
+        self._node = None
 
     def __del__(self):
         controller = self._controller
@@ -91,6 +94,41 @@ class DTensor:
 
     __hash__ = object.__hash__
 
+    # --- autograd: what the symbol records (backward and .grad: dtorch/autograd/) -------------
+    @property
+    def requires_grad(self) -> bool:
+        return self._node is not None
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool) -> None:
+        self.requires_grad_(flag)
+
+    @property
+    def is_leaf(self) -> bool:
+        """As in torch: True unless an op recorded for backward made it."""
+        return self._node is None or type(self._node) is Leaf
+
+    @property
+    def grad_fn(self):
+        """The recorded node that made this tensor (dtorch/recording.py), None for a leaf."""
+        return None if self.is_leaf else self._node
+
+    def requires_grad_(self, requires_grad: bool = True) -> "DTensor":
+        """Make this tensor a leaf that gradients accumulate into (torch's rules: a leaf, of a
+        floating-point dtype)."""
+        if bool(requires_grad) == (self._node is not None):
+            return self
+        if not self.is_leaf:
+            raise RuntimeError("you can only change requires_grad flags of leaf variables. If you want to use a "
+                               "computed variable in a subgraph that doesn't require differentiation use "
+                               "var_no_grad = var.detach().")
+        if requires_grad and not (self.dtype.is_floating_point or self.dtype.is_complex):
+            raise RuntimeError(f"only Tensors of floating point and complex dtype can require gradients, "
+                               f"this one is {str(self.dtype)[6:]}")
+        self._controller.submit(RequireGrad, (self._id,), bool(requires_grad))
+        self._node = Leaf(self) if requires_grad else None
+        return self
+
     # --- layout ----------------------------------------------------------------------------
     def redistribute(self, device_mesh: DeviceMesh | None = None,
                      placements: Sequence[Placement] | None = None) -> "DTensor":
@@ -107,9 +145,13 @@ class DTensor:
         controller = self._controller
         controller.check_current(self)   # not a tensor that lived on a lost, since replaced, worker
         out_id = controller.new_id()
+        grad = self._node is not None and is_grad_enabled()
         seq = controller.submit(Redistribute, out_id, self._id, controller.define_mesh(mesh), self._meta.shape,
-                           dtype_name(self.dtype), self.placements, steps)
-        return DTensor(out_id, spec, seq, controller)
+                           dtype_name(self.dtype), self.placements, steps, grad)
+        moved = DTensor(out_id, spec, seq, controller)
+        if grad:
+            moved._node = OpNode((self._node,), mesh)
+        return moved
 
     def _move_to(self, mesh: DeviceMesh, placements) -> "DTensor":
         """To another mesh (a pipeline stage's sub-mesh, another shape, CPU <-> CUDA): reduce any
@@ -122,6 +164,8 @@ class DTensor:
         seq = controller.submit(Transfer, out_id, source._id, controller.define_mesh(source.device_mesh), controller.define_mesh(mesh),
                            self._meta.shape, dtype_name(self.dtype), source.placements, landing)
         moved = DTensor(out_id, tensor_meta(self._meta.shape, self.dtype, mesh, landing), seq, controller)
+        if source._node is not None and is_grad_enabled():
+            moved = _land_for_backward(source, moved)
         return moved.redistribute(placements=placements)
 
     def reduce_partials(self) -> "DTensor":
@@ -364,18 +408,52 @@ def call_op(name: str, args: tuple, kwargs: dict):
     if plan.extra_kwargs:
         wire_kwargs.update(plan.extra_kwargs)
     mesh_id = controller.define_mesh(out_specs[0].mesh)
+    nodes = _grad_nodes(args, kwargs) if is_grad_enabled() and name not in NOT_DIFFERENTIABLE else ()
+    grad = bool(nodes)
     if not plan.sequence:
         out_id = controller.new_id()
-        seq = controller.submit(RunOp, (out_id,), mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
+        seq = controller.submit(RunOp, (out_id,), mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps,
+                                grad)
         result = DTensor(out_id, out_specs[0], seq, controller)
+        if grad:
+            record_op(nodes, (result,), out_specs[0].mesh)
     else:
         out_ids = controller.new_ids(len(out_specs))
-        seq = controller.submit(RunOp, out_ids, mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps)
+        seq = controller.submit(RunOp, out_ids, mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps,
+                                grad)
         # torch's own result type: torch.return_types.max keeps .values / .indices, as in torch
         result = plan.sequence([DTensor(i, spec, seq, controller) for i, spec in zip(out_ids, out_specs)])
+        if grad:
+            record_op(nodes, result, out_specs[0].mesh)
     if name in VIEW_OPS:   # views remember their base, for in-place ops (dtorch/aliasing.py)
         note_view(name, given, kwargs, result)
     return result
+
+
+def _land_for_backward(source: DTensor, landed: DTensor) -> DTensor:
+    """A move to another mesh, recorded: the landed tensor becomes a leaf on its mesh (backward
+    there stops at it), the HopNode keeps both ends for backward to continue on the source mesh,
+    and the caller gets a view of the landed tensor, so no symbol holds a node that holds it."""
+    landed.requires_grad_()
+    hop = HopNode(source, landed)
+    landed._node = hop
+    view = call_op("view", (landed, tuple(landed.shape)), {})
+    landed._node = None
+    return view
+
+
+def _grad_nodes(args: tuple, kwargs: dict) -> tuple:
+    """The nodes of the inputs that require grad (top-level tensors first: the common case)."""
+    nodes = [a._node for a in args if isinstance(a, DTensor) and a._node is not None]
+    if any(type(a) in (list, tuple) for a in args) or kwargs:
+        nested = []
+        map_tensors(([a for a in args if type(a) in (list, tuple)], kwargs),
+                    lambda t: nested.append(t._node) if t._node is not None else None)
+        nodes += nested
+    return tuple(nodes)
+
+
+NOT_DIFFERENTIABLE = frozenset({"detach"})
 
 
 def _apply_moves(moves: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -15,7 +15,7 @@ LAYERS = [
     ("pure", ("dtorch.errors", "dtorch.distributed_spec", "dtorch.redistribute", "dtorch.rng", "dtorch.ops")),
     ("launcher", ("dtorch_launcher",)),
     ("runtime", ("dtorch.runtime",)),
-    ("frontend", ("dtorch.aliasing", "dtorch.tensor", "dtorch.factories", "dtorch.inplace",
+    ("frontend", ("dtorch.aliasing", "dtorch.recording", "dtorch.tensor", "dtorch.factories", "dtorch.inplace",
                   "dtorch.advanced_indexing")),
     ("autograd", ("dtorch.autograd",)),
     ("modules", ("dtorch.nn", "dtorch.optim")),

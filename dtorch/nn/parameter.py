@@ -1,6 +1,7 @@
 """nn.Parameter: a DTensor that a Module registers as one of its parameters."""
 from __future__ import annotations
 
+from .. import autograd as _autograd  # noqa: F401  (a Parameter's .grad and backward)
 from ..tensor import DTensor
 
 __all__ = ["Parameter"]
@@ -11,7 +12,7 @@ class Parameter(DTensor):
     shared, not copied (a `detach` command), so `x` stays usable and each symbol frees only its
     own id. As everywhere in dtorch, values never change under a symbol: rebinding
     `module.weight = Parameter(...)` is how a parameter gets new values."""
-    __slots__ = ("requires_grad",)
+    __slots__ = ()
 
     def __new__(cls, data: DTensor, requires_grad: bool = True):
         # checked before the object exists: a half-built symbol would run DTensor.__del__
@@ -24,7 +25,8 @@ class Parameter(DTensor):
         alias = data.detach()
         DTensor.__init__(self, alias._id, alias._meta, alias._seq, alias._controller)
         alias._controller = None   # the id is this Parameter's now: only it frees it
-        self.requires_grad = bool(requires_grad)
+        if requires_grad:          # a leaf the workers accumulate gradients into
+            self.requires_grad_()
 
     def __repr__(self) -> str:
         return "Parameter containing:\n" + DTensor.__repr__(self)

@@ -39,10 +39,9 @@ def nearest_ops(name: str, count: int = 4) -> list[str]:
 
 
 # Names whose refusal needs a word on what to do instead, beyond the nearest op names.
-_AUTOGRAD = "dtorch has no autograd yet: compute gradients with torch on to_torch() results, or write them out"
 NOTES = {
-    "backward": _AUTOGRAD, "grad": _AUTOGRAD, "requires_grad": _AUTOGRAD, "requires_grad_": _AUTOGRAD,
-    "grad_fn": _AUTOGRAD, "retain_grad": _AUTOGRAD,
+    "retain_grad": "dtorch keeps gradients of leaves only; get an intermediate's gradient with "
+                   "dtorch.autograd.grad(outputs, [intermediate])",
     # nonzero: a refusal, not a read: its shape is the count of nonzeros, which no rank knows
     # alone, and returning a DTensor would mean a read plus an upload behind one op's name
     **dict.fromkeys(("nonzero", "argwhere", "nonzero_static"),

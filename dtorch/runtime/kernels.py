@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 
 from .. import rng
-from ..distributed_spec import DeviceMesh, Replicate, chunk_bounds, holds_partial_sum_value, local_region
+from ..distributed_spec import DeviceMesh, Partial, Replicate, chunk_bounds, holds_partial_sum_value, local_region
 from ..redistribute import step_kind
 from .comm import Communicator
 
-__all__ = ["make_factory", "apply_steps", "partial_identity"]
+__all__ = ["make_factory", "apply_steps", "partial_identity", "DifferentiableStep"]
 
 
 # --- factories ------------------------------------------------------------------------------
@@ -98,7 +98,10 @@ def apply_steps(tensor: torch.Tensor, shape, mesh: DeviceMesh, placements, steps
         if failure is None:
             counted = _CountingComm(comm)
             try:
-                tensor = step(tensor, *arguments, counted)
+                if torch.is_grad_enabled():   # a recorded redistribute: the step with its dual
+                    tensor = DifferentiableStep.apply(tensor, _ANCHOR, step, before, after, *arguments[2:], counted)
+                else:
+                    tensor = step(tensor, *arguments, counted)
             except Exception as error:
                 failure = error
                 owed = _collectives_of(step, before, tensor) - counted.calls
@@ -230,3 +233,53 @@ def _partialize(tensor, before, after, extents, group, index, comm):
 
 _STEPS = {"all_gather": _all_gather, "all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter,
           "all_to_all": _all_to_all, "slice": _slice, "partialize": _partialize}
+
+
+# --- backward: each step's dual --------------------------------------------------------------
+# A gradient's placements are the duals of its tensor's (dtorch/autograd/rules.py): Shard(d)
+# stays Shard(d), Replicate's gradient is P(sum) (each rank's local uses contribute a part) and
+# P(sum)'s is Replicate. So the backward of each step is the step between the dual placements,
+# run the other way: an all-gather's is a reduce-scatter, an all-reduce's an all-reduce, a
+# reduce-scatter's an all-gather, an all-to-all's the reverse all-to-all, a slice's zero-padding.
+_SUM = Partial("sum")
+
+# Every recorded step takes this leaf as a second input, so its output requires grad on every
+# rank even where the local input does not: each rank then records the same communication
+# nodes, and their duals meet in backward. (Its own gradient is never formed.)
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+class DifferentiableStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, anchor, step, before, after, extents, group, index, comm):
+        ctx.step, ctx.before, ctx.after, ctx.extents, ctx.group, ctx.index = step, before, after, extents, group, index
+        ctx.comm, ctx.shape = comm.comm if isinstance(comm, _CountingComm) else comm, tensor.shape
+        return step(tensor, before, after, extents, group, index, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_dual(ctx, grad),) + (None,) * 8
+
+
+def _dual(ctx, grad: torch.Tensor) -> torch.Tensor:
+    step, before, after, place = ctx.step, ctx.before, ctx.after, (ctx.extents, ctx.group, ctx.index, ctx.comm)
+    if isinstance(before, Partial) and before.reduce_op not in ("sum", "avg") or \
+            isinstance(after, Partial) and after.reduce_op != "sum":
+        op = before.reduce_op if isinstance(before, Partial) else after.reduce_op
+        raise NotImplementedError(f"backward through a Partial({op}) redistribute: only P(sum) (and P(avg) -> R) "
+                                  "have gradients here; reduce it with a differentiable op first")
+    if step is _all_gather:
+        return _reduce_scatter(grad, _SUM, before, *place)
+    if step is _all_reduce:
+        return _all_reduce(grad, before, after, *place)
+    if step is _reduce_scatter:
+        gathered = _all_gather(grad, after, Replicate(), *place)
+        return gathered / len(ctx.group) if before.reduce_op == "avg" else gathered
+    if step is _all_to_all:
+        return _all_to_all(grad, after, before, *place)
+    if step is _slice:
+        padded = grad.new_zeros(ctx.shape)
+        start = chunk_bounds(ctx.extents[after.dim], len(ctx.group), ctx.index)[0]
+        padded.narrow(after.dim, start, grad.shape[after.dim]).copy_(grad)
+        return padded
+    return partial_identity(grad, "sum", ctx.index == 0)   # R -> P(sum): the rank that kept the value

@@ -30,7 +30,7 @@ __all__ = [
     "lost_worker_key",
     # commands
     "DefineMesh", "Factory", "Upload", "LoadShard", "RunOp", "Redistribute", "Transfer", "Fetch", "Free", "Sync", "Shutdown",
-    "Regroup", "COMMANDS", "handler_name", "encode_batch", "decode_batch",
+    "Regroup", "RequireGrad", "SetGrads", "Backward", "COMMANDS", "handler_name", "encode_batch", "decode_batch",
     # every other message
     "Batch", "Private", "Probe", "Register", "Welcome", "Refused", "Reply", "ErrorReport", "Heartbeat", "Pong",
     "MESSAGES", "FROM_WORKER", "REPLY_STATUSES", "encode", "decode", "decode_from_worker", "read_header",
@@ -39,10 +39,12 @@ __all__ = [
     "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 6   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+VERSION = 7   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
               # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
               # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention);
               # 6: Regroup (lost ranks were replaced: communication groups of a new generation)
+              # 7: autograd: RunOp and Redistribute say whether to record for backward; RequireGrad,
+              #    SetGrads, Backward
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -128,6 +130,7 @@ class RunOp(NamedTuple):
     args: tuple          # tensors appear as ExtType TENSOR references
     kwargs: dict
     input_steps: tuple   # ((tensor_index, shape, placements, steps), ...): local slicing first
+    grad: bool = False   # record it for backward (grad mode on and an input requires grad)
 
 
 class Redistribute(NamedTuple):
@@ -139,6 +142,7 @@ class Redistribute(NamedTuple):
     dtype: str           # a rank whose input failed joins the collectives with zeros of it
     placements: tuple    # placements before the first step
     steps: tuple         # ((mesh_dim, before, after), ...) from dtorch.redistribute
+    grad: bool = False   # record it for backward: each collective step gets its dual in backward
 
 
 class Transfer(NamedTuple):
@@ -179,8 +183,31 @@ class Regroup(NamedTuple):
     replaced: tuple      # ranks now run by new processes: cached groups holding them are dropped
 
 
+class RequireGrad(NamedTuple):
+    seq: int
+    ids: tuple           # leaf tensors (factories, parameters, landed transfers)
+    flag: bool           # requires_grad_(flag)
+
+
+class SetGrads(NamedTuple):
+    seq: int
+    leaf_ids: tuple      # leaf tensors whose .grad is (re)bound on the workers
+    grad_ids: tuple      # the tensor each one accumulates into from now on; -1: none (zero_grad)
+
+
+class Backward(NamedTuple):
+    seq: int
+    mesh_id: int         # the ranks that take part: every rank whose graph holds the roots
+    roots: tuple         # tensors to differentiate
+    seeds: tuple         # their gradients, already in each root's gradient placements
+    inputs: tuple        # leaves whose .grad is bound to out_ids ("backward"), or tensors whose
+    out_ids: tuple       #   gradient becomes out_ids without accumulating ("grad")
+    mode: str            # "backward" | "grad"
+    retain_graph: bool
+
+
 COMMANDS = (DefineMesh, Factory, Upload, LoadShard, RunOp, Redistribute, Transfer, Fetch, Free, Sync, Shutdown,
-            Regroup)
+            Regroup, RequireGrad, SetGrads, Backward)
 OPCODE = {cls: i for i, cls in enumerate(COMMANDS)}
 _BY_OPCODE = dict(enumerate(COMMANDS))
 
@@ -325,10 +352,11 @@ IDS = "ids"
 _FIELD_TYPES = {
     DefineMesh: (int, str, tuple, IDS), Factory: (int, int, str, tuple, str, tuple, tuple),
     Upload: (int, int, tuple, str, tuple), LoadShard: (int, int, tuple, str, tuple, str, str, int, str),
-    RunOp: (IDS, int, str, str, tuple, dict, tuple),
-    Redistribute: (int, int, int, tuple, str, tuple, tuple),
+    RunOp: (IDS, int, str, str, tuple, dict, tuple, bool),
+    Redistribute: (int, int, int, tuple, str, tuple, tuple, bool),
     Transfer: (int, int, int, int, tuple, str, tuple, tuple), Fetch: (int, int, IDS),
     Free: (IDS,), Sync: (), Shutdown: (), Regroup: (int, IDS),
+    RequireGrad: (IDS, bool), SetGrads: (IDS, IDS), Backward: (int, IDS, IDS, IDS, IDS, str, bool),
 }
 
 

@@ -25,6 +25,7 @@ from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
 from . import protocol as wire
 from .comm import Communicator
 from .file_shards import read_block
+from .backward import run_backward
 from .kernels import apply_steps, make_factory
 from .peers import Peers
 from .protocol import TensorRef
@@ -59,6 +60,7 @@ class Worker:
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
+        torch.set_grad_enabled(False)   # only commands that say `grad` record for backward
         try:
             self._loop()
         except ProtocolError as error:
@@ -212,7 +214,16 @@ class Worker:
         mesh = self._member(command.mesh_id)
         if mesh is None:
             return
+        if command.grad:   # torch records the local op for backward (workers run with grad off)
+            with torch.enable_grad():
+                return self._run_op(command, mesh)
+        self._run_op(command, mesh)
+
+    def _run_op(self, command: wire.RunOp, mesh: DeviceMesh) -> None:
         if command.kernel in PEER_KERNELS:
+            if command.grad:
+                raise NotImplementedError(f"{command.op}: backward through a kernel that exchanges blocks with its "
+                                          "peers (ring attention) is not supported yet; use cp_attention='ulysses'")
             return self._run_with_peers(command, mesh)
         if command.input_steps or not _flat(command.args):
             args, kwargs = self._localized_args(command, mesh)
@@ -272,6 +283,12 @@ class Worker:
         mesh = self._member(command.mesh_id)
         if mesh is None:
             return
+        if command.grad:   # each step is recorded with its dual collective (kernels.apply_steps)
+            with torch.enable_grad():
+                return self._redistribute(command, mesh)
+        self._redistribute(command, mesh)
+
+    def _redistribute(self, command: wire.Redistribute, mesh: DeviceMesh) -> None:
         if _local_only(command.steps):  # slices and partializing: compute, no stream hop
             source = self._tensor(command.src_id)
             self.tensors[command.out_id] = apply_steps(source, command.shape, mesh, command.placements,
@@ -419,6 +436,36 @@ class Worker:
 
     def handle_shutdown(self, command: wire.Shutdown) -> None:
         self.running = False
+
+    def handle_require_grad(self, command: wire.RequireGrad) -> None:
+        for tensor_id in command.ids:
+            tensor = self.tensors.get(tensor_id)
+            if tensor is not None:   # (a rank off the tensor's mesh holds nothing)
+                tensor.requires_grad_(command.flag)
+
+    def handle_set_grads(self, command: wire.SetGrads) -> None:
+        for leaf_id, grad_id in zip(command.leaf_ids, command.grad_ids):
+            leaf = self.tensors.get(leaf_id)
+            if leaf is not None:
+                leaf.grad = None if grad_id < 0 else self._held(grad_id)
+
+    def handle_backward(self, command: wire.Backward) -> None:
+        """torch's autograd over this rank's local graph, from the roots. Every rank of the mesh
+        takes part (the collectives recorded in forward run their duals), so first the ranks
+        agree whether any of them lost a root or seed to an earlier failure: then all skip."""
+        mesh = self._member(command.mesh_id)
+        if mesh is None:
+            return
+        try:
+            roots = [self._tensor(i) for i in command.roots]
+            seeds = [self._tensor(i) for i in command.seeds]
+            origin = -1
+        except Poisoned as poisoned:
+            origin = poisoned.origin
+        agreed = self._agree_on_failure(mesh.ranks, origin)
+        if agreed >= 0:
+            raise Poisoned(agreed)
+        run_backward(self.tensors, roots, seeds, command)
 
     def handle_regroup(self, command: wire.Regroup) -> None:
         """Lost ranks were replaced: no group holding one is used again (comm.regroup). Poison

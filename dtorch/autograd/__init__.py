@@ -1,0 +1,22 @@
+"""dtorch.autograd: backward() and grad() over DTensors, grad mode, and the gradient placement
+rules (docs/autograd.md). Installs DTensor.backward and DTensor.grad."""
+from __future__ import annotations
+
+from ..recording import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+from ..tensor import DTensor
+from .engine import backward, grad, leaf_grad, set_leaf_grad
+from .rules import gradient_placements
+
+__all__ = ["backward", "grad", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
+           "gradient_placements"]
+
+
+def _tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:
+    """x.backward(gradient=None): gradients accumulate into the leaves' .grad (torch's semantics;
+    the placements each gradient has: dtorch/autograd/rules.py)."""
+    backward([self], None if gradient is None else [gradient], retain_graph, create_graph, inputs)
+
+
+DTensor.backward = _tensor_backward
+DTensor.grad = property(leaf_grad, set_leaf_grad, doc="The accumulated gradient, in this tensor's placements "
+                        "(None before a backward reaches it); only leaves that require grad keep one.")

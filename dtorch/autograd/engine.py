@@ -1,0 +1,230 @@
+"""backward() and grad(): one Backward command per mesh the graph spans, whatever its size.
+
+The controller never replays the graph op by op: the workers recorded it with torch's autograd
+while running the forward (RunOp `grad`), so the controller only walks its small node graph
+(dtorch/recording.py) to find the leaves to bind and the pipeline hops to cross. A graph on one
+mesh is one command. A graph that crosses meshes (pipeline stages) is one command per stage and
+hop, depth first: the last stage's backward, its gradient moved back to the previous stage, that
+stage's backward, and so on; each stage's workers run their own commands in order, so stage s
+works on one microbatch's backward while stage s-1 works on the one before.
+"""
+from __future__ import annotations
+
+from ..errors import user_site
+from ..factories import ones
+from ..recording import HopNode, Leaf, no_grad
+from ..runtime.protocol import Backward, SetGrads
+from ..tensor import DTensor
+from ..ops.tensor_meta import tensor_meta
+from .rules import gradient_placements
+
+__all__ = ["backward", "grad", "leaf_grad", "set_leaf_grad"]
+
+
+def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None) -> None:
+    """torch.autograd.backward: gradients of `tensors` accumulate into the `.grad` of every leaf
+    they depend on (only those of `inputs`, if given)."""
+    roots, seeds = _roots_and_seeds(tensors, grad_tensors, create_graph, "backward")
+    only = None if inputs is None else {id(t._node) for t in _as_list(inputs)}
+    retain = bool(retain_graph) if retain_graph is not None else False
+    pending = [(roots, seeds)]
+    while pending:
+        roots, seeds = pending.pop()
+        pending += reversed(_run_segment(roots, seeds, retain, only))
+
+
+def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, allow_unused=None,
+         materialize_grads=False):
+    """torch.autograd.grad: the gradients of `outputs` w.r.t. `inputs`, returned (nothing
+    accumulates), each in its input's own placements. One mesh only (no pipeline hops)."""
+    roots, seeds = _roots_and_seeds(outputs, grad_outputs, create_graph, "grad")
+    wanted = _as_list(inputs)
+    for tensor in wanted:
+        if tensor._node is None:
+            raise RuntimeError(f"autograd.grad at {user_site()}: one of the inputs does not require grad")
+    mesh = roots[0].device_mesh
+    reached = _walk(roots, None, mesh)
+    if reached.hops:
+        raise NotImplementedError("dtorch.autograd.grad across meshes (pipeline stages) is not supported yet; "
+                                  "use backward() and read .grad")
+    missing = [i for i, t in enumerate(wanted) if id(t._node) not in reached.seen]
+    if missing and not (allow_unused or materialize_grads):
+        raise RuntimeError(f"autograd.grad at {user_site()}: input {missing[0]} was not used in the graph "
+                           "(set allow_unused=True if this is the desired behavior)")
+    controller = roots[0]._controller
+    out_ids = controller.new_ids(len(wanted))
+    controller.submit(Backward, controller.define_mesh(mesh), _ids(roots), _ids(seeds), _ids(wanted), out_ids,
+                      "grad", bool(retain_graph))
+    if not retain_graph:
+        reached.release()
+    found = []
+    with no_grad():
+        for index, (tensor, out_id) in enumerate(zip(wanted, out_ids)):
+            spec = tensor_meta(tensor.shape, tensor.dtype, mesh, gradient_placements(tensor.placements))
+            result = DTensor(out_id, spec, -1, controller).redistribute(placements=tensor.placements)
+            found.append(None if index in missing and not materialize_grads else result)
+    return tuple(found)
+
+
+# --- leaves' gradients -------------------------------------------------------------------------------
+def leaf_grad(tensor: DTensor):
+    """`tensor.grad`: the accumulated gradient in the tensor's own placements. A Replicate leaf's
+    gradient accumulates as P(sum) on the workers; the first read reduces it (and rebinds the
+    workers' .grad to the reduced tensor)."""
+    leaf = tensor._node
+    if type(leaf) is not Leaf or leaf.grad is None:
+        return None
+    if leaf.grad.placements != tensor.placements:
+        with no_grad():
+            _bind(tensor, leaf, leaf.grad.redistribute(placements=tensor.placements))
+    return leaf.grad
+
+
+def set_leaf_grad(tensor: DTensor, value) -> None:
+    """`tensor.grad = value` (None clears it, as zero_grad(set_to_none=True) does)."""
+    leaf = tensor._node
+    if type(leaf) is not Leaf:
+        if value is None:
+            return
+        raise RuntimeError(f"assigning .grad at {user_site()}: dtorch keeps gradients of leaves that require grad only")
+    if value is None:
+        tensor._controller.submit(SetGrads, (tensor._id,), (-1,))
+        leaf.grad = None
+        return
+    if not isinstance(value, DTensor) or tuple(value.shape) != tuple(tensor.shape):
+        raise RuntimeError(f"assigned grad has data of a different size at {user_site()}: "
+                           f"{getattr(value, 'shape', type(value).__name__)} for a tensor of shape {tuple(tensor.shape)}")
+    with no_grad():
+        value = value.to(tensor.dtype).redistribute(tensor.device_mesh, tensor.placements)
+    _bind(tensor, leaf, value)
+
+
+def _bind(tensor: DTensor, leaf: Leaf, grad: DTensor) -> None:
+    tensor._controller.submit(SetGrads, (tensor._id,), (grad._id,))
+    leaf.grad = grad
+
+
+# --- one mesh's part ---------------------------------------------------------------------------------
+class _Reached:
+    """What a walk from the roots found on one mesh: leaves, pipeline hops, the nodes seen."""
+
+    def __init__(self):
+        self.leaves, self.hops, self.seen, self.nodes = [], [], set(), []
+
+    def release(self) -> None:
+        for node in self.nodes:
+            node.released = True
+
+
+def _walk(roots, only, mesh) -> _Reached:
+    reached, stack = _Reached(), [r._node for r in roots]
+    while stack:
+        node = stack.pop()
+        if id(node) in reached.seen:
+            continue
+        reached.seen.add(id(node))
+        if type(node) is Leaf:
+            tensor = node.tensor()
+            if tensor is not None and (only is None or id(node) in only):
+                reached.leaves.append(tensor)
+            continue
+        if node.released:
+            raise RuntimeError(f"backward at {user_site()}: trying to backward through the graph a second time (or "
+                               "directly access saved tensors after they have already been freed). Specify "
+                               "retain_graph=True if you need to backward through the graph a second time")
+        if type(node) is HopNode:
+            reached.hops.append(node)
+            continue
+        if node.mesh != mesh:
+            raise NotImplementedError(f"backward at {user_site()}: the graph holds ops on {node.mesh} and on {mesh} "
+                                      "without a move between them")
+        reached.nodes.append(node)
+        stack.extend(node.inputs)
+    return reached
+
+
+def _run_segment(roots, seeds, retain: bool, only) -> list:
+    """Backward on the roots' mesh up to its leaves and hops; returns the (roots, seeds) each hop
+    continues with on its source mesh."""
+    mesh = roots[0].device_mesh
+    reached = _walk(roots, only, mesh)
+    controller = roots[0]._controller
+    grads = [_accumulator(leaf) for leaf in reached.leaves]
+    landed_ids = controller.new_ids(len(reached.hops))
+    controller.submit(Backward, controller.define_mesh(mesh), _ids(roots), _ids(seeds),
+                      _ids(reached.leaves) + tuple(hop.landed._id for hop in reached.hops),
+                      _ids(grads) + landed_ids, "backward", retain)
+    if reached.hops:   # a landed tensor's gradient is taken, not kept accumulating on its leaf
+        controller.submit(SetGrads, tuple(hop.landed._id for hop in reached.hops), (-1,) * len(reached.hops))
+    if not retain:
+        reached.release()
+    return [_hop_back(hop, landed_id, controller) for hop, landed_id in zip(reached.hops, landed_ids)]
+
+
+def _accumulator(tensor: DTensor) -> DTensor:
+    """The DTensor a leaf's gradient accumulates into on the workers, in gradient placements: a
+    gradient read since the last backward (hence reduced) goes back to them first."""
+    leaf, wanted = tensor._node, gradient_placements(tensor.placements)
+    if leaf.grad is None:
+        controller = tensor._controller
+        spec = tensor_meta(tensor.shape, tensor.dtype, tensor.device_mesh, wanted)
+        leaf.grad = DTensor(controller.new_id(), spec, -1, controller)
+    elif leaf.grad.placements != wanted:
+        with no_grad():
+            _bind(tensor, leaf, leaf.grad.redistribute(placements=wanted))
+    return leaf.grad
+
+
+def _hop_back(hop: HopNode, landed_id: int, controller) -> tuple:
+    landed, source = hop.landed, hop.source
+    spec = tensor_meta(landed.shape, landed.dtype, landed.device_mesh, gradient_placements(landed.placements))
+    with no_grad():
+        moved = DTensor(landed_id, spec, -1, controller).redistribute(source.device_mesh,
+                                                                      gradient_placements(source.placements))
+    return [source], [moved]
+
+
+# --- arguments ---------------------------------------------------------------------------------------
+def _roots_and_seeds(tensors, grads, create_graph: bool, what: str):
+    if create_graph:
+        raise NotImplementedError(f"{what}(create_graph=True) (higher-order gradients) is not supported yet")
+    roots = _as_list(tensors)
+    grads = [None] * len(roots) if grads is None else _as_list(grads, allow_none=True)
+    if len(grads) != len(roots):
+        raise RuntimeError(f"{what} at {user_site()}: {len(grads)} gradients for {len(roots)} tensors")
+    meshes = {r.device_mesh for r in roots}
+    if len(meshes) > 1:
+        raise NotImplementedError(f"{what} at {user_site()}: roots on several meshes; call it once per mesh")
+    seeds = []
+    with no_grad():
+        for root, given in zip(roots, grads):
+            if root._node is None:
+                raise RuntimeError(f"{what} at {user_site()}: element 0 of tensors does not require grad and does "
+                                   "not have a grad_fn")
+            seeds.append(_seed(root, given, what))
+    return roots, seeds
+
+
+def _seed(root: DTensor, given, what: str) -> DTensor:
+    wanted = gradient_placements(root.placements)
+    if given is None:
+        if root.numel() != 1:
+            raise RuntimeError(f"{what} at {user_site()}: grad can be implicitly created only for scalar outputs "
+                               f"(this one has shape {tuple(root.shape)}); pass a gradient")
+        return ones(tuple(root.shape), dtype=root.dtype, device_mesh=root.device_mesh, placements=wanted)
+    if not isinstance(given, DTensor):
+        raise TypeError(f"{what} at {user_site()}: a gradient must be a DTensor, got {type(given).__name__}")
+    if tuple(given.shape) != tuple(root.shape):
+        raise RuntimeError(f"{what} at {user_site()}: Mismatch in shape: grad_output has a shape of "
+                           f"{tuple(given.shape)} and output has a shape of {tuple(root.shape)}")
+    return given.to(root.dtype).redistribute(root.device_mesh, wanted)
+
+
+def _as_list(value, allow_none: bool = False) -> list:
+    if isinstance(value, DTensor) or (allow_none and value is None):
+        return [value]
+    return list(value)
+
+
+def _ids(tensors) -> tuple:
+    return tuple(t._id for t in tensors)

@@ -1,0 +1,100 @@
+"""What the controller records for backward: grad mode, and one small node per tensor that
+requires grad. Only the graph's shape lives here (which tensors came from which, across which
+meshes); the values and torch's own autograd graph live on the workers, which record each op
+on their local shards when its RunOp says `grad` (docs/autograd.md).
+
+A node never holds a DTensor of the user's (so it never keeps a buffer alive), except a
+pipeline hop's two ends: those the backward pass must name on the workers.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import contextmanager
+
+__all__ = ["is_grad_enabled", "set_grad_enabled", "no_grad", "enable_grad", "Leaf", "OpNode", "HopNode",
+           "record_op", "needs_grad"]
+
+_mode = threading.local()   # per thread, as in torch: one thread's no_grad is not another's
+
+
+def is_grad_enabled() -> bool:
+    return getattr(_mode, "enabled", True)
+
+
+class set_grad_enabled:
+    """Like torch.set_grad_enabled: a call that sets the mode, usable as a context manager."""
+
+    def __init__(self, mode: bool):
+        self.previous = is_grad_enabled()
+        _mode.enabled = bool(mode)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        _mode.enabled = self.previous
+
+
+@contextmanager
+def no_grad():
+    previous = is_grad_enabled()
+    _mode.enabled = False
+    try:
+        yield
+    finally:
+        _mode.enabled = previous
+
+
+@contextmanager
+def enable_grad():
+    previous = is_grad_enabled()
+    _mode.enabled = True
+    try:
+        yield
+    finally:
+        _mode.enabled = previous
+
+
+class Leaf:
+    """A tensor the user asked gradients for (requires_grad=True, a Parameter). Its gradient
+    state lives here: `grad` is the DTensor the workers accumulate into, in its gradient
+    placements (autograd/rules.py) until it is read in the tensor's own."""
+    __slots__ = ("tensor", "grad", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = weakref.ref(tensor)
+        self.grad = None
+
+
+class OpNode:
+    """An op's output that requires grad: the nodes of its inputs that do, and its mesh."""
+    __slots__ = ("inputs", "mesh", "released", "__weakref__")
+
+    def __init__(self, inputs: tuple, mesh):
+        self.inputs, self.mesh, self.released = inputs, mesh, False
+
+
+class HopNode:
+    """A move to another mesh (a pipeline stage): backward runs on the destination's ranks up to
+    `landed`, its gradient moves back, then backward continues from `source` on the source mesh."""
+    __slots__ = ("source", "landed", "inputs", "mesh", "released", "__weakref__")
+
+    def __init__(self, source, landed):
+        self.source, self.landed = source, landed
+        self.inputs, self.mesh, self.released = (source._node,), landed.device_mesh, False
+
+
+def needs_grad(tensors) -> tuple:
+    """The nodes of the inputs that require grad, if grad mode is on; () otherwise."""
+    if not is_grad_enabled():
+        return ()
+    return tuple(t._node for t in tensors if t._node is not None)
+
+
+def record_op(nodes: tuple, outputs, mesh) -> None:
+    """Give each floating-point output a node (integer outputs carry no gradient, as in torch)."""
+    node = OpNode(nodes, mesh)
+    for output in outputs:
+        if output.dtype.is_floating_point or output.dtype.is_complex:
+            output._node = node
