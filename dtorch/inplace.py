@@ -26,6 +26,8 @@ from .errors import DTorchError, ShapeError, user_site
 from .factories import full, tensor as upload
 from .ops import REGISTRY
 from .ops.indexing import WHOLE, AdvancedIndex, canonical_index
+from .recording import Leaf
+from .runtime.protocol import RequireGrad, SetGrads
 from .tensor import DTensor, call_op
 
 __all__ = ["AliasingError", "assign", "INPLACE_METHODS"]
@@ -67,12 +69,24 @@ def _dtype(dtype: torch.dtype) -> str:
 
 
 def _rebind(target: DTensor, result: DTensor) -> None:
+    """target takes result's id (and its autograd history). A leaf that requires grad stays that
+    leaf, as in torch: changed under no_grad only, its gradient still bound to it on the workers."""
     if result is target:
         return
+    leaf = target._node if type(target._node) is Leaf else None
+    if leaf is not None and result._node is not None:
+        raise RuntimeError(f"at {user_site()}: a leaf Variable that requires grad is being used in an in-place "
+                           "operation (change it under dtorch.no_grad(), as in torch)")
     old, controller = target._id, target._controller
     target._id, target._meta, target._seq = result._id, result._meta, result._seq
     result._controller = None          # the temporary must not free the id target now holds
     controller.release(old)
+    if leaf is None:
+        target._node = result._node
+        return
+    controller.submit(RequireGrad, (target._id,), True)
+    if leaf.grad is not None:
+        controller.submit(SetGrads, (target._id,), (leaf.grad._id,))
 
 
 DTensor._assign = lambda self, result, op: assign(self, result, op)   # tensor.py's inplace=True seam

@@ -11,11 +11,12 @@ import torch
 
 from .distributed_spec import (DeviceMesh, Partial, Placement, Placements, Replicate, format_placements,
                                local_offset, local_shape)
-from .errors import MeshError, UnsupportedOpError
+from .errors import MeshError, UnsupportedOpError, user_site
 from .ops.unsupported import NOTES, is_inplace_name, unsupported_method, unsupported_op
 from .ops import REGISTRY, cached_plan
 from .ops.conversions import to_target
 from .ops.dispatch import is_strict, map_tensors
+from .ops.registry import PEER_KERNELS
 from .ops.one_device import join_target
 from .ops.operators import BINARY_OPERATORS, UNARY_OPERATORS
 from .ops.tensor_meta import TensorMeta, check_placements, shape_argument, tensor_meta
@@ -410,6 +411,10 @@ def call_op(name: str, args: tuple, kwargs: dict):
     mesh_id = controller.define_mesh(out_specs[0].mesh)
     nodes = _grad_nodes(args, kwargs) if is_grad_enabled() and name not in NOT_DIFFERENTIABLE else ()
     grad = bool(nodes)
+    if grad and plan.kernel in PEER_KERNELS:
+        raise NotImplementedError(f"{name} at {user_site()}: backward through ring attention (q, k, v sharded on the "
+                                  "sequence) is not supported yet; shard heads instead (Ulysses: "
+                                  "cp_attention='ulysses'), or run it under dtorch.no_grad()")
     if not plan.sequence:
         out_id = controller.new_id()
         seq = controller.submit(RunOp, (out_id,), mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps,

@@ -255,6 +255,10 @@ class LlamaForCausalLM(nn.Module):
         if self.tied and len(self.stages) == 1:
             self.lm_head.weight = self.model.embed_tokens.weight   # one Parameter under both names
         self.inv_freq, self.attention_scaling = inverse_frequencies(config)
+        if _dim(device_mesh, "fsdp") is not None:   # parameters sharded over fsdp, gathered per layer
+            for layer in self.model.layers:
+                nn.fully_shard(layer, "fsdp")
+            nn.fully_shard(self, "fsdp")
 
     # --- forward ----------------------------------------------------------------------------------------
     def forward(self, input_ids, labels=None, past_key_values: list | None = None) -> CausalLMOutput:
@@ -401,7 +405,8 @@ def causal_lm_loss(logits: DTensor, labels: DTensor, ignore_index: int = -100) -
     of exponentials and the target's logit are each a small all-reduce over (batch, sequence)."""
     logits = logits.float()
     vocab = logits.shape[-1]
-    peak = logits.amax(-1, keepdim=True).reduce_partials()
+    # the shift cancels out of the loss, so it carries no gradient (torch's logsumexp detaches it too)
+    peak = logits.detach().amax(-1, keepdim=True).reduce_partials()
     shifted = logits - peak
     log_total = shifted.exp().sum(-1).reduce_partials().log()
     classes = arange(vocab, device_mesh=logits.device_mesh, placements=_class_placements(logits))

@@ -7,6 +7,7 @@ from .batchnorm import BatchNorm2d
 from .containers import ModuleDict, ModuleList, Sequential
 from .conv import Conv2d
 from .embedding import Embedding, EmbeddingWithReplicateOutput
+from .fsdp import fully_shard
 from .linear import (ColumnParallelLinear, ColumnParallelLinearWithReplicateInputOutput,
                      ColumnParallelLinearWithReplicateOutput, Linear, ReplicateParallelLinear, RowParallelLinear,
                      RowParallelLinearWithReplicateOutput)
@@ -24,4 +25,4 @@ __all__ = ["functional", "Module", "Parameter", "IncompatibleKeys", "Sequential"
            "GroupNorm", "Dropout", "Identity", "ReLU", "GELU", "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU",
            "Softplus", "Softmax", "LogSoftmax", "Flatten", "Unflatten", "parallelize_module", "ParallelStyle",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
-           "Conv2d", "BatchNorm2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d"]
+           "fully_shard", "Conv2d", "BatchNorm2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d"]

@@ -107,20 +107,25 @@ def _embedding_rule(call: Call, placements) -> Decision:
 
 def _embedding_local(call: Call, required):
     if any(p == Shard(0) for p in required[1]):
-        return "embedding_vocabulary_split", {"region": ShardRegion(call.inputs[1].shape, required[1])}
+        return "embedding_vocabulary_split", {"region": ShardRegion(call.inputs[1].shape, required[1]),
+                                              "total_rows": call.inputs[1].shape[0]}
     return "embedding", {}
 
 
 @kernel("embedding_vocabulary_split")
 def embedding_vocabulary_split(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
-                               scale_grad_by_freq=False, sparse=False, *, region):
+                               scale_grad_by_freq=False, sparse=False, *, region, total_rows):
     """Rows this rank holds are looked up; every other index yields zeros (summed later)."""
     (first, _), (rows, _) = region
     local = input - first
     outside = (local < 0) | (local >= rows)
     if rows == 0:
         return weight.new_zeros(tuple(input.shape) + (weight.shape[1],))
-    found = F.embedding(local.masked_fill(outside, 0), weight)
+    # padding_idx changes only the gradient (its row gets none): the rank holding that row applies it
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += total_rows
+    local_padding = padding_idx - first if padding_idx is not None and 0 <= padding_idx - first < rows else None
+    found = F.embedding(local.masked_fill(outside, 0), weight, local_padding)
     return found.masked_fill(outside.unsqueeze(-1), 0)
 
 

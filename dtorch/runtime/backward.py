@@ -11,7 +11,7 @@ import torch
 
 from . import protocol as wire
 
-__all__ = ["run_backward"]
+__all__ = ["run_backward", "connect_outputs"]
 
 
 def run_backward(tensors: dict, roots: list, seeds: list, command: wire.Backward) -> None:
@@ -19,11 +19,44 @@ def run_backward(tensors: dict, roots: list, seeds: list, command: wire.Backward
         inputs = [tensors[i] for i in command.inputs]
         found = torch.autograd.grad(roots, inputs, seeds, retain_graph=command.retain_graph, allow_unused=True)
         for out_id, tensor, grad in zip(command.out_ids, inputs, found):
-            tensors[out_id] = torch.zeros_like(tensor) if grad is None else grad
+            tensors[out_id] = _dense(grad, tensor)
         return
     torch.autograd.backward(roots, seeds, retain_graph=command.retain_graph)
     for leaf_id, out_id in zip(command.inputs, command.out_ids):
         leaf = tensors[leaf_id]
-        if leaf.grad is None:   # not reached on this rank's graph: its gradient is zero here
-            leaf.grad = torch.zeros_like(leaf)
+        if leaf.grad is None or leaf.grad._is_zerotensor():
+            leaf.grad = _dense(leaf.grad, leaf)   # not reached here, or torch's lazy zeros (sign's gradient)
         tensors[out_id] = leaf.grad
+
+
+def _dense(grad, like: torch.Tensor) -> torch.Tensor:
+    """A gradient the workers can keep and send: zeros for None and for torch's ZeroTensor."""
+    return torch.zeros_like(like) if grad is None or grad._is_zerotensor() else grad
+
+
+class _Connect(torch.autograd.Function):
+    """The output as is, joined to the op's inputs with a zero gradient. A kernel whose output on
+    some rank does not depend on its inputs (an empty shard, zeros off the rank holding a row)
+    would otherwise leave that rank's graph without the nodes before it, and a collective
+    recorded there would wait in backward for this rank forever."""
+
+    @staticmethod
+    def forward(ctx, output, *inputs):
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in inputs]
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None,) + tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
+
+
+def connect_outputs(result, inputs: list):
+    """Recorded op's outputs, each floating-point one requiring grad as it does on every other rank."""
+    def connected(output):
+        if isinstance(output, torch.Tensor) and output.is_floating_point() and not output.requires_grad:
+            return _Connect.apply(output, *inputs)
+        return output
+    if isinstance(result, (tuple, list)):
+        return type(result)(connected(r) for r in result) if type(result) in (tuple, list) else \
+            [connected(r) for r in result]
+    return connected(result)

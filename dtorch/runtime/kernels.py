@@ -254,7 +254,10 @@ class DifferentiableStep(torch.autograd.Function):
     def forward(ctx, tensor, anchor, step, before, after, extents, group, index, comm):
         ctx.step, ctx.before, ctx.after, ctx.extents, ctx.group, ctx.index = step, before, after, extents, group, index
         ctx.comm, ctx.shape = comm.comm if isinstance(comm, _CountingComm) else comm, tensor.shape
-        return step(tensor, before, after, extents, group, index, comm)
+        out = step(tensor, before, after, extents, group, index, comm)
+        if _selects(before):   # max/min: which ranks held the winner is read from the values
+            ctx.save_for_backward(tensor, out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -263,11 +266,11 @@ class DifferentiableStep(torch.autograd.Function):
 
 def _dual(ctx, grad: torch.Tensor) -> torch.Tensor:
     step, before, after, place = ctx.step, ctx.before, ctx.after, (ctx.extents, ctx.group, ctx.index, ctx.comm)
-    if isinstance(before, Partial) and before.reduce_op not in ("sum", "avg") or \
-            isinstance(after, Partial) and after.reduce_op != "sum":
-        op = before.reduce_op if isinstance(before, Partial) else after.reduce_op
-        raise NotImplementedError(f"backward through a Partial({op}) redistribute: only P(sum) (and P(avg) -> R) "
-                                  "have gradients here; reduce it with a differentiable op first")
+    if isinstance(after, Partial) and after.reduce_op != "sum":
+        raise NotImplementedError(f"backward through R -> Partial({after.reduce_op}): only P(sum) has a gradient "
+                                  "here; partialize with P(sum)")
+    if _selects(before):
+        return _selected(ctx, grad, place)
     if step is _all_gather:
         return _reduce_scatter(grad, _SUM, before, *place)
     if step is _all_reduce:
@@ -283,3 +286,21 @@ def _dual(ctx, grad: torch.Tensor) -> torch.Tensor:
         padded.narrow(after.dim, start, grad.shape[after.dim]).copy_(grad)
         return padded
     return partial_identity(grad, "sum", ctx.index == 0)   # R -> P(sum): the rank that kept the value
+
+
+def _selects(placement) -> bool:
+    return isinstance(placement, Partial) and placement.reduce_op in ("max", "min")
+
+
+def _selected(ctx, grad: torch.Tensor, place) -> torch.Tensor:
+    """P(max|min) -> R or S(d): the whole gradient goes to the ranks whose part was the winner,
+    split evenly where several ranks tie (as torch's amax splits it between equal values)."""
+    source, out = ctx.saved_tensors
+    if ctx.step is _all_reduce:
+        whole, winner = _all_reduce(grad, _SUM, Replicate(), *place), out
+    else:
+        whole = _all_gather(grad, ctx.after, Replicate(), *place)
+        winner = _all_gather(out, ctx.after, Replicate(), *place)
+    hit = (source == winner).to(grad.dtype)
+    count = _all_reduce(hit, _SUM, Replicate(), *place)
+    return whole * hit / count.clamp_min(1)

@@ -25,7 +25,7 @@ from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
 from . import protocol as wire
 from .comm import Communicator
 from .file_shards import read_block
-from .backward import run_backward
+from .backward import connect_outputs, run_backward
 from .kernels import apply_steps, make_factory
 from .peers import Peers
 from .protocol import TensorRef
@@ -232,6 +232,8 @@ class Worker:
             args = [tensor(a.id) if type(a) is TensorRef else a for a in command.args]
             kwargs = _map_refs(command.kwargs, lambda ref: tensor(ref.id), self._place(mesh)) if command.kwargs else {}
         result = KERNELS[command.kernel](*args, **kwargs)
+        if command.grad:
+            result = connect_outputs(result, _grad_inputs(args, kwargs))
         if isinstance(result, (tuple, list)):
             for tensor_id, value in zip(command.out_ids, result):
                 self.tensors[tensor_id] = value
@@ -489,6 +491,26 @@ def _local_only(steps) -> bool:
 
 def _region_of(shape, mesh: DeviceMesh, placements, rank: int):
     return local_region(shape, mesh, placements, mesh.coordinate_of(rank))
+
+
+def _grad_inputs(args, kwargs) -> list:
+    """The op's local input tensors that require grad, depth-first."""
+    found = []
+    for value in (args, kwargs):
+        _collect_grad(value, found)
+    return found
+
+
+def _collect_grad(value, found: list) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            found.append(value)
+    elif type(value) in (tuple, list):
+        for v in value:
+            _collect_grad(v, found)
+    elif type(value) is dict:
+        for v in value.values():
+            _collect_grad(v, found)
 
 
 def _flat(args) -> bool:
