@@ -13,7 +13,7 @@ import weakref
 from contextlib import contextmanager
 
 __all__ = ["is_grad_enabled", "set_grad_enabled", "no_grad", "enable_grad", "Leaf", "OpNode", "HopNode",
-           "record_op", "needs_grad"]
+           "Refused", "record_op"]
 
 _mode = threading.local()   # per thread, as in torch: one thread's no_grad is not another's
 
@@ -85,11 +85,13 @@ class HopNode:
         self.inputs, self.mesh, self.released = (source._node,), landed.device_mesh, False
 
 
-def needs_grad(tensors) -> tuple:
-    """The nodes of the inputs that require grad, if grad mode is on; () otherwise."""
-    if not is_grad_enabled():
-        return ()
-    return tuple(t._node for t in tensors if t._node is not None)
+class Refused:
+    """An op that ran unrecorded because its backward is not supported: a backward that reaches
+    it raises `reason` (which names the op and the user's line) instead of the forward failing."""
+    __slots__ = ("reason", "__weakref__")
+
+    def __init__(self, reason: str):
+        self.reason = reason
 
 
 def record_op(nodes: tuple, outputs, mesh) -> None:

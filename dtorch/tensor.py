@@ -23,7 +23,7 @@ from .ops.tensor_meta import TensorMeta, check_placements, shape_argument, tenso
 from .aliasing import VIEW_OPS, note_view
 from .redistribute import plan_redistribute
 from .runtime import session
-from .recording import HopNode, Leaf, OpNode, is_grad_enabled, record_op
+from .recording import HopNode, Leaf, OpNode, Refused, is_grad_enabled, record_op
 from .runtime.protocol import Redistribute, RequireGrad, RunOp, Transfer, dtype_name
 
 __all__ = ["DTensor", "call_op"]
@@ -411,16 +411,16 @@ def call_op(name: str, args: tuple, kwargs: dict):
     mesh_id = controller.define_mesh(out_specs[0].mesh)
     nodes = _grad_nodes(args, kwargs) if is_grad_enabled() and name not in NOT_DIFFERENTIABLE else ()
     grad = bool(nodes)
-    if grad and plan.kernel in PEER_KERNELS:
-        raise NotImplementedError(f"{name} at {user_site()}: backward through ring attention (q, k, v sharded on the "
-                                  "sequence) is not supported yet; shard heads instead (Ulysses: "
-                                  "cp_attention='ulysses'), or run it under dtorch.no_grad()")
+    if grad and plan.kernel in PEER_KERNELS:   # runs, unrecorded: a backward reaching it says why it cannot
+        nodes = (Refused(f"{name} at {user_site()}: backward through ring attention (q, k, v sharded on the "
+                         "sequence) is not supported yet; shard heads instead (Ulysses: cp_attention='ulysses')"),)
+        grad = False
     if not plan.sequence:
         out_id = controller.new_id()
         seq = controller.submit(RunOp, (out_id,), mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps,
                                 grad)
         result = DTensor(out_id, out_specs[0], seq, controller)
-        if grad:
+        if nodes:
             record_op(nodes, (result,), out_specs[0].mesh)
     else:
         out_ids = controller.new_ids(len(out_specs))
@@ -428,7 +428,7 @@ def call_op(name: str, args: tuple, kwargs: dict):
                                 grad)
         # torch's own result type: torch.return_types.max keeps .values / .indices, as in torch
         result = plan.sequence([DTensor(i, spec, seq, controller) for i, spec in zip(out_ids, out_specs)])
-        if grad:
+        if nodes:
             record_op(nodes, result, out_specs[0].mesh)
     if name in VIEW_OPS:   # views remember their base, for in-place ops (dtorch/aliasing.py)
         note_view(name, given, kwargs, result)

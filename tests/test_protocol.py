@@ -94,11 +94,14 @@ COMMAND_EXAMPLES = [
     wire.Upload(2, 2, 0, (4,), "bfloat16", _placements(-2, 0)),
     wire.LoadShard(3, 3, 0, (7, 5), "bfloat16", _placements(0, 1), "/ckpt/model-00001.safetensors",
                    "embed.weight", 1 << 33, "float32"),
-    wire.RunOp(4, (4,), 0, "add", "add", (wire.TensorRef(1), wire.TensorRef(2)), {"alpha": 2}, ()),
-    wire.Redistribute(5, 5, 1, 0, (4, 6), "float32", _placements(0, -1), ((0, _placements(0)[0], _placements(-1)[0]),)),
+    wire.RunOp(4, (4,), 0, "add", "add", (wire.TensorRef(1), wire.TensorRef(2)), {"alpha": 2}, (), True),
+    wire.Redistribute(5, 5, 1, 0, (4, 6), "float32", _placements(0, -1), ((0, _placements(0)[0], _placements(-1)[0]),),
+                      True),
     wire.Transfer(6, 6, 1, 0, 1, (4, 6), "float32", _placements(0, -1), _placements(-1)),
     wire.Fetch(7, 1, 0, (0, 2)), wire.Free(8, (1, 2)), wire.Sync(9), wire.Shutdown(10),
     wire.Regroup(11, 1, (2,)),
+    wire.RequireGrad(12, (1, 2), True), wire.SetGrads(13, (1, 2), (5, -1)),
+    wire.Backward(14, 0, (4,), (5,), (1, 2), (6, 7), "backward", False),
 ]
 
 

@@ -17,8 +17,11 @@ reads a checkpoint's config.json without transformers, which dtorch never import
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import math
+import operator
 import os
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -262,11 +265,17 @@ class LlamaForCausalLM(nn.Module):
 
     # --- forward ----------------------------------------------------------------------------------------
     def forward(self, input_ids, labels=None, past_key_values: list | None = None) -> CausalLMOutput:
-        ids = self._upload(input_ids)
-        chunks = self._microbatches(ids) if past_key_values is None else [ids]
+        chunks = self._microbatches(input_ids) if past_key_values is None else [self._upload(input_ids)]
         logits = [self._forward_one(chunk, past_key_values) for chunk in chunks]
+        loss = None
+        if labels is not None:   # per microbatch, then one mean: the logits are never concatenated for it
+            rows = [0] + list(itertools.accumulate(chunk.shape[0] for chunk in chunks))
+            labels = labels.to_torch() if isinstance(labels, DTensor) else torch.as_tensor(labels)
+            parts = [token_losses(part, self._upload_labels(labels[start:end], part))
+                     for part, start, end in zip(logits, rows, rows[1:])]
+            totals, counts = zip(*parts)
+            loss = functools.reduce(operator.add, totals) / functools.reduce(operator.add, counts)
         logits = logits[0] if len(logits) == 1 else _cat(logits, 0)
-        loss = causal_lm_loss(logits, self._upload_labels(labels, logits)) if labels is not None else None
         return CausalLMOutput(loss, logits, past_key_values)
 
     def _forward_one(self, ids: DTensor, cache: list | None) -> DTensor:
@@ -312,11 +321,17 @@ class LlamaForCausalLM(nn.Module):
         placements = [p if isinstance(p, Shard) and p.dim < 2 else Replicate() for p in logits.placements]
         return upload(shifted, device_mesh=mesh, placements=placements)
 
-    def _microbatches(self, ids: DTensor) -> list[DTensor]:
-        if len(self.stages) == 1 or self.microbatches <= 1 or ids.shape[0] < 2:
-            return [ids]
-        count = min(self.microbatches, ids.shape[0])
-        return list(ids.chunk(count, 0))
+    def _microbatches(self, input_ids) -> list[DTensor]:
+        """The batch's microbatches for the pipeline, each uploaded with the batch sharded over
+        dp/fsdp (a torch tensor is split here, before the upload, so no microbatch lives on one
+        data-parallel rank only)."""
+        rows = input_ids.shape[0]
+        if len(self.stages) == 1 or self.microbatches <= 1 or rows < 2:
+            return [self._upload(input_ids)]
+        count = min(self.microbatches, rows)
+        if isinstance(input_ids, DTensor):
+            return list(input_ids.chunk(count, 0))
+        return [self._upload(part) for part in torch.as_tensor(input_ids).chunk(count, 0)]
 
     # --- loading -----------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False, **kwargs):
@@ -403,6 +418,13 @@ def causal_lm_loss(logits: DTensor, labels: DTensor, ignore_index: int = -100) -
     """Mean cross-entropy over the labels that are not ignore_index, in float32 as transformers
     computes it. With the vocabulary sharded (tp) it never gathers the logits: the max, the sum
     of exponentials and the target's logit are each a small all-reduce over (batch, sequence)."""
+    total, count = token_losses(logits, labels, ignore_index)
+    return total / count
+
+
+def token_losses(logits: DTensor, labels: DTensor, ignore_index: int = -100) -> tuple[DTensor, DTensor]:
+    """(sum of the token losses, number of counted tokens): causal_lm_loss before its division,
+    so that microbatches add up to the batch's mean."""
     logits = logits.float()
     vocab = logits.shape[-1]
     # the shift cancels out of the loss, so it carries no gradient (torch's logsumexp detaches it too)
@@ -414,7 +436,7 @@ def causal_lm_loss(logits: DTensor, labels: DTensor, ignore_index: int = -100) -
     target = (shifted * hit).sum(-1).reduce_partials()
     keep = (labels != ignore_index).to(shifted.dtype)
     # the count is all-reduced (a scalar); the loss stays a pending sum until it is read
-    return ((log_total - target) * keep).sum() / keep.sum().reduce_partials()
+    return ((log_total - target) * keep).sum(), keep.sum().reduce_partials()
 
 
 def _class_placements(logits: DTensor) -> list:

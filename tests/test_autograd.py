@@ -1,0 +1,194 @@
+"""Autograd's API against torch's (accumulation, grad mode, in-place rules, autograd.grad, errors),
+each redistribute's dual, failures, and Llama's gradients against transformers on every layout.
+(tests/test_grad_sweep.py sweeps every op's gradient over placements.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import Partial, Replicate, Shard
+from dtorch.distributed_spec import init_device_mesh
+from dtorch.errors import DTorchError
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _up(value, mesh, placements, **kwargs):
+    return dtorch.tensor(value, device_mesh=mesh, placements=placements, **kwargs)
+
+
+def test_a_replicated_weight_with_a_batch_sharded_input_gets_the_global_batch_gradient(mesh4):
+    x, w = torch.randn(10, 4), torch.randn(4, 3)
+    dx, dw = _up(x, mesh4, [Shard(0)]), _up(w, mesh4, [Replicate()], requires_grad=True)
+    loss = (dx @ dw).tanh().mean()
+    loss.backward()
+    reference = w.clone().requires_grad_()
+    (x @ reference).tanh().mean().backward()
+    assert dw.grad.placements == (Replicate(),)
+    torch.testing.assert_close(dw.grad.to_torch(), reference.grad)
+
+
+def test_gradients_accumulate_and_are_reduced_once_per_read(mesh4):
+    w = _up(torch.randn(4, 3), mesh4, [Replicate()], requires_grad=True)
+    x = dtorch.randn(8, 4, device_mesh=mesh4, placements=[Shard(0)])
+    (x @ w).sum().backward()
+    first = w.grad.to_torch()
+    before = dtorch.stats()["commands_sent"]
+    (x @ w).sum().backward()
+    (x @ w).sum().backward()
+    assert dtorch.stats()["commands_sent"] - before < 20   # two forwards and backwards, no per-op reduction
+    torch.testing.assert_close(w.grad.to_torch(), 3 * first)
+    w.grad = None
+    assert w.grad is None
+    (x @ w).sum().backward()
+    torch.testing.assert_close(w.grad.to_torch(), first)
+
+
+def test_backward_with_a_gradient_and_partial_roots(mesh22):
+    a = torch.randn(4, 6)
+    x = _up(a, mesh22, [Shard(0), Shard(1)], requires_grad=True)
+    y = x * 3
+    g = torch.randn(4, 6)
+    y.backward(_up(g, mesh22, [Replicate(), Replicate()]))
+    torch.testing.assert_close(x.grad.to_torch(), 3 * g)
+    assert x.grad.placements == (Shard(0), Shard(1))
+    p = _up(a, mesh22, [Partial(), Replicate()], requires_grad=True)   # a Partial leaf: gradient R, shown as P
+    (p.sum() * 2).backward()
+    assert p.grad.placements == (Partial(), Replicate())
+    torch.testing.assert_close(p.grad.to_torch(), torch.full_like(a, 2.0))
+
+
+@pytest.mark.parametrize("pair", [("S0", "R"), ("S1", "S0"), ("P", "R"), ("P", "S0"), ("R", "S1"), ("R", "P")])
+def test_each_redistribute_has_its_dual(pair, mesh4):
+    names = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
+    a, weights = torch.randn(7, 5), torch.randn(7, 5)
+    x = _up(a, mesh4, [names[pair[0]]], requires_grad=True)
+    moved = x.redistribute(placements=[names[pair[1]]])
+    (moved * _up(weights, mesh4, [Replicate()])).sum().backward()
+    torch.testing.assert_close(x.grad.to_torch(), weights)
+
+
+def test_grad_mode_and_leaves(mesh4):
+    x = _up(torch.randn(4, 4), mesh4, [Shard(0)], requires_grad=True)
+    with dtorch.no_grad():
+        y = x * 2
+    assert not y.requires_grad and x.requires_grad and x.is_leaf
+    z = x * 2
+    assert z.requires_grad and not z.is_leaf and z.grad_fn is not None
+    assert not x.detach().requires_grad
+    assert not (x > 0).requires_grad        # integer and bool outputs carry no gradient
+    with pytest.raises(RuntimeError, match="only change requires_grad flags of leaf"):
+        z.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="floating point"):
+        dtorch.zeros(3, dtype=torch.int64, device_mesh=mesh4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        x.add_(1)
+    with pytest.raises(RuntimeError, match="implicitly created only for scalar"):
+        z.backward()
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        y.sum().backward()
+    with dtorch.set_grad_enabled(False):
+        assert not dtorch.is_grad_enabled()
+    assert dtorch.is_grad_enabled()
+
+
+def test_in_place_updates_under_no_grad_keep_the_leaf(mesh4):
+    a = torch.randn(4, 3)
+    w = _up(a, mesh4, [Replicate()], requires_grad=True)
+    x = dtorch.randn(6, 4, device_mesh=mesh4, placements=[Shard(0)])
+    (x @ w).sum().backward()
+    g = w.grad.to_torch()
+    with dtorch.no_grad():
+        w -= 0.5 * w.grad
+    assert w.is_leaf and w.requires_grad
+    torch.testing.assert_close(w.to_torch(), a - 0.5 * g)
+    (x @ w).sum().backward()        # the gradient stayed bound to the leaf: it accumulates
+    torch.testing.assert_close(w.grad.to_torch(), 2 * g)
+    h = w * 2
+    h.mul_(3)                       # in place on a non-leaf: recorded like any op
+    h.sum().backward()
+    torch.testing.assert_close(w.grad.to_torch(), 2 * g + 6)
+
+
+def test_autograd_grad_returns_without_accumulating(mesh22):
+    a = torch.randn(6, 4)
+    x = _up(a, mesh22, [Shard(0), Replicate()], requires_grad=True)
+    mid = x.sin()
+    out = (mid * mid).sum()
+    gx, gmid = dtorch.autograd.grad(out, [x, mid], retain_graph=True)
+    torch.testing.assert_close(gx.to_torch(), 2 * a.sin() * a.cos())
+    torch.testing.assert_close(gmid.to_torch(), 2 * a.sin())
+    assert x.grad is None
+    unused = _up(a, mesh22, [Replicate(), Replicate()], requires_grad=True)
+    with pytest.raises(RuntimeError, match="not used in the graph"):
+        dtorch.autograd.grad(out, [unused], retain_graph=True)
+    assert dtorch.autograd.grad(out, [unused], allow_unused=True)[0] is None
+
+
+def test_a_second_backward_without_retain_graph_is_refused(mesh4):
+    x = _up(torch.randn(4), mesh4, [Shard(0)], requires_grad=True)
+    y = (x * x).sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    torch.testing.assert_close(x.grad.to_torch(), 4 * x.to_torch())
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.backward()
+
+
+def test_a_failed_forward_op_comes_back_at_the_gradient_read(mesh4):
+    x = _up(torch.randn(4, 4), mesh4, [Shard(0)], requires_grad=True)
+    table = _up(torch.randn(4, 2), mesh4, [Replicate()], requires_grad=True)
+    looked_up = dtorch.nn.functional.embedding(_up(torch.tensor([0, 7]), mesh4, [Replicate()]), table)  # row 7 of 4
+    (looked_up.sum() + (x * 2).sum()).backward()
+    with pytest.raises(DTorchError, match="embedding"):
+        x.grad.to_torch()
+    x.grad = None
+    (x * 3).sum().backward()        # the session goes on
+    torch.testing.assert_close(x.grad.to_torch(), torch.full((4, 4), 3.0))
+
+
+# --- Llama's gradients against transformers ----------------------------------------------------------
+transformers = pytest.importorskip("transformers")
+
+LAYOUTS = {   # name -> (mesh shape, mesh dim names)
+    "dp2": ((2,), ["dp"]), "fsdp2": ((2,), ["fsdp"]), "tp2": ((2,), ["tp"]), "cp2": ((2,), ["cp"]),
+    "pp2": ((2,), ["pp"]), "fsdp2xtp2": ((2, 2), ["fsdp", "tp"]), "dp2xpp2": ((2, 2), ["dp", "pp"]),
+}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 96, (4, 10), generator=torch.Generator().manual_seed(1))
+    out = reference(ids, labels=ids)
+    out.loss.backward()
+    return reference, ids, out.loss.item(), {k: p.grad for k, p in reference.named_parameters()}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_llama_gradients_equal_transformers(layout, llama, session):
+    from dtorch.models import LlamaForCausalLM
+    reference, ids, loss, grads = llama
+    shape, names = LAYOUTS[layout]
+    model = LlamaForCausalLM(reference.config, device_mesh=init_device_mesh("cpu", shape, mesh_dim_names=names))
+    model.load_state_dict(reference.state_dict())
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    assert abs(out.loss.item() - loss) < 1e-5
+    for name, param in model.named_parameters():
+        assert param.grad.placements == param.placements, name
+        torch.testing.assert_close(param.grad.to_torch(), grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_ring_attention_runs_forward_and_refuses_backward_at_the_backward_call(mesh4):
+    q = _up(torch.randn(1, 2, 8, 4), mesh4, [Shard(2)], requires_grad=True)
+    out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(out.to_torch(), torch.nn.functional.scaled_dot_product_attention(
+        q.to_torch(), q.to_torch(), q.to_torch(), is_causal=True), rtol=1e-4, atol=1e-5)
+    with pytest.raises(NotImplementedError, match=r"test_autograd.py:\d+: backward through ring attention"):
+        out.sum().backward()
