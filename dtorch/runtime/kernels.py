@@ -12,7 +12,7 @@ from ..distributed_spec import DeviceMesh, Partial, Replicate, chunk_bounds, hol
 from ..redistribute import step_kind
 from .comm import Communicator
 
-__all__ = ["make_factory", "apply_steps", "partial_identity", "DifferentiableStep"]
+__all__ = ["make_factory", "apply_steps", "partial_identity", "DifferentiableStep", "pack_saved", "unpack_saved"]
 
 
 # --- factories ------------------------------------------------------------------------------
@@ -257,6 +257,10 @@ class DifferentiableStep(torch.autograd.Function):
         out = step(tensor, before, after, extents, group, index, comm)
         if _selects(before):   # max/min: which ranks held the winner is read from the values
             ctx.save_for_backward(tensor, out)
+        if step is _all_gather and tensor.is_leaf and tensor.requires_grad:
+            # a parameter's shard gathered (fsdp): backward gathers it again rather than keep it.
+            # Marked on the storage's root tensor: ops save views of it (linear saves weight.t())
+            _root(out)._dtorch_regather = (tensor, before, after, extents, group, index, ctx.comm)
         return out
 
     @staticmethod
@@ -304,3 +308,34 @@ def _selected(ctx, grad: torch.Tensor, place) -> torch.Tensor:
     hit = (source == winner).to(grad.dtype)
     count = _all_reduce(hit, _SUM, Replicate(), *place)
     return whole * hit / count.clamp_min(1)
+
+
+# --- fsdp: gathered parameters are not kept for backward ------------------------------------
+def pack_saved(tensor: torch.Tensor):
+    """torch.autograd.graph.saved_tensors_hooks' pack: a gathered parameter is saved as the way
+    to gather it again (its shard and the step), so it is freed after the forward that used it."""
+    recipe = getattr(_root(tensor), "_dtorch_regather", None)
+    if recipe is None:
+        return tensor
+    return _Regather(recipe, (tensor.size(), tensor.stride(), tensor.storage_offset()))
+
+
+def unpack_saved(packed):
+    """... and unpack: backward gathers it again (every rank unpacks in the same node order)."""
+    if type(packed) is not _Regather:
+        return packed
+    shard, before, after, extents, group, index, comm = packed.recipe
+    with torch.no_grad():   # the same step lays the gathered storage out the same way again
+        gathered = _all_gather(shard.detach(), before, after, extents, group, index, comm)
+    return _root(gathered).as_strided(*packed.view)
+
+
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor._base is None else tensor._base
+
+
+class _Regather:
+    __slots__ = ("recipe", "view")
+
+    def __init__(self, recipe, view):
+        self.recipe, self.view = recipe, view

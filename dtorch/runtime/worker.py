@@ -26,7 +26,7 @@ from . import protocol as wire
 from .comm import Communicator
 from .file_shards import read_block
 from .backward import connect_outputs, run_backward
-from .kernels import apply_steps, make_factory
+from .kernels import apply_steps, make_factory, pack_saved, unpack_saved
 from .peers import Peers
 from .protocol import TensorRef
 from .transport import WorkerSockets
@@ -215,7 +215,7 @@ class Worker:
         if mesh is None:
             return
         if command.grad:   # torch records the local op for backward (workers run with grad off)
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack_saved, unpack_saved):
                 return self._run_op(command, mesh)
         self._run_op(command, mesh)
 
