@@ -8,6 +8,7 @@ from .containers import ModuleDict, ModuleList, Sequential
 from .conv import Conv2d
 from .embedding import Embedding, EmbeddingWithReplicateOutput
 from .fsdp import fully_shard
+from .mixed_precision import mixed_precision
 from .linear import (ColumnParallelLinear, ColumnParallelLinearWithReplicateInputOutput,
                      ColumnParallelLinearWithReplicateOutput, Linear, ReplicateParallelLinear, RowParallelLinear,
                      RowParallelLinearWithReplicateOutput)
@@ -25,4 +26,4 @@ __all__ = ["functional", "Module", "Parameter", "IncompatibleKeys", "Sequential"
            "GroupNorm", "Dropout", "Identity", "ReLU", "GELU", "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU",
            "Softplus", "Softmax", "LogSoftmax", "Flatten", "Unflatten", "parallelize_module", "ParallelStyle",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
-           "fully_shard", "Conv2d", "BatchNorm2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d"]
+           "fully_shard", "mixed_precision", "Conv2d", "BatchNorm2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d"]
