@@ -26,6 +26,7 @@ from . import inplace as _inplace  # noqa: F401  (installs x[i] = v and the in-p
 from .inplace import AliasingError
 from . import advanced_indexing as _advanced_indexing  # noqa: F401  (x[t], x[t] = v, index_put)
 from . import nn
+from . import optim
 from . import checkpoint
 from . import models
 
@@ -81,5 +82,5 @@ __all__ = [
     "Tensor", "Generator",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
     "DependencyError", "WorkerLostError", "LostTensorError", "AliasingError", "StartupError", "SessionEndedError", "UnreadFailureWarning",
-    "nn", "checkpoint", "models",
+    "nn", "optim", "checkpoint", "models",
 ] + sorted(n for n in _REGISTRY if n in globals())

@@ -11,7 +11,7 @@ class Parameter(DTensor):
     shared, not copied (a `detach` command), so `x` stays usable and each symbol frees only its
     own id. As everywhere in dtorch, values never change under a symbol: rebinding
     `module.weight = Parameter(...)` is how a parameter gets new values."""
-    __slots__ = ("requires_grad",)
+    __slots__ = ("requires_grad", "grad")
 
     def __new__(cls, data: DTensor, requires_grad: bool = True):
         # checked before the object exists: a half-built symbol would run DTensor.__del__
