@@ -72,7 +72,7 @@ class Optimizer(torch.optim.Optimizer):
         controller = session.controller()
         names = state_names(self.kind, hyper)
         grads = [_grad_like(p, self.kind) for p in params]
-        states = [self.state[p] for p in params]
+        states = [self.state[p] if names else {} for p in params]   # torch keeps no state for plain SGD
         fresh = tuple(int(any(not isinstance(s.get(n), DTensor) for n in names)) for s in states)
         new_ids = {i: controller.new_ids(len(names)) for i, new in enumerate(fresh) if new}
         state_ids = tuple(i for k, s in enumerate(states)
@@ -93,10 +93,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def _record_step(self, state: dict, names: tuple) -> None:
         """What torch keeps beside the buffers: Adam's step count (an int here: state_dict() gives
-        torch's 0-d tensor), SGD's momentum_buffer=None without momentum."""
-        if self.kind == "SGD":
-            state.setdefault("momentum_buffer", None)
-        else:
+        torch's 0-d tensor)."""
+        if self.kind != "SGD":
             state["step"] = state.get("step", 0) + 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -158,6 +156,9 @@ def _grad_like(p: DTensor, what: str) -> DTensor:
     if tuple(grad.shape) != tuple(p.shape):
         raise ValueError(f"dtorch.optim.{what}: grad of shape {tuple(grad.shape)} for a parameter of shape "
                          f"{tuple(p.shape)}")
+    if grad.dtype != p.dtype:   # torch refuses such a grad when it is assigned
+        raise TypeError(f"dtorch.optim.{what}: a grad of dtype {grad.dtype} for a parameter of dtype {p.dtype}; "
+                        "the gradient must match the parameter's dtype")
     if grad.device_mesh != p.device_mesh or grad.placements != p.placements:
         grad = grad.redistribute(p.device_mesh, p.placements)
     return grad

@@ -36,8 +36,9 @@ def _placed_like(value, param: DTensor, what: str) -> DTensor:
     if tuple(value.shape) != tuple(param.shape):
         raise ValueError(f"{what} has shape {tuple(value.shape)}, its parameter {tuple(param.shape)}")
     dtype = param.dtype if value.dtype.is_floating_point and param.dtype.is_floating_point else value.dtype
-    if isinstance(value, torch.Tensor):   # a torch.optim state_dict: uploaded as the param's shards
-        return upload(value.detach().to(dtype), device_mesh=param.device_mesh, placements=param.placements)
+    if isinstance(value, torch.Tensor):   # a torch.optim state_dict: uploaded as the param's shards,
+        # from a copy: an upload sends the tensor's own memory later, and torch may step it meanwhile
+        return upload(value.detach().to(dtype, copy=True), device_mesh=param.device_mesh, placements=param.placements)
     placed = value.redistribute(param.device_mesh, param.placements)
     # Steps update the buffer in place, so it must share no storage with the saved one (a
     # redistribute may hand back the same tensor, or a slice of it): a cast or a clone copies.
