@@ -99,6 +99,10 @@ COMMAND_EXAMPLES = [
     wire.Transfer(6, 6, 1, 0, 1, (4, 6), "float32", _placements(0, -1), _placements(-1)),
     wire.Fetch(7, 1, 0, (0, 2)), wire.Free(8, (1, 2)), wire.Sync(9), wire.Shutdown(10),
     wire.Regroup(11, 1, (2,)),
+    wire.OptimizerStep(12, 0, "AdamW", {"lr": 0.1, "betas": (0.9, 0.999), "amsgrad": False}, (1, 2), (3, 4),
+                       (5, 6, 7, 8), (0, 3), (1, 0)),
+    wire.GradNorm(13, 9, 0, float("inf"), (3, 4), (_placements(0, -1), _placements(-1, 1))),
+    wire.UpdateGrads(14, 0, "clip_grad_norm_", (3, 4), 9, 0.0),
 ]
 
 
