@@ -270,6 +270,19 @@ def test_a_failed_step_is_raised_at_the_next_read_and_the_session_goes_on(mesh2)
     assert torch.equal((x + 1).to_torch(), torch.full((4,), 2.0))   # the session is usable
 
 
+def test_a_read_issued_before_a_step_sees_the_values_before_it(mesh2):
+    """The step writes in place while the read's bytes may still be leaving the worker (zmq
+    sends them zero-copy, on its own thread): the read must be a snapshot."""
+    p = dtorch.nn.Parameter(dtorch.zeros(512, 512, device_mesh=mesh2, placements=[S(0)]))
+    p.grad = dtorch.ones(512, 512, device_mesh=mesh2, placements=[S(0)])
+    opt = dtorch.optim.SGD([p], lr=1.0)
+    before = p.fetch()
+    opt.step()
+    after = p.fetch()
+    assert torch.equal(before.result(), torch.zeros(512, 512))
+    assert torch.equal(after.result(), torch.full((512, 512), -1.0))
+
+
 def test_bad_arguments_fail_at_the_call(mesh2):
     p = dtorch.nn.Parameter(dtorch.ones(4, device_mesh=mesh2, placements=[S(0)]))
     with pytest.raises(TypeError, match="optimizes DTensors"):

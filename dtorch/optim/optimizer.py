@@ -15,7 +15,7 @@ from ..runtime import session
 from ..runtime.optim_kernels import state_names
 from ..runtime.protocol import OptimizerStep
 from ..tensor import DTensor
-from .grads import update_grads
+from .grads import by_mesh, update_grads
 from .state import pack_state, unpack_state
 
 __all__ = ["Optimizer"]
@@ -64,34 +64,33 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             hyper = self.hyper(group)
-            for mesh_params in _by_mesh(group["params"]).values():
+            with_grads = [p for p in group["params"] if getattr(p, "grad", None) is not None]
+            for mesh_params in by_mesh(with_grads).values():
                 self._step_on_mesh(hyper, mesh_params)
         return loss
 
     def _step_on_mesh(self, hyper: dict, params: list) -> None:
         controller = session.controller()
         names = state_names(self.kind, hyper)
-        grads = [_grad_like(p, self.kind) for p in params]
+        grads = [_grad_like(p, self.kind) for p in params]   # held until submitted (a Free may follow)
         states = [self.state[p] if names else {} for p in params]   # torch keeps no state for plain SGD
-        fresh = tuple(int(any(not isinstance(s.get(n), DTensor) for n in names)) for s in states)
-        new_ids = {i: controller.new_ids(len(names)) for i, new in enumerate(fresh) if new}
-        state_ids = tuple(i for k, s in enumerate(states)
-                          for i in (new_ids[k] if fresh[k] else [controller.reference(s[n]).id for n in names]))
-        steps = tuple(s.get("step", 0) for s in states)
+        fresh = tuple(int(not all(isinstance(s.get(n), DTensor) for n in names)) for s in states)
+        buffer_ids = [controller.new_ids(len(names)) if new else tuple(controller.reference(s[n]).id for n in names)
+                      for s, new in zip(states, fresh)]
         seq = controller.submit(OptimizerStep, controller.define_mesh(params[0].device_mesh), self.kind, hyper,
                                 tuple(controller.reference(p).id for p in params),
-                                tuple(controller.reference(g).id for g in grads), state_ids, steps, fresh)
-        for k, (p, grad, state) in enumerate(zip(params, grads, states)):
-            p._seq = seq   # a read of p after a failed step raises that step's RemoteError
-            if fresh[k]:
-                like = grad if self.kind == "SGD" else p   # torch clones the grad, or zeros_like(param)
-                meta = tensor_meta(p.shape, like.dtype, p.device_mesh, p.placements)
-                state.update({n: DTensor(i, meta, seq, controller) for n, i in zip(names, new_ids[k])})
-            for name in names:
-                state[name]._seq = seq
-            self._record_step(state, names)
+                                tuple(controller.reference(g).id for g in grads),
+                                tuple(i for ids in buffer_ids for i in ids), tuple(s.get("step", 0) for s in states),
+                                fresh)
+        for p, grad, state, ids, new in zip(params, grads, states, buffer_ids, fresh):
+            if new:   # torch's lazy state: SGD clones the grad, Adam takes zeros_like(param)
+                meta = tensor_meta(p.shape, (grad if self.kind == "SGD" else p).dtype, p.device_mesh, p.placements)
+                state.update({name: DTensor(i, meta, seq, controller) for name, i in zip(names, ids)})
+            for written in [p] + [state[name] for name in names]:
+                written._seq = seq   # a read after a failed step raises that step's RemoteError
+            self._record_step(state)
 
-    def _record_step(self, state: dict, names: tuple) -> None:
+    def _record_step(self, state: dict) -> None:
         """What torch keeps beside the buffers: Adam's step count (an int here: state_dict() gives
         torch's 0-d tensor)."""
         if self.kind != "SGD":
@@ -136,15 +135,6 @@ class Optimizer(torch.optim.Optimizer):
                 state[by_index[i]] = unpack_state(values, by_index[i], type(self).__name__)
         self.param_groups = [{**s, "params": g["params"]} for g, s in zip(self.param_groups, saved_groups)]
         self.state = state
-
-
-def _by_mesh(params) -> dict:
-    """Parameters that have a grad, grouped by mesh in first-seen order (pipeline stages)."""
-    groups: dict = {}
-    for p in params:
-        if getattr(p, "grad", None) is not None:
-            groups.setdefault(p.device_mesh, []).append(p)
-    return groups
 
 
 def _grad_like(p: DTensor, what: str) -> DTensor:
