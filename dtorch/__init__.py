@@ -28,6 +28,7 @@ from . import advanced_indexing as _advanced_indexing  # noqa: F401  (x[t], x[t]
 from . import autograd
 from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from . import nn
+from . import optim
 from . import checkpoint
 from . import models
 
@@ -83,5 +84,5 @@ __all__ = [
     "Tensor", "Generator",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
     "DependencyError", "WorkerLostError", "LostTensorError", "AliasingError", "StartupError", "SessionEndedError", "UnreadFailureWarning",
-    "nn", "checkpoint", "models",
+    "nn", "optim", "checkpoint", "models",
 ] + sorted(n for n in _REGISTRY if n in globals())

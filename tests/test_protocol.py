@@ -102,6 +102,10 @@ COMMAND_EXAMPLES = [
     wire.Regroup(11, 1, (2,)),
     wire.RequireGrad(12, (1, 2), True), wire.SetGrads(13, (1, 2), (5, -1)),
     wire.Backward(14, 0, (4,), (5,), (1, 2), (6, 7), "backward", False),
+    wire.OptimizerStep(15, 0, "AdamW", {"lr": 0.1, "betas": (0.9, 0.999), "amsgrad": False}, (1, 2), (3, 4),
+                       (5, 6, 7, 8), (0, 3), (1, 0)),
+    wire.GradNorm(16, 9, 0, float("inf"), (3, 4), (_placements(0, -1), _placements(-1, 1))),
+    wire.UpdateGrads(17, 0, "clip_grad_norm_", (3, 4), 9, 0.0),
 ]
 
 

@@ -94,8 +94,11 @@ def set_leaf_grad(tensor: DTensor, value) -> None:
     if not isinstance(value, DTensor) or tuple(value.shape) != tuple(tensor.shape):
         raise RuntimeError(f"assigned grad has data of a different size at {user_site()}: "
                            f"{getattr(value, 'shape', type(value).__name__)} for a tensor of shape {tuple(tensor.shape)}")
+    if value.dtype != tensor.dtype:
+        raise RuntimeError(f"assigned grad has data of a different type at {user_site()}: {value.dtype} for a "
+                           f"{tensor.dtype} tensor")
     with no_grad():
-        value = value.to(tensor.dtype).redistribute(tensor.device_mesh, tensor.placements)
+        value = value.redistribute(tensor.device_mesh, tensor.placements)
     _bind(tensor, leaf, value)
 
 

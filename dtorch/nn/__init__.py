@@ -1,6 +1,7 @@
 """dtorch.nn: modules whose parameters live on a mesh's workers, with torch.nn's and DTorch's
 names, parallel styles (parallelize_module), and functional ops (dtorch.nn.functional)."""
 from . import functional
+from . import utils
 from .activation import (ELU, GELU, Dropout, Flatten, Identity, LeakyReLU, LogSoftmax, ReLU, Sigmoid, SiLU,
                          Softmax, Softplus, Tanh, Unflatten)
 from .batchnorm import BatchNorm2d
@@ -19,7 +20,7 @@ from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, Prepa
 from .parameter import Parameter
 from .pooling import AdaptiveAvgPool2d, AdaptiveMaxPool2d, AvgPool2d, MaxPool2d
 
-__all__ = ["functional", "Module", "Parameter", "IncompatibleKeys", "Sequential", "ModuleList", "ModuleDict",
+__all__ = ["functional", "utils", "Module", "Parameter", "IncompatibleKeys", "Sequential", "ModuleList", "ModuleDict",
            "Linear", "ColumnParallelLinear", "RowParallelLinear", "ColumnParallelLinearWithReplicateOutput",
            "ColumnParallelLinearWithReplicateInputOutput", "RowParallelLinearWithReplicateOutput",
            "ReplicateParallelLinear", "Embedding", "EmbeddingWithReplicateOutput", "LayerNorm", "RMSNorm",

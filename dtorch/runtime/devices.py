@@ -47,7 +47,9 @@ class CpuDevice:
         whose `communicate` returns no event)."""
 
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
-        return HostCopy(tensor.contiguous())
+        """A snapshot, as on CUDA: the reply's bytes leave zero-copy on zmq's thread while this
+        worker runs on, and an in-place update (an optimizer step) must not reach them."""
+        return HostCopy(tensor.clone(memory_format=torch.contiguous_format))
 
     def from_host(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone()

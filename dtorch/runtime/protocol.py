@@ -30,7 +30,7 @@ __all__ = [
     "lost_worker_key",
     # commands
     "DefineMesh", "Factory", "Upload", "LoadShard", "RunOp", "Redistribute", "Transfer", "Fetch", "Free", "Sync", "Shutdown",
-    "Regroup", "RequireGrad", "SetGrads", "Backward", "COMMANDS", "handler_name", "encode_batch", "decode_batch",
+    "Regroup", "RequireGrad", "SetGrads", "Backward", "OptimizerStep", "GradNorm", "UpdateGrads", "COMMANDS", "handler_name", "encode_batch", "decode_batch",
     # every other message
     "Batch", "Private", "Probe", "Register", "Welcome", "Refused", "Reply", "ErrorReport", "Heartbeat", "Pong",
     "MESSAGES", "FROM_WORKER", "REPLY_STATUSES", "encode", "decode", "decode_from_worker", "read_header",
@@ -39,12 +39,13 @@ __all__ = [
     "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 7   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+VERSION = 8   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
               # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
               # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention);
               # 6: Regroup (lost ranks were replaced: communication groups of a new generation)
               # 7: autograd: RunOp and Redistribute say whether to record for backward; RequireGrad,
               #    SetGrads, Backward
+              # 8: OptimizerStep, GradNorm, UpdateGrads (dtorch.optim, dtorch.nn.utils: in place on workers)
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -206,8 +207,53 @@ class Backward(NamedTuple):
     retain_graph: bool
 
 
+class OptimizerStep(NamedTuple):
+    """One optimizer step of one param group on one mesh: torch.optim's functional update over
+    the local shards, IN PLACE (a parameter is an autograd leaf on the workers: same tensor, same id)."""
+    seq: int
+    mesh_id: int
+    kind: str            # SGD, Adam, AdamW: which torch.optim update the workers run
+    hyper: dict          # the group's hyperparameters (lr, momentum, betas, ...) as plain numbers
+    param_ids: tuple     # updated in place
+    grad_ids: tuple      # one per param, with its placements
+    state_ids: tuple     # per param, its buffers in the kind's order (optim_kernels.STATE_NAMES), flattened
+    steps: tuple         # per param, its step count before this step (Adam's bias correction)
+    fresh: tuple         # per param, 1 where this step makes its buffers (torch's lazy state), else 0
+
+    @property
+    def out_ids(self) -> tuple:
+        """Every tensor the step writes: on a failure all of them are poisoned, never half-updated."""
+        return self.param_ids + self.state_ids
+
+
+class GradNorm(NamedTuple):
+    """This rank's share of the norm of many gradients, as one 0-d tensor placed P(sum) (finite
+    norm_type: the sum of |g|^p) or P(max) / P(min) (+inf / -inf) on every mesh dim."""
+    seq: int
+    out_id: int
+    mesh_id: int
+    norm_type: float
+    grad_ids: tuple
+    placements: tuple    # per gradient, its placements: a Replicate copy counts on one rank only
+
+
+class UpdateGrads(NamedTuple):
+    """Gradients changed in place: scaled by a 0-d tensor (clip_grad_norm_), clamped to
+    [-bound, bound] (clip_grad_value_) or zeroed (zero_grad(set_to_none=False))."""
+    seq: int
+    mesh_id: int
+    kind: str            # clip_grad_norm_ (scale), clip_grad_value_ (clamp), zero_grad
+    grad_ids: tuple
+    factor_id: int       # clip_grad_norm_: the 0-d Replicate factor; -1 otherwise
+    bound: float         # clip_grad_value_: the bound; 0.0 otherwise
+
+    @property
+    def out_ids(self) -> tuple:
+        return self.grad_ids
+
+
 COMMANDS = (DefineMesh, Factory, Upload, LoadShard, RunOp, Redistribute, Transfer, Fetch, Free, Sync, Shutdown,
-            Regroup, RequireGrad, SetGrads, Backward)
+            Regroup, RequireGrad, SetGrads, Backward, OptimizerStep, GradNorm, UpdateGrads)
 OPCODE = {cls: i for i, cls in enumerate(COMMANDS)}
 _BY_OPCODE = dict(enumerate(COMMANDS))
 
@@ -349,6 +395,7 @@ def encode_batch(first_seq: int, commands: list) -> list[bytes]:
 # value of the wrong kind (its *values* are the handler's to check: a failure there is reported
 # as that command's error). IDS: a tuple of ints.
 IDS = "ids"
+NUMBER = (int, float)
 _FIELD_TYPES = {
     DefineMesh: (int, str, tuple, IDS), Factory: (int, int, str, tuple, str, tuple, tuple),
     Upload: (int, int, tuple, str, tuple), LoadShard: (int, int, tuple, str, tuple, str, str, int, str),
@@ -357,6 +404,8 @@ _FIELD_TYPES = {
     Transfer: (int, int, int, int, tuple, str, tuple, tuple), Fetch: (int, int, IDS),
     Free: (IDS,), Sync: (), Shutdown: (), Regroup: (int, IDS),
     RequireGrad: (IDS, bool), SetGrads: (IDS, IDS), Backward: (int, IDS, IDS, IDS, IDS, str, bool),
+    OptimizerStep: (int, str, dict, IDS, IDS, IDS, IDS, IDS), GradNorm: (int, int, NUMBER, IDS, tuple),
+    UpdateGrads: (int, str, IDS, int, NUMBER),
 }
 
 
@@ -459,7 +508,6 @@ class Pong(NamedTuple):         # controller -> worker: answers a Heartbeat
 
 
 REPLY_STATUSES = ("ok", "poisoned", "missing")
-NUMBER = (int, float)
 MESSAGES = {Batch: Kind.BATCH, Private: Kind.PRIVATE, Probe: Kind.PROBE, Register: Kind.REGISTER,
             Welcome: Kind.WELCOME, Refused: Kind.REFUSED, Reply: Kind.REPLY, ErrorReport: Kind.ERROR,
             Heartbeat: Kind.HEARTBEAT, Pong: Kind.PONG}

@@ -27,6 +27,7 @@ from .comm import Communicator
 from .file_shards import read_block
 from .backward import connect_outputs, run_backward
 from .kernels import apply_steps, make_factory, pack_saved, unpack_saved
+from .optim_kernels import local_norm_share, optimizer_step, state_names, update_grads
 from .peers import Peers
 from .protocol import TensorRef
 from .transport import WorkerSockets
@@ -474,6 +475,34 @@ class Worker:
         and tensors of the old processes are the controller's to refuse; nothing here holds them."""
         for comm in {id(self.comm): self.comm, id(self.host_comm): self.host_comm}.values():
             comm.regroup(command.generation, command.replaced)
+
+    def handle_optimizer_step(self, command: wire.OptimizerStep) -> None:
+        """torch.optim's update, in place on this rank's shards (runtime/optim_kernels.py)."""
+        if self._member(command.mesh_id) is None:
+            return
+        params = [self._tensor(i) for i in command.param_ids]
+        grads = [self._tensor(i) for i in command.grad_ids]
+        count = len(state_names(command.kind, command.hyper))
+        ids = [command.state_ids[i * count:(i + 1) * count] for i in range(len(params))]
+        states = [None if new else [self._tensor(i) for i in own] for own, new in zip(ids, command.fresh)]
+        buffers = optimizer_step(command.kind, command.hyper, params, grads, states, command.steps, command.fresh)
+        for own, made in zip(ids, buffers):
+            self.tensors.update(zip(own, made))
+
+    def handle_grad_norm(self, command: wire.GradNorm) -> None:
+        mesh = self._member(command.mesh_id)
+        if mesh is None:
+            return
+        grads = [self._tensor(i) for i in command.grad_ids]
+        dtype = grads[0].dtype if grads else torch.float32
+        self.tensors[command.out_id] = local_norm_share(grads, command.placements, mesh.coordinate_of(self.rank),
+                                                        command.norm_type, dtype)
+
+    def handle_update_grads(self, command: wire.UpdateGrads) -> None:
+        if self._member(command.mesh_id) is None:
+            return
+        factor = self._tensor(command.factor_id) if command.factor_id >= 0 else None
+        update_grads(command.kind, [self._tensor(i) for i in command.grad_ids], factor, command.bound)
 
 
 _ON_COMMAND_SOCKET = (wire.Batch, wire.Private, wire.Probe)   # probes need no answer once registered

@@ -1,0 +1,52 @@
+"""dtorch.nn.utils: gradient clipping over DTensor parameters, torch.nn.utils' names and results.
+The norm is global (every shard of every parameter, a Replicate copy counted once): one GradNorm
+command and one small all-reduce per mesh, then one UpdateGrads per mesh scales in place."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..optim.grads import total_norm, update_grads
+from ..tensor import DTensor, call_op
+
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "get_total_norm"]
+
+
+def _grads(parameters) -> list:
+    params = [parameters] if isinstance(parameters, DTensor) else list(parameters)
+    return [p.grad for p in params if getattr(p, "grad", None) is not None]
+
+
+def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None):
+    """The norm of all `tensors` (DTensors) together, a 0-d Replicate DTensor; torch.tensor(0.)
+    for none, as torch. error_if_nonfinite reads the norm (one blocking read)."""
+    tensors = [tensors] if isinstance(tensors, DTensor) else list(tensors)
+    if not tensors:
+        return torch.tensor(0.0)
+    total = total_norm(tensors, norm_type)
+    if error_if_nonfinite and not math.isfinite(total.item()):
+        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                           "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+                           "by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    return total
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach=None):
+    """Scale every grad in place by min(1, max_norm / (total_norm + 1e-6)), as torch does;
+    returns the total norm (0-d, Replicate). `foreach` is accepted and ignored."""
+    grads = _grads(parameters)
+    total = get_total_norm(grads, norm_type, error_if_nonfinite)
+    if not grads:
+        return total
+    factor = call_op("clamp", (float(max_norm) / (total + 1e-6),), {"max": 1.0})
+    update_grads("clip_grad_norm_", grads, factor)
+    return total
+
+
+def clip_grad_value_(parameters, clip_value: float, foreach=None) -> None:
+    """Clamp every grad in place to [-clip_value, clip_value]: one command per mesh."""
+    grads = _grads(parameters)
+    if grads:
+        update_grads("clip_grad_value_", grads, bound=float(clip_value))

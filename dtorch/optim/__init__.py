@@ -1,0 +1,8 @@
+"""dtorch.optim: torch.optim's SGD, Adam and AdamW over DTensor parameters. State lives on the
+workers, sharded like each parameter; a step is one command per param group and mesh, running
+torch's own update on the local shards (docs/training.md, "Optimizers")."""
+from .adam import Adam, AdamW
+from .optimizer import Optimizer
+from .sgd import SGD
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]

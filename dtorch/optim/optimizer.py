@@ -1,0 +1,155 @@
+"""The optimizer base: torch.optim.Optimizer's bookkeeping (param_groups, state, hooks, what
+torch's lr schedulers read and write) over DTensor parameters, with one OptimizerStep command
+per param group and mesh per step. The update itself runs on the workers
+(runtime/optim_kernels.py): state lives there, sharded like its parameter, and the controller
+holds only symbols for it and each parameter's step count.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from ..ops.tensor_meta import tensor_meta
+from ..runtime import session
+from ..runtime.optim_kernels import state_names
+from ..runtime.protocol import OptimizerStep
+from ..tensor import DTensor
+from .grads import by_mesh, update_grads
+from .state import pack_state, unpack_state
+
+__all__ = ["Optimizer"]
+
+
+class Optimizer(torch.optim.Optimizer):
+    """Subclasses set `kind` (the worker's update: SGD, Adam, AdamW) and `hyper(group)`, the
+    group's hyperparameters as plain numbers. A subclass of torch's Optimizer, so that
+    torch.optim.lr_scheduler accepts it; a changed group["lr"] is used from the next step."""
+    kind = ""
+
+    def __init__(self, params, defaults: dict):
+        for flag in ("fused", "capturable", "differentiable"):
+            if defaults.get(flag):
+                raise ValueError(f"dtorch.optim.{type(self).__name__}: {flag}=True is not supported; the workers "
+                                 "run torch's single-tensor update (foreach=False) on their shards")
+        super().__init__(params, defaults)
+
+    def hyper(self, group: dict) -> dict:
+        raise NotImplementedError
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's checks, for DTensors (torch's own refuses anything but a torch.Tensor)."""
+        params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                            "tensors in sets will change between runs. Please use a list instead.")
+        params = [params] if isinstance(params, DTensor) else list(params)
+        for p in params:
+            if not isinstance(p, DTensor):
+                raise TypeError(f"dtorch.optim.{type(self).__name__} optimizes DTensors (dtorch.nn.Parameter), got "
+                                f"{type(p).__name__}: a torch tensor belongs in a torch.optim optimizer")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("optimizer contains a parameter group with duplicate parameters")
+        held = {id(p) for group in self.param_groups for p in group["params"]}
+        if any(id(p) in held for p in params):
+            raise ValueError("some parameters appear in more than one parameter group")
+        self.param_groups.append({**self.defaults, **param_group, "params": params})
+
+    def step(self, closure=None):
+        """One OptimizerStep per param group and mesh; parameters without a grad are skipped.
+        Returns at once; a worker failure is raised at the next read of a parameter or state."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            hyper = self.hyper(group)
+            with_grads = [p for p in group["params"] if getattr(p, "grad", None) is not None]
+            for mesh_params in by_mesh(with_grads).values():
+                self._step_on_mesh(hyper, mesh_params)
+        return loss
+
+    def _step_on_mesh(self, hyper: dict, params: list) -> None:
+        controller = session.controller()
+        names = state_names(self.kind, hyper)
+        grads = [_grad_like(p, self.kind) for p in params]   # held until submitted (a Free may follow)
+        states = [self.state[p] if names else {} for p in params]   # torch keeps no state for plain SGD
+        fresh = tuple(int(not all(isinstance(s.get(n), DTensor) for n in names)) for s in states)
+        buffer_ids = [controller.new_ids(len(names)) if new else tuple(controller.reference(s[n]).id for n in names)
+                      for s, new in zip(states, fresh)]
+        seq = controller.submit(OptimizerStep, controller.define_mesh(params[0].device_mesh), self.kind, hyper,
+                                tuple(controller.reference(p).id for p in params),
+                                tuple(controller.reference(g).id for g in grads),
+                                tuple(i for ids in buffer_ids for i in ids), tuple(s.get("step", 0) for s in states),
+                                fresh)
+        for p, grad, state, ids, new in zip(params, grads, states, buffer_ids, fresh):
+            if new:   # torch's lazy state: SGD clones the grad, Adam takes zeros_like(param)
+                meta = tensor_meta(p.shape, (grad if self.kind == "SGD" else p).dtype, p.device_mesh, p.placements)
+                state.update({name: DTensor(i, meta, seq, controller) for name, i in zip(names, ids)})
+            for written in [p] + [state[name] for name in names]:
+                written._seq = seq   # a read after a failed step raises that step's RemoteError
+            self._record_step(state)
+
+    def _record_step(self, state: dict) -> None:
+        """What torch keeps beside the buffers: Adam's step count (an int here: state_dict() gives
+        torch's 0-d tensor)."""
+        if self.kind != "SGD":
+            state["step"] = state.get("step", 0) + 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """set_to_none=False zeroes each grad in place on the workers: one command per mesh."""
+        params = [p for group in self.param_groups for p in group["params"] if getattr(p, "grad", None) is not None]
+        if set_to_none:
+            for p in params:
+                p.grad = None
+            return
+        update_grads("zero_grad", [p.grad for p in params])
+
+    def state_dict(self) -> dict:
+        """torch's layout: {"state": {index: {...}}, "param_groups": [{..., "params": [index]}]},
+        the buffers as the live DTensors (torch, too, gives its tensors, not copies), "step" as
+        torch's 0-d float32 tensor."""
+        index: dict[int, int] = {}
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [index.setdefault(id(p), len(index)) for p in group["params"]]
+            groups.append(packed)
+        state = {index[id(p)]: pack_state(values) for p, values in self.state.items() if id(p) in index}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A state_dict of this optimizer or of another one with the same group sizes, whatever
+        its layout: each buffer (a DTensor with any mesh and placements, or a torch tensor) is
+        redistributed to its parameter's mesh and placements and cast to its dtype, as a copy."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(self.param_groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                             "optimizer's group")
+        by_index = {i: p for g, s in zip(self.param_groups, saved_groups) for i, p in zip(s["params"], g["params"])}
+        state = defaultdict(dict)
+        for i, values in state_dict["state"].items():
+            if i in by_index:
+                state[by_index[i]] = unpack_state(values, by_index[i], type(self).__name__)
+        self.param_groups = [{**s, "params": g["params"]} for g, s in zip(self.param_groups, saved_groups)]
+        self.state = state
+
+
+def _grad_like(p: DTensor, what: str) -> DTensor:
+    """p.grad on p's mesh and placements (autograd gives exactly those; a grad set by hand may
+    need a redistribute, an ordinary command)."""
+    grad = p.grad
+    if not isinstance(grad, DTensor):
+        raise TypeError(f"dtorch.optim.{what}: a parameter's grad must be a DTensor, got {type(grad).__name__}")
+    if tuple(grad.shape) != tuple(p.shape):
+        raise ValueError(f"dtorch.optim.{what}: grad of shape {tuple(grad.shape)} for a parameter of shape "
+                         f"{tuple(p.shape)}")
+    if grad.dtype != p.dtype:   # torch refuses such a grad when it is assigned
+        raise TypeError(f"dtorch.optim.{what}: a grad of dtype {grad.dtype} for a parameter of dtype {p.dtype}; "
+                        "the gradient must match the parameter's dtype")
+    if grad.device_mesh != p.device_mesh or grad.placements != p.placements:
+        grad = grad.redistribute(p.device_mesh, p.placements)
+    return grad
+

@@ -1,0 +1,315 @@
+"""dtorch.optim and dtorch.nn.utils clipping against torch.optim and torch.nn.utils on the same full
+tensors: every option of SGD, Adam and AdamW over several steps on meshes (1,), (2,), (4,), (2,2)
+and placements R, S(0), S(1) with uneven shapes; the updates are elementwise, so parameters and
+state must be bit-equal. Also lr schedulers, state_dict round trips across layouts, zero_grad,
+the number of commands per step, and a worker failure in a step."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import Replicate as R, Shard as S
+from dtorch.distributed_spec import DeviceMesh, init_device_mesh
+from dtorch.errors import DependencyError, RemoteError
+
+pytestmark = pytest.mark.timeout(300)
+
+SHAPES = [(7, 5), (5, 3), (11,)]   # uneven over 2 and 4 ranks on purpose
+
+
+@pytest.fixture(scope="module")
+def mesh2(session):
+    return init_device_mesh("cpu", (2,), mesh_dim_names=["dp"])
+
+
+@pytest.fixture(params=["mesh1", "mesh2", "mesh4", "mesh22"])
+def any_mesh(request):
+    return request.getfixturevalue(request.param)
+
+
+def layouts(mesh) -> list:
+    """One placement list per SHAPES entry: shards over both dims and Replicate."""
+    if mesh.ndim == 2:
+        return [[S(0), S(1)], [R(), S(0)], [S(0), R()]]
+    return [[S(0)], [S(1)], [R()]] if mesh.size() > 1 else [[S(0)], [R()], [S(0)]]
+
+
+def make_pair(mesh, placements, seed: int = 0):
+    """dtorch Parameters and torch leaf tensors holding the same values. (Uploads here are always
+    from tensors that torch never steps: dtorch.tensor sends the tensor's own memory when the
+    batch leaves, so a torch step right after the call could change what a worker receives.)"""
+    g = torch.Generator().manual_seed(seed)
+    fulls = [torch.randn(shape, generator=g) for shape in SHAPES]
+    ours = [dtorch.nn.Parameter(dtorch.tensor(t, device_mesh=mesh, placements=p)) for t, p in zip(fulls, placements)]
+    theirs = [t.clone().requires_grad_() for t in fulls]
+    return ours, theirs
+
+
+def set_grads(ours, theirs, step: int, skip: int | None = None) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for i, (p, t) in enumerate(zip(ours, theirs)):
+        grad = torch.randn(t.shape, generator=g)
+        if i == skip:
+            p.grad, t.grad = None, None
+            continue
+        p.grad = dtorch.tensor(grad, device_mesh=p.device_mesh, placements=p.placements)
+        t.grad = grad.clone()
+
+
+def assert_same_state(opt, ours, topt, theirs) -> None:
+    for p, t in zip(ours, theirs):
+        assert torch.equal(p.to_torch(), t.detach()), "parameter differs from torch's"
+        mine, torchs = opt.state[p], topt.state[t]
+        assert set(mine) == set(torchs), (set(mine), set(torchs))
+        for name, value in torchs.items():
+            if name == "step":
+                assert mine[name] == int(value.item())
+            elif value is None:
+                assert mine[name] is None
+            else:
+                assert mine[name].placements == p.placements and mine[name].device_mesh == p.device_mesh
+                assert torch.equal(mine[name].to_torch(), value), name
+
+
+CONFIGS = [
+    ("SGD", {"lr": 0.1}),
+    ("SGD", {"lr": 0.05, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}),
+    ("SGD", {"lr": 0.05, "momentum": 0.8, "nesterov": True, "weight_decay": 0.1, "maximize": True}),
+    ("Adam", {"lr": 0.01}),
+    ("Adam", {"lr": 0.02, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1, "amsgrad": True, "maximize": True}),
+    ("AdamW", {"lr": 0.01}),
+    ("AdamW", {"lr": 0.03, "weight_decay": 0.05, "amsgrad": True, "maximize": True}),
+]
+
+
+@pytest.mark.parametrize("name,options", CONFIGS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CONFIGS)])
+def test_steps_equal_torch(any_mesh, name, options):
+    ours, theirs = make_pair(any_mesh, layouts(any_mesh))
+    opt = getattr(dtorch.optim, name)(ours, **options)
+    topt = getattr(torch.optim, name)(theirs, **options)
+    for step in range(3):
+        set_grads(ours, theirs, step, skip=2 if step == 1 else None)   # no grad: skipped, as in torch
+        opt.step()
+        topt.step()
+    assert_same_state(opt, ours, topt, theirs)
+
+
+def test_param_groups_and_commands_per_step(mesh2, mesh4):
+    """One OptimizerStep per param group and mesh; a group spanning two meshes (pipeline stages:
+    here mesh2 and the ranks 2, 3) sends one per mesh."""
+    stage2 = DeviceMesh("cpu", [2, 3])
+    ours, theirs = make_pair(mesh2, [[S(0)], [R()], [S(0)]])
+    extra = dtorch.nn.Parameter(dtorch.tensor(theirs[2].detach().clone(), device_mesh=stage2, placements=[S(0)]))
+    extra_t = theirs[2].detach().clone().requires_grad_()
+    groups = lambda a, b, c, d: [{"params": [a, b]}, {"params": [c, d], "lr": 0.5}]
+    opt = dtorch.optim.AdamW(groups(ours[0], ours[1], ours[2], extra), lr=0.1)
+    topt = torch.optim.AdamW(groups(theirs[0], theirs[1], theirs[2], extra_t), lr=0.1)
+    for step in range(2):
+        set_grads(ours + [extra], theirs + [extra_t], step)
+        dtorch.synchronize()
+        before = dtorch.stats()["commands_sent"]
+        opt.step()
+        dtorch.synchronize()
+        assert dtorch.stats()["commands_sent"] - before == 3 + 1   # 3 (group, mesh) pairs, then the Sync
+        topt.step()
+    assert_same_state(opt, ours + [extra], topt, theirs + [extra_t])
+    assert opt.param_groups[1]["lr"] == 0.5
+
+
+@pytest.mark.parametrize("scheduler,arguments", [
+    ("StepLR", {"step_size": 2, "gamma": 0.5}),
+    ("LambdaLR", {"lr_lambda": lambda epoch: 1.0 / (epoch + 1)}),
+    ("CosineAnnealingLR", {"T_max": 3}),
+])
+def test_lr_schedulers_drive_lr(mesh4, scheduler, arguments):
+    ours, theirs = make_pair(mesh4, layouts(mesh4))
+    opt, topt = dtorch.optim.SGD(ours, lr=0.1, momentum=0.9), torch.optim.SGD(theirs, lr=0.1, momentum=0.9)
+    schedule = getattr(torch.optim.lr_scheduler, scheduler)
+    ours_s, theirs_s = schedule(opt, **arguments), schedule(topt, **arguments)
+    for step in range(5):
+        set_grads(ours, theirs, step)
+        opt.step()
+        topt.step()
+        ours_s.step()
+        theirs_s.step()
+        assert opt.param_groups[0]["lr"] == topt.param_groups[0]["lr"]
+    assert_same_state(opt, ours, topt, theirs)
+
+
+def test_state_dict_layout_and_round_trip_onto_another_layout(mesh2, mesh22):
+    """Saved on mesh (2,), loaded into an optimizer whose parameters live on (2,2) with other
+    placements: training goes on exactly as torch's does."""
+    ours, theirs = make_pair(mesh2, [[S(0)], [S(1)], [R()]])
+    opt, topt = dtorch.optim.Adam(ours, lr=0.05, amsgrad=True), torch.optim.Adam(theirs, lr=0.05, amsgrad=True)
+    for step in range(2):
+        set_grads(ours, theirs, step)
+        opt.step()
+        topt.step()
+    saved, torch_saved = opt.state_dict(), topt.state_dict()
+    assert saved["param_groups"] == torch_saved["param_groups"]
+    assert list(saved["state"]) == list(torch_saved["state"]) == [0, 1, 2]
+    assert list(saved["state"][0]) == list(torch_saved["state"][0])
+    assert torch.equal(saved["state"][0]["step"], torch_saved["state"][0]["step"])
+
+    moved = [dtorch.nn.Parameter(dtorch.tensor(t.detach().clone(), device_mesh=mesh22, placements=p))
+             for t, p in zip(theirs, layouts(mesh22))]
+    reloaded = dtorch.optim.Adam(moved, lr=1.0)
+    reloaded.load_state_dict(saved)
+    assert reloaded.param_groups[0]["lr"] == 0.05
+    assert reloaded.state[moved[0]]["exp_avg"].placements == moved[0].placements
+    for step in range(2, 4):
+        set_grads(moved, theirs, step)
+        reloaded.step()
+        topt.step()
+    assert_same_state(reloaded, moved, topt, theirs)
+    # the saved optimizer's buffers were copied, never updated in place by the new one
+    assert opt.state[ours[0]]["step"] == 2
+    assert torch.equal(opt.state[ours[0]]["exp_avg"].to_torch(), saved["state"][0]["exp_avg"].to_torch())
+
+
+def test_a_torch_state_dict_loads(mesh4):
+    ours, theirs = make_pair(mesh4, layouts(mesh4))
+    topt = torch.optim.SGD(theirs, lr=0.1, momentum=0.9)
+    set_grads(ours, theirs, 0)
+    topt.step()
+    ours = [dtorch.nn.Parameter(dtorch.tensor(t.detach().clone(), device_mesh=mesh4, placements=p.placements))
+            for t, p in zip(theirs, ours)]
+    opt = dtorch.optim.SGD(ours, lr=0.3)
+    opt.load_state_dict(topt.state_dict())
+    set_grads(ours, theirs, 1)
+    opt.step()
+    topt.step()
+    assert_same_state(opt, ours, topt, theirs)
+
+
+def test_zero_grad_both_ways(mesh22):
+    ours, theirs = make_pair(mesh22, layouts(mesh22))
+    opt = dtorch.optim.SGD(ours, lr=0.1)
+    set_grads(ours, theirs, 0)
+    grads = [p.grad for p in ours]
+    dtorch.synchronize()
+    before = dtorch.stats()["commands_sent"]
+    opt.zero_grad(set_to_none=False)   # in place on the workers: the same symbols read zeros
+    dtorch.synchronize()
+    assert dtorch.stats()["commands_sent"] - before == 1 + 1
+    assert all(p.grad is g for p, g in zip(ours, grads))
+    assert all(torch.equal(g.to_torch(), torch.zeros(g.shape)) for g in grads)
+    opt.zero_grad()
+    assert all(p.grad is None for p in ours)
+    opt.step()   # no grads: nothing to do
+    assert all(torch.equal(p.to_torch(), t.detach()) for p, t in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, float("inf")])
+def test_clip_grad_norm_equals_torch(mesh2, mesh22, norm_type):
+    """The global norm over every shard and parameter, a Replicate grad counted once, across two
+    meshes; grads scaled in place."""
+    ours, theirs = make_pair(mesh22, layouts(mesh22))
+    more, more_t = make_pair(mesh2, [[S(1)], [R()], [S(0)]], seed=1)
+    ours, theirs = ours + more, theirs + more_t
+    set_grads(ours, theirs, 0)
+    grads = [p.grad for p in ours]
+    total = dtorch.nn.utils.clip_grad_norm_(ours, 1.5, norm_type=norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 1.5, norm_type=norm_type)
+    assert total.placements == (R(), R()) and total.shape == ()
+    torch.testing.assert_close(total.to_torch(), expected, rtol=1e-6, atol=0)
+    for g, t in zip(grads, theirs):
+        torch.testing.assert_close(g.to_torch(), t.grad, rtol=1e-6, atol=1e-7)
+    assert all(p.grad is g for p, g in zip(ours, grads))
+
+
+def test_clip_grad_norm_commands_and_no_clip(mesh4):
+    ours, theirs = make_pair(mesh4, layouts(mesh4))
+    set_grads(ours, theirs, 0)
+    dtorch.synchronize()
+    before = dtorch.stats()["commands_sent"]
+    total = dtorch.nn.utils.clip_grad_norm_(ours, 1e6)   # far above the norm: grads unchanged
+    dtorch.synchronize()
+    # GradNorm, its all-reduce, pow, add, rdiv, clamp, UpdateGrads, a Free of the temporaries, the Sync:
+    # a constant, whatever the number of parameters
+    assert dtorch.stats()["commands_sent"] - before <= 10
+    expected = torch.nn.utils.clip_grad_norm_(theirs, 1e6)
+    torch.testing.assert_close(total.to_torch(), expected, rtol=1e-6, atol=0)
+    assert all(torch.equal(p.grad.to_torch(), t.grad) for p, t in zip(ours, theirs))
+
+
+def test_clip_grad_norm_error_if_nonfinite(mesh2):
+    p = dtorch.nn.Parameter(dtorch.zeros(4, device_mesh=mesh2, placements=[S(0)]))
+    p.grad = dtorch.tensor(torch.tensor([1.0, float("inf"), 0.0, 2.0]), device_mesh=mesh2, placements=[S(0)])
+    with pytest.raises(RuntimeError, match="non-finite"):
+        dtorch.nn.utils.clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
+    assert float(dtorch.nn.utils.clip_grad_norm_([], 1.0)) == 0.0
+
+
+def test_clip_grad_value_equals_torch(mesh22):
+    ours, theirs = make_pair(mesh22, layouts(mesh22))
+    set_grads(ours, theirs, 0)
+    dtorch.nn.utils.clip_grad_value_(ours, 0.5)
+    torch.nn.utils.clip_grad_value_(theirs, 0.5)
+    assert all(torch.equal(p.grad.to_torch(), t.grad) for p, t in zip(ours, theirs))
+
+
+def test_a_failed_step_is_raised_at_the_next_read_and_the_session_goes_on(mesh2):
+    # a state buffer of the wrong shape (set by hand after the first step): torch's Adam fails on the workers
+    p = dtorch.nn.Parameter(dtorch.ones(6, 3, device_mesh=mesh2, placements=[S(0)]))
+    p.grad = dtorch.ones(6, 3, device_mesh=mesh2, placements=[S(0)])
+    opt = dtorch.optim.Adam([p], lr=0.1)
+    opt.step()
+    opt.state[p]["exp_avg"] = dtorch.zeros(6, 5, device_mesh=mesh2, placements=[S(0)])
+    opt.step()   # returns at once
+    with pytest.raises(RemoteError, match="Adam failed") as failure:
+        p.to_torch()
+    assert "test_optim.py" in str(failure.value) and not isinstance(failure.value, DependencyError)
+    with pytest.raises(RemoteError, match="Adam failed"):
+        opt.state[p]["exp_avg"].to_torch()
+    opt.step()   # on a poisoned parameter: the next read names the first failure
+    with pytest.raises(DependencyError, match="Adam failed"):
+        p.to_torch()
+    x = dtorch.ones(4, device_mesh=mesh2, placements=[S(0)])
+    assert torch.equal((x + 1).to_torch(), torch.full((4,), 2.0))   # the session is usable
+
+
+def test_a_read_issued_before_a_step_sees_the_values_before_it(mesh2):
+    """The step writes in place while the read's bytes may still be leaving the worker (zmq
+    sends them zero-copy, on its own thread): the read must be a snapshot."""
+    p = dtorch.nn.Parameter(dtorch.zeros(512, 512, device_mesh=mesh2, placements=[S(0)]))
+    p.grad = dtorch.ones(512, 512, device_mesh=mesh2, placements=[S(0)])
+    opt = dtorch.optim.SGD([p], lr=1.0)
+    before = p.fetch()
+    opt.step()
+    after = p.fetch()
+    assert torch.equal(before.result(), torch.zeros(512, 512))
+    assert torch.equal(after.result(), torch.full((512, 512), -1.0))
+
+
+def test_bad_arguments_fail_at_the_call(mesh2):
+    p = dtorch.nn.Parameter(dtorch.ones(4, device_mesh=mesh2, placements=[S(0)]))
+    with pytest.raises(TypeError, match="optimizes DTensors"):
+        dtorch.optim.SGD([torch.ones(2, requires_grad=True)])
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        dtorch.optim.Adam([p], lr=-1)
+    with pytest.raises(ValueError, match="Nesterov"):
+        dtorch.optim.SGD([p], nesterov=True)
+    with pytest.raises(ValueError, match="fused=True"):
+        dtorch.optim.AdamW([p], fused=True)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        dtorch.optim.SGD([{"params": [p]}, {"params": [p]}])
+    with pytest.raises(RuntimeError, match="different size"):   # refused at the assignment, as in torch
+        p.grad = dtorch.ones(5, device_mesh=mesh2, placements=[S(0)])
+    with pytest.raises(RuntimeError, match="different type"):
+        p.grad = dtorch.ones(4, dtype=torch.float64, device_mesh=mesh2, placements=[S(0)])
+
+
+def test_a_grad_on_other_placements_is_moved_first(mesh4):
+    ours, theirs = make_pair(mesh4, layouts(mesh4))
+    set_grads(ours, theirs, 0)
+    ours[0].grad = ours[0].grad.redistribute(placements=[R()])
+    opt, topt = dtorch.optim.Adam(ours), torch.optim.Adam(theirs)
+    opt.step()
+    topt.step()
+    assert_same_state(opt, ours, topt, theirs)
+    assert isinstance(opt, torch.optim.Optimizer)
+    gc.collect()
