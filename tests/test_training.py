@@ -10,7 +10,6 @@ import torch
 
 import dtorch
 from dtorch.distributed_spec import init_device_mesh
-from dtorch.errors import DTorchError
 
 transformers = pytest.importorskip("transformers")
 from dtorch.models import LlamaForCausalLM   # noqa: E402
@@ -28,6 +27,8 @@ LAYOUTS = {   # name -> (mesh shape, mesh dim names); every layout the training 
     "fsdp2xtp2": ((2, 2), ["fsdp", "tp"]),
     "dp2xpp2": ((2, 2), ["dp", "pp"]),
     "fsdp2xtp2xpp2": ((2, 2, 2), ["fsdp", "tp", "pp"]),
+    "fsdp2xpp2": ((2, 2), ["fsdp", "pp"]),
+    "tp2xpp2": ((2, 2), ["tp", "pp"]),
 }
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -129,9 +130,8 @@ def test_a_failure_in_the_optimizer_step_comes_back_and_the_session_goes_on(refe
     weight = model.lm_head.weight
     weight.grad = dtorch.full(tuple(weight.shape), float("nan"), device_mesh=weight.device_mesh,
                               placements=weight.placements)
-    total = dtorch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
-    with pytest.raises((DTorchError, RuntimeError), match="non-finite|nan"):
-        total.item()
+    with pytest.raises(RuntimeError, match="non-finite"):   # torch's check: the norm is read at the call
+        dtorch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
     optimizer.zero_grad()
     loss = model(ids, labels=ids).loss
     loss.backward()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..errors import user_site
 from ..factories import ones
-from ..recording import HopNode, Leaf, Refused, no_grad
+from ..recording import HopNode, Leaf, OpNode, Refused, no_grad
 from ..runtime.protocol import Backward, SetGrads
 from ..tensor import DTensor
 from ..ops.tensor_meta import tensor_meta
@@ -26,11 +26,17 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
     they depend on (only those of `inputs`, if given)."""
     roots, seeds = _roots_and_seeds(tensors, grad_tensors, create_graph, "backward")
     only = None if inputs is None else {id(t._node) for t in _as_list(inputs)}
-    retain = bool(retain_graph) if retain_graph is not None else False
-    pending = [(roots, seeds)]
+    retain = bool(retain_graph)
+    shared = _shared_nodes([r._node for r in roots])
+    pending, walked = [(roots, seeds)], []
     while pending:
         roots, seeds = pending.pop()
-        pending += reversed(_run_segment(roots, seeds, retain, only))
+        hops, reached = _run_segment(roots, seeds, retain, only, shared)
+        walked.append(reached)
+        pending += reversed(hops)
+    if not retain:
+        for reached in walked:
+            reached.release()
 
 
 def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, allow_unused=None,
@@ -148,11 +154,33 @@ def _walk(roots, only, mesh) -> _Reached:
     return reached
 
 
-def _run_segment(roots, seeds, retain: bool, only) -> list:
+def _shared_nodes(starts: list) -> set:
+    """Ids of the nodes more than one mesh segment reaches (a parameter gathered once and used by
+    every microbatch of a pipeline): each segment's Backward runs through them with their part
+    of the gradient, so the segments before the last keep the workers' graph there."""
+    counts, segments = {}, [starts]
+    while segments:
+        stack, seen = list(segments.pop()), set()
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if type(node) is HopNode:
+                segments.append([node.source._node])
+            elif type(node) is OpNode:
+                stack.extend(node.inputs)
+        for key in seen:
+            counts[key] = counts.get(key, 0) + 1
+    return {key for key, count in counts.items() if count > 1}
+
+
+def _run_segment(roots, seeds, retain: bool, only, shared: set) -> tuple[list, _Reached]:
     """Backward on the roots' mesh up to its leaves and hops; returns the (roots, seeds) each hop
-    continues with on its source mesh."""
+    continues with on its source mesh, and what the walk reached."""
     mesh = roots[0].device_mesh
     reached = _walk(roots, only, mesh)
+    retain = retain or any(id(node) in shared for node in reached.nodes)
     controller = roots[0]._controller
     grads = [_accumulator(leaf) for leaf in reached.leaves]
     landed_ids = controller.new_ids(len(reached.hops))
@@ -161,9 +189,7 @@ def _run_segment(roots, seeds, retain: bool, only) -> list:
                       _ids(grads) + landed_ids, "backward", retain)
     if reached.hops:   # a landed tensor's gradient is taken, not kept accumulating on its leaf
         controller.submit(SetGrads, tuple(hop.landed._id for hop in reached.hops), (-1,) * len(reached.hops))
-    if not retain:
-        reached.release()
-    return [_hop_back(hop, landed_id, controller) for hop, landed_id in zip(reached.hops, landed_ids)]
+    return [_hop_back(hop, landed_id, controller) for hop, landed_id in zip(reached.hops, landed_ids)], reached
 
 
 def _accumulator(tensor: DTensor) -> DTensor:

@@ -241,7 +241,21 @@ class GlooCommunicator:
         works = [pg.send([tensor], ranks.index(peer), 0) for peer, tensor in sends]
         works += [pg.recv([tensor], ranks.index(peer), 0) for peer, tensor in receives]
         for work in works:
-            self._run(ranks, work)
+            self._finish_point_to_point(ranks, work)
+
+    def _finish_point_to_point(self, ranks: tuple, work) -> None:
+        """One wait, the whole timeout long: Gloo closes the pair of a send or receive whose
+        wait(timeout) expires ("Application timeout caused pair closure"), so the short waits
+        collectives poll with would break a receiver waiting on a busy sender (a pipeline stage
+        still in its backward). A peer that dies resets the connection: that error becomes
+        PeerLostError once the controller marks the peer lost."""
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as error:
+            problem = self._lost_member_soon(ranks)
+            if problem is None:
+                raise
+            self._break(ranks, problem, None, error)
 
     def agree_max(self, ranks: tuple, value: int) -> int:
         """The largest `value` any member passed (used to agree on failures before moving data)."""
