@@ -74,10 +74,16 @@ def _write_tensors(tensors: dict, paths: dict, staging: str, timeout) -> tuple[d
                         "chunks": chunks}
     for tensor in readable.values():
         controller.check_current(tensor)   # not one whose data went with a lost worker
-    for file_index, writes in enumerate(batches):
-        if writes:
-            controller.submit(SaveShard, staging, file_index, tuple(writes))
-    controller.synchronize(timeout)   # every file written and fsynced; a worker's error or loss raises here
+    seqs = [controller.submit(SaveShard, staging, file_index, tuple(writes))
+            for file_index, writes in enumerate(batches) if writes]
+    try:
+        controller.synchronize(timeout)   # every file written and fsynced; a worker's error or loss raises here
+    finally:
+        # synchronize raised the earliest failure (the cause, when a tensor came from a failed
+        # command); the saves' own failures are part of that one error, not news for a later read
+        for seq in seqs:
+            if seq in controller.failures:
+                controller.failures[seq].reported = True
     return entries, sum(load.values())
 
 

@@ -131,13 +131,13 @@ def encode_value(value, key: str):
     if isinstance(value, _PLAIN):
         return value
     if isinstance(value, list):
-        return [encode_value(v, key) for v in value]
+        return [encode_value(v, f"{key}.{i}") for i, v in enumerate(value)]
     if isinstance(value, tuple):
-        return {"__tuple__": [encode_value(v, key) for v in value]}
+        return {"__tuple__": [encode_value(v, f"{key}.{i}") for i, v in enumerate(value)]}
     if isinstance(value, Mapping):
         if all(type(k) is str and not k.startswith("__") for k in value):
-            return {k: encode_value(v, key) for k, v in value.items()}
-        return {"__items__": [[encode_value(k, key), encode_value(v, key)] for k, v in value.items()]}
+            return {k: encode_value(v, f"{key}.{k}") for k, v in value.items()}
+        return {"__items__": [[encode_value(k, key), encode_value(v, f"{key}.{k}")] for k, v in value.items()]}
     if isinstance(value, torch.Tensor) and value.numel() <= 1 << 16:
         return {"__torch__": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
                 "values": value.detach().cpu().reshape(-1).tolist()}
