@@ -99,6 +99,10 @@ COMMAND_EXAMPLES = [
     wire.Transfer(6, 6, 1, 0, 1, (4, 6), "float32", _placements(0, -1), _placements(-1)),
     wire.Fetch(7, 1, 0, (0, 2)), wire.Free(8, (1, 2)), wire.Sync(9), wire.Shutdown(10),
     wire.Regroup(11, 1, (2,)),
+    wire.SaveShard(12, "/ckpt/.run.saving-x", 0, ((0, 1, "model.w"), (3, 2, "optim.state.0.exp_avg"))),
+    wire.LoadChunks(13, 7, 0, (7, 5), "float32", _placements(1, -1),
+                    (("/ckpt/__0_0.safetensors", 96, "bfloat16", (0, 0), (4, 5)),
+                     ("/ckpt/__1_0.safetensors", 96, "bfloat16", (4, 0), (3, 5))), "model.w"),
 ]
 
 

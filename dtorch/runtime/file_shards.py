@@ -1,5 +1,7 @@
 """A worker reads its own block of a tensor stored row-major in a file (a checkpoint shard), and
-only the bytes of that block: the controller never touches them.
+only the bytes of that block: the controller never touches them. For sharded checkpoints
+(dtorch.checkpoint.save / load) a worker also writes its blocks as a safetensors file, and reads
+its block back from the parts of saved chunks that overlap it (bottom of this file).
 
 A block of a row-major tensor is a grid of contiguous runs: the dims after the last one the
 block cuts are whole, so each run spans the cut dim's length times their size. Runs far apart

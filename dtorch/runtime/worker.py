@@ -441,7 +441,13 @@ class Worker:
                 blocks.append((name, self._tensor(tensor_id).cpu()))
             except Poisoned as poisoned:   # reported (not only poisoned): this command has no output to carry it
                 raise RuntimeError(f"cannot save {name!r}: it comes from command #{poisoned.origin}, which failed") from None
-        write_safetensors(os.path.join(command.directory, shard_file_name(self.rank, command.file_index)), blocks)
+        path = os.path.join(command.directory, shard_file_name(self.rank, command.file_index))
+        try:
+            write_safetensors(path, blocks)
+        except FileNotFoundError:   # the usual multi-host mistake: the controller's directory is not here
+            raise FileNotFoundError(f"rank {self.rank} on host {socket.gethostname()} cannot create {path}: its "
+                                    "directory does not exist on this host. Every worker writes into the directory "
+                                    "the controller made: save to a filesystem every host mounts there") from None
 
     def handle_load_chunks(self, command: wire.LoadChunks) -> None:
         """Read this rank's block of a tensor saved as chunks (a sharded checkpoint, any layout),
