@@ -57,23 +57,12 @@ def save(state, directory, *, timeout: float | None = None) -> None:
 def _write_tensors(tensors: dict, paths: dict, staging: str, timeout) -> tuple[dict, int]:
     """Issue the SaveShards and wait for every worker; the index entries and the bytes written."""
     controller = session.controller()
-    readable = {key: tensor.reduce_partials() for key, tensor in tensors.items()}   # kept alive until the Sync
-    entries, batches, load = {}, [[]], {}
-    batch_bytes: dict[int, int] = {}
-    for key, tensor in readable.items():
-        chunks = []
-        for rank, offset, shape, nbytes in _writers(tensor, load):
-            if batch_bytes.get(rank, 0) + nbytes > FILE_BYTES and batch_bytes.get(rank, 0):
-                batches.append([])
-                batch_bytes = {}
-            batch_bytes[rank] = batch_bytes.get(rank, 0) + nbytes
-            batches[-1].append((rank, tensor._id, key))
-            chunks.append({"file": shard_file_name(rank, len(batches) - 1), "offsets": offset, "shape": shape})
-        entries[key] = {"path": list(paths[key]), "shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype),
-                        "saved_as": f"{format_placements(tensors[key].placements)} on {tensor.device_mesh.shape}",
-                        "chunks": chunks}
-    for tensor in readable.values():
+    for tensor in tensors.values():
         controller.check_current(tensor)   # not one whose data went with a lost worker
+    readable = {key: tensor.reduce_partials() for key, tensor in tensors.items()}   # kept alive until the Sync
+    entries, batches, written = _plan(readable, paths)
+    for key, tensor in tensors.items():
+        entries[key]["saved_as"] = f"{format_placements(tensor.placements)} on {tensor.device_mesh.shape}"
     seqs = [controller.submit(SaveShard, staging, file_index, tuple(writes))
             for file_index, writes in enumerate(batches) if writes]
     try:
@@ -84,12 +73,30 @@ def _write_tensors(tensors: dict, paths: dict, staging: str, timeout) -> tuple[d
         for seq in seqs:
             if seq in controller.failures:
                 controller.failures[seq].reported = True
-    return entries, sum(load.values())
+    return entries, sum(written.values())
 
 
-def _writers(tensor: DTensor, load: dict):
+def _plan(tensors: dict, paths: dict) -> tuple[dict, list, dict]:
+    """(index entries, batches of (rank, tensor_id, key) writes: one SaveShard each, bytes per
+    writing rank). A batch ends where one rank's file would pass FILE_BYTES."""
+    entries, batches, written, in_batch = {}, [[]], {}, {}
+    for key, tensor in tensors.items():
+        chunks = []
+        for rank, offset, shape, nbytes in _writers(tensor, written):
+            if in_batch.get(rank, 0) and in_batch[rank] + nbytes > FILE_BYTES:
+                batches.append([])
+                in_batch = {}
+            in_batch[rank] = in_batch.get(rank, 0) + nbytes
+            batches[-1].append((rank, tensor._id, key))
+            chunks.append({"file": shard_file_name(rank, len(batches) - 1), "offsets": offset, "shape": shape})
+        entries[key] = {"path": list(paths[key]), "shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype),
+                        "chunks": chunks}
+    return entries, batches, written
+
+
+def _writers(tensor: DTensor, written: dict):
     """(rank, offset, shape, bytes) of each distinct non-empty block of `tensor`, written by one of
-    the ranks holding it: the one with the fewest bytes to write so far (`load`, updated), so
+    the ranks holding it: the one with the fewest bytes to write so far (`written`, updated), so
     replicated tensors spread over their replicas instead of all landing on rank 0."""
     mesh, placements, shape = tensor.device_mesh, tensor.placements, tuple(tensor.shape)
     holders: dict[tuple, list[int]] = {}
@@ -99,8 +106,8 @@ def _writers(tensor: DTensor, load: dict):
             holders.setdefault((tuple(offset), tuple(box)), []).append(rank)
     for (offset, box), ranks in holders.items():
         nbytes = tensor.dtype.itemsize * math.prod(box)
-        writer = min(ranks, key=lambda r: (load.get(r, 0), r))
-        load[writer] = load.get(writer, 0) + nbytes
+        writer = min(ranks, key=lambda r: (written.get(r, 0), r))
+        written[writer] = written.get(writer, 0) + nbytes
         yield writer, list(offset), list(box), nbytes
 
 
