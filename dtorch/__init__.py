@@ -47,7 +47,9 @@ def stats() -> dict:
     """Counters on the controller: commands_sent, messages_sent, bytes_sent, bytes_received, and
     redistributes_inserted (moves dtorch added before ops whose placements did not line up),
     checkpoint_tensors_loaded and checkpoint_bytes_via_controller (dtorch.checkpoint: tensor bytes
-    the controller read itself, 0 unless via_controller=True)."""
+    the controller read itself, 0 unless via_controller=True), checkpoint_tensors_saved and
+    checkpoint_bytes_saved (dtorch.checkpoint.save: written by the workers, so
+    checkpoint_bytes_saved_via_controller is always 0)."""
     return _session.controller().stats()
 
 

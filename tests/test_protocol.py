@@ -106,6 +106,10 @@ COMMAND_EXAMPLES = [
                        (5, 6, 7, 8), (0, 3), (1, 0)),
     wire.GradNorm(16, 9, 0, float("inf"), (3, 4), (_placements(0, -1), _placements(-1, 1))),
     wire.UpdateGrads(17, 0, "clip_grad_norm_", (3, 4), 9, 0.0),
+    wire.SaveShard(18, "/ckpt/.run.saving-x", 0, ((0, 1, "model.w"), (3, 2, "optim.state.0.exp_avg"))),
+    wire.LoadChunks(19, 7, 0, (7, 5), "float32", _placements(1, -1),
+                    (("/ckpt/__0_0.safetensors", 96, "bfloat16", (0, 0), (4, 5)),
+                     ("/ckpt/__1_0.safetensors", 96, "bfloat16", (4, 0), (3, 5))), "model.w"),
 ]
 
 

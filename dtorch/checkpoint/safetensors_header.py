@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import DTorchError
+from ..runtime.file_shards import SAFETENSORS_DTYPES
 
 __all__ = ["StoredTensor", "CheckpointError", "read_header", "read_checkpoint", "checkpoint_files",
            "SINGLE_FILE", "INDEX_FILE", "first_names"]
@@ -26,12 +27,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 HEADER_LIMIT = 100 << 20   # the format's own cap on a header: a larger length means a damaged file
 
-# safetensors dtype codes -> torch dtypes this torch has (the float8 and unsigned ones are recent)
-_DTYPE_CODES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-                "U16": "uint16", "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn",
-                "F8_E5M2": "float8_e5m2", "C64": "complex64"}
-DTYPES = {code: getattr(torch, name) for code, name in _DTYPE_CODES.items() if hasattr(torch, name)}
+DTYPES = SAFETENSORS_DTYPES   # code -> torch dtype; the workers' writer (runtime.file_shards) shares it
 
 
 class CheckpointError(DTorchError, ValueError):

@@ -81,6 +81,7 @@ class Controller:
         self.redistributes_inserted = 0   # by the frontend, before ops whose placements did not line up
         self.checkpoint_tensors_loaded = 0          # by dtorch.checkpoint
         self.checkpoint_bytes_via_controller = 0    # its via_controller fallback; 0 when workers read files
+        self.checkpoint_tensors_saved = self.checkpoint_bytes_saved = 0   # checkpoint.save: workers write them
         self.gloo_timeout_s = gloo_timeout_s
         self.hang_timeout_s = (float(os.environ.get("DTORCH_HANG_TIMEOUT_S", HANG_TIMEOUT_S))
                                if hang_timeout_s is None else hang_timeout_s)
@@ -137,6 +138,13 @@ class Controller:
         with self._lock:
             self.checkpoint_tensors_loaded += tensors
             self.checkpoint_bytes_via_controller += bytes_via_controller
+
+    def count_checkpoint_saved(self, tensors: int, nbytes: int) -> None:
+        """Tensors dtorch.checkpoint.save wrote, and their bytes (the workers wrote them: the
+        controller only sent SaveShard commands, so checkpoint_bytes_saved_via_controller is 0)."""
+        with self._lock:
+            self.checkpoint_tensors_saved += tensors
+            self.checkpoint_bytes_saved += nbytes
 
     def reference(self, tensor) -> wire.TensorRef:
         """The wire reference to `tensor` as an op input; it must belong to this session."""
@@ -235,7 +243,10 @@ class Controller:
                 "messages_rejected": self.rejections.count,
                 "redistributes_inserted": self.redistributes_inserted,
                 "checkpoint_tensors_loaded": self.checkpoint_tensors_loaded,
-                "checkpoint_bytes_via_controller": self.checkpoint_bytes_via_controller}
+                "checkpoint_bytes_via_controller": self.checkpoint_bytes_via_controller,
+                "checkpoint_tensors_saved": self.checkpoint_tensors_saved,
+                "checkpoint_bytes_saved": self.checkpoint_bytes_saved,
+                "checkpoint_bytes_saved_via_controller": 0}   # save has no path through the controller
 
     # --- worker pool ----------------------------------------------------------------------------
     def add_workers(self, handles: list, device: str) -> None:

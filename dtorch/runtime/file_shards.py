@@ -1,5 +1,7 @@
 """A worker reads its own block of a tensor stored row-major in a file (a checkpoint shard), and
-only the bytes of that block: the controller never touches them.
+only the bytes of that block: the controller never touches them. For sharded checkpoints
+(dtorch.checkpoint.save / load) a worker also writes its blocks as a safetensors file, and reads
+its block back from the parts of saved chunks that overlap it (bottom of this file).
 
 A block of a row-major tensor is a grid of contiguous runs: the dims after the last one the
 block cuts are whole, so each run spans the cut dim's length times their size. Runs far apart
@@ -12,12 +14,17 @@ run costs more than reading the gap. The crossover, measured from the page cache
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
+import struct
 
 import torch
 
-__all__ = ["read_block", "block_runs", "GAP_LIMIT", "CHUNK_BYTES"]
+from ..distributed_spec import narrow_to_box
+
+__all__ = ["read_block", "block_runs", "GAP_LIMIT", "CHUNK_BYTES", "SAFETENSORS_DTYPES", "safetensors_code",
+           "shard_file_name", "write_safetensors", "read_region", "overlap"]
 
 GAP_LIMIT = 1024            # bytes between runs below which the covering range is read instead
 CHUNK_BYTES = 64 << 20      # the most covering-range bytes held at once (a scratch buffer)
@@ -114,3 +121,83 @@ def _row_major_strides(shape) -> list[int]:
         strides.append(step)
         step *= size
     return strides[::-1]
+
+
+# --- sharded checkpoints: writing each rank's blocks, reading a block back from saved chunks -------
+# safetensors dtype codes -> torch dtypes this torch has (the float8 and unsigned ones are recent)
+_DTYPE_CODES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                "U16": "uint16", "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn",
+                "F8_E5M2": "float8_e5m2", "C64": "complex64"}
+SAFETENSORS_DTYPES = {code: getattr(torch, name) for code, name in _DTYPE_CODES.items() if hasattr(torch, name)}
+_CODE_OF = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+_HEADER_ALIGN = 8    # the format pads its header so that the data starts aligned
+
+
+def safetensors_code(dtype: torch.dtype) -> str | None:
+    """The safetensors name of `dtype` (F32, BF16, ...), None where the format has none."""
+    return _CODE_OF.get(dtype)
+
+
+def shard_file_name(rank: int, file_index: int) -> str:
+    """The file one rank writes for one SaveShard (the controller names it the same way in the index)."""
+    return f"__{rank}_{file_index}.safetensors"
+
+
+def write_safetensors(path: str, tensors: list) -> None:
+    """Write [(name, CPU tensor), ...] as a new safetensors file and fsync it: when this returns,
+    the bytes are on disk (the controller publishes the checkpoint only after every rank got here).
+    The file must not exist: a rank never overwrites another save's file."""
+    header, position = {}, 0
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _CODE_OF[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [position, position + size]}
+        position += size
+    header["__metadata__"] = {"format": "pt"}   # what transformers' and safetensors' loaders expect
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % _HEADER_ALIGN)
+    with open(path, "xb") as file:
+        file.write(struct.pack("<Q", len(raw)) + raw)
+        for _, tensor in tensors:
+            file.write(_bytes_of(tensor.contiguous()))
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def overlap(offset_a, box_a, offset_b, box_b):
+    """(offset, box) of the intersection of two blocks of one tensor, None if they do not meet."""
+    starts = [max(a, b) for a, b in zip(offset_a, offset_b)]
+    ends = [min(a + la, b + lb) for a, la, b, lb in zip(offset_a, box_a, offset_b, box_b)]
+    if any(end <= start for start, end in zip(starts, ends)):
+        return None
+    return starts, [end - start for start, end in zip(starts, ends)]
+
+
+def read_region(chunks, offset, box, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """The block (offset, box) of a tensor saved as `chunks`, blocks that tile it:
+    ((path, data_offset, stored_dtype, chunk_offset, chunk_shape), ...). Only the bytes of the
+    chunks' parts inside the block are read. A block that one chunk covers comes back in the stored
+    dtype, as read; otherwise in `dtype`."""
+    offset, box = list(offset), list(box)
+    if any(length == 0 for length in box):
+        return torch.empty(box, dtype=dtype)
+    parts = []
+    for path, data_offset, stored_dtype, chunk_offset, chunk_shape in chunks:
+        met = overlap(offset, box, chunk_offset, chunk_shape)
+        if met is not None:
+            parts.append((path, data_offset, stored_dtype, chunk_offset, chunk_shape, *met))
+    covered = sum(math.prod(part[-1]) for part in parts)
+    if covered != math.prod(box):
+        raise ValueError(f"{what}: the saved chunks cover {covered} of the {math.prod(box)} elements of the block "
+                         f"at {offset} of shape {box} (a damaged checkpoint index?)")
+    if len(parts) == 1:
+        path, data_offset, stored_dtype, chunk_offset, chunk_shape, start, length = parts[0]
+        return read_block(path, data_offset, stored_dtype, chunk_shape,
+                          [s - c for s, c in zip(start, chunk_offset)], length, what)
+    out = torch.empty(box, dtype=dtype)
+    for path, data_offset, stored_dtype, chunk_offset, chunk_shape, start, length in parts:
+        piece = read_block(path, data_offset, stored_dtype, chunk_shape,
+                           [s - c for s, c in zip(start, chunk_offset)], length, what)
+        narrow_to_box(out, start, length, offset).copy_(piece)
+    return out

@@ -30,7 +30,7 @@ __all__ = [
     "lost_worker_key",
     # commands
     "DefineMesh", "Factory", "Upload", "LoadShard", "RunOp", "Redistribute", "Transfer", "Fetch", "Free", "Sync", "Shutdown",
-    "Regroup", "RequireGrad", "SetGrads", "Backward", "OptimizerStep", "GradNorm", "UpdateGrads", "COMMANDS", "handler_name", "encode_batch", "decode_batch",
+    "Regroup", "RequireGrad", "SetGrads", "Backward", "OptimizerStep", "GradNorm", "UpdateGrads", "SaveShard", "LoadChunks", "COMMANDS", "handler_name", "encode_batch", "decode_batch",
     # every other message
     "Batch", "Private", "Probe", "Register", "Welcome", "Refused", "Reply", "ErrorReport", "Heartbeat", "Pong",
     "MESSAGES", "FROM_WORKER", "REPLY_STATUSES", "encode", "decode", "decode_from_worker", "read_header",
@@ -39,13 +39,15 @@ __all__ = [
     "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 8   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+VERSION = 9   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
               # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
               # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention);
               # 6: Regroup (lost ranks were replaced: communication groups of a new generation)
               # 7: autograd: RunOp and Redistribute say whether to record for backward; RequireGrad,
               #    SetGrads, Backward
               # 8: OptimizerStep, GradNorm, UpdateGrads (dtorch.optim, dtorch.nn.utils: in place on workers)
+              # 9: SaveShard, LoadChunks (sharded checkpoints: each worker writes its own blocks,
+              #    and reads back the parts of saved chunks that overlap its block)
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -252,8 +254,27 @@ class UpdateGrads(NamedTuple):
         return self.grad_ids
 
 
+class SaveShard(NamedTuple):
+    seq: int
+    directory: str       # where every writing rank puts its file, as every worker's host names it
+    file_index: int      # one file per writing rank per SaveShard: runtime.file_shards.shard_file_name
+    writes: tuple        # ((rank, tensor_id, name), ...): each rank writes its whole local block of
+                         # the tensors naming it, under `name`; replicas are named once, by the controller
+
+
+class LoadChunks(NamedTuple):
+    seq: int
+    out_id: int
+    mesh_id: int
+    shape: tuple         # global shape
+    dtype: str           # the tensor's dtype in dtorch: the stored bytes are cast to it
+    placements: tuple    # each rank reads the parts of the chunks that overlap its own block
+    chunks: tuple        # ((path, data_offset, stored_dtype, offset, shape), ...): blocks tiling the tensor
+    name: str            # the tensor's key, for errors
+
+
 COMMANDS = (DefineMesh, Factory, Upload, LoadShard, RunOp, Redistribute, Transfer, Fetch, Free, Sync, Shutdown,
-            Regroup, RequireGrad, SetGrads, Backward, OptimizerStep, GradNorm, UpdateGrads)
+            Regroup, RequireGrad, SetGrads, Backward, OptimizerStep, GradNorm, UpdateGrads, SaveShard, LoadChunks)
 OPCODE = {cls: i for i, cls in enumerate(COMMANDS)}
 _BY_OPCODE = dict(enumerate(COMMANDS))
 
@@ -406,6 +427,7 @@ _FIELD_TYPES = {
     RequireGrad: (IDS, bool), SetGrads: (IDS, IDS), Backward: (int, IDS, IDS, IDS, IDS, str, bool),
     OptimizerStep: (int, str, dict, IDS, IDS, IDS, IDS, IDS), GradNorm: (int, int, NUMBER, IDS, tuple),
     UpdateGrads: (int, str, IDS, int, NUMBER),
+    SaveShard: (str, int, tuple), LoadChunks: (int, int, tuple, str, tuple, tuple, str),
 }
 
 

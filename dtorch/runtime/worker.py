@@ -11,6 +11,7 @@ on it first), so no read ever returns a wrong value.
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import traceback
 
@@ -24,7 +25,7 @@ from ..ops.registry import PEER_KERNELS
 from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
 from . import protocol as wire
 from .comm import Communicator
-from .file_shards import read_block
+from .file_shards import read_block, read_region, shard_file_name, write_safetensors
 from .backward import connect_outputs, run_backward
 from .kernels import apply_steps, make_factory, pack_saved, unpack_saved
 from .optim_kernels import local_norm_share, optimizer_step, state_names, update_grads
@@ -503,6 +504,51 @@ class Worker:
             return
         factor = self._tensor(command.factor_id) if command.factor_id >= 0 else None
         update_grads(command.kind, [self._tensor(i) for i in command.grad_ids], factor, command.bound)
+
+
+    def handle_save_shard(self, command: wire.SaveShard) -> None:
+        """Write this rank's blocks of the tensors naming it into one new safetensors file, fsynced
+        (runtime/file_shards.py). A tensor that failed earlier fails the save, naming its key: a
+        checkpoint is never written with a hole."""
+        mine = [(tensor_id, name) for rank, tensor_id, name in command.writes if rank == self.rank]
+        if not mine:
+            return
+        blocks = []
+        for tensor_id, name in mine:
+            try:
+                blocks.append((name, self._tensor(tensor_id).cpu()))
+            except Poisoned as poisoned:   # reported (not only poisoned): this command has no output to carry it
+                raise RuntimeError(f"cannot save {name!r}: it comes from command #{poisoned.origin}, which failed") from None
+        path = os.path.join(command.directory, shard_file_name(self.rank, command.file_index))
+        try:
+            write_safetensors(path, blocks)
+        except FileNotFoundError:   # the usual multi-host mistake: the controller's directory is not here
+            raise FileNotFoundError(f"rank {self.rank} on host {socket.gethostname()} cannot create {path}: its "
+                                    "directory does not exist on this host. Every worker writes into the directory "
+                                    "the controller made: save to a filesystem every host mounts there") from None
+
+    def handle_load_chunks(self, command: wire.LoadChunks) -> None:
+        """Read this rank's block of a tensor saved as chunks (a sharded checkpoint, any layout),
+        only the parts of the chunks that overlap it, cast it, keep it. P(sum): as LoadShard."""
+        mesh = self._member(command.mesh_id)
+        if mesh is None:
+            return
+        coordinate = mesh.coordinate_of(self.rank)
+        offset, shape = local_region(command.shape, mesh, command.placements, coordinate)
+        dtype = wire.dtype_from_name(command.dtype)
+        if not holds_partial_sum_value(command.placements, coordinate):
+            self.tensors[command.out_id] = torch.zeros(shape, dtype=dtype, device=self.device.torch_device)
+            return
+        chunks = [(path, data_offset, wire.dtype_from_name(stored), chunk_offset, chunk_shape)
+                  for path, data_offset, stored, chunk_offset, chunk_shape in command.chunks]
+        what = f"tensor {command.name!r}, rank {self.rank} on host {socket.gethostname()}"
+        try:
+            block = read_region(chunks, offset, shape, dtype, what)
+        except FileNotFoundError as missing:   # the usual multi-host mistake
+            raise FileNotFoundError(f"{missing}. Every worker reads its own parts from the path the controller "
+                                    "gave: put the checkpoint on a shared filesystem every host mounts there") from None
+        on_device = block if block.device == self.device.torch_device else self.device.from_host(block)
+        self.tensors[command.out_id] = on_device.to(dtype)
 
 
 _ON_COMMAND_SOCKET = (wire.Batch, wire.Private, wire.Probe)   # probes need no answer once registered

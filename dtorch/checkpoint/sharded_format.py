@@ -1,0 +1,219 @@
+"""The sharded checkpoint format that dtorch.checkpoint.save writes and load reads back onto any
+layout (docs/checkpoint.md, "Sharded checkpoints"): a directory of safetensors files, one per
+writing rank and SaveShard, plus `checkpoint.json`, written last:
+
+    {"format": "dtorch-sharded", "version": 1,
+     "tensors": {key: {"path": [...], "shape": [...], "dtype": "float32", "saved_as": "S(0), R on (2, 2)",
+                       "chunks": [{"file": "__0_0.safetensors", "offsets": [...], "shape": [...]}, ...]}},
+     "values": {key: {"path": [...], "value": <encoded>}}}
+
+A key is the state's path joined with dots ("optim.state.0.exp_avg"); each file holds its chunks
+under their keys. The chunks of a tensor tile it. This module is the state's side: flattening a
+nested state into keys, putting loaded leaves back, encoding plain values as JSON, reading the
+index. No commands are sent from here.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+
+from ..runtime.file_shards import safetensors_code
+from ..runtime.protocol import dtype_from_name
+from ..tensor import DTensor
+from .safetensors_header import CheckpointError, read_header
+
+__all__ = ["INDEX_NAME", "FORMAT", "FORMAT_VERSION", "Leaf", "Chunk", "SavedTensor", "SavedIndex", "flatten",
+           "fill", "encode_value", "decode_value", "read_index", "key_of", "check_savable_dtype"]
+
+INDEX_NAME = "checkpoint.json"
+FORMAT, FORMAT_VERSION = "dtorch-sharded", 1
+_PLAIN = (type(None), bool, int, float, str)
+_KEY_TYPES = (str, int)
+
+
+class Leaf(NamedTuple):
+    path: tuple          # the keys and list indices from the state's top to this leaf
+    value: object        # a DTensor, or a plain value (a subtree without DTensors, stored whole)
+
+
+class Chunk(NamedTuple):
+    path: str            # the safetensors file, absolute
+    data_offset: int     # where its bytes start in the file
+    dtype: torch.dtype   # as stored
+    offset: tuple        # where the chunk sits in the global tensor
+    shape: tuple
+
+
+class SavedTensor(NamedTuple):
+    shape: tuple
+    dtype: torch.dtype
+    chunks: list         # [Chunk], tiling the tensor
+    saved_as: str        # the layout it was saved from, for messages
+
+
+class SavedIndex(NamedTuple):
+    directory: str
+    tensors: dict        # key -> SavedTensor
+    values: dict         # key -> the decoded plain value
+    paths: dict          # key -> path (tensors and values), to rebuild the nesting
+
+
+def key_of(path: tuple) -> str:
+    return ".".join(str(part) for part in path)
+
+
+# --- the state's side: nested dicts / lists with DTensor and plain leaves ------------------------
+def flatten(state) -> dict[str, Leaf]:
+    """key -> Leaf. A dict or list holding a DTensor somewhere below is walked into; any other
+    value is one plain leaf. Raises CheckpointError for two paths with one key, a key that is not
+    a str or int, or a leaf that is neither a DTensor nor a plain value."""
+    if not isinstance(state, (Mapping, list, tuple)):
+        raise CheckpointError(f"a checkpoint state is a dict (or list) of DTensors and plain values, "
+                              f"not a {type(state).__name__}")
+    leaves: dict[str, Leaf] = {}
+    for leaf in _children(state, ()):
+        key = key_of(leaf.path)
+        if key in leaves:
+            raise CheckpointError(f"two entries of the state have the key {key!r}: {list(leaves[key].path)} and "
+                                  f"{list(leaf.path)}; rename one (keys are paths joined with dots)")
+        leaves[key] = leaf
+    return leaves
+
+
+def _children(node, path: tuple) -> list[Leaf]:
+    items = node.items() if isinstance(node, Mapping) else enumerate(node)
+    leaves = []
+    for name, value in items:
+        if not isinstance(name, _KEY_TYPES) or isinstance(name, bool):
+            raise CheckpointError(f"state key {name!r} at {key_of(path) or 'the top'}: keys must be str or int")
+        leaves += _leaves(value, path + (name,))
+    return leaves
+
+
+def _leaves(node, path: tuple) -> list[Leaf]:
+    if isinstance(node, DTensor):
+        return [Leaf(path, node)]
+    if isinstance(node, (Mapping, list, tuple)):
+        below = _children(node, path)
+        if any(isinstance(leaf.value, DTensor) for leaf in below):
+            return below
+    return [Leaf(path, node)]
+
+
+def fill(state, loaded: dict):
+    """`state` with each leaf whose key is in `loaded` replaced by its loaded value, in place for
+    dicts and lists (a tuple is rebuilt, in place in its parent)."""
+    return _filled(state, (), loaded, top=True)
+
+
+def _filled(node, path: tuple, loaded: dict, top: bool = False):
+    if not top and key_of(path) in loaded:
+        return loaded[key_of(path)]
+    if isinstance(node, DTensor) or not isinstance(node, (Mapping, list, tuple)):
+        return node
+    if isinstance(node, tuple):
+        return tuple(_filled(value, path + (index,), loaded) for index, value in enumerate(node))
+    for name in list(node.keys() if isinstance(node, Mapping) else range(len(node))):
+        node[name] = _filled(node[name], path + (name,), loaded)
+    return node
+
+
+# --- plain values as JSON -------------------------------------------------------------------------
+def encode_value(value, key: str):
+    """JSON for a plain value: None, bool, int, float, str, lists, tuples, dicts of them, and small
+    torch tensors the controller holds (an optimizer's step count, a scheduler's lr). Tuples and
+    dicts whose keys are not all strings are tagged so that they come back as they were."""
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, list):
+        return [encode_value(v, f"{key}.{i}") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode_value(v, f"{key}.{i}") for i, v in enumerate(value)]}
+    if isinstance(value, Mapping):
+        if all(type(k) is str and not k.startswith("__") for k in value):
+            return {k: encode_value(v, f"{key}.{k}") for k, v in value.items()}
+        return {"__items__": [[encode_value(k, key), encode_value(v, f"{key}.{k}")] for k, v in value.items()]}
+    if isinstance(value, torch.Tensor) and value.numel() <= 1 << 16:
+        return {"__torch__": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
+                "values": value.detach().cpu().reshape(-1).tolist()}
+    raise CheckpointError(f"{key!r}: cannot save a {type(value).__name__} ({str(value)[:60]}); a checkpoint holds "
+                          "DTensors and plain values (None, bool, int, float, str, small torch tensors, and "
+                          "lists, tuples and dicts of them)")
+
+
+def decode_value(data):
+    if isinstance(data, list):
+        return [decode_value(v) for v in data]
+    if not isinstance(data, dict):
+        return data
+    if "__tuple__" in data:
+        return tuple(decode_value(v) for v in data["__tuple__"])
+    if "__items__" in data:
+        return {decode_value(k): decode_value(v) for k, v in data["__items__"]}
+    if "__torch__" in data:
+        return torch.tensor(data["values"], dtype=dtype_from_name(data["__torch__"])).reshape(data["shape"])
+    return {k: decode_value(v) for k, v in data.items()}
+
+
+def check_savable_dtype(key: str, dtype: torch.dtype) -> None:
+    if safetensors_code(dtype) is None:
+        raise CheckpointError(f"{key!r}: dtype {dtype} has no safetensors code; convert it first (x.to(...))")
+
+
+# --- reading the index ----------------------------------------------------------------------------
+def read_index(directory) -> SavedIndex:
+    """The checkpoint at `directory`, its index and every file's header checked (files present,
+    not truncated, chunk shapes and dtypes as the index says); CheckpointError otherwise."""
+    directory = os.path.abspath(os.fspath(directory))
+    index_path = os.path.join(directory, INDEX_NAME)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    if not os.path.isfile(index_path):
+        raise CheckpointError(f"{directory}: no {INDEX_NAME}, so not a dtorch.checkpoint.save directory (a save "
+                              "writes it last: a save that did not finish never leaves one at the target)")
+    try:
+        with open(index_path) as file:
+            index = json.load(file)
+        if index.get("format") != FORMAT:
+            raise CheckpointError(f"{index_path}: format {index.get('format')!r}, not {FORMAT!r}")
+        if index.get("version") != FORMAT_VERSION:
+            raise CheckpointError(f"{index_path}: format version {index.get('version')!r}; this dtorch reads "
+                                  f"version {FORMAT_VERSION}")
+        headers: dict = {}
+        tensors = {key: _saved_tensor(directory, key, entry, headers) for key, entry in index["tensors"].items()}
+        values = {key: decode_value(entry["value"]) for key, entry in index["values"].items()}
+        paths = {key: tuple(entry["path"]) for part in ("tensors", "values") for key, entry in index[part].items()}
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{index_path}: a damaged index ({type(error).__name__}: {error})") from None
+    return SavedIndex(directory, tensors, values, paths)
+
+
+def _saved_tensor(directory: str, key: str, entry: dict, headers: dict) -> SavedTensor:
+    shape, dtype = tuple(entry["shape"]), dtype_from_name(entry["dtype"])
+    chunks = [_chunk(directory, key, dtype, chunk, headers) for chunk in entry["chunks"]]
+    covered = sum(math.prod(chunk.shape) for chunk in chunks)
+    inside = all(0 <= o and o + s <= size for chunk in chunks for o, s, size in zip(chunk.offset, chunk.shape, shape))
+    if covered != math.prod(shape) or not inside or any(len(chunk.offset) != len(shape) for chunk in chunks):
+        raise CheckpointError(f"{directory}: the chunks of {key!r} do not tile its shape {list(shape)}")
+    return SavedTensor(shape, dtype, chunks, entry.get("saved_as", "?"))
+
+
+def _chunk(directory: str, key: str, dtype: torch.dtype, chunk: dict, headers: dict) -> Chunk:
+    path = os.path.join(directory, os.path.basename(chunk["file"]))
+    if path not in headers:
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{directory}: {chunk['file']} is missing (it holds part of {key!r})")
+        headers[path] = read_header(path)
+    stored = headers[path].get(key)
+    shape = tuple(chunk["shape"])
+    if stored is None or stored.shape != shape or stored.dtype != dtype:
+        found = "nothing" if stored is None else f"{stored.dtype} {list(stored.shape)}"
+        raise CheckpointError(f"{path}: the index says it holds {key!r} as {dtype} {list(shape)}, it holds {found}")
+    return Chunk(path, stored.data_offset, dtype, tuple(chunk["offsets"]), shape)
