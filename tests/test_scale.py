@@ -182,3 +182,9 @@ def test_a_killed_template_leaves_running_workers_working_and_is_replaced():
     report = _report(result)
     assert report["before"] == 4 and report["after"] == 6 and report["second"] != report["first"]
     assert not _wait_gone(report["workers"] + [report["second"]], 10)
+
+
+def test_a_template_that_cannot_start_says_why():
+    from dtorch.runtime.zygote import Zygote, ZygoteUnavailable
+    with pytest.raises(ZygoteUnavailable, match="exited or stayed silent"):
+        Zygote(dict(os.environ), python="/bin/false")

@@ -145,17 +145,27 @@ class LocalSpawner:
 
     def spawn(self, rank: int, config: dict) -> LocalWorker:
         zygote = self._template()
-        return ForkedWorker(rank, config, zygote) if zygote else LocalWorker(rank, config)
+        if zygote is not None:
+            try:
+                return ForkedWorker(rank, config, zygote)
+            except ZygoteUnavailable as reason:
+                self._give_up_on_template(reason)
+        return LocalWorker(rank, config)
 
     def _template(self) -> Zygote | None:
         if self._use_zygote and (self._zygote is None or not self._zygote.alive):
+            self.close()   # a template that died: release its socket before starting the next
             try:
                 self._zygote = Zygote(_worker_env())
                 forward_lines(self._zygote.output, "[worker template] ")
             except ZygoteUnavailable as reason:
-                print(f"dtorch: starting workers directly ({reason})", file=sys.stderr)
-                self._use_zygote, self._zygote = False, None
+                self._give_up_on_template(reason)
         return self._zygote
+
+    def _give_up_on_template(self, reason: Exception) -> None:
+        print(f"dtorch: starting local workers directly from now on ({reason})", file=sys.stderr)
+        self._use_zygote = False
+        self.close()
 
     def close(self) -> None:
         """End the worker template (after the workers: they are its children)."""

@@ -129,9 +129,13 @@ class Zygote:
                     raise ZygoteUnavailable("the worker template exited")
                 socket.send_fds(self._socket, [request], [stdin_read, output_write])
                 reply = self._forked.get(timeout=FORK_TIMEOUT_S)
-        except BaseException:
+        except BaseException as error:
             for fd in (stdin_write, output_read):
                 os.close(fd)
+            if isinstance(error, queue.Empty):
+                self.close()   # a late reply would answer the next request: end this template
+                raise ZygoteUnavailable(f"the worker template did not fork rank {rank} within "
+                                        f"{FORK_TIMEOUT_S:.0f}s") from None
             raise
         finally:   # the child holds its ends now; ours would hide its EOFs
             os.close(stdin_read)
@@ -158,7 +162,8 @@ class Zygote:
                 if left is not None and left <= 0:
                     raise subprocess.TimeoutExpired(f"dtorch worker pid {pid}", timeout)
                 # Once the template is gone no exit is reported: look at /proc again shortly.
-                self._exited.wait(left if self.alive else min(left or REAP_INTERVAL_S, REAP_INTERVAL_S))
+                pause = left if self.alive else REAP_INTERVAL_S if left is None else min(left, REAP_INTERVAL_S)
+                self._exited.wait(pause)
         return code
 
     def close(self, timeout: float = 5.0) -> None:
