@@ -34,6 +34,7 @@ class Suite:
     llama_layers: int = 4           # the Llama of benchmark 8 (hidden size, layers, tokens per sequence)
     llama_hidden: int = 256
     llama_seq: int = 64
+    worker_start_worlds: tuple = (4, 16, 64)   # pool sizes benchmark 9 starts both ways
 
 
 QUICK = Suite(
@@ -53,6 +54,7 @@ SMOKE = replace(
     QUICK, name="smoke", chain_ops=40, reps=2, collective_reps=2, end_to_end_worlds=(1, 4),
     fetch_reads=5, fetch_worlds=(4,), redistribute_bytes=(64 * 1024,), redistribute_worlds=(4,),
     mlp_layers=1, mlp_hidden=64, mlp_batch=8, process_timeout_s=60, llama_layers=1, llama_hidden=64, llama_seq=8,
+    worker_start_worlds=(2,),
 )
 
 PRESETS = {suite.name: suite for suite in (QUICK, FULL, SMOKE)}

@@ -2,7 +2,8 @@
 
 Controller side: session (the one Controller of this process; starting workers for a mesh),
 controller (the asyncio loop: batching, replies, supervision hooks), cluster (worker processes and
-WorkerPool: registration, heartbeats, losses), reads (futures and remote failures), admission (the
+WorkerPool: registration, heartbeats, losses), zygote (the pre-imported template local workers
+fork from), reads (futures and remote failures), admission (the
 run's secret, rate-limited rejection logs), rendezvous (the store collectives meet at),
 gpu_assignment (which GPU each worker pins).
 

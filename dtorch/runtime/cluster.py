@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -14,8 +15,9 @@ import time
 
 from ..errors import MeshError, StartupError, WorkerLostError
 from .protocol import lost_worker_key
+from .zygote import Zygote, ZygoteUnavailable, zygote_enabled
 
-__all__ = ["LocalWorker", "LocalSpawner", "worker_config", "forward_lines", "WorkerRecord", "WorkerPool",
+__all__ = ["LocalWorker", "ForkedWorker", "LocalSpawner", "worker_config", "forward_lines", "WorkerRecord", "WorkerPool",
            "loss_reason", "stop_process"]
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,28 +51,36 @@ def forward_lines(stream, prefix: str, sink=None, log_file=None, tail=None) -> t
     return thread
 
 
+def _worker_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    return env
+
+
 class LocalWorker:
-    """A worker process on this machine."""
+    """A worker process on this machine, started as its own `python -m ...` (DTORCH_ZYGOTE=0,
+    or when the worker template cannot start)."""
 
     host = "localhost"
 
     def __init__(self, rank: int, config: dict, python: str = sys.executable):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         self.rank = rank
         self.process = subprocess.Popen([python, "-m", "dtorch.runtime.worker_process"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                        stderr=subprocess.STDOUT, env=_worker_env(), start_new_session=True)
         self.pid = self.process.pid
+        self._start(config, self.process.stdin, self.process.stdout)
+
+    def _start(self, config: dict, stdin, output) -> None:
         # The config travels on stdin; stdin then stays open: its EOF tells the worker we are gone.
-        self.process.stdin.write((json.dumps(config) + "\n").encode())
-        self.process.stdin.flush()
+        stdin.write((json.dumps(config) + "\n").encode())
+        stdin.flush()
         self._tail: collections.deque = collections.deque(maxlen=1)
-        self._output = forward_lines(self.process.stdout, f"[rank {rank}] ", tail=self._tail)
+        self._output = forward_lines(output, f"[rank {self.rank}] ", tail=self._tail)
 
     def failure_message(self) -> str | None:
         """Why the process exited, in one sentence (a worker that cannot start says so last)."""
-        code = self.process.poll()
+        code = self.poll()
         if code is None or code == 0:
             return None
         self._output.join(2.0)
@@ -90,14 +100,78 @@ class LocalWorker:
         self.process.terminate()
 
 
+class ForkedWorker(LocalWorker):
+    """A worker forked from the worker template (runtime/zygote.py): the same process, stdin and
+    output as a LocalWorker's, without a torch import of its own. It is the template's child, so
+    the template reports its exit code; signals go to it directly."""
+
+    def __init__(self, rank: int, config: dict, zygote: Zygote):
+        self.rank, self._zygote = rank, zygote
+        self.pid, self._stdin, output = zygote.fork(rank, _worker_env(), os.getcwd())
+        self._start(config, self._stdin, output)
+
+    def poll(self):
+        return self._zygote.exit_code(self.pid)
+
+    def wait(self, timeout=None):
+        return self._zygote.wait_exit(self.pid, timeout)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def _signal(self, number: int) -> None:
+        if self.poll() is None:   # once reaped, the pid may name another process
+            try:
+                os.kill(self.pid, number)
+            except ProcessLookupError:
+                pass
+
+
 class LocalSpawner:
+    """Local workers: forked from one worker template, started on the first spawn and ended by
+    close(); each started directly with DTORCH_ZYGOTE=0 or if the template cannot start."""
+
     capacity = None  # any number of local workers
+
+    def __init__(self):
+        self._zygote: Zygote | None = None
+        self._use_zygote = zygote_enabled()
 
     def host_for(self, rank: int) -> str:
         return "localhost"
 
     def spawn(self, rank: int, config: dict) -> LocalWorker:
+        zygote = self._template()
+        if zygote is not None:
+            try:
+                return ForkedWorker(rank, config, zygote)
+            except ZygoteUnavailable as reason:
+                self._give_up_on_template(reason)
         return LocalWorker(rank, config)
+
+    def _template(self) -> Zygote | None:
+        if self._use_zygote and (self._zygote is None or not self._zygote.alive):
+            self.close()   # a template that died: release its socket before starting the next
+            try:
+                self._zygote = Zygote(_worker_env())
+                forward_lines(self._zygote.output, "[worker template] ")
+            except ZygoteUnavailable as reason:
+                self._give_up_on_template(reason)
+        return self._zygote
+
+    def _give_up_on_template(self, reason: Exception) -> None:
+        print(f"dtorch: starting local workers directly from now on ({reason})", file=sys.stderr)
+        self._use_zygote = False
+        self.close()
+
+    def close(self) -> None:
+        """End the worker template (after the workers: they are its children)."""
+        zygote, self._zygote = self._zygote, None
+        if zygote is not None:
+            zygote.close()
 
 
 # --- supervision: what the controller knows of each worker process --------------------------

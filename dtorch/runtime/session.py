@@ -157,9 +157,11 @@ def shutdown() -> None:
     """Stop every worker and the controller. A later mesh starts a fresh session."""
     global _controller, _spawner
     with _lock:
-        controller, _controller, _spawner = _controller, None, None
+        controller, spawner, _controller, _spawner = _controller, _spawner, None, None
     if controller is not None:
         controller.shutdown()
+    if getattr(spawner, "close", None):   # the local worker template, once its workers are gone
+        spawner.close()
 
 
 def workers() -> list[dict]:
