@@ -14,11 +14,12 @@ from ..errors import user_site
 from ..factories import ones
 from ..recording import HopNode, Leaf, OpNode, Refused, no_grad
 from ..runtime.protocol import Backward, SetGrads
-from ..tensor import DTensor
+from ..distributed_spec import Replicate
+from ..tensor import DTensor, call_op
 from ..ops.tensor_meta import tensor_meta
 from .rules import gradient_placements
 
-__all__ = ["backward", "grad", "leaf_grad", "set_leaf_grad"]
+__all__ = ["backward", "grad", "leaf_grad", "set_leaf_grad", "reduce_gradients"]
 
 
 def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None) -> None:
@@ -84,6 +85,32 @@ def leaf_grad(tensor: DTensor):
         with no_grad():
             _bind(tensor, leaf, leaf.grad.redistribute(placements=tensor.placements))
     return leaf.grad
+
+
+def reduce_gradients(tensors) -> None:
+    """Bring the pending gradients of many leaves to their tensors' placements at once (what an
+    optimizer step or a global clip reads): those whose only difference is P(sum) -> Replicate
+    (data-parallel parameters) are flattened into one buffer per mesh and dtype and reduced with
+    ONE all-reduce, as DDP's buckets are; any other pending gradient is reduced on its own."""
+    buckets = {}
+    for tensor in tensors:
+        leaf = tensor._node
+        if type(leaf) is not Leaf or leaf.grad is None or leaf.grad.placements == tensor.placements:
+            continue
+        if all(p == Replicate() for p in tensor.placements):
+            buckets.setdefault((tensor.device_mesh, tensor.dtype), []).append(tensor)
+        else:
+            leaf_grad(tensor)
+    with no_grad():
+        for bucket in buckets.values():
+            if len(bucket) == 1:
+                leaf_grad(bucket[0])
+                continue
+            flat = call_op("cat", ([t._node.grad.reshape(-1) for t in bucket],), {})
+            reduced = flat.redistribute(placements=bucket[0].placements)
+            pieces = reduced.split([t.numel() for t in bucket])
+            for tensor, piece in zip(bucket, pieces):
+                _bind(tensor, tensor._node, piece.view(tuple(tensor.shape)))
 
 
 def set_leaf_grad(tensor: DTensor, value) -> None:

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from ..autograd import reduce_gradients
 from ..optim.grads import total_norm, update_grads
 from ..tensor import DTensor, call_op
 
@@ -15,6 +16,7 @@ __all__ = ["clip_grad_norm_", "clip_grad_value_", "get_total_norm"]
 
 def _grads(parameters) -> list:
     params = [parameters] if isinstance(parameters, DTensor) else list(parameters)
+    reduce_gradients(params)   # pending data-parallel gradients: one all-reduce per bucket
     return [p.grad for p in params if getattr(p, "grad", None) is not None]
 
 

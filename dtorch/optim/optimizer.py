@@ -10,6 +10,7 @@ from collections import defaultdict
 
 import torch
 
+from ..autograd import reduce_gradients
 from ..ops.tensor_meta import tensor_meta
 from ..runtime import session
 from ..runtime.optim_kernels import state_names
@@ -62,6 +63,7 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        reduce_gradients([p for group in self.param_groups for p in group["params"]])   # one all-reduce per bucket
         for group in self.param_groups:
             hyper = self.hyper(group)
             with_grads = [p for p in group["params"] if getattr(p, "grad", None) is not None]
