@@ -137,3 +137,51 @@ def test_a_failure_in_the_optimizer_step_comes_back_and_the_session_goes_on(refe
     loss.backward()
     optimizer.step()
     assert loss.item() == pytest.approx(loss.item())
+
+
+def test_a_failure_in_backward_comes_back_at_the_next_read(mesh4):
+    x = dtorch.tensor(torch.randn(8, 4), device_mesh=mesh4, placements=[dtorch.Shard(0)], requires_grad=True)
+    torch.floor_divide(x, 2).sum().backward()   # torch has no derivative for floor_divide: every rank's backward fails
+    with pytest.raises(dtorch.RemoteError, match=r"Backward failed.*test_training.py.*\n(.|\n)*floor_divide"):
+        x.grad.to_torch()
+    x.grad = None
+    (x * 2).sum().backward()        # the session goes on
+    torch.testing.assert_close(x.grad.to_torch(), torch.full((8, 4), 2.0))
+
+
+LOST_MID_STEP = """
+    import json, os, signal, threading, time, torch, dtorch
+    from dtorch.models import LlamaForCausalLM
+    from dtorch.models.llama import LlamaSettings
+    config = LlamaSettings(**{**LlamaSettings.DEFAULTS, "vocab_size": 256, "hidden_size": 256, "intermediate_size": 512,
+                              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2})
+    mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["dp"])
+    model = LlamaForCausalLM(config, device_mesh=mesh)
+    optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 256, (8, 128))
+    model(ids, labels=ids).loss.backward(); optimizer.step(); optimizer.zero_grad()
+    dtorch.synchronize()
+    victim = dtorch.workers()[1]["pid"]
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    os.kill(victim, signal.SIGKILL)          # mid-step: the workers are still computing
+    start = time.monotonic()
+    try:
+        model.lm_head.weight.to_torch()
+        message = None
+    except dtorch.WorkerLostError as error:
+        message = str(error)
+    print(json.dumps({"seconds": time.monotonic() - start, "message": message,
+                      "pids": [w["pid"] for w in dtorch.workers()]}))
+"""
+
+
+def test_a_worker_lost_mid_step_is_reported_within_5_seconds_naming_its_rank():
+    import json
+    from support import run_script
+    result = run_script(LOST_MID_STEP, timeout=150)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["message"] is not None and "rank 1" in report["message"], report
+    assert report["seconds"] < 5, report
