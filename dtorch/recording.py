@@ -13,7 +13,7 @@ import weakref
 from contextlib import contextmanager
 
 __all__ = ["is_grad_enabled", "set_grad_enabled", "no_grad", "enable_grad", "Leaf", "OpNode", "HopNode",
-           "Refused", "record_op"]
+           "record_op"]
 
 _mode = threading.local()   # per thread, as in torch: one thread's no_grad is not another's
 
@@ -83,15 +83,6 @@ class HopNode:
     def __init__(self, source, landed):
         self.source, self.landed = source, landed
         self.inputs, self.mesh, self.released = (source._node,), landed.device_mesh, False
-
-
-class Refused:
-    """An op that ran unrecorded because its backward is not supported: a backward that reaches
-    it raises `reason` (which names the op and the user's line) instead of the forward failing."""
-    __slots__ = ("reason", "__weakref__")
-
-    def __init__(self, reason: str):
-        self.reason = reason
 
 
 def record_op(nodes: tuple, outputs, mesh) -> None:

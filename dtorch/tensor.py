@@ -11,19 +11,18 @@ import torch
 
 from .distributed_spec import (DeviceMesh, Partial, Placement, Placements, Replicate, format_placements,
                                local_offset, local_shape)
-from .errors import MeshError, UnsupportedOpError, user_site
+from .errors import MeshError, UnsupportedOpError
 from .ops.unsupported import NOTES, is_inplace_name, unsupported_method, unsupported_op
 from .ops import REGISTRY, cached_plan
 from .ops.conversions import to_target
 from .ops.dispatch import is_strict, map_tensors
-from .ops.registry import PEER_KERNELS
 from .ops.one_device import join_target
 from .ops.operators import BINARY_OPERATORS, UNARY_OPERATORS
 from .ops.tensor_meta import TensorMeta, check_placements, shape_argument, tensor_meta
 from .aliasing import VIEW_OPS, note_view
 from .redistribute import plan_redistribute
 from .runtime import session
-from .recording import HopNode, Leaf, OpNode, Refused, is_grad_enabled, record_op
+from .recording import HopNode, Leaf, OpNode, is_grad_enabled, record_op
 from .runtime.protocol import Redistribute, RequireGrad, RunOp, Transfer, dtype_name
 
 __all__ = ["DTensor", "call_op"]
@@ -411,16 +410,12 @@ def call_op(name: str, args: tuple, kwargs: dict):
     mesh_id = controller.define_mesh(out_specs[0].mesh)
     nodes = _grad_nodes(args, kwargs) if is_grad_enabled() and name not in NOT_DIFFERENTIABLE else ()
     grad = bool(nodes)
-    if grad and plan.kernel in PEER_KERNELS:   # runs, unrecorded: a backward reaching it says why it cannot
-        nodes = (Refused(f"{name} at {user_site()}: backward through ring attention (q, k, v sharded on the "
-                         "sequence) is not supported yet; shard heads instead (Ulysses: cp_attention='ulysses')"),)
-        grad = False
     if not plan.sequence:
         out_id = controller.new_id()
         seq = controller.submit(RunOp, (out_id,), mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps,
                                 grad)
         result = DTensor(out_id, out_specs[0], seq, controller)
-        if nodes:
+        if grad:
             record_op(nodes, (result,), out_specs[0].mesh)
     else:
         out_ids = controller.new_ids(len(out_specs))
@@ -428,7 +423,7 @@ def call_op(name: str, args: tuple, kwargs: dict):
                                 grad)
         # torch's own result type: torch.return_types.max keeps .values / .indices, as in torch
         result = plan.sequence([DTensor(i, spec, seq, controller) for i, spec in zip(out_ids, out_specs)])
-        if nodes:
+        if grad:
             record_op(nodes, result, out_specs[0].mesh)
     if name in VIEW_OPS:   # views remember their base, for in-place ops (dtorch/aliasing.py)
         note_view(name, given, kwargs, result)

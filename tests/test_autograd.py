@@ -185,10 +185,19 @@ def test_llama_gradients_equal_transformers(layout, llama, session):
         torch.testing.assert_close(param.grad.to_torch(), grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_ring_attention_runs_forward_and_refuses_backward_at_the_backward_call(mesh4):
-    q = _up(torch.randn(1, 2, 8, 4), mesh4, [Shard(2)], requires_grad=True)
-    out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-    torch.testing.assert_close(out.to_torch(), torch.nn.functional.scaled_dot_product_attention(
-        q.to_torch(), q.to_torch(), q.to_torch(), is_causal=True), rtol=1e-4, atol=1e-5)
-    with pytest.raises(NotImplementedError, match=r"test_autograd.py:\d+: backward through ring attention"):
-        out.sum().backward()
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_ring_attention_gradients_equal_torch(causal, gqa, mesh4):
+    """q, k, v sharded on the sequence (uneven: 10 over 4 ranks): the ring runs again in backward."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 10, 8, generator=g)
+    k, v = (torch.randn(2, 2 if gqa else 4, 10, 8, generator=g) for _ in range(2))
+    weights = torch.randn(2, 4, 10, 8, generator=g)
+    leaves = [_up(t, mesh4, [Shard(2)], requires_grad=True) for t in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=gqa)
+    (out * _up(weights, mesh4, [Replicate()])).sum().backward()
+    reference = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*reference, is_causal=causal, enable_gqa=gqa)
+    (expected * weights).sum().backward()
+    for got, want in zip(leaves, reference):
+        torch.testing.assert_close(got.grad.to_torch(), want.grad, rtol=1e-4, atol=1e-5)

@@ -23,6 +23,7 @@ LAYOUTS = {   # name -> (mesh shape, mesh dim names); every layout the training 
     "tp2": ((2,), ["tp"]),
     "pp2": ((2,), ["pp"]),
     "cp2": ((2,), ["cp"]),
+    "cp2-ring": ((2,), ["cp"]),          # ring attention: key/value blocks travel the cp ring, both ways
     "dp2xtp2": ((2, 2), ["dp", "tp"]),
     "fsdp2xtp2": ((2, 2), ["fsdp", "tp"]),
     "dp2xpp2": ((2, 2), ["dp", "pp"]),
@@ -63,7 +64,8 @@ def reference():
 
 def _model(initial, layout):
     shape, names = LAYOUTS[layout]
-    model = LlamaForCausalLM(small_config(), device_mesh=init_device_mesh("cpu", shape, mesh_dim_names=names))
+    model = LlamaForCausalLM(small_config(), device_mesh=init_device_mesh("cpu", shape, mesh_dim_names=names),
+                             cp_attention="ring" if layout.endswith("-ring") else "ulysses")
     model.load_state_dict(initial)
     return model
 

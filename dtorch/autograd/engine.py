@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..errors import user_site
 from ..factories import ones
-from ..recording import HopNode, Leaf, OpNode, Refused, no_grad
+from ..recording import HopNode, Leaf, OpNode, no_grad
 from ..runtime.protocol import Backward, SetGrads
 from ..distributed_spec import Replicate
 from ..tensor import DTensor, call_op
@@ -164,8 +164,6 @@ def _walk(roots, only, mesh) -> _Reached:
             if tensor is not None and (only is None or id(node) in only):
                 reached.leaves.append(tensor)
             continue
-        if type(node) is Refused:
-            raise NotImplementedError(node.reason)
         if node.released:
             raise RuntimeError(f"backward at {user_site()}: trying to backward through the graph a second time (or "
                                "directly access saved tensors after they have already been freed). Specify "

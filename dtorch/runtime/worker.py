@@ -223,9 +223,6 @@ class Worker:
 
     def _run_op(self, command: wire.RunOp, mesh: DeviceMesh) -> None:
         if command.kernel in PEER_KERNELS:
-            if command.grad:
-                raise NotImplementedError(f"{command.op}: backward through a kernel that exchanges blocks with its "
-                                          "peers (ring attention) is not supported yet; use cp_attention='ulysses'")
             return self._run_with_peers(command, mesh)
         if command.input_steps or not _flat(command.args):
             args, kwargs = self._localized_args(command, mesh)
