@@ -156,7 +156,8 @@ def test_no_tensor_bytes_pass_through_the_controller(mesh22, mesh4, tmp_path):
     moved = {k: after[k] - before[k] for k in ("bytes_sent", "bytes_received", "checkpoint_bytes_saved",
                                                "checkpoint_tensors_saved", "checkpoint_tensors_loaded")}
     total = sum(t.numel() * 4 for t in big.values())
-    assert after["checkpoint_bytes_saved_via_controller"] == 0 and after["checkpoint_bytes_via_controller"] == 0
+    for counter in ("checkpoint_bytes_saved_via_controller", "checkpoint_bytes_via_controller"):   # (earlier tests
+        assert after[counter] == before[counter], counter                                            # may count)
     assert moved["checkpoint_bytes_saved"] == total and moved["checkpoint_tensors_saved"] == 4
     assert moved["checkpoint_tensors_loaded"] == 4
     assert moved["bytes_sent"] + moved["bytes_received"] < total // 50, moved   # commands and statuses only
