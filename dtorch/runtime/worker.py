@@ -188,9 +188,16 @@ class Worker:
         self.tensors[command.out_id] = self.device.from_host(data)
 
     def handle_load_shard(self, command: wire.LoadShard) -> None:
-        """Read this rank's block of a tensor straight from a checkpoint file, cast it, keep it.
-        Under P(sum) only one rank per group holds the value (as an upload would): the others
-        hold zeros and read nothing."""
+        """Read this rank's block of a tensor straight from a checkpoint file, cast it, keep it."""
+        stored = wire.dtype_from_name(command.stored_dtype)
+        self._load_block(command, lambda offset, shape, what: read_block(
+            command.path, command.data_offset, stored, command.shape, offset, shape, what))
+
+    def _load_block(self, command, read) -> None:
+        """A checkpoint read's common part (LoadShard, LoadChunks): `read(offset, shape, what)`
+        gives this rank's block as stored; it is cast where the tensor lives (on a GPU after the
+        upload). Under P(sum) only one rank per group holds the value (as an upload would): the
+        others hold zeros and read nothing."""
         mesh = self._member(command.mesh_id)
         if mesh is None:
             return
@@ -200,15 +207,12 @@ class Worker:
         if not holds_partial_sum_value(command.placements, coordinate):
             self.tensors[command.out_id] = torch.zeros(shape, dtype=dtype, device=self.device.torch_device)
             return
-        what = f"tensor {command.name!r}, rank {self.rank} on host {socket.gethostname()}"
         try:
-            block = read_block(command.path, command.data_offset, wire.dtype_from_name(command.stored_dtype),
-                               command.shape, offset, shape, what)
-        except FileNotFoundError as missing:   # the usual multi-host mistake: say the two ways out
-            raise FileNotFoundError(f"{missing}. Every worker reads its own shard from the path the controller "
-                                    "gave: put the checkpoint on a shared filesystem every host mounts at that path, "
-                                    "or load with via_controller=True") from None
-        # the cast runs where the tensor lives (on a GPU after the upload); the CPU keeps the block as read
+            block = read(offset, shape, f"tensor {command.name!r}, rank {self.rank} on host {socket.gethostname()}")
+        except FileNotFoundError as missing:   # the usual multi-host mistake: say the ways out
+            raise FileNotFoundError(f"{missing}. Every worker reads its own block from the path the controller "
+                                    "gave: put the checkpoint on a shared filesystem every host mounts at that path "
+                                    "(or load with via_controller=True)") from None
         on_device = block if block.device == self.device.torch_device else self.device.from_host(block)
         self.tensors[command.out_id] = on_device.to(dtype)
 
@@ -525,27 +529,12 @@ class Worker:
                                     "the controller made: save to a filesystem every host mounts there") from None
 
     def handle_load_chunks(self, command: wire.LoadChunks) -> None:
-        """Read this rank's block of a tensor saved as chunks (a sharded checkpoint, any layout),
-        only the parts of the chunks that overlap it, cast it, keep it. P(sum): as LoadShard."""
-        mesh = self._member(command.mesh_id)
-        if mesh is None:
-            return
-        coordinate = mesh.coordinate_of(self.rank)
-        offset, shape = local_region(command.shape, mesh, command.placements, coordinate)
-        dtype = wire.dtype_from_name(command.dtype)
-        if not holds_partial_sum_value(command.placements, coordinate):
-            self.tensors[command.out_id] = torch.zeros(shape, dtype=dtype, device=self.device.torch_device)
-            return
+        """Read this rank's block of a tensor saved as chunks (a sharded checkpoint, any layout):
+        only the parts of the chunks that overlap it."""
         chunks = [(path, data_offset, wire.dtype_from_name(stored), chunk_offset, chunk_shape)
                   for path, data_offset, stored, chunk_offset, chunk_shape in command.chunks]
-        what = f"tensor {command.name!r}, rank {self.rank} on host {socket.gethostname()}"
-        try:
-            block = read_region(chunks, offset, shape, dtype, what)
-        except FileNotFoundError as missing:   # the usual multi-host mistake
-            raise FileNotFoundError(f"{missing}. Every worker reads its own parts from the path the controller "
-                                    "gave: put the checkpoint on a shared filesystem every host mounts there") from None
-        on_device = block if block.device == self.device.torch_device else self.device.from_host(block)
-        self.tensors[command.out_id] = on_device.to(dtype)
+        dtype = wire.dtype_from_name(command.dtype)
+        self._load_block(command, lambda offset, shape, what: read_region(chunks, offset, shape, dtype, what))
 
 
 _ON_COMMAND_SOCKET = (wire.Batch, wire.Private, wire.Probe)   # probes need no answer once registered
