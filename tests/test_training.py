@@ -187,3 +187,39 @@ def test_a_worker_lost_mid_step_is_reported_within_5_seconds_naming_its_rank():
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["message"] is not None and "rank 1" in report["message"], report
     assert report["seconds"] < 5, report
+
+
+ONE_RANK_FAILS_IN_BACKWARD = """
+    import json, os, time, torch
+    os.environ["DTORCH_TEST_FAIL_BACKWARD_ON_RANK"] = "2"   # the workers inherit it
+    import dtorch
+    from dtorch import Replicate, Shard
+    mesh = dtorch.init_device_mesh("cpu", (4,))
+    w = dtorch.tensor(torch.randn(6, 6), device_mesh=mesh, placements=[Shard(0)], requires_grad=True)
+    x = dtorch.randn(8, 6, device_mesh=mesh, placements=[Shard(0)])
+    start = time.monotonic()
+    (x @ w.redistribute(placements=[Replicate()])).sum().backward()   # backward: a reduce-scatter
+    try:
+        w.grad.to_torch()
+        error = None
+    except dtorch.RemoteError as failure:
+        error = str(failure)
+    seconds = time.monotonic() - start
+    w.grad = None                       # the session goes on, on fresh groups
+    (x @ w.redistribute(placements=[Replicate()])).sum().backward()
+    ok = bool(torch.allclose(w.grad.to_torch(), x.to_torch().sum(0)[:, None].expand(6, 6)))
+    print(json.dumps({"seconds": seconds, "error": error, "ok": ok}))
+"""
+
+
+def test_one_rank_failing_in_backward_stops_the_others_waiting():
+    """Rank 2's backward fails (injected) while ranks 0, 1 and 3 wait for it in the backward's
+    reduce-scatter: they stop within a second, the error names rank 2, and the next backward works."""
+    import json
+    from support import run_script
+    result = run_script(ONE_RANK_FAILS_IN_BACKWARD, timeout=150)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["error"] and "injected failure in backward on rank 2" in report["error"], report
+    assert report["seconds"] < 10, report
+    assert report["ok"], report

@@ -118,6 +118,8 @@ PEER_CHECK_S = 0.25
 LOSS_NOTICE_S = 1.0
 
 GLOO_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# reduce_scatter's local reduction over the pieces all_to_all brought (member order, deterministic)
+_GLOO_STACK_REDUCTIONS = {"sum": lambda t: t.sum(0), "max": lambda t: t.amax(0), "min": lambda t: t.amin(0)}
 
 
 class GlooCommunicator:
@@ -130,26 +132,54 @@ class GlooCommunicator:
         self._broken: dict[tuple, str] = {}
         self._abandoned: list = []
         self.generation = 0   # bumped by regroup after lost ranks are replaced
+        self._renewals: list = []   # (members, tag): groups within them were abandoned mid-collective
+        # While a Backward command runs: the store key a member sets when its own backward fails,
+        # so the others stop waiting in that backward's collectives (Worker._backward_together)
+        self.abort_key: str | None = None
 
     @property
     def host(self) -> GlooCommunicator:
         """Gloo is the host channel already (see Communicator.host)."""
         return self
 
-    def group(self, ranks: tuple) -> dist.ProcessGroup:
-        pg = self._groups.get(ranks)
+    def group(self, ranks: tuple, purpose: str = "") -> dist.ProcessGroup:
+        """The group of `ranks` (created collectively on first use). `purpose` names a separate
+        group of the same ranks, whose state no other traffic can disturb (settling a backward)."""
+        key = (ranks, purpose) if purpose else ranks
+        pg = self._groups.get(key)
         if pg is None:
             if ranks in self._broken:
                 raise PeerLostError(self._broken[ranks])
-            name = group_name(ranks, self.generation)
+            name = group_name(ranks, self.generation) + self._renewed(ranks) + (f"/{purpose}" if purpose else "")
             self._wait_for_members(name, ranks)
             prefix = dist.PrefixStore("gloo/" + name, self.store)
             options = dist.ProcessGroupGloo._Options()
             options._timeout = self.timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.hostname)]
             pg = dist.ProcessGroupGloo(prefix, ranks.index(self.rank), len(ranks), options)
-            self._groups[ranks] = pg
+            self._groups[key] = pg
         return pg
+
+    def _renewed(self, ranks: tuple) -> str:
+        members = set(ranks)
+        tags = [tag for within, tag in self._renewals if members <= within]
+        return f"/r{tags[-1]}" if tags else ""
+
+    def renew(self, ranks: tuple, tag: int) -> None:
+        """A backward among `ranks` was abandoned mid-collective on some members: every member
+        drops its groups within `ranks` (kept, never destroyed) and names those it creates from
+        now on with `tag`, so no group with a half-finished collective is used again."""
+        members = set(ranks)
+        for key in [k for k in self._groups if set(_members(k)) <= members]:
+            self._abandoned.append((self._groups.pop(key), None))
+        self._renewals.append((frozenset(members), tag))
+
+    def settle(self, ranks: tuple, failed: bool) -> bool:
+        """Whether any member of `ranks` failed, over a group that carries nothing else (the
+        backward's own groups may hold a collective some member abandoned)."""
+        flag = torch.tensor([int(failed)], dtype=torch.int64)
+        self._run(ranks, self.group(ranks, "settle").allreduce([flag], _allreduce_options("max")))
+        return bool(flag.item())
 
     def _wait_for_members(self, name: str, ranks: tuple) -> None:
         """Every member has reached this group's creation (Gloo's own rendezvous would wait
@@ -167,6 +197,9 @@ class GlooCommunicator:
         marked a member lost or the timeout has passed."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         while not self._finished(ranks, finished_within):
+            if self.abort_key is not None and self.store.check([self.abort_key]):
+                self._abandoned.append((self._groups.pop(ranks, None), finished_within))
+                raise BackwardAbandoned(f"another rank's backward failed; ranks {ranks} stop waiting for it")
             problem = self._lost_member(ranks) or (
                 time.monotonic() > deadline and f"ranks {ranks} did not finish within {self.timeout}")
             if problem:
@@ -221,12 +254,12 @@ class GlooCommunicator:
 
     def reduce_scatter(self, ranks: tuple, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
         """`stacked` (contiguous) holds one equal-size piece per member on dim 0; returns this
-        member's piece reduced over all members."""
-        output = torch.empty_like(stacked[0])
-        options = dist.ReduceScatterOptions()
-        options.reduceOp = backend_reduce_op(reduce_op, GLOO_REDUCE_OPS)
-        self._run(ranks, self.group(ranks).reduce_scatter([output], [list(stacked.unbind(0))], options))
-        return finish_reduction(output, reduce_op, ranks)
+        member's piece reduced over all members. Built on all_to_all (the same bytes): Gloo's own
+        reduce_scatter ignores a wait's timeout, so a member waiting on a lost or failed peer
+        could never look up and leave."""
+        received = self.all_to_all(ranks, stacked.contiguous())   # piece i of every member, stacked
+        reduced = _GLOO_STACK_REDUCTIONS[REDUCE_OPS[reduce_op]](received)
+        return finish_reduction(reduced, reduce_op, ranks)
 
     def all_to_all(self, ranks: tuple, send: torch.Tensor) -> torch.Tensor:
         """`send` stacks one equal-size piece per member on dim 0; returns the pieces received."""
@@ -266,8 +299,8 @@ class GlooCommunicator:
     def regroup(self, generation: int, replaced: tuple) -> None:
         """See Communicator.regroup."""
         self.generation = generation
-        for ranks in [r for r in self._groups if holds_any(r, replaced)]:
-            self._abandoned.append((self._groups.pop(ranks), None))
+        for key in [k for k in self._groups if holds_any(_members(k), replaced)]:
+            self._abandoned.append((self._groups.pop(key), None))
         for ranks in [r for r in self._broken if holds_any(r, replaced)]:
             del self._broken[ranks]
 
@@ -285,6 +318,11 @@ def group_name(ranks: tuple, generation: int) -> str:
     the plain name."""
     name = "-".join(map(str, ranks))
     return f"g{generation}/{name}" if generation else name
+
+
+def _members(key: tuple) -> tuple:
+    """The ranks of a cached group's key: `ranks`, or `(ranks, purpose)`."""
+    return key[0] if key and type(key[0]) is tuple else key
 
 
 def holds_any(ranks: tuple, replaced: tuple) -> bool:
@@ -314,6 +352,10 @@ def _poll_key(store, key: str, seconds: float) -> bool:
 
 class PeerLostError(DTorchError):
     """A collective's peer is lost: raised on the surviving members instead of waiting."""
+
+
+class BackwardAbandoned(DTorchError):
+    """Another member's backward failed: this one stops waiting in a collective of it."""
 
 
 def _allreduce_options(reduce_op: str) -> dist.AllreduceOptions:

@@ -24,7 +24,7 @@ from ..ops import KERNELS
 from ..ops.registry import PEER_KERNELS
 from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
 from . import protocol as wire
-from .comm import Communicator
+from .comm import BackwardAbandoned, Communicator
 from .file_shards import read_block, read_region, shard_file_name, write_safetensors
 from .backward import connect_outputs, run_backward
 from .kernels import apply_steps, make_factory, pack_saved, unpack_saved
@@ -59,6 +59,8 @@ class Worker:
         self.running = True
         self.busy_seq = -1                          # the command running now (read by the heartbeat)
         self._handlers = {cls: getattr(self, wire.handler_name(cls)) for cls in wire.COMMANDS}
+        # fault injection for tests/test_training.py: this rank's first Backward fails at its start
+        self._fail_next_backward = os.environ.get("DTORCH_TEST_FAIL_BACKWARD_ON_RANK") == str(rank)
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -470,7 +472,38 @@ class Worker:
         agreed = self._agree_on_failure(mesh.ranks, origin)
         if agreed >= 0:
             raise Poisoned(agreed)
-        run_backward(self.tensors, roots, seeds, command)
+        self._backward_together(mesh, command, roots, seeds)
+
+    def _backward_together(self, mesh: DeviceMesh, command: wire.Backward, roots: list, seeds: list) -> None:
+        """A rank whose own backward fails (out of memory, a missing derivative) says so in the
+        store; the others, waiting for it in one of the backward's collectives, stop (comm's
+        abort_key), and all settle the outcome over a group nothing else uses. After a failure,
+        every rank drops the groups the backward ran on, so no half-finished collective stays."""
+        gloo = self.host_comm   # Gloo: the store and the settling group
+        key = f"dtorch/backward-failed/{command.seq}"
+        waiting = [c for c in {id(self.comm): self.comm, id(gloo): gloo}.values() if hasattr(c, "abort_key")]
+        for comm in waiting:    # (NCCL's collectives do not wait on the host: CUDA meshes are not covered)
+            comm.abort_key = key
+        failure = None
+        try:
+            if self._fail_next_backward:   # fault injection, for the tests of this path
+                self._fail_next_backward = False
+                raise RuntimeError(f"injected failure in backward on rank {self.rank}")
+            run_backward(self.tensors, roots, seeds, command)
+        except Exception as error:
+            failure = error
+            if not isinstance(error, BackwardAbandoned):
+                gloo.store.set(key, b"1")
+        finally:
+            for comm in waiting:
+                comm.abort_key = None
+        if len(mesh.ranks) > 1 and gloo.settle(mesh.ranks, failure is not None):
+            for comm in waiting:
+                comm.renew(mesh.ranks, command.seq)
+            if failure is None or isinstance(failure, BackwardAbandoned):
+                raise Poisoned(command.seq)   # the rank that failed reports the error; here, only poison
+        if failure is not None:
+            raise failure
 
     def handle_regroup(self, command: wire.Regroup) -> None:
         """Lost ranks were replaced: no group holding one is used again (comm.regroup). Poison
