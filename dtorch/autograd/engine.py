@@ -19,7 +19,7 @@ from ..tensor import DTensor, call_op
 from ..ops.tensor_meta import tensor_meta
 from .rules import gradient_placements
 
-__all__ = ["backward", "grad", "leaf_grad", "set_leaf_grad", "reduce_gradients"]
+__all__ = ["backward", "backward_stages", "grad", "leaf_grad", "set_leaf_grad", "reduce_gradients"]
 
 
 def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None) -> None:
@@ -32,12 +32,28 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, 
     pending, walked = [(roots, seeds)], []
     while pending:
         roots, seeds = pending.pop()
-        hops, reached = _run_segment(roots, seeds, retain, only, shared)
+        hops, reached = _run_segment(roots, seeds, retain, only, shared, drop_hops=not retain)
         walked.append(reached)
         pending += reversed(hops)
     if not retain:
         for reached in walked:
             reached.release()
+
+
+def backward_stages(loss):
+    """Backward of a scalar over pipeline stages one stage at a time, for a schedule (1F1B) that
+    interleaves it with other microbatches' forwards: a generator that runs the next stage's
+    Backward command at each next() (last stage first) and stops after the first stage. The
+    workers keep the graph (shared nodes, such as fully sharded parameters gathered once for
+    every microbatch, are run through again by the next microbatch); it goes when its tensors do."""
+    pending = [tuple(_roots_and_seeds([loss], None, False, "backward"))]
+    del loss   # held by pending only: its graph goes once the next stages no longer need it
+    while pending:
+        roots, seeds = pending.pop()
+        hops, _ = _run_segment(roots, seeds, True, None, set(), drop_hops=True)
+        pending += reversed(hops)
+        del roots, seeds, hops   # not held across the yield: this stage's graph goes now
+        yield
 
 
 def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, allow_unused=None,
@@ -191,7 +207,7 @@ def _shared_nodes(starts: list) -> set:
             if id(node) in seen:
                 continue
             seen.add(id(node))
-            if type(node) is HopNode:
+            if type(node) is HopNode and node.source is not None:
                 segments.append([node.source._node])
             elif type(node) is OpNode:
                 stack.extend(node.inputs)
@@ -200,9 +216,11 @@ def _shared_nodes(starts: list) -> set:
     return {key for key, count in counts.items() if count > 1}
 
 
-def _run_segment(roots, seeds, retain: bool, only, shared: set) -> tuple[list, _Reached]:
+def _run_segment(roots, seeds, retain: bool, only, shared: set, drop_hops: bool) -> tuple[list, _Reached]:
     """Backward on the roots' mesh up to its leaves and hops; returns the (roots, seeds) each hop
-    continues with on its source mesh, and what the walk reached."""
+    continues with on its source mesh, and what the walk reached. With drop_hops (no second
+    backward will cross them) each hop lets go of its two ends, so the workers free them, and
+    what hangs off them, as soon as the continuation has run rather than when the loss goes."""
     mesh = roots[0].device_mesh
     reached = _walk(roots, only, mesh)
     retain = retain or any(id(node) in shared for node in reached.nodes)
@@ -214,7 +232,12 @@ def _run_segment(roots, seeds, retain: bool, only, shared: set) -> tuple[list, _
                       _ids(grads) + landed_ids, "backward", retain)
     if reached.hops:   # a landed tensor's gradient is taken, not kept accumulating on its leaf
         controller.submit(SetGrads, tuple(hop.landed._id for hop in reached.hops), (-1,) * len(reached.hops))
-    return [_hop_back(hop, landed_id, controller) for hop, landed_id in zip(reached.hops, landed_ids)], reached
+    continuations = [_hop_back(hop, landed_id, controller) for hop, landed_id in zip(reached.hops, landed_ids)]
+    if drop_hops:
+        for hop in reached.hops:
+            hop.source = hop.landed = None
+            hop.released = True
+    return continuations, reached
 
 
 def _accumulator(tensor: DTensor) -> DTensor:

@@ -32,6 +32,8 @@ from ..distributed_spec import DeviceMesh, Replicate, Shard
 from ..factories import arange, tensor as upload
 from ..tensor import DTensor, call_op
 from .. import nn
+from ..autograd import no_grad
+from ..nn.pipeline_schedule import one_f_one_b
 from ..nn import functional as F
 from ..nn.module import describe_incompatible
 
@@ -279,17 +281,55 @@ class LlamaForCausalLM(nn.Module):
         return CausalLMOutput(loss, logits, past_key_values)
 
     def _forward_one(self, ids: DTensor, cache: list | None) -> DTensor:
+        steps = self._stage_steps(ids, cache)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return end.value
+
+    def _stage_steps(self, ids: DTensor, cache: list | None = None):
+        """One microbatch's forward, a stage at a time: yields after each stage but the last (a
+        pipeline schedule issues the stages when it chooses) and returns the logits."""
         past = cache[0][0].shape[2] if cache and cache[0] else 0
         h = _reduced(self.model.embed_tokens(ids))
         stage, rope = 0, self._rope(self.stages[0], past, ids.shape[1], h.dtype)
         for index, layer in enumerate(self.model.layers):
             target = self.model.stage_of_layer[index]
             if target != stage:
+                yield
                 stage = target
                 h = h.redistribute(self.stages[stage], h.placements)
                 rope = self._rope(self.stages[stage], past, ids.shape[1], h.dtype)
             h = layer(h, *rope, cache[index] if cache is not None else None)
         return self.lm_head(self.model.norm(h))
+
+    # --- training with a pipeline schedule -------------------------------------------------------------
+    def forward_backward(self, input_ids, labels) -> DTensor:
+        """The loss of `input_ids` against `labels` (as forward's), with its backward already run,
+        in the 1F1B pipeline order: each stage holds at most (stages - s) microbatches'
+        activations where forward + loss.backward() (GPipe) holds all of them. Gradients
+        accumulate into the parameters as loss.backward() would leave them. Returns the loss
+        (it carries no graph: do not call backward on it)."""
+        args = (input_ids,)
+        for hook in self._forward_pre_hooks.values():   # fully_shard and mixed_precision gather/cast
+            hook(self, args)
+        try:
+            chunks = self._microbatches(input_ids)
+            labels = labels.to_torch() if isinstance(labels, DTensor) else torch.as_tensor(labels)
+            rows = [0] + list(itertools.accumulate(chunk.shape[0] for chunk in chunks))
+            counted = int((labels[:, 1:] != -100).sum())   # the batch's denominator, known here
+            parts = [labels[start:end] for start, end in zip(rows, rows[1:])]
+
+            def finish(k, logits):
+                total, _ = token_losses(logits, self._upload_labels(parts[k], logits))
+                return total / counted
+            losses = one_f_one_b(len(self.stages), [self._stage_steps(chunk) for chunk in chunks], finish)
+        finally:
+            for hook in self._forward_hooks.values():
+                hook(self, args, None)
+        with no_grad():
+            return functools.reduce(operator.add, [loss.detach() for loss in losses])
 
     def _rope(self, mesh: DeviceMesh, past: int, seq: int, dtype) -> tuple[DTensor, DTensor]:
         """cos and sin for positions past..past+seq, shaped (seq, head_dim) to broadcast over
