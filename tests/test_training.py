@@ -225,9 +225,9 @@ def test_one_rank_failing_in_backward_stops_the_others_waiting():
     assert report["ok"], report
 
 
-@pytest.mark.parametrize("layout", ["pp2", "fsdp2xpp2"])
-def test_one_f_one_b_trains_like_single_process_torch(layout, reference, session):
-    """forward_backward (1F1B order, 4 microbatches over 2 stages): the same losses and parameters."""
+@pytest.mark.parametrize("layout,schedule", [("pp2", "1f1b"), ("fsdp2xpp2", "1f1b"), ("pp2", "gpipe")])
+def test_pipeline_schedules_train_like_single_process_torch(layout, schedule, reference, session):
+    """forward_backward (4 microbatches over 2 stages, 1F1B or GPipe order): the same losses and parameters."""
     initial, expected_losses, expected_params = reference
     shape, names = LAYOUTS[layout]
     model = LlamaForCausalLM(small_config(), device_mesh=init_device_mesh("cpu", shape, mesh_dim_names=names),
@@ -236,7 +236,7 @@ def test_one_f_one_b_trains_like_single_process_torch(layout, reference, session
     optimizer = dtorch.optim.AdamW(model.parameters(), **HYPER)
     losses = []
     for ids in batches():
-        losses.append(model.forward_backward(ids, labels=ids))
+        losses.append(model.forward_backward(ids, labels=ids, schedule=schedule))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     for step, (got, want) in enumerate(zip([loss.item() for loss in losses], expected_losses)):
@@ -245,7 +245,8 @@ def test_one_f_one_b_trains_like_single_process_torch(layout, reference, session
         torch.testing.assert_close(param.to_torch(), expected_params[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
-def test_one_f_one_b_orders():
+def test_schedule_orders():
     from dtorch.nn.pipeline_schedule import stage_orders
+    assert stage_orders(2, 2, "gpipe") == [[("F", 0), ("F", 1), ("B", 0), ("B", 1)]] * 2
     assert stage_orders(2, 4) == [[("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)],
                                   [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]]

@@ -33,7 +33,7 @@ from ..factories import arange, tensor as upload
 from ..tensor import DTensor, call_op
 from .. import nn
 from ..autograd import no_grad
-from ..nn.pipeline_schedule import one_f_one_b
+from ..nn.pipeline_schedule import run_schedule
 from ..nn import functional as F
 from ..nn.module import describe_incompatible
 
@@ -305,10 +305,12 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.model.norm(h))
 
     # --- training with a pipeline schedule -------------------------------------------------------------
-    def forward_backward(self, input_ids, labels) -> DTensor:
+    def forward_backward(self, input_ids, labels, schedule: str = "1f1b") -> DTensor:
         """The loss of `input_ids` against `labels` (as forward's), with its backward already run,
-        in the 1F1B pipeline order: each stage holds at most (stages - s) microbatches'
-        activations where forward + loss.backward() (GPipe) holds all of them. Gradients
+        microbatch by microbatch in a pipeline schedule's order: "1f1b" (each stage holds at
+        most stages - s microbatches in flight) or "gpipe" (all forwards, then each microbatch's
+        backward stage by stage, so the stages overlap in backward too, which loss.backward() on
+        the summed loss cannot: its last stage runs every microbatch in one command). Gradients
         accumulate into the parameters as loss.backward() would leave them. Returns the loss
         (it carries no graph: do not call backward on it)."""
         args = (input_ids,)
@@ -324,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
             def finish(k, logits):
                 total, _ = token_losses(logits, self._upload_labels(parts[k], logits))
                 return total / counted
-            losses = one_f_one_b(len(self.stages), [self._stage_steps(chunk) for chunk in chunks], finish)
+            losses = run_schedule(len(self.stages), [self._stage_steps(chunk) for chunk in chunks], finish, schedule)
         finally:
             for hook in self._forward_hooks.values():
                 hook(self, args, None)

@@ -15,14 +15,20 @@ from typing import Callable, Iterator
 
 from ..autograd import backward_stages
 
-__all__ = ["one_f_one_b", "stage_orders"]
+__all__ = ["one_f_one_b", "run_schedule", "stage_orders", "SCHEDULES"]
+
+SCHEDULES = ("1f1b", "gpipe")
 
 
-def stage_orders(stages: int, microbatches: int) -> list[list[tuple[str, int]]]:
-    """Each stage's 1F1B order: ("F", k) / ("B", k) actions."""
+def stage_orders(stages: int, microbatches: int, schedule: str = "1f1b") -> list[list[tuple[str, int]]]:
+    """Each stage's order of ("F", k) / ("B", k) actions: 1F1B, or GPipe (every forward, then
+    every backward; unlike `loss.backward()` on the summed loss, each microbatch's backward is its
+    own command per stage, so stage s-1 starts on microbatch k while stage s does k+1)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
     orders = []
     for stage in range(stages):
-        warmup = min(stages - 1 - stage, microbatches)
+        warmup = microbatches if schedule == "gpipe" else min(stages - 1 - stage, microbatches)
         forwards, backwards = iter(range(microbatches)), iter(range(microbatches))
         order = [("F", next(forwards)) for _ in range(warmup)]
         for _ in range(microbatches - warmup):
@@ -33,11 +39,15 @@ def stage_orders(stages: int, microbatches: int) -> list[list[tuple[str, int]]]:
 
 
 def one_f_one_b(stages: int, forwards: list[Iterator], finish: Callable) -> list:
-    """Run the microbatches' forwards and backwards in 1F1B order. `forwards[k]` is a generator
-    that issues microbatch k's forward one stage per next() and, after the last stage, returns
-    (StopIteration.value) what `finish(k, value)` turns into the scalar to differentiate.
+    return run_schedule(stages, forwards, finish, "1f1b")
+
+
+def run_schedule(stages: int, forwards: list[Iterator], finish: Callable, schedule: str = "1f1b") -> list:
+    """Run the microbatches' forwards and backwards in `schedule`'s order. `forwards[k]` is a
+    generator that issues microbatch k's forward one stage per next() and, after the last stage,
+    returns (StopIteration.value) what `finish(k, value)` turns into the scalar to differentiate.
     Returns those scalars."""
-    orders, done = stage_orders(stages, len(forwards)), set()
+    orders, done = stage_orders(stages, len(forwards), schedule), set()
     losses, backwards = [None] * len(forwards), {}
     position = [0] * stages
     while any(position[s] < len(orders[s]) for s in range(stages)):
