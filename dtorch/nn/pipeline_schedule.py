@@ -1,4 +1,4 @@
-"""One forward, one backward (1F1B): the pipeline schedule that keeps at most (stages - s)
+"""Pipeline schedules: GPipe, and one forward, one backward (1F1B): the pipeline schedule that keeps at most (stages - s)
 microbatches' activations alive on stage s, where GPipe (all forwards, then all backwards) keeps
 all of them.
 
@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 from ..autograd import backward_stages
 
-__all__ = ["one_f_one_b", "run_schedule", "stage_orders", "SCHEDULES"]
+__all__ = ["run_schedule", "stage_orders", "SCHEDULES"]
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -36,10 +36,6 @@ def stage_orders(stages: int, microbatches: int, schedule: str = "1f1b") -> list
         order += [("B", k) for k in backwards]
         orders.append(order)
     return orders
-
-
-def one_f_one_b(stages: int, forwards: list[Iterator], finish: Callable) -> list:
-    return run_schedule(stages, forwards, finish, "1f1b")
 
 
 def run_schedule(stages: int, forwards: list[Iterator], finish: Callable, schedule: str = "1f1b") -> list:
