@@ -85,6 +85,7 @@ def test_command_line():
     assert bad.returncode != 0 and "no_such_op" in bad.stderr
 
 
+@pytest.mark.timeout(900)   # plans every placement combination of every op: ~3 min of CPU
 def test_docs_ops_md_is_generated_from_the_tables():
     from dtorch.ops.tooling.docs import render
     with open(os.path.join(REPO, "docs", "ops.md")) as f:

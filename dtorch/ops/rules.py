@@ -73,8 +73,26 @@ def expand(rule: Rule, call: Call) -> tuple[list[tuple], list[tuple]]:
     """Apply a 1-D rule to every mesh dim; return (required input placements, output placements)."""
     outcome = try_expand(rule, call)
     if type(outcome) is Refusal:
-        raise PlacementError(_rejection_message(rule, call, *outcome)) from None
+        site = user_site()   # now: the message itself is worded only if someone reads it
+        raise PlacementError(_Worded(lambda: _rejection_message(rule, call, *outcome, site))) from None
     return outcome
+
+
+class _Worded:
+    """An error message composed when first read. Wording a refusal searches every legal
+    combination and costs the cheapest fix (milliseconds); callers that only test whether a
+    layout is accepted (the sweeps, docs/ops.md's generator, strict-mode probes) never read it."""
+    __slots__ = ("_compose", "_text")
+
+    def __init__(self, compose):
+        self._compose, self._text = compose, None
+
+    def __str__(self) -> str:
+        if self._text is None:
+            self._text = self._compose()
+        return self._text
+
+    __repr__ = __str__
 
 
 def try_expand(rule: Rule, call: Call):
@@ -95,7 +113,7 @@ def try_expand(rule: Rule, call: Call):
     return [tuple(p) for p in required], [tuple(p) for p in outputs]
 
 
-def _rejection_message(rule: Rule, call: Call, mesh_dim: int, placements, rejected: RuleRejected) -> str:
+def _rejection_message(rule: Rule, call: Call, mesh_dim: int, placements, rejected: RuleRejected, site: str) -> str:
     mesh = call.mesh
     name = f" ({mesh.mesh_dim_names[mesh_dim]!r})" if mesh.mesh_dim_names else ""
     given = ", ".join(f"{format_placements(s.placements)} shape={tuple(s.shape)}" for s in call.inputs)
@@ -105,7 +123,7 @@ def _rejection_message(rule: Rule, call: Call, mesh_dim: int, placements, reject
     legal_there = describe_legal(legal) if legal else rejected.legal
     fix = (cheapest_fix(call, mesh_dim, legal) if legal else
            "redistribute an input first, e.g. x.redistribute(placements=[...Replicate()...])")
-    return (f"{call.op}: inputs {given} on {mesh} at {user_site()}: on mesh dim {mesh_dim}{name} the "
+    return (f"{call.op}: inputs {given} on {mesh} at {site}: on mesh dim {mesh_dim}{name} the "
             f"placements ({on_dim}) are not accepted: {rejected.reason}. Legal there: {legal_there}. "
             f"Fix: {fix}.")
 
