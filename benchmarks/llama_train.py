@@ -16,14 +16,20 @@ torch layout's the slowest rank's, after a barrier. Each dtorch layout's first l
 against transformers' on the same weights and batch, outside the timer.
 
 Memory: every process (dtorch's workers, torch's ranks) starts with MALLOC_MMAP_THRESHOLD_ set
-(process_memory.py), and its peak-RSS mark is reset after the warm-up steps (the model, its
-grads' first allocation and the optimizer state exist by then); the note gives the largest peak
-over the processes during the timed steps (VmHWM) and the largest resident set just before them.
-Both count shared library pages (torch's ~170 MiB), so compare the two, not only the peak.
+(process_memory.py). Its resident set is read before the layout's model is built (idle: torch,
+the libraries, earlier layouts' leftovers) and its peak-RSS mark (VmHWM) is reset after the
+warm-up steps (the model, the optimizer state and the allocator's working set exist by then).
+The note gives, for the process with the highest peak during the timed steps, the peak and its
+split into idle + what the layout added: the second number is the one fsdp shards.
 
-Pipeline bubble, measured: each pp worker's CPU time over the steps is its busy time (a worker
-waiting for a stage's activations or for a command sleeps), so the bubble is
-1 - sum(busy) / (stages * step time). The GPipe model (p - 1) / (m + p - 1) is printed beside it.
+Pipeline bubble, measured: a pp worker's busy time over the timed steps is the time its main
+thread ran or was runnable (/proc/<pid>/schedstat; a worker waiting for a stage's activations or
+for a command sleeps, and waiting for a core on a shared machine counts as busy), so the bubble
+is 1 - sum(busy) / (stages * step time). The GPipe model (p - 1) / (m + p - 1) is printed beside it.
+
+Threads: every process computes on one intra-op thread (the ranks, the 1-process reference, and
+dtorch's workers, whose pool gives each cpu_count // pool size threads: 1 on the 2-core machine
+of the published run; see _pool_size for the 1-worker mesh).
 """
 from __future__ import annotations
 
@@ -34,10 +40,10 @@ from dataclasses import dataclass, replace
 from . import dtorch_session
 from .llama_forward import config_fields
 from .local_ranks import run_ranks
-from .process_memory import cpu_seconds, peak_mib, reset_peak, returned_buffers, rss_mib
+from .process_memory import busy_seconds, peak_mib, reset_peak, returned_buffers, rss_mib
 from .timing import Row, failed, guarded, median, not_installed, repeat, stopwatch
 from .train_baselines import TP_RANKS as TP_WORLD
-from .train_baselines import train_rank
+from .train_baselines import tiny_fields, train_rank
 
 NAME = "llama_train"
 TITLE = "10. Llama training step (forward, backward, AdamW, zero_grad)"
@@ -109,24 +115,51 @@ def _dtorch_rows(suite, fields: dict, case: str) -> dict[str, Row]:
     with torch.no_grad():
         expected_loss = reference_model(ids, labels=ids).loss.item()
     start = (reference_model, ids, expected_loss)
+    tiny = _reference(tiny_fields(fields), suite)
     rows = {}
     for layout in sorted(layouts(suite), key=_pool_size):
-        rows[layout.variant] = guarded(lambda: _dtorch_row(suite, start, case, layout),
+        rows[layout.variant] = guarded(lambda: _dtorch_row(suite, start, tiny, case, layout),
                                        NAME, case, layout.variant, PER)
     return rows
 
 
-def _dtorch_row(suite, start, case: str, layout: Layout) -> Row:
-    """One layout's steps; `start` is (transformers' model, the batch, its loss)."""
+def _dtorch_row(suite, start, tiny, case: str, layout: Layout) -> Row:
+    """One layout's steps; `start` is (transformers' model, the batch, its loss), `tiny` a tiny
+    model and batch to warm the layout's code paths with."""
+    import dtorch
+    mesh = _mesh(layout)
+    pids = [worker["pid"] for worker in dtorch.workers() if worker["rank"] in mesh.ranks]
+    repeat(_stepper(*tiny, mesh, layout.microbatches, []), WARMUP_STEPS, warmup=0)
+    gc.collect()
+    dtorch.synchronize()   # the tiny model and the previous layout's tensors are freed
+    idle = [rss_mib(pid) for pid in pids]
+    reference_model, ids, expected_loss = start
+    losses = []
+    once = _stepper(reference_model, ids, mesh, layout.microbatches, losses)
+    repeat(once, WARMUP_STEPS, warmup=0)
+    _check_loss(losses[0].item(), expected_loss)
+    for pid in pids:
+        reset_peak(pid)
+    busy = [busy_seconds(pid) for pid in pids]
+    samples = repeat(once, suite.train_reps, warmup=0)
+    busy = [busy_seconds(pid) - before for pid, before in zip(pids, busy)]
+    note = memory_note([peak_mib(pid) for pid in pids], idle)
+    if layout.microbatches:
+        note += "; " + _bubble_note(sum(busy) / len(samples), median(samples), len(pids), layout.microbatches)
+    del once, losses
+    gc.collect()   # the next layout on this pool starts without this one's tensors
+    return Row(NAME, case, layout.variant, PER, samples, note=note,
+               reference=(case, layout.reference) if layout.reference else None)
+
+
+def _stepper(reference_model, ids, mesh, microbatches, losses: list):
+    """A function that runs one timed training step of transformers' model on `mesh` and
+    appends the loss to `losses`."""
     import dtorch
     from dtorch.models import LlamaForCausalLM
-    reference_model, ids, expected_loss = start
-    mesh = _mesh(layout)
-    model = LlamaForCausalLM(reference_model.config, device_mesh=mesh, microbatches=layout.microbatches)
+    model = LlamaForCausalLM(reference_model.config, device_mesh=mesh, microbatches=microbatches)
     model.load_state_dict(reference_model.state_dict())
     optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
-    pids = [worker["pid"] for worker in dtorch.workers() if worker["rank"] in mesh.ranks]
-    losses = []
 
     def once() -> float:
         elapsed = stopwatch()
@@ -137,19 +170,7 @@ def _dtorch_row(suite, start, case: str, layout: Layout) -> Row:
         dtorch.synchronize()
         losses.append(loss)
         return elapsed()
-    repeat(once, WARMUP_STEPS, warmup=0)
-    _check_loss(losses[0].item(), expected_loss)
-    floor = _reset_peaks(pids)
-    busy = [cpu_seconds(pid) for pid in pids]
-    samples = repeat(once, suite.train_reps, warmup=0)
-    busy = [cpu_seconds(pid) - before for pid, before in zip(pids, busy)]
-    note = _memory_note(max(peak_mib(pid) for pid in pids), floor, len(pids))
-    if layout.microbatches:
-        note += "; " + _bubble_note(sum(busy) / len(samples), median(samples), len(pids), layout.microbatches)
-    del model, optimizer, losses
-    gc.collect()   # the next layout on this pool starts without this one's tensors
-    return Row(NAME, case, layout.variant, PER, samples, note=note,
-               reference=(case, layout.reference) if layout.reference else None)
+    return once
 
 
 def _pool_size(layout: Layout) -> int:
@@ -177,27 +198,21 @@ def _reference(fields: dict, suite):
     return model, ids
 
 
-def _reset_peaks(pids: list[int]) -> float:
-    """Start the peak-memory marks here; return the largest resident set now."""
-    floor = max(rss_mib(pid) for pid in pids)
-    for pid in pids:
-        reset_peak(pid)
-    return floor
-
-
 def _check_loss(loss: float, expected: float) -> None:
     if abs(loss - expected) > LOSS_RTOL * abs(expected):
         raise RuntimeError(f"dtorch's first loss {loss} differs from transformers' {expected}")
 
 
-def _memory_note(peak: float, floor: float, processes: int) -> str:
-    return f"peak {peak:.0f} MiB (max of {processes}), {floor:.0f} MiB before the steps"
+def memory_note(peaks: list[float], idle: list[float]) -> str:
+    """The process with the highest peak: its peak, and how much of it the idle process held."""
+    peak, base = max(zip(peaks, idle))
+    return f"peak {peak:.0f} MiB = idle {base:.0f} + {peak - base:.0f} (max of {len(peaks)} procs)"
 
 
 def _bubble_note(busy_per_step: float, step: float, stages: int, microbatches: int) -> str:
     measured = 1 - busy_per_step / (stages * step)
     model = (stages - 1) / (microbatches + stages - 1)
-    return f"bubble {measured:.0%} measured (worker CPU time), GPipe model {model:.0%}"
+    return f"bubble {measured:.0%} measured (stage busy time), GPipe model {model:.0%}"
 
 
 # --- torch ---------------------------------------------------------------------------------------------------
@@ -232,7 +247,6 @@ def _peer_rows(suite, fields: dict, case: str) -> dict[str, Row]:
     for key, variant in variants.items():
         ranks = [rank[key] for rank in per_rank if key in rank]
         slowest = [max(samples) for samples in zip(*(rank["samples"] for rank in ranks))]
-        note = _memory_note(max(rank["peak_mib"] for rank in ranks), max(rank["rss_mib"] for rank in ranks),
-                            len(ranks))
+        note = memory_note([rank["peak_mib"] for rank in ranks], [rank["idle_mib"] for rank in ranks])
         rows[key] = Row(NAME, case, variant, PER, slowest, note=note)
     return rows

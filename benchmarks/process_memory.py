@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["MMAP_THRESHOLD", "returned_buffers", "peak_mib", "rss_mib", "reset_peak", "cpu_seconds"]
+__all__ = ["MMAP_THRESHOLD", "returned_buffers", "peak_mib", "rss_mib", "reset_peak", "busy_seconds"]
 
 MMAP_THRESHOLD = "131072"
 _VARIABLE = "MALLOC_MMAP_THRESHOLD_"
@@ -58,9 +58,11 @@ def reset_peak(pid: int | str = "self") -> None:
         clear_refs.write("5")
 
 
-def cpu_seconds(pid: int | str = "self") -> float:
-    """User plus system CPU time of every thread of the process so far."""
-    with open(f"/proc/{pid}/stat") as stat:
-        # the command name (field 2) may contain spaces: count fields after its closing parenthesis
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def busy_seconds(pid: int | str = "self") -> float:
+    """Seconds the process's main thread has run or waited for a core to run (/proc/<pid>/schedstat:
+    time on a CPU + time runnable on a run queue). The main thread is where a dtorch worker or a torch
+    rank computes; it sleeps only when it has nothing to do (waiting for a command, a message, a
+    peer). Counting the run-queue wait keeps other load on a shared machine out of the idle time."""
+    with open(f"/proc/{pid}/schedstat") as schedstat:
+        on_cpu_ns, waiting_ns = schedstat.read().split()[:2]
+    return (int(on_cpu_ns) + int(waiting_ns)) / 1e9
