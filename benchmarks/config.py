@@ -35,6 +35,14 @@ class Suite:
     llama_hidden: int = 256
     llama_seq: int = 64
     worker_start_worlds: tuple = (4, 16, 64)   # pool sizes benchmark 9 starts both ways
+    train_layers: int = 4           # the Llama of benchmark 10 (one training step: ~0.1-0.4 s on 2 cores)
+    train_hidden: int = 256
+    train_seq: int = 64
+    train_batch: int = 8            # divisible by 4 (dp4, fsdp4) and by every microbatch count
+    train_reps: int = 5             # timed steps per layout
+    train_world: int = 4            # dp and fsdp size against DDP and FSDP2 over as many processes
+    train_fsdp_sizes: tuple = (2, 4)   # beside the 1-worker run (an fsdp of 1): peak memory by fsdp size
+    train_microbatches: tuple = (1, 2, 4)   # pp2's microbatch counts: the bubble
 
 
 QUICK = Suite(
@@ -47,14 +55,15 @@ QUICK = Suite(
 FULL = replace(
     QUICK, name="full", chain_ops=50_000, reps=15, collective_reps=50, fetch_reads=2_000,
     redistribute_bytes=(1 * MIB, 16 * MIB, 64 * MIB), mlp_hidden=1024, mlp_batch=256,
-    process_timeout_s=900,
+    process_timeout_s=900, train_reps=15,
 )
 
 SMOKE = replace(
     QUICK, name="smoke", chain_ops=40, reps=2, collective_reps=2, end_to_end_worlds=(1, 4),
     fetch_reads=5, fetch_worlds=(4,), redistribute_bytes=(64 * 1024,), redistribute_worlds=(4,),
     mlp_layers=1, mlp_hidden=64, mlp_batch=8, process_timeout_s=60, llama_layers=1, llama_hidden=64, llama_seq=8,
-    worker_start_worlds=(2,),
+    worker_start_worlds=(2,), train_layers=2, train_hidden=64, train_seq=8, train_batch=4, train_reps=2,
+    train_world=2, train_fsdp_sizes=(), train_microbatches=(2,),
 )
 
 PRESETS = {suite.name: suite for suite in (QUICK, FULL, SMOKE)}

@@ -1,0 +1,252 @@
+"""10. Llama training step: forward, backward, AdamW step and zero_grad of a small Llama
+(transformers' weights), dtorch against the hand-written multi-controller program in
+torch.distributed Gloo processes on the same machine, in the same run (train_baselines.py):
+
+  1 worker   dtorch on a (1,) mesh against transformers + torch.optim.AdamW in this process
+  dp4        ("dp",) of 4 against DistributedDataParallel over 4 processes
+  fsdp4      ("fsdp",) of 4 (dtorch.nn.fully_shard per layer and root) against FSDP2's
+             fully_shard over 4 processes; fsdp2 (and the 1 worker run, an fsdp of 1) show how
+             peak memory falls with the fsdp size
+  tp2        ("tp",) of 2 against DTensor's parallelize_module (benchmark 8's Megatron plan)
+  pp2 xm     ("pp",) of 2 with m microbatches, against dtorch's own 1 worker (the same work on
+             one process); the note gives the pipeline bubble
+
+A sample is one step after two warm-up steps: dtorch's from the forward call to the return of dtorch.synchronize(), a
+torch layout's the slowest rank's, after a barrier. Each dtorch layout's first loss is checked
+against transformers' on the same weights and batch, outside the timer.
+
+Memory: every process (dtorch's workers, torch's ranks) starts with MALLOC_MMAP_THRESHOLD_ set
+(process_memory.py). Its resident set is read before the layout's model is built (idle: torch,
+the libraries, earlier layouts' leftovers) and its peak-RSS mark (VmHWM) is reset after the
+warm-up steps (the model, the optimizer state and the allocator's working set exist by then).
+The note gives, for the process with the highest peak during the timed steps, the peak and its
+split into idle + what the layout added: the second number is the one fsdp shards.
+
+Pipeline bubble, measured: a pp worker's busy time over the timed steps is the time its main
+thread ran or was runnable (/proc/<pid>/schedstat; a worker waiting for a stage's activations or
+for a command sleeps, and waiting for a core on a shared machine counts as busy), so the bubble
+is 1 - sum(busy) / (stages * step time). The GPipe model (p - 1) / (m + p - 1) is printed beside it.
+
+Threads: every process computes on one intra-op thread (the ranks, the 1-process reference, and
+dtorch's workers, whose pool gives each cpu_count // pool size threads: 1 on the 2-core machine
+of the published run; see _pool_size for the 1-worker mesh).
+"""
+from __future__ import annotations
+
+import gc
+import math
+from dataclasses import dataclass, replace
+
+from . import dtorch_session
+from .llama_forward import config_fields
+from .local_ranks import run_ranks
+from .process_memory import busy_seconds, peak_mib, reset_peak, returned_buffers, rss_mib
+from .timing import Row, failed, guarded, median, not_installed, repeat, stopwatch
+from .train_baselines import TP_RANKS as TP_WORLD
+from .train_baselines import tiny_fields, train_rank
+
+NAME = "llama_train"
+TITLE = "10. Llama training step (forward, backward, AdamW, zero_grad)"
+PER = "step"
+LOSS_RTOL = 1e-4
+WARMUP_STEPS = 2   # the first step makes the optimizer state, the second is the first of the steady state
+ONE_PROCESS = "transformers + AdamW, 1 process"
+ONE_WORKER = "dtorch 1 worker (fsdp1)"
+
+
+@dataclass(frozen=True)
+class Layout:
+    variant: str
+    shape: tuple                    # the mesh, one dim named `dim`
+    dim: str
+    microbatches: int | None = None
+    reference: str | None = None    # the variant this one is divided by
+
+
+def peer_variants(world: int) -> dict[str, str]:
+    """train_baselines.py's layouts -> their rows' variant names."""
+    return {"DDP": f"torch DDP, {world} procs", "FSDP2": f"torch FSDP2 fully_shard, {world} procs",
+            "TP": f"torch DTensor parallelize_module, {TP_WORLD} procs"}
+
+
+def layouts(suite) -> list[Layout]:
+    """dtorch's layouts in the order of the table; the peers' rows go before the layouts that refer to them.
+    `suite.train_world` is the dp / fsdp size compared with DDP / FSDP2."""
+    world, peers = suite.train_world, peer_variants(suite.train_world)
+    fsdp_sizes = sorted({world, *suite.train_fsdp_sizes} - {1})
+    return [Layout(ONE_WORKER, (1,), "fsdp", reference=ONE_PROCESS),
+            Layout(f"dtorch dp{world}", (world,), "dp", reference=peers["DDP"]),
+            *(Layout(f"dtorch fsdp{n}", (n,), "fsdp", reference=peers["FSDP2"] if n == world else None)
+              for n in fsdp_sizes),
+            Layout(f"dtorch tp{TP_WORLD}", (TP_WORLD,), "tp", reference=peers["TP"]),
+            *(Layout(f"dtorch pp2, {m} microbatch{'es' if m > 1 else ''}", (2,), "pp", m, reference=ONE_WORKER)
+              for m in suite.train_microbatches)]
+
+
+def run(suite) -> list[Row]:
+    fields = config_fields(replace(suite, llama_layers=suite.train_layers, llama_hidden=suite.train_hidden,
+                                   llama_seq=suite.train_seq))
+    case = (f"{suite.train_layers} layers, hidden {suite.train_hidden}, "
+            f"batch {suite.train_batch} x {suite.train_seq} tokens")
+    try:
+        import transformers  # noqa: F401 -- a test dependency; the benchmark needs it as the reference
+    except ImportError:
+        return [not_installed(NAME, case, ONE_PROCESS, PER, "transformers")]
+    with returned_buffers():
+        dtorch_session.close()   # the next pool starts with the variable in its environment
+        try:
+            ours = _dtorch_rows(suite, fields, case)
+        finally:
+            dtorch_session.close()   # the peers get the cores to themselves, as dtorch's workers do
+        peers = _peer_rows(suite, fields, case)
+    rows = [guarded(lambda: _one_process_row(suite, fields, case), NAME, case, ONE_PROCESS, PER)]
+    for layout in layouts(suite):   # each peer row just before the first dtorch row that refers to it
+        rows += [peers.pop(key) for key, variant in peer_variants(suite.train_world).items()
+                 if variant == layout.reference and key in peers]
+        rows.append(ours[layout.variant])
+    return rows
+
+
+# --- dtorch ------------------------------------------------------------------------------------------------
+def _dtorch_rows(suite, fields: dict, case: str) -> dict[str, Row]:
+    """{variant: row}, run in pool-size order so that each pool starts once."""
+    import torch
+    reference_model, ids = _reference(fields, suite)
+    with torch.no_grad():
+        expected_loss = reference_model(ids, labels=ids).loss.item()
+    start = (reference_model, ids, expected_loss)
+    tiny = _reference(tiny_fields(fields), suite)
+    rows = {}
+    for layout in sorted(layouts(suite), key=_pool_size):
+        rows[layout.variant] = guarded(lambda: _dtorch_row(suite, start, tiny, case, layout),
+                                       NAME, case, layout.variant, PER)
+    return rows
+
+
+def _dtorch_row(suite, start, tiny, case: str, layout: Layout) -> Row:
+    """One layout's steps; `start` is (transformers' model, the batch, its loss), `tiny` a tiny
+    model and batch to warm the layout's code paths with."""
+    import dtorch
+    mesh = _mesh(layout)
+    pids = [worker["pid"] for worker in dtorch.workers() if worker["rank"] in mesh.ranks]
+    repeat(_stepper(*tiny, mesh, layout.microbatches, []), WARMUP_STEPS, warmup=0)
+    gc.collect()
+    dtorch.synchronize()   # the tiny model and the previous layout's tensors are freed
+    idle = [rss_mib(pid) for pid in pids]
+    reference_model, ids, expected_loss = start
+    losses = []
+    once = _stepper(reference_model, ids, mesh, layout.microbatches, losses)
+    repeat(once, WARMUP_STEPS, warmup=0)
+    _check_loss(losses[0].item(), expected_loss)
+    for pid in pids:
+        reset_peak(pid)
+    busy = [busy_seconds(pid) for pid in pids]
+    samples = repeat(once, suite.train_reps, warmup=0)
+    busy = [busy_seconds(pid) - before for pid, before in zip(pids, busy)]
+    note = memory_note([peak_mib(pid) for pid in pids], idle)
+    if layout.microbatches:
+        note += "; " + _bubble_note(sum(busy) / len(samples), median(samples), len(pids), layout.microbatches)
+    del once, losses
+    gc.collect()   # the next layout on this pool starts without this one's tensors
+    return Row(NAME, case, layout.variant, PER, samples, note=note,
+               reference=(case, layout.reference) if layout.reference else None)
+
+
+def _stepper(reference_model, ids, mesh, microbatches, losses: list):
+    """A function that runs one timed training step of transformers' model on `mesh` and
+    appends the loss to `losses`."""
+    import dtorch
+    from dtorch.models import LlamaForCausalLM
+    model = LlamaForCausalLM(reference_model.config, device_mesh=mesh, microbatches=microbatches)
+    model.load_state_dict(reference_model.state_dict())
+    optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def once() -> float:
+        elapsed = stopwatch()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        dtorch.synchronize()
+        losses.append(loss)
+        return elapsed()
+    return once
+
+
+def _pool_size(layout: Layout) -> int:
+    """A pool gives each worker cpu_count // pool size intra-op threads. Two OpenMP threads on a
+    busy shared 2-core machine wait on each other (a 0.3 s step took 2-4 s), so the 1-worker mesh
+    is taken from a pool of 2, and computes on one thread like every other process here."""
+    return max(2, math.prod(layout.shape))
+
+
+def _mesh(layout: Layout):
+    from dtorch.distributed_spec import init_device_mesh
+    pool = dtorch_session.mesh((_pool_size(layout),))
+    if math.prod(layout.shape) == pool.size():
+        return dtorch_session.mesh(layout.shape, (layout.dim,))
+    return init_device_mesh("cpu", layout.shape, mesh_dim_names=[layout.dim])   # the pool's first workers
+
+
+def _reference(fields: dict, suite):
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
+    ids = torch.randint(0, fields["vocab_size"], (suite.train_batch, suite.train_seq),
+                        generator=torch.Generator().manual_seed(1))
+    return model, ids
+
+
+def _check_loss(loss: float, expected: float) -> None:
+    if abs(loss - expected) > LOSS_RTOL * abs(expected):
+        raise RuntimeError(f"dtorch's first loss {loss} differs from transformers' {expected}")
+
+
+def memory_note(peaks: list[float], idle: list[float]) -> str:
+    """The process with the highest peak: its peak, and how much of it the idle process held."""
+    peak, base = max(zip(peaks, idle))
+    return f"peak {peak:.0f} MiB = idle {base:.0f} + {peak - base:.0f} (max of {len(peaks)} procs)"
+
+
+def _bubble_note(busy_per_step: float, step: float, stages: int, microbatches: int) -> str:
+    measured = 1 - busy_per_step / (stages * step)
+    model = (stages - 1) / (microbatches + stages - 1)
+    return f"bubble {measured:.0%} measured (stage busy time), GPipe model {model:.0%}"
+
+
+# --- torch ---------------------------------------------------------------------------------------------------
+def _one_process_row(suite, fields: dict, case: str) -> Row:
+    import torch
+    model, ids = _reference(fields, suite)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as each dtorch worker and each peer rank runs
+
+    def once() -> float:
+        elapsed = stopwatch()
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return elapsed()
+    try:
+        return Row(NAME, case, ONE_PROCESS, PER, repeat(once, suite.train_reps, warmup=WARMUP_STEPS))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _peer_rows(suite, fields: dict, case: str) -> dict[str, Row]:
+    variants = peer_variants(suite.train_world)
+    try:  # one process group for every layout: spawning one costs more than the steps
+        per_rank = run_ranks(train_rank, suite.train_world,
+                             (fields, suite.train_batch, suite.train_seq, suite.train_reps, WARMUP_STEPS),
+                             suite.process_timeout_s)
+    except Exception as error:  # noqa: BLE001 -- reported on each peer row
+        return {key: failed(NAME, case, variant, PER, error) for key, variant in variants.items()}
+    rows = {}
+    for key, variant in variants.items():
+        ranks = [rank[key] for rank in per_rank if key in rank]
+        slowest = [max(samples) for samples in zip(*(rank["samples"] for rank in ranks))]
+        note = memory_note([rank["peak_mib"] for rank in ranks], [rank["idle_mib"] for rank in ranks])
+        rows[key] = Row(NAME, case, variant, PER, slowest, note=note)
+    return rows

@@ -1,0 +1,68 @@
+"""Peak memory and busy time of local processes, read from /proc (Linux only).
+
+Peak memory is VmHWM, the high-water mark of the resident set. It counts every resident page
+the process maps, shared ones included (torch's libraries, the worker template's pages), so
+`rss_mib` just before the measured work is reported with it as the floor. `reset_peak` sets
+the mark back to the current RSS (writing "5" to /proc/<pid>/clear_refs, allowed on one's own
+processes), so that a peak covers the measured steps and not the model's construction.
+
+glibc keeps freed heap memory for reuse, so RSS would not fall when a large buffer is freed and
+the peak would be a peak of everything ever allocated; `returned_buffers()` sets
+MALLOC_MMAP_THRESHOLD_ so that buffers of 128 KiB and more are mmapped and given back on free.
+It must be in the environment when a process starts (glibc reads it once), so both sides of a
+comparison are started inside it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+__all__ = ["MMAP_THRESHOLD", "returned_buffers", "peak_mib", "rss_mib", "reset_peak", "busy_seconds"]
+
+MMAP_THRESHOLD = "131072"
+_VARIABLE = "MALLOC_MMAP_THRESHOLD_"
+
+
+@contextlib.contextmanager
+def returned_buffers():
+    """Processes started inside this block return freed large buffers to the OS."""
+    before = os.environ.get(_VARIABLE)
+    os.environ[_VARIABLE] = MMAP_THRESHOLD
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(_VARIABLE, None)
+        else:
+            os.environ[_VARIABLE] = before
+
+
+def _status_mib(pid: int | str, key: str) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024   # the kernel writes kB
+    raise KeyError(f"{key} not in /proc/{pid}/status")
+
+
+def peak_mib(pid: int | str = "self") -> float:
+    return _status_mib(pid, "VmHWM")
+
+
+def rss_mib(pid: int | str = "self") -> float:
+    return _status_mib(pid, "VmRSS")
+
+
+def reset_peak(pid: int | str = "self") -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def busy_seconds(pid: int | str = "self") -> float:
+    """Seconds the process's main thread has run or waited for a core to run (/proc/<pid>/schedstat:
+    time on a CPU + time runnable on a run queue). The main thread is where a dtorch worker or a torch
+    rank computes; it sleeps only when it has nothing to do (waiting for a command, a message, a
+    peer). Counting the run-queue wait keeps other load on a shared machine out of the idle time."""
+    with open(f"/proc/{pid}/schedstat") as schedstat:
+        on_cpu_ns, waiting_ns = schedstat.read().split()[:2]
+    return (int(on_cpu_ns) + int(waiting_ns)) / 1e9
