@@ -61,6 +61,7 @@ class Layout:
     dim: str
     microbatches: int | None = None
     reference: str | None = None    # the variant this one is divided by
+    schedule: str | None = None     # model.forward_backward's ("gpipe", "1f1b"); None: loss.backward()
 
 
 def peer_variants(world: int) -> dict[str, str]:
@@ -80,7 +81,10 @@ def layouts(suite) -> list[Layout]:
               for n in fsdp_sizes),
             Layout(f"dtorch tp{TP_WORLD}", (TP_WORLD,), "tp", reference=peers["TP"]),
             *(Layout(f"dtorch pp2, {m} microbatch{'es' if m > 1 else ''}", (2,), "pp", m, reference=ONE_WORKER)
-              for m in suite.train_microbatches)]
+              for m in suite.train_microbatches),
+            *(Layout(f"dtorch pp2, {max(suite.train_microbatches)} microbatches, forward_backward {schedule}", (2,),
+                     "pp", max(suite.train_microbatches), reference=ONE_WORKER, schedule=schedule)
+              for schedule in ("gpipe", "1f1b") if len(suite.train_microbatches) > 1)]
 
 
 def run(suite) -> list[Row]:
@@ -135,7 +139,7 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout) -> Row:
     idle = [rss_mib(pid) for pid in pids]
     reference_model, ids, expected_loss = start
     losses = []
-    once = _stepper(reference_model, ids, mesh, layout.microbatches, losses)
+    once = _stepper(reference_model, ids, mesh, layout.microbatches, losses, layout.schedule)
     repeat(once, WARMUP_STEPS, warmup=0)
     _check_loss(losses[0].item(), expected_loss)
     for pid in pids:
@@ -152,7 +156,7 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout) -> Row:
                reference=(case, layout.reference) if layout.reference else None)
 
 
-def _stepper(reference_model, ids, mesh, microbatches, losses: list):
+def _stepper(reference_model, ids, mesh, microbatches, losses: list, schedule: str | None = None):
     """A function that runs one timed training step of transformers' model on `mesh` and
     appends the loss to `losses`."""
     import dtorch
@@ -163,8 +167,11 @@ def _stepper(reference_model, ids, mesh, microbatches, losses: list):
 
     def once() -> float:
         elapsed = stopwatch()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
+        if schedule:   # per-microbatch backwards in the pipeline schedule's order
+            loss = model.forward_backward(ids, ids, schedule=schedule)
+        else:
+            loss = model(ids, labels=ids).loss
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         dtorch.synchronize()
