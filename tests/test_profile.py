@@ -23,6 +23,7 @@ from dtorch.ops.tensor_meta import tensor_meta
 from dtorch.profile import check_trace, summarize
 from dtorch.profile.trace import CONTROLLER_PID
 from dtorch.runtime import profiling
+from support import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 READ_S = 60
@@ -241,3 +242,38 @@ def test_the_session_goes_on_after_a_profile(mesh4):
     assert profiling.active is None
     x = dtorch.ones(4, device_mesh=mesh4, placements=[Shard(0)])
     assert math.isclose(float((x * 3).sum().item()), 12.0)
+
+
+def test_a_worker_lost_inside_the_block_leaves_the_controller_side(tmp_path):
+    """In its own controller process: rank 1 is killed mid-profile; the block's error is the
+    user's to see, and the trace still holds this process's spans, saying why the rest is missing."""
+    path = tmp_path / "lost.json"
+    result = run_script(f"""
+        import json, os, signal, time, warnings
+        import dtorch
+        from dtorch import Shard
+        mesh = dtorch.init_device_mesh("cpu", (2,))
+        x = dtorch.ones(8, device_mesh=mesh, placements=[Shard(0)])
+        pid = [w["pid"] for w in dtorch.workers() if w["rank"] == 1][0]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with dtorch.profile({str(path)!r}, timeout_s=30):
+                    (x + 1).fetch().result(30)
+                    os.kill(pid, signal.SIGKILL)
+                    time.sleep(1.0)
+                    (x * 2).fetch().result(30)
+            except dtorch.WorkerLostError:
+                print("lost")
+        print("warned", any("part of the trace is missing" in str(w.message) for w in caught))
+        trace = json.load(open({str(path)!r}))
+        from dtorch.profile import check_trace
+        print("problems", check_trace(trace))
+        print("missing", bool(trace["otherData"]["workers_missing"]))
+        print("ops", sorted({{e["name"] for e in trace["traceEvents"] if e.get("cat") == "op"}}))
+        dtorch.shutdown()
+    """, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[:4] == ["lost", "warned True", "problems []", "missing True"], result.stdout
+    assert lines[4] == "ops ['add', 'mul']", result.stdout

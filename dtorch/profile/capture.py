@@ -45,7 +45,11 @@ class profile:
                               "end it before starting another (profiles do not nest)")
         self.controller = _running_session()
         self.recorder = profiling.ControllerRecorder()
-        self.start_readings = _best_pings(self.controller, self.timeout_s)   # the first turns recording on
+        try:
+            self.start_readings = _best_pings(self.controller, self.timeout_s)   # the first turns recording on
+        except BaseException:
+            _stop_quietly(self.controller)
+            raise
         self.start_ns = profiling.now()
         profiling.active = self.recorder
         return self
@@ -57,19 +61,25 @@ class profile:
         try:
             workers = self._collect_workers()
         except Exception as failure:  # a lost worker, an ended session: still write what this process saw
-            problem = f"{type(failure).__name__}: {failure}"
+            problem = f"no worker's commands: {type(failure).__name__}: {failure}"
+        lost = sorted(set(self.start_readings) - set(workers))
+        if lost and problem is None:
+            problem = f"rank(s) {lost} were lost during the profile: their commands are not in the trace"
         self.trace = build_trace(self.recorder, self.start_ns, stop_ns, workers, self.controller.command_site,
                                  problem)
         if self.path is not None:
             with open(self.path, "w") as file:
                 json.dump(self.trace, file)
         if problem is not None:
-            warnings.warn(f"dtorch.profile: the workers' side of the trace is missing ({problem}); "
-                          f"the trace holds this process's spans only", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"dtorch.profile: part of the trace is missing: {problem}", RuntimeWarning, stacklevel=2)
         return False
 
     def _collect_workers(self) -> dict[int, WorkerRecording]:
-        end_readings = _best_pings(self.controller, self.timeout_s)
+        try:
+            end_readings = _best_pings(self.controller, self.timeout_s)
+        except BaseException:
+            _stop_quietly(self.controller)
+            raise
         final = profiling.ping_workers(self.controller, False, self.timeout_s)
         return {rank: WorkerRecording(rank, _label(self.controller, rank), reading.payload[1],
                                       Clock.between(self.start_readings[rank], end_readings[rank]))
@@ -92,6 +102,15 @@ def _best_pings(controller, timeout_s: float) -> dict[int, profiling.ClockReadin
             if rank not in best or reading.round_trip < best[rank].round_trip:
                 best[rank] = reading
     return best
+
+
+def _stop_quietly(controller) -> None:
+    """Turn the workers' recording off without waiting for them (after a failed ping: a
+    worker lost, a timeout), so none keeps recording after the profile."""
+    try:
+        profiling.ping_workers(controller, False, timeout=None, wait=False)
+    except Exception:  # the session itself has ended: its workers went with it
+        pass
 
 
 def _label(controller, rank: int) -> str:

@@ -30,7 +30,7 @@ def summarize(trace: dict, top: int = 10) -> str:
     lines = [f"dtorch profile: {window / 1000:.3f} ms, {len(names) - 1} rank(s)"]
     missing = trace.get("otherData", {}).get("workers_missing")
     if missing:
-        lines.append(f"(the workers' side is missing: {missing})")
+        lines.append(f"(part of the trace is missing: {missing})")
     lines += ["", f"Top ops by worker time (all ranks, top {top}):"] + _top_ops(commands, top)
     lines += ["", "Controller (this process):"] + _controller(spans, top)
     lines += ["", "Per rank (shares of the window):"] + _per_rank(commands, names, window)

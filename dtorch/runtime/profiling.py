@@ -95,11 +95,13 @@ class ClockReading(NamedTuple):
         return self.received - self.sent
 
 
-def ping_workers(controller, on: bool, timeout: float) -> dict[int, ClockReading]:
-    """Issue one Profile command to every live worker and wait for every reply."""
+def ping_workers(controller, on: bool, timeout: float | None, wait: bool = True) -> dict[int, ClockReading]:
+    """Issue one Profile command to every live worker and wait for every reply (or not)."""
     future = Future()
     read = ProfileRead(controller.pool.live_ranks(), future)
     controller.submit(wire.Profile, on, read=read)
+    if not wait:
+        return {}
     frames = future.result(timeout)
     return {rank: ClockReading(read.sent, read.arrived[rank], _decode(rank, frame)) for rank, frame in frames.items()}
 
