@@ -31,6 +31,9 @@ from . import nn
 from . import optim
 from . import checkpoint
 from . import models
+# The context manager takes the package's name: dtorch.profile(...) records, while
+# `from dtorch.profile import summarize, plot` still reaches the package (sys.modules).
+from .profile import profile
 
 # init_device_mesh (pure layer) starts workers through the runtime: the one seam, installed here
 distributed_spec.set_worker_starter(_session.acquire_workers)
@@ -86,5 +89,5 @@ __all__ = [
     "Tensor", "Generator",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
     "DependencyError", "WorkerLostError", "LostTensorError", "AliasingError", "StartupError", "SessionEndedError", "UnreadFailureWarning",
-    "nn", "optim", "checkpoint", "models",
+    "nn", "optim", "checkpoint", "models", "profile",
 ] + sorted(n for n in _REGISTRY if n in globals())

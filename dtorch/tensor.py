@@ -21,7 +21,7 @@ from .ops.operators import BINARY_OPERATORS, UNARY_OPERATORS
 from .ops.tensor_meta import TensorMeta, check_placements, shape_argument, tensor_meta
 from .aliasing import VIEW_OPS, note_view
 from .redistribute import plan_redistribute
-from .runtime import session
+from .runtime import profiling, session
 from .recording import HopNode, Leaf, OpNode, is_grad_enabled, record_op
 from .runtime.protocol import Redistribute, RequireGrad, RunOp, Transfer, dtype_name
 
@@ -133,6 +133,13 @@ class DTensor:
     def redistribute(self, device_mesh: DeviceMesh | None = None,
                      placements: Sequence[Placement] | None = None) -> "DTensor":
         """The same logical tensor with new placements; collectives run worker-to-worker."""
+        recorder = profiling.active
+        if recorder is not None:   # dtorch.profile: a span like an op's
+            with recorder.user_span("redistribute", "op"):
+                return self._redistribute(device_mesh, placements)
+        return self._redistribute(device_mesh, placements)
+
+    def _redistribute(self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> "DTensor":
         mesh = device_mesh if device_mesh is not None else self.device_mesh
         placements = check_placements(placements if placements is not None else
                                       [Replicate()] * mesh.ndim, self.ndim, mesh)
@@ -386,6 +393,14 @@ class DTensor:
 def call_op(name: str, args: tuple, kwargs: dict):
     """Plan (cached), issue the plan's inserted redistributes if any, enqueue one RunOp command,
     return the output symbol(s). Never waits."""
+    recorder = profiling.active
+    if recorder is not None:   # dtorch.profile: the whole issue (plan, moves, submit) as one span
+        with recorder.user_span(name, "op"):
+            return _issue_op(name, args, kwargs)
+    return _issue_op(name, args, kwargs)
+
+
+def _issue_op(name: str, args: tuple, kwargs: dict):
     given = args   # a view's base is the tensor the user passed, not an inserted move's copy
     try:
         plan = cached_plan(name, args, kwargs)
@@ -469,7 +484,8 @@ def _apply_moves(moves: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             return tensor
         key = (tensor._id, target)
         if key not in moved:
-            moved[key] = tensor.redistribute(placements=target)
+            with profiling.span("redistribute (inserted)", "redistribute", to=format_placements(target)):
+                moved[key] = tensor.redistribute(placements=target)
             tensor._controller.count_inserted_redistribute()
         return moved[key]
     return map_tensors(args, move), map_tensors(kwargs, move)
@@ -501,7 +517,8 @@ def _join_one_device_inputs(args: tuple, kwargs: dict):
         if tensor.device_mesh == target:
             return tensor
         tensor._controller.count_inserted_redistribute()
-        return tensor.redistribute(target, [Replicate()] * target.ndim)
+        with profiling.span("redistribute (inserted)", "redistribute", to=f"{target} [R]"):
+            return tensor.redistribute(target, [Replicate()] * target.ndim)
     return map_tensors(args, join), map_tensors(kwargs, join)
 
 

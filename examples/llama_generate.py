@@ -4,6 +4,7 @@
     python3 examples/llama_generate.py --tp 4 --tokens 64   # 4-way tensor parallel
     python3 examples/llama_generate.py --model ./my-llama   # a transformers save_pretrained directory
     dtorch-launch --hostfile hosts python3 examples/llama_generate.py --tp 8
+    python3 examples/llama_generate.py --profile trace.json  # a timeline of the timed run (docs/profiling.md)
 
 With --model, every worker reads its own slices of the safetensors files (the directory must be
 on a filesystem every host sees); no weight passes through this process. Without it, the model is
@@ -13,6 +14,7 @@ cache stays sharded by heads on the workers, and this process only reads each st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
@@ -35,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-length", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt (default 32)")
     parser.add_argument("--hostfile", help="start workers over SSH (as dtorch-launch does)")
+    parser.add_argument("--profile", metavar="TRACE_JSON", help="record the timed generation with dtorch.profile")
     return parser.parse_args(argv)
 
 
@@ -65,8 +68,10 @@ def main(argv=None) -> None:
             filled = 30 * done[0] // args.tokens
             sys.stderr.write(f"\rgenerating [{'#' * filled}{'.' * (30 - filled)}] {done[0]}/{args.tokens}")
 
+    recording = dtorch.profile(args.profile) if args.profile else contextlib.nullcontext()
     started = time.perf_counter()
-    tokens = model.generate(prompt, max_new_tokens=args.tokens, on_token=progress)
+    with recording:
+        tokens = model.generate(prompt, max_new_tokens=args.tokens, on_token=progress)
     elapsed = time.perf_counter() - started
     if sys.stderr.isatty():
         sys.stderr.write("\n")
@@ -74,6 +79,8 @@ def main(argv=None) -> None:
     print(f"generated {new} tokens x {tokens.shape[0]} sequences in {elapsed:.2f} s: "
           f"{new * tokens.shape[0] / elapsed:.1f} tokens/s ({elapsed / new * 1e3:.1f} ms per step)")
     print("first sequence:", tokens[0, prompt.shape[1]:].tolist())
+    if args.profile:
+        print(f"trace: {args.profile} (python -m dtorch.profile summarize {args.profile})")
     dtorch.shutdown()
 
 

@@ -21,6 +21,7 @@ LAYERS = [
     ("modules", ("dtorch.nn", "dtorch.optim")),
     ("checkpoint", ("dtorch.checkpoint",)),
     ("models", ("dtorch.models",)),
+    ("profile", ("dtorch.profile",)),   # dtorch.profile: records every layer's calls, used by none
     ("public surface", ("dtorch",)),   # dtorch/__init__.py re-exports every layer
 ]
 # What the pure layer must never import, whatever its place: processes, sockets, event loops.

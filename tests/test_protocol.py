@@ -110,6 +110,7 @@ COMMAND_EXAMPLES = [
     wire.LoadChunks(19, 7, 0, (7, 5), "float32", _placements(1, -1),
                     (("/ckpt/__0_0.safetensors", 96, "bfloat16", (0, 0), (4, 5)),
                      ("/ckpt/__1_0.safetensors", 96, "bfloat16", (4, 0), (3, 5))), "model.w"),
+    wire.Profile(20, True),
 ]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from ..errors import user_site
 from ..factories import ones
 from ..recording import HopNode, Leaf, OpNode, no_grad
+from ..runtime import profiling
 from ..runtime.protocol import Backward, SetGrads
 from ..distributed_spec import Replicate
 from ..tensor import DTensor, call_op
@@ -25,6 +26,11 @@ __all__ = ["backward", "backward_stages", "grad", "leaf_grad", "set_leaf_grad", 
 def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None) -> None:
     """torch.autograd.backward: gradients of `tensors` accumulate into the `.grad` of every leaf
     they depend on (only those of `inputs`, if given)."""
+    with profiling.span("backward", "autograd"):
+        _backward(tensors, grad_tensors, retain_graph, create_graph, inputs)
+
+
+def _backward(tensors, grad_tensors, retain_graph, create_graph, inputs) -> None:
     roots, seeds = _roots_and_seeds(tensors, grad_tensors, create_graph, "backward")
     only = None if inputs is None else {id(t._node) for t in _as_list(inputs)}
     retain = bool(retain_graph)

@@ -12,7 +12,7 @@ import torch
 
 from ..autograd import reduce_gradients
 from ..ops.tensor_meta import tensor_meta
-from ..runtime import session
+from ..runtime import profiling, session
 from ..runtime.optim_kernels import state_names
 from ..runtime.protocol import OptimizerStep
 from ..tensor import DTensor
@@ -59,6 +59,10 @@ class Optimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """One OptimizerStep per param group and mesh; parameters without a grad are skipped.
         Returns at once; a worker failure is raised at the next read of a parameter or state."""
+        with profiling.span(f"{type(self).__name__}.step", "optimizer"):
+            return self._step_groups(closure)
+
+    def _step_groups(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():

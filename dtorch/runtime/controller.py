@@ -23,6 +23,7 @@ import warnings
 
 from ..distributed_spec import DeviceMesh, distinct_shard_ranks as _senders
 from ..errors import ProtocolError, SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site, user_frame
+from . import profiling
 from . import protocol as wire
 from .admission import Rejections, new_secret, secret_matches
 from .lost_tensors import LostTensors
@@ -219,6 +220,8 @@ class Controller:
         senders = _senders(mesh, meta.placements)
         read = FetchRead(mesh.ranks, future, meta, senders, tensor._seq)
         self.submit(wire.Fetch, tensor._id, self.define_mesh(mesh), senders, read=read)
+        if profiling.active is not None:
+            profiling.active.read_issued(future, meta.describe())
         return future
 
     def synchronize(self, timeout: float | None = None) -> None:
@@ -226,7 +229,8 @@ class Controller:
         failure no read has raised yet."""
         future = Future()
         self.submit(wire.Sync, read=SyncRead(self.pool.live_ranks(), future))
-        future.result(timeout)
+        with profiling.span("synchronize", "read"):
+            future.result(timeout)
         lost = self.pool.lost_among(self.workers)
         if lost:
             raise lost
@@ -349,6 +353,8 @@ class Controller:
     def _flush(self) -> None:
         if not self._sockets_open:   # a flush scheduled before shutdown closed the sockets
             return
+        recorder = profiling.active
+        started = profiling.now() if recorder is not None else 0
         with self._lock:
             self._flush_scheduled = self._flush_now = False
             if self._released:
@@ -364,6 +370,9 @@ class Controller:
         self._published_upto = batch[-1].seq + 1
         self.commands_sent += len(batch)
         self.batches_sent += 1
+        if recorder is not None:
+            recorder.add("flush", "flush", profiling.LOOP, started, profiling.now(),
+                         {"commands": len(batch), "first_seq": batch[0].seq})
 
     async def _probe(self) -> None:
         """Publish probes until every worker has registered: a worker registers only after its
@@ -485,6 +494,11 @@ class Controller:
             return (f"<line not kept: command #{seq} was issued more than {SITE_RING} commands before the "
                     "newest, and only the newest keep their line>")
         return format_site(kept[1])
+
+    def command_site(self, seq: int) -> str | None:
+        """file:line that issued command `seq`, if still kept (the newest SITE_RING commands)."""
+        kept = self._kept(seq)
+        return None if kept is None else format_site(kept[1])
 
     def _describe_command(self, seq: int) -> str:
         kept = self._kept(seq)

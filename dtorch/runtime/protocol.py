@@ -30,7 +30,7 @@ __all__ = [
     "lost_worker_key",
     # commands
     "DefineMesh", "Factory", "Upload", "LoadShard", "RunOp", "Redistribute", "Transfer", "Fetch", "Free", "Sync", "Shutdown",
-    "Regroup", "RequireGrad", "SetGrads", "Backward", "OptimizerStep", "GradNorm", "UpdateGrads", "SaveShard", "LoadChunks", "COMMANDS", "handler_name", "encode_batch", "decode_batch",
+    "Regroup", "RequireGrad", "SetGrads", "Backward", "OptimizerStep", "GradNorm", "UpdateGrads", "SaveShard", "LoadChunks", "Profile", "COMMANDS", "handler_name", "encode_batch", "decode_batch",
     # every other message
     "Batch", "Private", "Probe", "Register", "Welcome", "Refused", "Reply", "ErrorReport", "Heartbeat", "Pong",
     "MESSAGES", "FROM_WORKER", "REPLY_STATUSES", "encode", "decode", "decode_from_worker", "read_header",
@@ -39,7 +39,7 @@ __all__ = [
     "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 9   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+VERSION = 10   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
               # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
               # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention);
               # 6: Regroup (lost ranks were replaced: communication groups of a new generation)
@@ -48,6 +48,8 @@ VERSION = 9   # 2: REGISTER carries the run's secret; 3: RunOp names the user's 
               # 8: OptimizerStep, GradNorm, UpdateGrads (dtorch.optim, dtorch.nn.utils: in place on workers)
               # 9: SaveShard, LoadChunks (sharded checkpoints: each worker writes its own blocks,
               #    and reads back the parts of saved chunks that overlap its block)
+              # 10: Profile (dtorch.profile: workers record their commands while on, answer with
+              #     their clock, and send what they recorded when it turns off)
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -273,8 +275,17 @@ class LoadChunks(NamedTuple):
     name: str            # the tensor's key, for errors
 
 
+class Profile(NamedTuple):
+    """dtorch.profile: every live worker answers with a Reply whose one data frame is
+    pack([clock_ns]) (on) or pack([clock_ns, rows]) (off; rows: runtime/worker_profiling.py)."""
+    seq: int
+    on: bool             # True: record every command after this one (again while on: a clock
+                         # ping, recording goes on); False: stop, and send what was recorded
+
+
 COMMANDS = (DefineMesh, Factory, Upload, LoadShard, RunOp, Redistribute, Transfer, Fetch, Free, Sync, Shutdown,
-            Regroup, RequireGrad, SetGrads, Backward, OptimizerStep, GradNorm, UpdateGrads, SaveShard, LoadChunks)
+            Regroup, RequireGrad, SetGrads, Backward, OptimizerStep, GradNorm, UpdateGrads, SaveShard, LoadChunks,
+            Profile)
 OPCODE = {cls: i for i, cls in enumerate(COMMANDS)}
 _BY_OPCODE = dict(enumerate(COMMANDS))
 
@@ -428,6 +439,7 @@ _FIELD_TYPES = {
     OptimizerStep: (int, str, dict, IDS, IDS, IDS, IDS, IDS), GradNorm: (int, int, NUMBER, IDS, tuple),
     UpdateGrads: (int, str, IDS, int, NUMBER),
     SaveShard: (str, int, tuple), LoadChunks: (int, int, tuple, str, tuple, tuple, str),
+    Profile: (bool,),
 }
 
 

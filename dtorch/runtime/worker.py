@@ -32,6 +32,7 @@ from .optim_kernels import local_norm_share, optimizer_step, state_names, update
 from .peers import Peers
 from .protocol import TensorRef
 from .transport import WorkerSockets
+from .worker_profiling import CommandRecorder, clock_frame
 
 __all__ = ["Worker", "Poisoned"]
 
@@ -58,6 +59,7 @@ class Worker:
         self.outgoing: list = []                    # (HostCopy, wire.Reply): replies waiting on the device
         self.running = True
         self.busy_seq = -1                          # the command running now (read by the heartbeat)
+        self.profiler: CommandRecorder | None = None   # set while dtorch.profile records (handle_profile)
         self._handlers = {cls: getattr(self, wire.handler_name(cls)) for cls in wire.COMMANDS}
         # fault injection for tests/test_training.py: this rank's first Backward fails at its start
         self._fail_next_backward = os.environ.get("DTORCH_TEST_FAIL_BACKWARD_ON_RANK") == str(rank)
@@ -103,7 +105,10 @@ class Worker:
                                 "commands were lost on the way")
         self.next_seq += len(commands)
         for command in commands:
-            self._execute(command)
+            if self.profiler is None:   # profiling off costs this one check per command
+                self._execute(command)
+            else:
+                self.profiler.record(command, self._execute)
 
     def _execute(self, command) -> None:
         self.busy_seq = command.seq   # the heartbeat thread reports a command that runs too long
@@ -443,6 +448,21 @@ class Worker:
 
     def handle_shutdown(self, command: wire.Shutdown) -> None:
         self.running = False
+
+    def handle_profile(self, command: wire.Profile) -> None:
+        """Profiling on (again while on: a clock ping) or off; the reply carries this rank's clock,
+        and when it turns off every command recorded (runtime/worker_profiling.py). It leaves at
+        once: the controller times the round trip to align this worker's clock with its own."""
+        if command.on:
+            if self.profiler is None:
+                self.profiler = CommandRecorder(self)
+            frame = clock_frame()
+        elif self.profiler is not None:
+            recorder, self.profiler = self.profiler, None
+            frame = recorder.finish()
+        else:   # off without on (this worker joined while profiling was on): nothing recorded
+            frame = clock_frame([])
+        self.sockets.send([wire.encode(wire.Reply(command.seq, self.rank, "ok", -1)), frame])
 
     def handle_require_grad(self, command: wire.RequireGrad) -> None:
         for tensor_id in command.ids:
