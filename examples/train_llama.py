@@ -133,18 +133,23 @@ class Progress:
         return time.perf_counter() - self.started
 
 
+def train_step(model, optimizer, ids: torch.Tensor, lr: float):
+    """One AdamW step on the batch `ids`; returns the loss (a DTensor: reading it waits)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    dtorch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def train(model, optimizer, tokens, args, first: int, losses: list, out: Path, data: dict) -> None:
     progress = Progress(first, args.steps, args.batch * args.seq, args.log_every)
     log = open(args.log_json, "a") if args.log_json else None
     for step in range(first, args.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        ids = batch_at(tokens, step, args.batch, args.seq, args.seed)
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        dtorch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+        loss = train_step(model, optimizer, batch_at(tokens, step, args.batch, args.seq, args.seed), lr_at(step, args))
         losses.append(loss.item())   # the only wait: the workers run backward while this returns
         progress.update(step + 1, losses[-1])
         if log:
@@ -180,9 +185,8 @@ def sample(model, args, length: int) -> str:
 # --- the command line -------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name in MESH_DIMS:
-        parser.add_argument(f"--{name}", type=int, help=f"mesh dim {name!r} size (default 1; --dp 2 when no "
-                                                         "dim is given)")
+    for name in MESH_DIMS:   # the mesh is their product; with none given, --dp 2
+        parser.add_argument(f"--{name}", type=int, help=f"{name} ranks (default 1; --dp 2 when no dim is given)")
     parser.add_argument("--steps", type=int, default=200, help="train until this step (default 200)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
