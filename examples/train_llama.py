@@ -103,12 +103,22 @@ def restore(model, lr: float, directory: Path):
     return optimizer, state
 
 
+def resume(model, lr: float, directory: Path, data: dict):
+    """(optimizer, step, losses so far) from the checkpoint, saying so."""
+    optimizer, state = restore(model, lr, directory)
+    if state["data"] != data:
+        print(f"note: the checkpoint's data settings {state['data']} differ from this run's {data}: "
+              "the batches from here on are not those of an uninterrupted run", flush=True)
+    print(f"resumed at step {state['step']} from {directory}", flush=True)
+    return optimizer, state["step"], state["losses"]
+
+
 # --- the loop ---------------------------------------------------------------------------------------
 class Progress:
     """A bar on stderr when it is a terminal, else a line every `every` steps on stdout."""
 
-    def __init__(self, first: int, last: int, tokens_per_step: int, every: int):
-        self.first, self.last, self.tokens_per_step, self.every = first, last, tokens_per_step, every
+    def __init__(self, last: int, tokens_per_step: int, every: int):
+        self.last, self.tokens_per_step, self.every = last, tokens_per_step, every
         self.bar = sys.stderr.isatty()
         self.started = self.window_start = time.perf_counter()
         self.window_steps = 0
@@ -146,7 +156,7 @@ def train_step(model, optimizer, ids: torch.Tensor, lr: float):
 
 
 def train(model, optimizer, tokens, args, first: int, losses: list, out: Path, data: dict) -> None:
-    progress = Progress(first, args.steps, args.batch * args.seq, args.log_every)
+    progress = Progress(args.steps, args.batch * args.seq, args.log_every)
     log = open(args.log_json, "a") if args.log_json else None
     for step in range(first, args.steps):
         loss = train_step(model, optimizer, batch_at(tokens, step, args.batch, args.seq, args.seed), lr_at(step, args))
@@ -221,14 +231,10 @@ def main(argv=None) -> None:
     model = build_model(mesh, args.seed, args.bf16)
     print(f"Llama of {sum(p.numel() for p in model.parameters()):,} parameters on {mesh}; "
           f"{len(tokens):,} tokens of {CORPUS.name}", flush=True)
-    optimizer, first, losses = make_optimizer(model, args.lr), 0, []
     if args.resume:
-        optimizer, state = restore(model, args.lr, out / CHECKPOINT)
-        first, losses = state["step"], state["losses"]
-        if state["data"] != data:
-            print(f"note: the checkpoint's data settings {state['data']} differ from this run's {data}: "
-                  "the batches from here on are not those of an uninterrupted run", flush=True)
-        print(f"resumed at step {first} from {out / CHECKPOINT}", flush=True)
+        optimizer, first, losses = resume(model, args.lr, out / CHECKPOINT, data)
+    else:
+        optimizer, first, losses = make_optimizer(model, args.lr), 0, []
     out.mkdir(parents=True, exist_ok=True)
     train(model, optimizer, tokens, args, first, losses, out, data)
     if args.steps > first:
