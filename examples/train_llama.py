@@ -1,6 +1,6 @@
 """Train a small Llama on the fables in examples/data/, bytes as tokens, on any layout.
 
-    python3 examples/train_llama.py                            # 2 local CPU workers (dp 2), 200 steps
+    python3 examples/train_llama.py                            # 2 local CPU workers (dp 2), 120 steps
     python3 examples/train_llama.py --dp 2 --tp 2 --bf16       # 4 workers, bf16 compute
     python3 examples/train_llama.py --steps 400 --resume       # continue the run saved in --out
     dtorch-launch --hostfile hosts examples/train_llama.py --fsdp 4 --tp 2
@@ -197,7 +197,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name in MESH_DIMS:   # the mesh is their product; with none given, --dp 2
         parser.add_argument(f"--{name}", type=int, help=f"{name} ranks (default 1; --dp 2 when no dim is given)")
-    parser.add_argument("--steps", type=int, default=200, help="train until this step (default 200)")
+    parser.add_argument("--steps", type=int, default=120, help="train until this step (default 120)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
@@ -209,7 +209,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=0, help="also save every N steps (default: at the end)")
     parser.add_argument("--log-every", type=int, default=20, help="progress line every N steps off a terminal")
     parser.add_argument("--log-json", help="append {step, loss, lr} per step to this file (JSON lines)")
-    parser.add_argument("--sample", type=int, default=64, help="bytes to generate at the end (0: none)")
+    parser.add_argument("--sample", type=int, default=48, help="bytes to generate at the end (0: none)")
     parser.add_argument("--hostfile", help="start workers over SSH (as dtorch-launch does)")
     args = parser.parse_args(argv)
     given = any(getattr(args, name) for name in MESH_DIMS)
