@@ -4,5 +4,6 @@ torch's own update on the local shards (docs/training.md, "Optimizers")."""
 from .adam import Adam, AdamW
 from .optimizer import Optimizer
 from .sgd import SGD
+from .state import init_state
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "init_state"]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ..factories import tensor as upload
+from ..factories import tensor as upload, zeros
+from ..runtime.optim_kernels import state_names
 from ..tensor import DTensor, call_op
 
-__all__ = ["pack_state", "unpack_state"]
+__all__ = ["pack_state", "unpack_state", "init_state"]
 
 
 def pack_state(values: dict) -> dict:
@@ -43,3 +44,24 @@ def _placed_like(value, param: DTensor, what: str) -> DTensor:
     # Steps update the buffer in place, so it must share no storage with the saved one (a
     # redistribute may hand back the same tensor, or a slice of it): a cast or a clone copies.
     return placed.to(dtype) if placed.dtype != dtype else call_op("clone", (placed,), {})
+
+
+def init_state(optimizer):
+    """Give each parameter without state the buffers its first step would make (zeros, on the
+    parameter's mesh and placements; Adam's step 0), without a step. A fresh optimizer's
+    state_dict() then names every buffer a saved one has, so it is a target dtorch.checkpoint.load
+    can fill (torch.distributed.checkpoint takes a step with lr 0 for this). Adam's state then equals
+    a fresh one exactly; SGD's momentum_buffer starts at zeros, so with dampening a first step
+    without a load in between differs from torch's (which copies the grad). Returns `optimizer`."""
+    for group in optimizer.param_groups:
+        names = state_names(optimizer.kind, optimizer.hyper(group))
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if not names or all(isinstance(state.get(name), DTensor) for name in names):
+                continue
+            for name in names:
+                state[name] = zeros(*param.shape, dtype=param.dtype, device_mesh=param.device_mesh,
+                                    placements=param.placements)
+            if optimizer.kind != "SGD":
+                state["step"] = 0
+    return optimizer
