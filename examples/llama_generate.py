@@ -3,7 +3,7 @@
     python3 examples/llama_generate.py                      # a small random Llama on 2 local CPU workers
     python3 examples/llama_generate.py --tp 4 --tokens 64   # 4-way tensor parallel
     python3 examples/llama_generate.py --model ./my-llama   # a transformers save_pretrained directory
-    dtorch-launch --hostfile hosts python3 examples/llama_generate.py --tp 8
+    dtorch-launch --hostfile hosts examples/llama_generate.py --tp 8
     python3 examples/llama_generate.py --profile trace.json  # a timeline of the timed run (docs/profiling.md)
 
 With --model, every worker reads its own slices of the safetensors files (the directory must be

@@ -21,6 +21,7 @@ import torch
 
 from ..distributed_spec import DeviceMesh
 from ..factories import tensor as upload
+from ..recording import no_grad
 from ..tensor import DTensor
 from ..runtime import session
 from .parameter import Parameter
@@ -294,15 +295,22 @@ def to_target(value, target: DTensor) -> DTensor:
 
 
 def put_tensor(module: torch.nn.Module, names: list[str], value: DTensor) -> None:
-    """Rebind the parameter or buffer at each dotted name (one tensor, tied names share it) to `value`."""
-    replacement = None
+    """Give the parameter or buffer at each dotted name (one tensor, tied names share it) the
+    values of `value`. A Parameter keeps its identity, as torch's in-place copy keeps it: an
+    optimizer made before the load still holds the model's parameters (and their gradients)."""
+    updated = set()
     for name in names:
         owner_name, _, attr = name.rpartition(".")
         owner = module.get_submodule(owner_name)
         if attr in owner._parameters:
-            if replacement is None:
-                replacement = Parameter(value, owner._parameters[attr].requires_grad)
-            owner._parameters[attr] = replacement
+            param = owner._parameters[attr]
+            if isinstance(param, Parameter):
+                if id(param) not in updated:
+                    with no_grad():
+                        param._assign(value, "load_state_dict")
+                    updated.add(id(param))
+            else:
+                owner._parameters[attr] = Parameter(value)
         else:
             owner._buffers[attr] = value
 
