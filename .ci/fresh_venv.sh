@@ -39,6 +39,7 @@ python3 -m pip uninstall -q -y dtorch
 python3 -m pip install -q "$tmp"/dist/dtorch-*.whl
 mkdir "$tmp/outside"
 cp "$tmp"/clone/examples/*.py "$tmp/outside/"
+cp -r "$tmp"/clone/examples/data "$tmp/outside/"   # train_llama.py's corpus ships beside it
 cd "$tmp/outside"
 python3 -I "$tmp/clone/scripts/import_every_module.py" "$tmp/clone"
 for example in ./*.py; do
