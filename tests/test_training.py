@@ -51,15 +51,33 @@ def reference():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(small_config())
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
+    losses = train(model, torch.optim.AdamW(model.parameters(), **HYPER))
+    return initial, [loss.item() for loss in losses], {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(model, optimizer, step=None) -> list:
+    """STEPS optimizer steps on batches(), torch's loop; `step(ids)` replaces forward + backward
+    and returns the loss. Returns the losses as the model gave them (tensors or DTensors)."""
     losses = []
     for ids in batches():
-        loss = model(ids, labels=ids).loss
-        loss.backward()
+        if step is None:
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        else:
+            loss = step(ids)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return initial, losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        losses.append(loss)
+    return losses
+
+
+def assert_trained_like_torch(model, losses, reference) -> None:
+    """Every step's loss within 2e-4 relative, and the final parameters."""
+    _, expected_losses, expected_params = reference
+    for step, (got, want) in enumerate(zip([loss.item() for loss in losses], expected_losses)):
+        assert abs(got - want) <= 2e-4 * abs(want), f"step {step}: {got} != {want}"
+    for name, param in model.state_dict().items():
+        torch.testing.assert_close(param.to_torch(), expected_params[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
 def _model(initial, layout):
@@ -72,20 +90,8 @@ def _model(initial, layout):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_adamw_training_equals_single_process_torch(layout, reference, session):
-    initial, expected_losses, expected_params = reference
-    model = _model(initial, layout)
-    optimizer = dtorch.optim.AdamW(model.parameters(), **HYPER)
-    losses = []
-    for ids in batches():
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss)
-    for step, (got, want) in enumerate(zip([loss.item() for loss in losses], expected_losses)):
-        assert abs(got - want) <= 2e-4 * abs(want), f"step {step}: {got} != {want}"
-    for name, param in model.state_dict().items():
-        torch.testing.assert_close(param.to_torch(), expected_params[name], rtol=1e-3, atol=1e-5, msg=name)
+    model = _model(reference[0], layout)
+    assert_trained_like_torch(model, train(model, dtorch.optim.AdamW(model.parameters(), **HYPER)), reference)
 
 
 def test_gradient_accumulation_and_clipping(reference, session):
@@ -110,14 +116,7 @@ def test_gradient_accumulation_and_clipping(reference, session):
 def test_mixed_precision_trains_with_float32_masters(reference, session):
     initial, expected_losses, _ = reference
     model = dtorch.nn.mixed_precision(_model(initial, "dp2"), torch.bfloat16)
-    optimizer = dtorch.optim.AdamW(model.parameters(), **HYPER)
-    losses = []
-    for ids in batches():
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = [loss.item() for loss in train(model, dtorch.optim.AdamW(model.parameters(), **HYPER))]
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert losses == pytest.approx(expected_losses, rel=2e-2)   # bf16 compute: close, not equal
     assert losses[-1] < losses[0]
@@ -228,21 +227,13 @@ def test_one_rank_failing_in_backward_stops_the_others_waiting():
 @pytest.mark.parametrize("layout,schedule", [("pp2", "1f1b"), ("fsdp2xpp2", "1f1b"), ("pp2", "gpipe")])
 def test_pipeline_schedules_train_like_single_process_torch(layout, schedule, reference, session):
     """forward_backward (4 microbatches over 2 stages, 1F1B or GPipe order): the same losses and parameters."""
-    initial, expected_losses, expected_params = reference
     shape, names = LAYOUTS[layout]
     model = LlamaForCausalLM(small_config(), device_mesh=init_device_mesh("cpu", shape, mesh_dim_names=names),
                              microbatches=4)
-    model.load_state_dict(initial)
-    optimizer = dtorch.optim.AdamW(model.parameters(), **HYPER)
-    losses = []
-    for ids in batches():
-        losses.append(model.forward_backward(ids, labels=ids, schedule=schedule))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    for step, (got, want) in enumerate(zip([loss.item() for loss in losses], expected_losses)):
-        assert abs(got - want) <= 2e-4 * abs(want), f"step {step}: {got} != {want}"
-    for name, param in model.state_dict().items():
-        torch.testing.assert_close(param.to_torch(), expected_params[name], rtol=1e-3, atol=1e-5, msg=name)
+    model.load_state_dict(reference[0])
+    losses = train(model, dtorch.optim.AdamW(model.parameters(), **HYPER),
+                   lambda ids: model.forward_backward(ids, labels=ids, schedule=schedule))
+    assert_trained_like_torch(model, losses, reference)
 
 
 def test_schedule_orders():
