@@ -58,8 +58,9 @@ def test_the_trace_file_is_valid_trace_event_format(mesh4, tmp_path):
             assert event["dur"] >= 0
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert names[CONTROLLER_PID] == "controller"
-    assert {pid for pid in names if pid != CONTROLLER_PID} == {1, 2, 3, 4}
-    assert all(names[r + 1].startswith(f"rank {r} (cpu") for r in range(4))
+    ranks = [w["rank"] for w in dtorch.workers()]   # every worker of the session (earlier tests may add some)
+    assert {pid for pid in names if pid != CONTROLLER_PID} == {r + 1 for r in ranks}
+    assert all(names[r + 1].startswith(f"rank {r} (cpu") for r in ranks)
     lanes = {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "X"} <= lanes
     kinds = {e["cat"] for e in _controller_spans(trace)}
@@ -154,7 +155,7 @@ def test_clock_offsets_are_small_on_one_machine(mesh4):
     with dtorch.profile() as prof:
         (dtorch.ones(4, device_mesh=mesh4, placements=[Shard(0)]) + 1).fetch().result(READ_S)
     clocks = prof.trace["otherData"]["clocks"]
-    assert set(clocks) == {"0", "1", "2", "3"}
+    assert set(clocks) == {str(w["rank"]) for w in dtorch.workers()}
     for clock in clocks.values():   # one host, one monotonic clock: only the estimate's error remains
         assert abs(clock["offset_us"]) < 5_000 and abs(clock["drift_us"]) < 5_000
 
@@ -183,7 +184,8 @@ def test_a_failing_op_inside_the_block_still_yields_a_trace(mesh4, tmp_path):
             dtorch.div(numerator, denominator, rounding_mode="floor").fetch().result(READ_S)   # fails on rank 3
     trace = json.loads(path.read_text())
     assert check_trace(trace) == []
-    statuses = {e["pid"] - 1: e["args"]["status"] for e in _worker_commands(trace) if e["name"] == "div"}
+    statuses = {e["pid"] - 1: e["args"]["status"] for e in _worker_commands(trace)
+                if e["name"] == "div" and e["pid"] - 1 in mesh4.ranks}
     assert statuses == {0: "ok", 1: "ok", 2: "ok", 3: "failed"}
     read = next(e for e in _controller_spans(trace) if e["name"] == "read")
     assert read["args"]["failed"] is True
