@@ -334,9 +334,12 @@ def _wait_work(work, seconds: float) -> bool:
         work.wait(datetime.timedelta(seconds=seconds))
         return True
     except RuntimeError:
-        if work.is_completed():   # it finished with an error of its own (a closed connection)
-            raise
-        return False
+        if not work.is_completed():
+            return False
+    # The short wait expired, then the work completed before is_completed() looked: a wait
+    # with no timeout now returns at once, or raises the work's own error (a closed connection).
+    work.wait()
+    return True
 
 
 def _poll_key(store, key: str, seconds: float) -> bool:
