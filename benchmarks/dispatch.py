@@ -1,7 +1,9 @@
 """1. Dispatch cost per op: the time the user's thread spends issuing one small elementwise op.
 
 Only the issuing loop is timed, not the final read: this is the price of the single-controller
-model on the user's critical path. The floor is the same chain on a local torch tensor.
+model on the user's critical path. The floor is the same chain on a local torch tensor. The
+compiled row issues the same ops as replays of a dtorch.compile'd 100-op function (one RunGraph
+command per call; goal: at most 0.25x torch eager per op).
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ TITLE = "1. Dispatch cost per op (issuing loop only)"
 WORKERS = 4
 EAGER = "torch eager (local)"
 DTORCH = f"dtorch S(0), {WORKERS} workers"
+COMPILED_OPS = 100
+COMPILED = f"dtorch.compile replay of a {COMPILED_OPS}-op function, {WORKERS} workers"
 
 
 def run(suite) -> list[Row]:
@@ -22,6 +26,7 @@ def run(suite) -> list[Row]:
         case = str(tuple(shape))
         rows.append(guarded(lambda: _eager_row(suite, shape, case), NAME, case, EAGER, "op"))
         rows.append(guarded(lambda: _dtorch_row(suite, shape, case), NAME, case, DTORCH, "op"))
+        rows.append(guarded(lambda: _compiled_row(suite, shape, case), NAME, case, COMPILED, "op"))
     return rows
 
 
@@ -46,5 +51,31 @@ def issue_chain_once(mesh, shape, ops: int) -> float:
     z = dtorch.zeros(*shape, device_mesh=mesh, placements=[Shard(0)])
     dtorch.synchronize()
     per_op, z = seconds_per_op(z, ops)
+    dtorch.synchronize()
+    return per_op
+
+
+def _compiled_row(suite, shape, case: str) -> Row:
+    import dtorch
+    from .chain import run_chain
+    mesh = dtorch_session.mesh((WORKERS,), ("dp",))
+    function = dtorch.compile(lambda z: run_chain(z, COMPILED_OPS))
+    samples = repeat(lambda: replay_chain_once(mesh, shape, function, max(1, suite.chain_ops // COMPILED_OPS)),
+                     suite.reps)
+    return Row(NAME, case, COMPILED, "op", samples, reference=(case, EAGER),
+               note=f"{function.captures} capture, then one command per {COMPILED_OPS} ops")
+
+
+def replay_chain_once(mesh, shape, function, calls: int) -> float:
+    """Seconds per op to issue `calls` replays (the first call of a fresh function captures: untimed)."""
+    import dtorch
+    from dtorch.distributed_spec import Shard
+    from .timing import stopwatch
+    z = function(dtorch.zeros(*shape, device_mesh=mesh, placements=[Shard(0)]))
+    dtorch.synchronize()
+    elapsed = stopwatch()
+    for _ in range(calls):
+        z = function(z)
+    per_op = elapsed() / (calls * COMPILED_OPS)
     dtorch.synchronize()
     return per_op

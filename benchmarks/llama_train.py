@@ -3,7 +3,8 @@
 torch.distributed Gloo processes on the same machine, in the same run (train_baselines.py):
 
   1 worker   dtorch on a (1,) mesh against transformers + torch.optim.AdamW in this process
-  dp4        ("dp",) of 4 against DistributedDataParallel over 4 processes
+  dp4        ("dp",) of 4 against DistributedDataParallel over 4 processes; also with the whole
+             step as one dtorch.compile'd function (goal: within 1.05x of DDP)
   fsdp4      ("fsdp",) of 4 (dtorch.nn.fully_shard per layer and root) against FSDP2's
              fully_shard over 4 processes; fsdp2 (and the 1 worker run, an fsdp of 1) show how
              peak memory falls with the fsdp size
@@ -62,6 +63,7 @@ class Layout:
     microbatches: int | None = None
     reference: str | None = None    # the variant this one is divided by
     schedule: str | None = None     # model.forward_backward's ("gpipe", "1f1b"); None: loss.backward()
+    compiled: bool = False          # the whole step as one dtorch.compile'd function (docs/compile.md)
 
 
 def peer_variants(world: int) -> dict[str, str]:
@@ -77,6 +79,7 @@ def layouts(suite) -> list[Layout]:
     fsdp_sizes = sorted({world, *suite.train_fsdp_sizes} - {1})
     return [Layout(ONE_WORKER, (1,), "fsdp", reference=ONE_PROCESS),
             Layout(f"dtorch dp{world}", (world,), "dp", reference=peers["DDP"]),
+            Layout(f"dtorch dp{world}, dtorch.compile step", (world,), "dp", reference=peers["DDP"], compiled=True),
             *(Layout(f"dtorch fsdp{n}", (n,), "fsdp", reference=peers["FSDP2"] if n == world else None)
               for n in fsdp_sizes),
             Layout(f"dtorch tp{TP_WORLD}", (TP_WORLD,), "tp", reference=peers["TP"]),
@@ -139,7 +142,7 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout) -> Row:
     idle = [rss_mib(pid) for pid in pids]
     reference_model, ids, expected_loss = start
     losses = []
-    once = _stepper(reference_model, ids, mesh, layout.microbatches, losses, layout.schedule)
+    once = _stepper(reference_model, ids, mesh, layout.microbatches, losses, layout.schedule, layout.compiled)
     repeat(once, WARMUP_STEPS, warmup=0)
     _check_loss(losses[0].item(), expected_loss)
     for pid in pids:
@@ -156,17 +159,32 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout) -> Row:
                reference=(case, layout.reference) if layout.reference else None)
 
 
-def _stepper(reference_model, ids, mesh, microbatches, losses: list, schedule: str | None = None):
+def _stepper(reference_model, ids, mesh, microbatches, losses: list, schedule: str | None = None,
+             compiled: bool = False):
     """A function that runs one timed training step of transformers' model on `mesh` and
-    appends the loss to `losses`."""
+    appends the loss to `losses`. Compiled: the step is one dtorch.compile'd function (the two
+    warm-up steps capture it; the timed ones replay it), the batch uploaded inside the timer."""
     import dtorch
     from dtorch.models import LlamaForCausalLM
     model = LlamaForCausalLM(reference_model.config, device_mesh=mesh, microbatches=microbatches)
     model.load_state_dict(reference_model.state_dict())
     optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
 
+    @dtorch.compile
+    def step(uploaded):
+        loss = model(uploaded, labels=uploaded).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
     def once() -> float:
         elapsed = stopwatch()
+        if compiled:
+            loss = step(model._upload(ids))
+            dtorch.synchronize()
+            losses.append(loss)
+            return elapsed()
         if schedule:   # per-microbatch backwards in the pipeline schedule's order
             loss = model.forward_backward(ids, ids, schedule=schedule)
         else:

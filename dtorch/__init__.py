@@ -13,7 +13,7 @@ from . import distributed_spec
 from .distributed_spec import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
 from .errors import (DependencyError, DTorchError, MeshError, PlacementError, RemoteError, SessionEndedError,
                      ShapeError, StartupError, UnreadFailureWarning, UnsupportedOpError, WorkerLostError)
-from .errors import LostTensorError
+from .errors import CompileError, LostTensorError
 from .factories import (arange, empty, empty_like, eye, full, full_like, linspace, ones, ones_like, rand, rand_like,
                         randint, randn, randn_like, tensor, zeros, zeros_like)
 from .factories import Tensor
@@ -34,6 +34,7 @@ from . import models
 # The context manager takes the package's name: dtorch.profile(...) records, while
 # `from dtorch.profile import summarize, plot` still reaches the package (sys.modules).
 from .profile import profile
+from .compile import compile  # noqa: A001  (dtorch.compile, like torch.compile)
 
 # init_device_mesh (pure layer) starts workers through the runtime: the one seam, installed here
 distributed_spec.set_worker_starter(_session.acquire_workers)
@@ -89,5 +90,5 @@ __all__ = [
     "Tensor", "Generator",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
     "DependencyError", "WorkerLostError", "LostTensorError", "AliasingError", "StartupError", "SessionEndedError", "UnreadFailureWarning",
-    "nn", "optim", "checkpoint", "models", "profile",
+    "nn", "optim", "checkpoint", "models", "profile", "compile", "CompileError",
 ] + sorted(n for n in _REGISTRY if n in globals())

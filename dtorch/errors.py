@@ -12,7 +12,7 @@ import sys
 
 __all__ = [
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "UnsupportedMethodError",
-    "RemoteError", "DependencyError", "WorkerLostError", "LostTensorError", "ProtocolError", "StartupError", "SessionEndedError",
+    "CompileError", "RemoteError", "DependencyError", "WorkerLostError", "LostTensorError", "ProtocolError", "StartupError", "SessionEndedError",
     "UnreadFailureWarning", "user_site", "user_frame", "format_site",
 ]
 
@@ -40,6 +40,11 @@ class UnsupportedOpError(DTorchError, NotImplementedError):
 class UnsupportedMethodError(UnsupportedOpError, AttributeError):
     """A torch.Tensor method or attribute DTensor does not have (yet). Also an AttributeError, so
     hasattr(x, name) and getattr(x, name, default) answer as they would for any missing name."""
+
+
+class CompileError(DTorchError, RuntimeError):
+    """dtorch.compile cannot capture a function: it reads a value, uploads data, or does something
+    a replay could not repeat. The message names the line inside the function."""
 
 
 class RemoteError(DTorchError):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from . import capture as capturing
 from . import aliasing
 from .distributed_spec import Partial, Replicate
 from .errors import DTorchError, ShapeError, user_site
@@ -78,6 +79,9 @@ def _rebind(target: DTensor, result: DTensor) -> None:
         raise RuntimeError(f"at {user_site()}: a leaf Variable that requires grad is being used in an in-place "
                            "operation (change it under dtorch.no_grad(), as in torch)")
     old, controller = target._id, target._controller
+    capture = capturing.active()
+    if capture is not None:   # dtorch.compile: a replay rebinds (or rebinds from) this tensor too
+        capture.rebind(target, old)
     target._id, target._meta, target._seq = result._id, result._meta, result._seq
     result._controller = None          # the temporary must not free the id target now holds
     controller.release(old)

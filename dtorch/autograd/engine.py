@@ -14,6 +14,7 @@ from ..errors import user_site
 from ..factories import ones
 from ..recording import HopNode, Leaf, OpNode, no_grad
 from ..runtime import profiling
+from .. import capture as capturing
 from ..runtime.protocol import Backward, SetGrads
 from ..distributed_spec import Replicate
 from ..tensor import DTensor, call_op
@@ -143,6 +144,7 @@ def set_leaf_grad(tensor: DTensor, value) -> None:
             return
         raise RuntimeError(f"assigning .grad at {user_site()}: dtorch keeps gradients of leaves that require grad only")
     if value is None:
+        _touch(leaf, resets=True)
         tensor._controller.submit(SetGrads, (tensor._id,), (-1,))
         leaf.grad = None
         return
@@ -158,8 +160,16 @@ def set_leaf_grad(tensor: DTensor, value) -> None:
 
 
 def _bind(tensor: DTensor, leaf: Leaf, grad: DTensor) -> None:
+    _touch(leaf)
     tensor._controller.submit(SetGrads, (tensor._id,), (grad._id,))
     leaf.grad = grad
+
+
+def _touch(leaf: Leaf, resets: bool = False) -> None:
+    """dtorch.compile's capture learns which .grad a call changes (a replay sets them again)."""
+    capture = capturing.active()
+    if capture is not None:
+        capture.touch_leaf(leaf, resets)
 
 
 # --- one mesh's part ---------------------------------------------------------------------------------
@@ -250,6 +260,7 @@ def _accumulator(tensor: DTensor) -> DTensor:
     """The DTensor a leaf's gradient accumulates into on the workers, in gradient placements: a
     gradient read since the last backward (hence reduced) goes back to them first."""
     leaf, wanted = tensor._node, gradient_placements(tensor.placements)
+    _touch(leaf)   # a capture's backward builds on this gradient (or on none): a replay needs the same
     if leaf.grad is None:
         controller = tensor._controller
         spec = tensor_meta(tensor.shape, tensor.dtype, tensor.device_mesh, wanted)

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from ..distributed_spec import DeviceMesh, Replicate, Shard
-from ..factories import arange, tensor as upload
+from ..factories import arange, full_like, tensor as upload
 from ..tensor import DTensor, call_op
 from .. import nn
 from ..autograd import no_grad
@@ -42,6 +42,8 @@ __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaSettings", "CausalLMOutput", 
 MESH_DIMS = ("dp", "fsdp", "pp", "cp", "tp")
 _BATCH_DIMS = ("dp", "fsdp")
 
+
+ROPE_TABLES_KEPT = 64   # cos/sin tables kept per (mesh, past, seq, dtype)
 
 class LlamaSettings(SimpleNamespace):
     """A LlamaConfig's fields with transformers' defaults, read from a config.json."""
@@ -272,7 +274,7 @@ class LlamaForCausalLM(nn.Module):
         loss = None
         if labels is not None:   # per microbatch, then one mean: the logits are never concatenated for it
             rows = [0] + list(itertools.accumulate(chunk.shape[0] for chunk in chunks))
-            labels = labels.to_torch() if isinstance(labels, DTensor) else torch.as_tensor(labels)
+            labels = labels if isinstance(labels, DTensor) else torch.as_tensor(labels)
             parts = [token_losses(part, self._upload_labels(labels[start:end], part))
                      for part, start, end in zip(logits, rows, rows[1:])]
             totals, counts = zip(*parts)
@@ -335,7 +337,17 @@ class LlamaForCausalLM(nn.Module):
 
     def _rope(self, mesh: DeviceMesh, past: int, seq: int, dtype) -> tuple[DTensor, DTensor]:
         """cos and sin for positions past..past+seq, shaped (seq, head_dim) to broadcast over
-        (batch, heads, seq, head_dim); sharded over cp like the sequence."""
+        (batch, heads, seq, head_dim); sharded over cp like the sequence. Kept per shape: a
+        training step uploads none (and dtorch.compile can capture it: no upload inside)."""
+        key = (mesh, past, seq, dtype)
+        tables = self.__dict__.setdefault("_rope_tables", {})
+        if key not in tables:
+            if len(tables) >= ROPE_TABLES_KEPT:   # decoding moves `past` every token
+                tables.clear()
+            tables[key] = self._rope_tables_for(mesh, past, seq, dtype)
+        return tables[key]
+
+    def _rope_tables_for(self, mesh: DeviceMesh, past: int, seq: int, dtype) -> tuple[DTensor, DTensor]:
         freqs = torch.outer(torch.arange(past, past + seq, dtype=torch.float32), self.inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         placements = [Shard(0) if n == "cp" else Replicate() for n in (mesh.mesh_dim_names or ())] or \
@@ -356,11 +368,15 @@ class LlamaForCausalLM(nn.Module):
 
     def _upload_labels(self, labels, logits: DTensor) -> DTensor:
         """transformers' shift: position t predicts token t+1; the last position predicts nothing."""
+        mesh = logits.device_mesh
+        placements = [p if isinstance(p, Shard) and p.dim < 2 else Replicate() for p in logits.placements]
+        if isinstance(labels, DTensor) and labels.device_mesh == mesh:   # shifted on the workers: no read
+            with no_grad():
+                end = full_like(labels[:, :1], -100)
+                return call_op("cat", ([labels[:, 1:], end], 1), {}).redistribute(mesh, placements)
         if isinstance(labels, DTensor):
             labels = labels.to_torch()
         shifted = torch.nn.functional.pad(torch.as_tensor(labels)[:, 1:], (0, 1), value=-100)
-        mesh = logits.device_mesh
-        placements = [p if isinstance(p, Shard) and p.dim < 2 else Replicate() for p in logits.placements]
         return upload(shifted, device_mesh=mesh, placements=placements)
 
     def _microbatches(self, input_ids) -> list[DTensor]:

@@ -10,6 +10,7 @@ from collections import defaultdict
 
 import torch
 
+from .. import capture as capturing
 from ..autograd import reduce_gradients
 from ..ops.tensor_meta import tensor_meta
 from ..runtime import profiling, session
@@ -68,8 +69,11 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         reduce_gradients([p for group in self.param_groups for p in group["params"]])   # one all-reduce per bucket
+        capture = capturing.active()
         for group in self.param_groups:
             hyper = self.hyper(group)
+            if capture is not None:   # dtorch.compile: a replay reuses these numbers; an lr change recaptures
+                capture.guard(lambda group=group, hyper=hyper: self.hyper(group) == hyper)
             with_grads = [p for p in group["params"] if getattr(p, "grad", None) is not None]
             for mesh_params in by_mesh(with_grads).values():
                 self._step_on_mesh(hyper, mesh_params)
@@ -88,6 +92,9 @@ class Optimizer(torch.optim.Optimizer):
                                 tuple(controller.reference(g).id for g in grads),
                                 tuple(i for ids in buffer_ids for i in ids), tuple(s.get("step", 0) for s in states),
                                 fresh)
+        capture = capturing.active()
+        if capture is not None:
+            self._capture_step(capture, seq, states, names)
         for p, grad, state, ids, new in zip(params, grads, states, buffer_ids, fresh):
             if new:   # torch's lazy state: SGD clones the grad, Adam takes zeros_like(param)
                 meta = tensor_meta(p.shape, (grad if self.kind == "SGD" else p).dtype, p.device_mesh, p.placements)
@@ -95,6 +102,20 @@ class Optimizer(torch.optim.Optimizer):
             for written in [p] + [state[name] for name in names]:
                 written._seq = seq   # a read after a failed step raises that step's RemoteError
             self._record_step(state)
+
+    def _capture_step(self, capture, seq: int, states: list, names) -> None:
+        """dtorch.compile: a replay steps the same state buffers (a fresh optimizer's first step
+        makes them, so the next call captures again) and advances the step counts as this did."""
+        buffers = [tuple(s.get(n) for n in names) for s in states]
+        capture.guard(lambda: all(s.get(n) is b for s, held in zip(states, buffers) for n, b in zip(names, held)))
+        captured = states[0].get("step", 0)
+
+        def shift() -> int:
+            now = states[0].get("step", 0)
+            for state in states:
+                self._record_step(state)
+            return now - captured
+        capture.optimizer_step(seq, shift)
 
     def _record_step(self, state: dict) -> None:
         """What torch keeps beside the buffers: Adam's step count (an int here: state_dict() gives

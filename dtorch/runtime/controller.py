@@ -42,6 +42,7 @@ FREE_BATCH = 16
 # The issuing line of the last SITE_RING commands is kept for error messages. Each slot also keeps
 # its seq, so an error about an older command says its line is gone instead of naming another's.
 SITE_RING = 1 << 16
+REPLAYS_KEPT = 4096   # dtorch.compile replays whose rows' lines errors can still name
 WATCH_PERIOD_S = 0.1
 HANG_TIMEOUT_S = 600.0   # one command running longer than this on a worker: reported lost and ended
 # Tensor ids are unique across sessions in this process, so a tensor kept from an ended session
@@ -87,6 +88,8 @@ class Controller:
         self.hang_timeout_s = (float(os.environ.get("DTORCH_HANG_TIMEOUT_S", HANG_TIMEOUT_S))
                                if hang_timeout_s is None else hang_timeout_s)
         self.closed = False
+        self.capture = None   # dtorch.compile's capture in progress (record/check), else None
+        self._replays: collections.deque = collections.deque(maxlen=REPLAYS_KEPT)   # (seq, span, sites, site)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dtorch-controller", daemon=True)
         self._thread.start()
@@ -101,19 +104,26 @@ class Controller:
         self.workers = self.pool.workers    # rank -> WorkerRecord
 
     # --- user thread ----------------------------------------------------------------------------
-    def submit(self, command_type, *fields, read=None, private=None) -> int:
-        """Append one command; returns its seq. Never waits on a worker."""
+    def submit(self, command_type, *fields, read=None, private=None, span=1) -> int:
+        """Append one command; returns its seq. Never waits on a worker. `span`: the seqs it
+        takes (a RunGraph takes one per replayed command)."""
         site = user_frame(skip=2)   # skip submit and whichever dtorch function called it
         if self.closed:
             raise SessionEndedError(f"at {format_site(site)}: this tensor or call belongs to a dtorch session "
                                     "that has ended (dtorch.shutdown()); its data went with that session's "
                                     "workers: build it again in the current session")
+        capture = self.capture
+        if capture is not None:   # dtorch.compile's first call: refuses reads and uploads (raises)
+            capture.check(command_type, site, read, private)
         with self._lock:
             if len(self._released) >= FREE_BATCH:
                 self._free_released()
             seq = self._next_seq
-            self._next_seq = seq + 1
-            self._pending.append(command_type(seq, *fields))
+            self._next_seq = seq + span
+            command = command_type(seq, *fields)
+            self._pending.append(command)
+            if capture is not None:
+                capture.record(command, site)
             self._sites[seq % SITE_RING] = (seq, site, fields[2] if command_type is wire.RunOp else command_type)
             if read is not None:
                 self._reads[seq] = read
@@ -169,8 +179,16 @@ class Controller:
         """Lock held: one Free for the symbols dropped since the last command, placed before the
         next command so workers free buffers in program order (not once per batch)."""
         ids = tuple(self._released.popleft() for _ in range(len(self._released)))
-        self._pending.append(wire.Free(self._next_seq, ids))
+        free = wire.Free(self._next_seq, ids)
+        self._pending.append(free)
         self._next_seq += 1
+        if self.capture is not None:
+            self.capture.record(free, None)
+
+    def released_pending(self) -> tuple:
+        """Ids dropped but not yet in a Free (dtorch.compile sorts a capture's ids with them)."""
+        with self._lock:
+            return tuple(self._released)
 
     @staticmethod
     def new_id() -> int:
@@ -367,7 +385,7 @@ class Controller:
             for rank, frame in sends:
                 self.sockets.publish([wire.topic_for_rank(rank), wire.encode(wire.Private(seq)), frame], copy=False)
         self.sockets.publish(wire.encode_batch(batch[0].seq, batch))
-        self._published_upto = batch[-1].seq + 1
+        self._published_upto = batch[-1].seq + wire.span(batch[-1])
         self.commands_sent += len(batch)
         self.batches_sent += 1
         if recorder is not None:
@@ -488,8 +506,25 @@ class Controller:
         kept = self._sites[seq % SITE_RING]
         return kept if kept is not None and kept[0] == seq else None
 
+    def note_replay(self, seq: int, span: int, sites: list) -> None:
+        """RunGraph `seq` replays commands issued at `sites` (dtorch.compile): an error in row i
+        names sites[i], the line inside the compiled function."""
+        self._replays.append((seq, span, sites))
+
+    def _replayed_site(self, seq: int) -> str | None:
+        for first, span, sites in reversed(self._replays):
+            if first <= seq < first + span:
+                kept = self._kept(first)
+                call = f", in the compiled call at {format_site(kept[1])}" if kept is not None else ""
+                return f"{sites[seq - first]} (replayed{call})"
+        return None
+
     def _site_of(self, seq: int) -> str:
         kept = self._kept(seq)
+        replayed = (self._replayed_site(seq) if self._replays and (kept is None or kept[2] is wire.RunGraph)
+                    else None)
+        if replayed is not None:
+            return replayed
         if kept is None:
             return (f"<line not kept: command #{seq} was issued more than {SITE_RING} commands before the "
                     "newest, and only the newest keep their line>")

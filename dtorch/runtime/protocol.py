@@ -30,7 +30,9 @@ __all__ = [
     "lost_worker_key",
     # commands
     "DefineMesh", "Factory", "Upload", "LoadShard", "RunOp", "Redistribute", "Transfer", "Fetch", "Free", "Sync", "Shutdown",
-    "Regroup", "RequireGrad", "SetGrads", "Backward", "OptimizerStep", "GradNorm", "UpdateGrads", "SaveShard", "LoadChunks", "Profile", "COMMANDS", "handler_name", "encode_batch", "decode_batch",
+    "Regroup", "RequireGrad", "SetGrads", "Backward", "OptimizerStep", "GradNorm", "UpdateGrads", "SaveShard", "LoadChunks", "Profile",
+    "DefineGraph", "RunGraph", "DropGraph", "COMMANDS", "handler_name", "encode_batch", "decode_batch", "span",
+    "decode_rows", "command_row",
     # every other message
     "Batch", "Private", "Probe", "Register", "Welcome", "Refused", "Reply", "ErrorReport", "Heartbeat", "Pong",
     "MESSAGES", "FROM_WORKER", "REPLY_STATUSES", "encode", "decode", "decode_from_worker", "read_header",
@@ -39,7 +41,7 @@ __all__ = [
     "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 10   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+VERSION = 11   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
               # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
               # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention);
               # 6: Regroup (lost ranks were replaced: communication groups of a new generation)
@@ -50,6 +52,8 @@ VERSION = 10   # 2: REGISTER carries the run's secret; 3: RunOp names the user's
               #    and reads back the parts of saved chunks that overlap its block)
               # 10: Profile (dtorch.profile: workers record their commands while on, answer with
               #     their clock, and send what they recorded when it turns off)
+              # 11: DefineGraph, RunGraph, DropGraph (dtorch.compile: a captured command list,
+              #     replayed by one command that spans one seq per captured command)
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -283,9 +287,41 @@ class Profile(NamedTuple):
                          # ping, recording goes on); False: stop, and send what was recorded
 
 
+class DefineGraph(NamedTuple):
+    """dtorch.compile: the commands one call of a function issued, kept by every worker under
+    `graph_id` and run again by RunGraph. The rows are (opcode, seq, *fields) as in a batch; ids
+    inside them are the capture's own: RunGraph binds the capture's inputs to its arguments."""
+    seq: int
+    graph_id: int
+    rows: tuple
+    inputs: tuple        # the capture's input ids, in argument order
+    outputs: tuple       # the capture's output ids, moved to RunGraph's out_ids after a replay
+    scratch: tuple       # ids made and dropped inside the call: freed after every replay
+    random: tuple        # indexes of rows that drew from the global random stream (counter + shift)
+    steps: tuple         # indexes of OptimizerStep rows (each param's step count + its shift)
+
+
+class RunGraph(NamedTuple):
+    """Replay graph `graph_id`. It spans `span` seqs: row i runs as command seq + i, so a failure
+    names the captured command, and seq-keyed state (a backward's store keys) stays unique."""
+    seq: int
+    graph_id: int
+    span: int            # the number of rows
+    input_ids: tuple
+    out_ids: tuple
+    seed: int            # the global random stream's seed now
+    random_shift: int    # its counter now minus its counter at capture
+    step_shifts: tuple   # per OptimizerStep row: the step count now minus at capture
+
+
+class DropGraph(NamedTuple):
+    seq: int
+    graph_id: int
+
+
 COMMANDS = (DefineMesh, Factory, Upload, LoadShard, RunOp, Redistribute, Transfer, Fetch, Free, Sync, Shutdown,
             Regroup, RequireGrad, SetGrads, Backward, OptimizerStep, GradNorm, UpdateGrads, SaveShard, LoadChunks,
-            Profile)
+            Profile, DefineGraph, RunGraph, DropGraph)
 OPCODE = {cls: i for i, cls in enumerate(COMMANDS)}
 _BY_OPCODE = dict(enumerate(COMMANDS))
 
@@ -419,8 +455,13 @@ def decode_placement(code: int) -> Placement:
 def encode_batch(first_seq: int, commands: list) -> list[bytes]:
     """A batch: commands go as [opcode, *fields] rows in one msgpack body."""
     header = encode(Batch(first_seq, len(commands)))
-    body = _packer.pack([(OPCODE[type(c)],) + tuple(c) for c in commands])
+    body = _packer.pack([command_row(c) for c in commands])
     return [TOPIC_ALL, header, body]
+
+
+def command_row(command) -> tuple:
+    """A command as a batch row (opcode, seq, *fields); DefineGraph carries rows like it."""
+    return (OPCODE[type(command)],) + tuple(command)
 
 
 # The type of each command field after seq, checked on decode so that a handler never meets a
@@ -440,6 +481,8 @@ _FIELD_TYPES = {
     UpdateGrads: (int, str, IDS, int, NUMBER),
     SaveShard: (str, int, tuple), LoadChunks: (int, int, tuple, str, tuple, tuple, str),
     Profile: (bool,),
+    DefineGraph: (int, tuple, IDS, IDS, IDS, IDS, IDS), RunGraph: (int, int, IDS, IDS, int, int, IDS),
+    DropGraph: (int,),
 }
 
 
@@ -456,7 +499,26 @@ def decode_batch(batch: Batch, body) -> list:
         raise ProtocolError(f"undecodable batch body ({clip(error)})") from None
     if type(rows) is not tuple or len(rows) != count:
         raise ProtocolError(f"batch header says {count} commands, body holds {clip(rows)[:60]}")
-    return [_command(first_seq + i, row) for i, row in enumerate(rows)]
+    commands, seq = [], first_seq
+    for row in rows:
+        commands.append(_command(seq, row))
+        seq += span(commands[-1])
+    return commands
+
+
+def span(command) -> int:
+    """How many seqs a command takes: one, or one per replayed row for RunGraph."""
+    return command.span if type(command) is RunGraph else 1
+
+
+def decode_rows(rows) -> list:
+    """A DefineGraph's rows as commands, each checked like a batch's (its own seq inside)."""
+    if type(rows) is not tuple or not all(type(r) is tuple and len(r) > 1 and type(r[1]) is int for r in rows):
+        raise ProtocolError(f"malformed graph rows {clip(rows)}")
+    commands = [_command(row[1], row) for row in rows]
+    if any(type(c) in (DefineGraph, RunGraph, DropGraph) for c in commands):
+        raise ProtocolError("a graph's rows hold a graph command")
+    return commands
 
 
 def _command(seq: int, row):

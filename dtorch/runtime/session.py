@@ -17,7 +17,7 @@ from .controller import Controller
 from . import recovery
 from .transport import LOCAL, make_curve_keys
 
-__all__ = ["controller", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random",
+__all__ = ["controller", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random", "reserve_random",
            "replace_lost_workers"]
 
 _lock = threading.RLock()
@@ -175,9 +175,15 @@ def manual_seed(seed: int) -> None:
 
 
 def next_random() -> tuple[int, int]:
+    return reserve_random(1)
+
+
+def reserve_random(count: int) -> tuple[int, int]:
+    """(seed, first counter) of `count` consecutive random calls on the global stream (a
+    dtorch.compile replay takes as many as its capture drew)."""
     with _lock:
         counter = _random["counter"]
-        _random["counter"] = counter + 1
+        _random["counter"] = counter + count
         return _random["seed"], counter
 
 

@@ -25,6 +25,7 @@ from ..ops.registry import PEER_KERNELS
 from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
 from . import protocol as wire
 from .comm import BackwardAbandoned, Communicator
+from . import graphs
 from .file_shards import read_block, read_region, shard_file_name, write_safetensors
 from .backward import connect_outputs, run_backward
 from .kernels import apply_steps, make_factory, pack_saved, unpack_saved
@@ -56,6 +57,7 @@ class Worker:
         self.in_flight: dict[int, object] = {}      # tensor id -> event of the communication making it
         self.meshes: dict[int, DeviceMesh] = {}
         self.private: dict[int, list] = {}          # command seq -> raw frames sent to this rank
+        self.graphs: dict[int, graphs.Graph] = {}   # dtorch.compile: graph id -> captured commands
         self.outgoing: list = []                    # (HostCopy, wire.Reply): replies waiting on the device
         self.running = True
         self.busy_seq = -1                          # the command running now (read by the heartbeat)
@@ -103,12 +105,15 @@ class Worker:
         if batch.first_seq != self.next_seq:
             raise ProtocolError(f"rank {self.rank}: expected command #{self.next_seq}, got #{batch.first_seq}: "
                                 "commands were lost on the way")
-        self.next_seq += len(commands)
+        self.next_seq = commands[-1].seq + wire.span(commands[-1]) if commands else self.next_seq
         for command in commands:
-            if self.profiler is None:   # profiling off costs this one check per command
-                self._execute(command)
-            else:
-                self.profiler.record(command, self._execute)
+            self._run_command(command)
+
+    def _run_command(self, command) -> None:
+        if self.profiler is None:   # profiling off costs this one check per command
+            self._execute(command)
+        else:
+            self.profiler.record(command, self._execute)
 
     def _execute(self, command) -> None:
         self.busy_seq = command.seq   # the heartbeat thread reports a command that runs too long
@@ -440,6 +445,21 @@ class Worker:
             self.tensors.pop(tensor_id, None)
             self.poisoned.pop(tensor_id, None)
             self.in_flight.pop(tensor_id, None)
+
+    def handle_define_graph(self, command: wire.DefineGraph) -> None:
+        self.graphs[command.graph_id] = graphs.define(command)
+
+    def handle_run_graph(self, command: wire.RunGraph) -> None:
+        """Each row runs as a command of its own (seq + i): its failure poisons its outputs and
+        is reported under its own seq, as in eager; the replay goes on, as a batch would."""
+        graph = self.graphs.get(command.graph_id)
+        if graph is None:
+            raise KeyError(f"compiled graph {command.graph_id} is not on rank {self.rank} (dropped, or defined "
+                           "before this worker joined)")
+        graphs.replay(graph, command, (self.tensors, self.poisoned, self.in_flight), self._run_command)
+
+    def handle_drop_graph(self, command: wire.DropGraph) -> None:
+        self.graphs.pop(command.graph_id, None)
 
     def handle_sync(self, command: wire.Sync) -> None:
         """Reply once the device has run everything before this command (at once on CPU)."""

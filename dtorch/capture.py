@@ -1,0 +1,202 @@
+"""The capture in progress: what dtorch.compile records while the first call with a signature runs
+(docs/compile.md).
+
+The call runs as any eager call does: every command it issues goes to the workers at once. The
+controller also hands each one to the capture (`check` before it is numbered, `record` after),
+which keeps them with the user's line. When the call returns, `finish` sorts the tensor ids the
+call touched:
+- inputs: the call's DTensor arguments; a replay binds them to its own arguments;
+- outputs: ids the call made and returned; a replay moves them to fresh ids;
+- scratch: ids the call made and dropped; a replay frees them;
+- persistent: ids the call made and left alive elsewhere (a gradient, an optimizer's state): a
+  replay writes them in place, as the call did.
+
+The Python state a replay skips is restored by hooks its owners register while the call runs:
+autograd rebinds each leaf's .grad; an optimizer advances its step counts. Guards say when that
+state no longer matches what the capture saw (a fresh optimizer's state now exists, a grad was
+assigned); the call is then captured again.
+"""
+from __future__ import annotations
+
+import gc
+import threading
+
+from .errors import CompileError, format_site
+from .runtime import protocol as wire
+from .runtime import session
+
+__all__ = ["Capture", "active", "RANDOM_FACTORIES", "RANDOM_OPS"]
+
+RANDOM_FACTORIES = ("rand", "randn", "randint")   # Factory args: (seed, counter, ...)
+RANDOM_OPS = ("dropout",)   # RunOp: seed and counter as kwargs, or as the last two positional args
+# Commands a replay could not repeat: they read files or change the session itself. An Upload
+# is kept only when what it made outlives the call (a constant made on first use, as Llama's rope
+# tables): replays use that tensor; an upload of per-call data is refused when the call returns.
+_REFUSED = (wire.LoadShard, wire.LoadChunks, wire.SaveShard, wire.Profile, wire.Regroup,
+            wire.Shutdown, wire.DefineGraph, wire.RunGraph, wire.DropGraph)
+_NOT_REPLAYED = (wire.DefineMesh,)   # a mesh is defined once, for good
+
+
+def active():
+    """The capture the current thread runs under, else None (hooks call it: a cheap check)."""
+    capture = _current.capture
+    return capture if capture is not None and capture.thread == threading.get_ident() else None
+
+
+class _Current:
+    capture = None
+
+
+_current = _Current()
+
+
+class Capture:
+    def __init__(self, controller, name: str):
+        self.controller, self.name = controller, name
+        self.thread = threading.get_ident()
+        self.commands: list = []
+        self.sites: list = []
+        self.start_id = controller.new_id()   # every id the call makes is above it
+        self.seed, self.random_start = session.reserve_random(0)
+        self.guards: list = []                # callables: True while the capture still applies
+        self.after_replay: list = []          # callables: the Python state a replay must set
+        self.step_shifts: dict = {}           # OptimizerStep seq -> callable giving its step shift
+        self._leaves: dict = {}               # id(leaf) -> (leaf, its .grad before the call touched it)
+        self._rebound: dict = {}              # id(tensor) -> (tensor, the id it held before the call rebound it)
+
+    # --- while the call runs ---------------------------------------------------------------------
+    def __enter__(self) -> "Capture":
+        if _current.capture is not None or self.controller.capture is not None:
+            raise CompileError(f"{self.name}: another capture is in progress (one thread captures at a time)")
+        _current.capture = self.controller.capture = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _current.capture = self.controller.capture = None
+
+    def check(self, command_type, site, read, private) -> None:
+        """Before the controller numbers a command: refuse what a replay could not repeat."""
+        if threading.get_ident() != self.thread:
+            return
+        where = f"at {format_site(site)}, inside compiled {self.name}"
+        if read is not None:
+            raise CompileError(f"a read ({command_type.__name__}: .item(), to_torch(), fetch(), bool() or Python "
+                               f"control flow on a tensor value) {where}: a compiled function runs on the workers "
+                               "without coming back to Python, so it cannot look at values. Return the tensor "
+                               "and read it after the call, or leave this function uncompiled")
+        if command_type in _REFUSED or (private is not None and command_type is not wire.Upload):
+            raise CompileError(f"{command_type.__name__} {where}: a replay cannot repeat it")
+
+    def record(self, command, site) -> None:
+        """Under the controller's lock, after numbering. Frees come from any thread (a dropped
+        DTensor); every other command only from the capturing thread."""
+        if type(command) is wire.Free or (threading.get_ident() == self.thread
+                                          and type(command) not in _NOT_REPLAYED):
+            self.commands.append(command)
+            self.sites.append(format_site(site) if site is not None else "<freed>")
+
+    # --- hooks for the layers above ----------------------------------------------------------------
+    def touch_leaf(self, leaf, resets: bool = False) -> None:
+        """Autograd is about to change `leaf.grad`. `resets`: to None (zero_grad), which no
+        command depends on the old value of."""
+        if id(leaf) not in self._leaves:
+            self._leaves[id(leaf)] = (leaf, None if resets else leaf.grad, resets)
+
+    def rebind(self, tensor, old_id: int) -> None:
+        """An in-place op gave `tensor` a new id (dtorch/inplace.py)."""
+        if id(tensor) not in self._rebound:
+            self._rebound[id(tensor)] = (tensor, old_id)
+
+    def guard(self, still_valid) -> None:
+        self.guards.append(still_valid)
+
+    def on_replay(self, hook) -> None:
+        self.after_replay.append(hook)
+
+    def optimizer_step(self, seq: int, shift) -> None:
+        """OptimizerStep `seq` carries step counts; `shift()` (run once per replay) gives how far
+        they moved since the capture, and advances the optimizer's own count."""
+        self.step_shifts[seq] = shift
+
+    # --- when the call has returned ---------------------------------------------------------------
+    def finish(self, input_ids: tuple, output_ids: tuple) -> dict:
+        """The DefineGraph fields and what the controller keeps for replays.
+
+        A tensor the call changed in place holds a new id now. An argument's new id is one more
+        output: each replay gives the caller's tensor the replay's own. A tensor from before the
+        call (a parameter changed in place) becomes one more input, bound at each replay to the
+        id it holds then; the replay writes its new id in place, as the call did."""
+        gc.collect()   # symbols in reference cycles go now, so their ids count as dropped
+        end_id = self.controller.new_id()
+        made = range(self.start_id + 1, end_id)
+        rebound_arguments, state = [], []
+        for tensor, old_id in self._rebound.values():
+            if tensor._id not in made:
+                continue
+            if old_id in input_ids:
+                rebound_arguments.append((input_ids.index(old_id), len(output_ids)))
+                output_ids += (tensor._id,)
+            elif old_id not in made:
+                state.append(tensor)
+                input_ids += (old_id,)
+        dropped = {i for c in self.commands if type(c) is wire.Free for i in c.ids}
+        dropped.update(self.controller.released_pending())
+        scratch = tuple(sorted(i for i in dropped if i in made and i not in output_ids))
+        self._refuse_per_call_uploads(set(scratch) | set(output_ids))
+        rows, sites = self._rows(made)
+        self._leaf_hooks()
+        _, random_end = session.reserve_random(0)
+        return {
+            "rows": tuple(wire.command_row(c) for c in rows),
+            "sites": sites,
+            "inputs": input_ids,
+            "outputs": output_ids,
+            "scratch": scratch,
+            "random": tuple(i for i, c in enumerate(rows) if _draws_random(c)),
+            "steps": tuple(i for i, c in enumerate(rows) if type(c) is wire.OptimizerStep),
+            "step_shifts": [self.step_shifts.get(c.seq, _no_shift) for c in rows if type(c) is wire.OptimizerStep],
+            "rebound_arguments": rebound_arguments,   # (argument index, output index)
+            "state": state,                           # tensors bound to the inputs after the arguments
+            "random_count": random_end - self.random_start,
+            "random_start": self.random_start,
+        }
+
+    def _refuse_per_call_uploads(self, per_call: set) -> None:
+        for command, site in zip(self.commands, self.sites):
+            if type(command) is wire.Upload and command.out_id in per_call:
+                raise CompileError(f"an upload (dtorch.tensor, or a torch tensor passed to an op) at {site}, inside "
+                                   f"compiled {self.name}, makes a tensor for this call only: a replay cannot send "
+                                   "new data. Upload it before the call and pass the DTensor as an argument")
+
+    def _rows(self, made: range) -> tuple[list, list]:
+        """The recorded commands, Frees cut to the ids the call made (older ones were freed for
+        good), Uploads left out (what they made stays: _refuse_per_call_uploads)."""
+        rows, sites = [], []
+        for command, site in zip(self.commands, self.sites):
+            if type(command) is wire.Upload:
+                continue
+            if type(command) is wire.Free:
+                ids = tuple(i for i in command.ids if i in made)
+                if not ids:
+                    continue
+                command = command._replace(ids=ids)
+            rows.append(command)
+            sites.append(site)
+        return rows, sites
+
+    def _leaf_hooks(self) -> None:
+        for leaf, before, resets in self._leaves.values():
+            after = leaf.grad
+            if not resets:   # the commands build on the old gradient: a replay needs that same one
+                self.guards.append(lambda leaf=leaf, before=before: leaf.grad is before)
+            self.after_replay.append(lambda leaf=leaf, after=after: setattr(leaf, "grad", after))
+
+
+def _draws_random(command) -> bool:
+    if type(command) is wire.Factory:
+        return command.kind in RANDOM_FACTORIES
+    return type(command) is wire.RunOp and command.op in RANDOM_OPS
+
+
+def _no_shift() -> int:
+    return 0

@@ -1,0 +1,212 @@
+"""dtorch.compile: capture a function's commands once, replay them with one command per call
+(docs/compile.md).
+
+    @dtorch.compile
+    def step(x, y):
+        return (x @ w + y).relu().sum(dim=0)
+
+The first call with a signature (each DTensor argument's shape, dtype, mesh, placements and
+requires_grad; every other argument's value; grad mode) runs `step` as eager code would, and
+records the commands it issues (dtorch/capture.py). Later calls with that signature send ONE
+RunGraph command: the workers run the recorded commands on the new arguments, and the controller
+builds the outputs' DTensors without running `step`'s Python at all.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+
+from . import capture as capturing
+from .errors import CompileError
+from .recording import is_grad_enabled
+from .runtime import protocol as wire
+from .runtime import session
+from .tensor import DTensor
+
+__all__ = ["compile", "CompiledFunction"]
+
+DEFAULT_MAX_GRAPHS = 8
+_GRAPH_IDS = itertools.count(1)
+
+
+def compile(fn=None, *, max_graphs: int = DEFAULT_MAX_GRAPHS):
+    """`dtorch.compile(fn)` or `@dtorch.compile` / `@dtorch.compile(max_graphs=...)`.
+    max_graphs: how many signatures stay captured; the least recently used is dropped (on the
+    workers too) when a new one would pass it."""
+    if fn is None:
+        return lambda f: CompiledFunction(f, max_graphs)
+    return CompiledFunction(fn, max_graphs)
+
+
+class _Graph:
+    """What the controller keeps of one capture: enough to replay it without the function."""
+    __slots__ = ("graph_id", "controller", "span", "sites", "output_metas", "output_tree", "guards",
+                 "after_replay", "step_shifts", "random_count", "random_start", "replays", "rebound_arguments",
+                 "state", "state_ids")
+
+    def __init__(self, graph_id, controller, fields: dict, output_metas, output_tree, capture):
+        self.graph_id, self.controller = graph_id, controller
+        self.span, self.sites = len(fields["rows"]), fields["sites"]
+        self.output_metas, self.output_tree = output_metas, output_tree
+        self.guards, self.after_replay = capture.guards, capture.after_replay
+        self.step_shifts = fields["step_shifts"]
+        self.random_count, self.random_start = fields["random_count"], fields["random_start"]
+        self.rebound_arguments = fields["rebound_arguments"]
+        self.state = fields["state"]
+        self.state_ids = [t._id for t in self.state]   # what each holds after the capture, and every replay
+        self.replays = 0
+
+    def still_valid(self) -> bool:
+        return all(guard() for guard in self.guards)
+
+    def replay(self, inputs: list):
+        controller = self.controller
+        seed, first = session.reserve_random(self.random_count)
+        shifts = tuple(shift() for shift in self.step_shifts)
+        out_ids = controller.new_ids(len(self.output_metas))
+        input_ids = tuple(t._id for t in inputs) + tuple(t._id for t in self.state)
+        seq = controller.submit(wire.RunGraph, self.graph_id, self.span, input_ids, out_ids,
+                                seed, first - self.random_start, shifts, span=self.span)
+        controller.note_replay(seq, self.span, self.sites)
+        for hook in self.after_replay:
+            hook()
+        self.replays += 1
+        outputs = [DTensor(i, meta, seq, controller) for i, meta in zip(out_ids, self.output_metas)]
+        for argument, output in self.rebound_arguments:   # changed in place: the caller's tensor takes it
+            _take_id(inputs[argument], outputs[output])
+        for tensor, final in zip(self.state, self.state_ids):
+            if tensor._id != final:   # rebound outside the compiled function since: the replay wrote `final`
+                _take_id(tensor, DTensor(final, tensor._meta, seq, None))
+        return _rebuild(self.output_tree, outputs, inputs)
+
+
+def _take_id(tensor: DTensor, source: DTensor) -> None:
+    """`tensor` holds `source`'s id from now on (what an in-place op does, dtorch/inplace.py)."""
+    old, tensor._id, tensor._seq = tensor._id, source._id, source._seq
+    source._controller = None
+    tensor._controller.release(old)
+
+
+class CompiledFunction:
+    def __init__(self, fn, max_graphs: int = DEFAULT_MAX_GRAPHS):
+        if max_graphs < 1:
+            raise ValueError(f"dtorch.compile: max_graphs must be at least 1, got {max_graphs}")
+        self.fn, self.max_graphs = fn, max_graphs
+        self.name = getattr(fn, "__qualname__", repr(fn))
+        self._graphs: collections.OrderedDict = collections.OrderedDict()
+        self.captures = 0
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        if capturing.active() is not None:   # called inside another capture: part of that one
+            return self.fn(*args, **kwargs)
+        inputs, key = [], []
+        _flatten((args, kwargs), inputs, key, {})
+        key.append(is_grad_enabled())
+        key = tuple(key)
+        graph = self._graphs.get(key)
+        if graph is not None and graph.controller is session.controller() and graph.still_valid():
+            self._graphs.move_to_end(key)
+            return graph.replay(inputs)
+        return self._capture(key, inputs, args, kwargs)
+
+    def graphs(self) -> int:
+        """How many signatures are captured now."""
+        return len(self._graphs)
+
+    def _capture(self, key, inputs: list, args, kwargs):
+        controller = session.controller()
+        with capturing.Capture(controller, self.name) as capture:
+            result = self.fn(*args, **kwargs)
+            tree, outputs = _output_tree(result, capture.start_id, inputs, self.name)
+            fields = capture.finish(tuple(t._id for t in inputs), tuple(t._id for t in outputs))
+        graph_id = next(_GRAPH_IDS)
+        controller.submit(wire.DefineGraph, graph_id, fields["rows"], fields["inputs"], fields["outputs"],
+                          fields["scratch"], fields["random"], fields["steps"])
+        self._forget(key)
+        metas = [t._meta for t in outputs] + [inputs[k]._meta for k, _ in fields["rebound_arguments"]]
+        self._graphs[key] = _Graph(graph_id, controller, fields, metas, tree, capture)
+        while len(self._graphs) > self.max_graphs:
+            self._forget(next(iter(self._graphs)))
+        self.captures += 1
+        return result
+
+    def _forget(self, key) -> None:
+        graph = self._graphs.pop(key, None)
+        if graph is not None and not graph.controller.closed:
+            graph.controller.submit(wire.DropGraph, graph.graph_id)
+
+    def __repr__(self) -> str:
+        return f"dtorch.compile({self.name}, {len(self._graphs)} captured)"
+
+
+# --- signatures and outputs ------------------------------------------------------------------------
+def _flatten(value, tensors: list, key: list, seen: dict) -> None:
+    """Append the signature of `value` to `key` and its DTensors to `tensors`, each once (a
+    DTensor passed twice keys as the same input: replays bind it once)."""
+    if isinstance(value, DTensor):
+        if id(value) not in seen:
+            seen[id(value)] = len(tensors)
+            tensors.append(value)
+        key.append(("T", value._meta.key, value.requires_grad, seen[id(value)]))
+    elif type(value) in (list, tuple):
+        key.append((type(value), len(value)))
+        for item in value:
+            _flatten(item, tensors, key, seen)
+    elif type(value) is dict:
+        key.append((dict, tuple(value)))
+        for item in value.values():
+            _flatten(item, tensors, key, seen)
+    elif hasattr(value, "data_ptr"):
+        raise CompileError("dtorch.compile: a torch.Tensor argument: upload it with dtorch.tensor(...) before the "
+                           "call and pass the DTensor (its values are not part of a signature)")
+    else:
+        try:
+            hash(value)
+        except TypeError:
+            raise CompileError(f"dtorch.compile: an argument of type {type(value).__name__} is neither a DTensor "
+                               "nor hashable, so it cannot be part of a signature; pass DTensors, numbers, "
+                               "strings, or tuples, lists and dicts of them") from None
+        key.append((type(value), value))
+
+
+def _output_tree(result, start_id: int, inputs: list, name: str):
+    """(tree, the DTensors the call made and returned). Tree leaves: ("out", k), ("in", k) for a
+    returned argument, ("const", value) for anything else the call returned."""
+    outputs, made = [], {}
+    input_index = {id(t): k for k, t in enumerate(inputs)}
+
+    def walk(value):
+        if isinstance(value, DTensor):
+            if id(value) in input_index:
+                return ("in", input_index[id(value)])
+            if value._id <= start_id:
+                return ("const", value)   # made before the call (a parameter): the same one every time
+            if id(value) not in made:
+                made[id(value)] = len(outputs)
+                outputs.append(value)
+            return ("out", made[id(value)])
+        if type(value) in (list, tuple):
+            return (type(value), [walk(v) for v in value])
+        if type(value) is dict:
+            return (dict, {k: walk(v) for k, v in value.items()})
+        if any(isinstance(v, DTensor) for v in getattr(value, "__dict__", {}).values()):
+            raise CompileError(f"compiled {name} returned a {type(value).__name__} holding DTensors: return "
+                               "tensors alone or in a tuple, list or dict, so each call gets its own")
+        return ("const", value)
+
+    return walk(result), outputs
+
+
+def _rebuild(tree, outputs: list, inputs: list):
+    kind, payload = tree
+    if kind == "out":
+        return outputs[payload]
+    if kind == "in":
+        return inputs[payload]
+    if kind == "const":
+        return payload
+    if kind is dict:
+        return {k: _rebuild(v, outputs, inputs) for k, v in payload.items()}
+    return kind(_rebuild(v, outputs, inputs) for v in payload)

@@ -1,0 +1,355 @@
+"""dtorch.compile (issue 14 part 1): a replay gives what eager gives, bit for bit, on the op
+sweep's cases, on random chains, on Llama's forward and on whole training steps; what a replay
+cannot do is refused at capture, naming the line; a failure inside a replay names the line
+inside the compiled function."""
+from __future__ import annotations
+
+import random
+import re
+import zlib
+
+import pytest
+import torch
+
+import dtorch
+from dtorch.distributed_spec import Partial, Replicate, Shard
+from dtorch.errors import CompileError, PlacementError, RemoteError
+from dtorch.ops import REGISTRY
+from dtorch.ops.tooling.samples import SAMPLED_FAMILIES, samples
+from dtorch.ops.tooling.simulate import placement_options, tensor_inputs, with_inputs
+from dtorch.tensor import call_op
+from support import placed
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("strict")]
+
+OPS = sorted(name for name, spec in REGISTRY.items() if spec.family in SAMPLED_FAMILIES)
+COMBOS_PER_SAMPLE = 3
+RANDOM_OPS = ("dropout", "rand_like", "randn_like")
+
+
+def _line_of(pattern: str) -> int:
+    """The line of this file holding `pattern` (errors must name the user's own line)."""
+    with open(__file__) as source:
+        return next(i for i, line in enumerate(source, 1) if pattern in line and "_line_of" not in line)
+
+
+# --- the op sweep's cases ------------------------------------------------------------------------
+@pytest.mark.parametrize("op", OPS)
+def test_replay_equals_eager_on_the_op_sweep(op, mesh4):
+    """Capture on one set of inputs, replay on fresh ones: the replay equals eager on those."""
+    checks = []
+    for uneven in (False, True):
+        for number, sample in enumerate(samples(op, uneven)):
+            seed = zlib.crc32(f"compile {op} {uneven} {number}".encode())
+            g, chooser = torch.Generator().manual_seed(seed), random.Random(seed)
+            options = [placement_options(v, ("sum",)) for v in tensor_inputs(sample)]
+            combos = [tuple(rng.choice(o) for o in options) for rng in [chooser] * 8]
+            for combo in list(dict.fromkeys(combos))[:COMBOS_PER_SAMPLE]:
+                checks += _compiled_against_eager(op, sample, mesh4, combo, g)
+    for got, want, what in checks:   # bit for bit (NaN where eager has NaN)
+        torch.testing.assert_close(got.result(timeout=120), want.result(timeout=120), rtol=0, atol=0,
+                                   equal_nan=True, msg=what)
+
+
+def _compiled_against_eager(op, sample, mesh, combo, g) -> list:
+    values = tensor_inputs(sample)
+
+    def place(scale):
+        return [placed(v * scale if v.is_floating_point() else v, mesh, (p,), g) for v, p in zip(values, combo)]
+
+    def call(*inputs):
+        args, kwargs = with_inputs(sample, list(inputs))
+        return call_op(op, args, kwargs)
+
+    compiled = dtorch.compile(call)
+    try:
+        compiled(*place(1.0))   # the capture
+    except PlacementError:
+        return []
+    fresh = place(0.5)
+    dtorch.manual_seed(11)
+    replayed = compiled(*fresh)
+    assert compiled.captures == 1, f"{op}: captured again"
+    dtorch.manual_seed(11)
+    eager = call(*fresh)
+    pairs = zip(*(r if isinstance(r, tuple) else (r,) for r in (replayed, eager)))
+    return [(a.fetch(), b.fetch(), f"{op} {combo}") for a, b in pairs]
+
+
+# --- random chains -------------------------------------------------------------------------------
+CHAIN_STEPS = ["add", "mul", "matmul", "relu", "sum", "transpose", "redistribute", "dropout", "randn_like", "softmax"]
+
+
+def _random_chain(seed: int, mesh):
+    rng = random.Random(seed)
+    steps = [rng.choice(CHAIN_STEPS) for _ in range(rng.randint(4, 12))]
+    targets = [[rng.choice([Shard(0), Shard(1), Replicate()]) for _ in range(mesh.ndim)] for _ in steps]
+
+    def chain(x, y):
+        for step, target in zip(steps, targets):
+            if step == "add":
+                x = x + y
+            elif step == "mul":
+                x = x * y.transpose(0, 1).transpose(0, 1) * 0.5
+            elif step == "matmul":
+                x = (x @ y.transpose(0, 1)) @ y / 8
+            elif step == "relu":
+                x = x.relu() - 0.1
+            elif step == "sum":
+                x = x + x.sum(dim=0, keepdim=True) * 0.01
+            elif step == "transpose":
+                x = x.transpose(0, 1).contiguous().transpose(0, 1)
+            elif step == "redistribute":
+                x = x.redistribute(mesh, target)
+            elif step == "dropout":
+                x = dtorch.nn.functional.dropout(x, 0.3)
+            elif step == "randn_like":
+                x = x + dtorch.randn_like(x) * 0.1
+            else:
+                x = x.softmax(dim=-1) * 4
+        return x
+
+    return chain, rng
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_replayed_random_chains_equal_eager(seed, mesh4, mesh22, automatic):
+    mesh = mesh4 if seed % 2 else mesh22
+    chain, rng = _random_chain(seed, mesh)
+    compiled = dtorch.compile(chain)
+    placements = [rng.choice([Shard(0), Shard(1), Replicate()]) for _ in range(mesh.ndim)]
+    for call in range(3):
+        x = dtorch.randn(10, 6, device_mesh=mesh, placements=placements)
+        y = dtorch.randn(10, 6, device_mesh=mesh, placements=placements)
+        dtorch.manual_seed(100 + call)
+        got = compiled(x, y).to_torch()
+        dtorch.manual_seed(100 + call)
+        want = chain(x, y).to_torch()
+        assert torch.equal(got, want), f"call {call}"
+    assert compiled.captures == 1
+
+
+def test_random_numbers_are_fresh_on_every_call_and_equal_eager(mesh4):
+    noisy = dtorch.compile(lambda x: x + dtorch.randn(8, 4, device_mesh=mesh4, placements=[Shard(0)]))
+    x = dtorch.zeros(8, 4, device_mesh=mesh4, placements=[Shard(0)])
+    dtorch.manual_seed(5)
+    got = [noisy(x).to_torch() for _ in range(3)]
+    dtorch.manual_seed(5)
+    want = [(x + dtorch.randn(8, 4, device_mesh=mesh4, placements=[Shard(0)])).to_torch() for _ in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(got[1], got[2])
+    # the stream goes on after replays as it would after eager calls
+    assert torch.equal(dtorch.randn(3, device_mesh=mesh4, placements=[Replicate()]).to_torch(),
+                       dtorch.randn(3, device_mesh=mesh4, placements=[Replicate()]).to_torch()) is False
+
+
+# --- what a replay keeps and frees ---------------------------------------------------------------------
+def test_a_replay_leaves_earlier_results_and_inputs_alone(mesh4):
+    double = dtorch.compile(lambda x: (x * 2, x.sum()))
+    first_in = dtorch.ones(8, device_mesh=mesh4, placements=[Shard(0)])
+    first, first_sum = double(first_in)
+    second, second_sum = double(dtorch.full((8,), 3.0, device_mesh=mesh4, placements=[Shard(0)]))
+    assert torch.equal(first.to_torch(), torch.full((8,), 2.0)) and first_sum.item() == 8.0
+    assert torch.equal(second.to_torch(), torch.full((8,), 6.0)) and second_sum.item() == 24.0
+    assert torch.equal(first_in.to_torch(), torch.ones(8))
+
+
+def test_in_place_on_an_argument_reaches_the_callers_tensor(mesh4):
+    def bump(x, y):
+        x.add_(y)
+        return x * 1
+    compiled = dtorch.compile(bump)
+    for value in (1.0, 2.0, 3.0):
+        x = dtorch.zeros(6, device_mesh=mesh4, placements=[Shard(0)])
+        out = compiled(x, dtorch.full((6,), value, device_mesh=mesh4, placements=[Shard(0)]))
+        assert torch.equal(x.to_torch(), torch.full((6,), value)) and torch.equal(out.to_torch(), x.to_torch())
+
+
+def test_returned_arguments_constants_and_structures(mesh4):
+    weight = dtorch.ones(4, device_mesh=mesh4, placements=[Replicate()])
+    compiled = dtorch.compile(lambda x, scale: {"x": x, "w": weight, "y": [x * scale, None], "n": 3})
+    for scale in (2.0, 2.0, 5.0):
+        x = dtorch.ones(4, device_mesh=mesh4, placements=[Shard(0)])
+        out = compiled(x, scale)
+        assert out["x"] is x and out["w"] is weight and out["n"] == 3 and out["y"][1] is None
+        assert torch.equal(out["y"][0].to_torch(), torch.full((4,), scale))
+    assert compiled.captures == 2   # scale is part of the signature
+
+
+def test_intermediates_are_freed_after_every_replay(mesh4):
+    def chain(x):
+        for _ in range(20):
+            x = x * 1.01 + 1
+        return x
+    compiled = dtorch.compile(chain)
+    x = dtorch.ones(16, device_mesh=mesh4, placements=[Shard(0)])
+    compiled(x)
+    dtorch.synchronize()
+    before = _live_tensors()
+    for _ in range(30):
+        out = compiled(x)
+    assert torch.allclose(out.to_torch(), chain(x).to_torch())
+    del out
+    dtorch.synchronize()
+    assert _live_tensors() <= before + 4
+
+
+def _live_tensors() -> int:
+    controller = dtorch.runtime.session.controller()
+    controller.synchronize()
+    import time
+    time.sleep(1.2)   # heartbeats carry the count
+    return sum(w.live_tensors for w in controller.workers.values())
+
+
+# --- signatures, guards, the cache -------------------------------------------------------------------
+def test_a_new_signature_captures_again_and_the_cache_is_bounded(mesh4):
+    compiled = dtorch.compile(lambda x: x + 1, max_graphs=2)
+    for shape in [(4,), (8,), (4,), (12,), (4,), (8,)]:   # LRU: (12,) drops (8,)
+        x = dtorch.zeros(shape, device_mesh=mesh4, placements=[Shard(0)])
+        assert torch.equal(compiled(x).to_torch(), torch.ones(shape))
+    assert compiled.graphs() == 2 and compiled.captures == 4
+    x = dtorch.zeros(8, device_mesh=mesh4, placements=[Replicate()])   # placements key too
+    compiled(x)
+    assert compiled.captures == 5
+
+
+def test_compiled_inside_compiled_is_part_of_the_outer_capture(mesh4):
+    inner = dtorch.compile(lambda x: x * 3)
+    outer = dtorch.compile(lambda x: inner(x) + 1)
+    for _ in range(3):
+        x = dtorch.ones(4, device_mesh=mesh4, placements=[Shard(0)])
+        assert torch.equal(outer(x).to_torch(), torch.full((4,), 4.0))
+    assert outer.captures == 1 and inner.captures == 0
+
+
+# --- errors ------------------------------------------------------------------------------------------
+def test_a_read_inside_is_refused_at_capture_naming_the_line(mesh4):
+    def reads(x):
+        return x * x.sum().item()   # READ HERE
+    with pytest.raises(CompileError, match=rf"test_compile.py:{_line_of('READ HERE')}.*inside compiled"):
+        dtorch.compile(reads)(dtorch.ones(4, device_mesh=mesh4, placements=[Shard(0)]))
+
+    def branches(x):
+        if x.sum() > 0:   # BRANCH HERE
+            return x
+        return -x
+    with pytest.raises(CompileError, match=rf"test_compile.py:{_line_of('BRANCH HERE')}"):
+        dtorch.compile(branches)(dtorch.ones(4, device_mesh=mesh4, placements=[Replicate()]))
+
+
+def test_an_upload_of_per_call_data_is_refused(mesh4):
+    def uploads(x):
+        return x + dtorch.tensor(torch.ones(4), device_mesh=mesh4, placements=[Shard(0)])   # UPLOAD HERE
+    with pytest.raises(CompileError, match=rf"test_compile.py:{_line_of('UPLOAD HERE')}.*Upload it before"):
+        dtorch.compile(uploads)(dtorch.ones(4, device_mesh=mesh4, placements=[Shard(0)]))
+    with pytest.raises(CompileError, match="torch.Tensor argument"):
+        dtorch.compile(lambda x: x)(torch.ones(3))
+
+
+def test_a_failure_inside_a_replay_names_the_line_inside_the_function(mesh4):
+    table = dtorch.randn(5, 3, device_mesh=mesh4, placements=[Replicate()])
+
+    def lookup(index):
+        picked = table.index_select(0, index)   # FAILS HERE
+        return picked * 2
+    compiled = dtorch.compile(lookup)
+    good = dtorch.tensor(torch.tensor([0, 4, 1, 2]), device_mesh=mesh4, placements=[Shard(0)])
+    compiled(good).to_torch()
+    bad = dtorch.tensor(torch.tensor([0, 9, 1, 2]), device_mesh=mesh4, placements=[Shard(0)])
+    result = compiled(bad)
+    assert compiled.captures == 1
+    with pytest.raises(RemoteError) as raised:
+        result.to_torch()
+    assert re.search(rf"test_compile.py:{_line_of('FAILS HERE')} \(replayed, in the compiled call at", str(raised.value))
+    assert torch.equal(compiled(good).to_torch(), table.to_torch()[[0, 4, 1, 2]] * 2)   # the session goes on
+
+
+# --- training --------------------------------------------------------------------------------------------
+def _mlp_step(mesh, compiled: bool, lr_schedule=None):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = dtorch.nn.Sequential(dtorch.nn.Linear(8, 16, device_mesh=mesh), dtorch.nn.ReLU(),
+                                 dtorch.nn.Linear(16, 4, device_mesh=mesh))
+    model.load_state_dict(ref.state_dict())
+    optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def step(x, y):
+        optimizer.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        dtorch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        return loss
+    if compiled:
+        step = dtorch.compile(step)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for index in range(6):
+        if lr_schedule:
+            optimizer.param_groups[0]["lr"] = lr_schedule[index]
+        x = dtorch.tensor(torch.randn(6, 8, generator=g), device_mesh=mesh, placements=[Shard(0)])
+        y = dtorch.tensor(torch.randn(6, 4, generator=g), device_mesh=mesh, placements=[Shard(0)])
+        losses.append(step(x, y))
+    return [loss.item() for loss in losses], model, optimizer, step
+
+
+@pytest.mark.parametrize("lr_schedule", [None, [1e-2, 1e-2, 1e-2, 5e-3, 5e-3, 5e-3]])
+def test_a_compiled_training_step_equals_eager(mesh4, lr_schedule):
+    eager_losses, eager_model, eager_opt, _ = _mlp_step(mesh4, False, lr_schedule)
+    losses, model, optimizer, step = _mlp_step(mesh4, True, lr_schedule)
+    assert losses == eager_losses
+    for (name, got), want in zip(model.state_dict().items(), eager_model.state_dict().values()):
+        assert torch.equal(got.to_torch(), want.to_torch()), name
+    # the first call makes AdamW's state (a fresh optimizer), so the second captures again; an lr
+    # change captures again too
+    assert step.captures == (2 if lr_schedule is None else 3)
+    assert optimizer.state_dict()["state"][0]["step"] == eager_opt.state_dict()["state"][0]["step"] == 6
+
+
+def test_grads_accumulate_across_compiled_calls_as_in_eager(mesh4):
+    w = dtorch.ones(4, device_mesh=mesh4, placements=[Replicate()], requires_grad=True)
+
+    def accumulate(x):
+        (w * x).sum().backward()
+    compiled = dtorch.compile(accumulate)
+    for k in range(1, 5):
+        compiled(dtorch.full((4,), float(k), device_mesh=mesh4, placements=[Shard(0)]))
+    assert torch.equal(w.grad.to_torch(), torch.full((4,), 10.0))
+    w.grad = None
+    compiled(dtorch.full((4,), 2.0, device_mesh=mesh4, placements=[Shard(0)]))
+    assert torch.equal(w.grad.to_torch(), torch.full((4,), 2.0))
+
+
+def test_llama_forward_and_training_step_replay_like_eager(session):
+    transformers = pytest.importorskip("transformers")
+    from dtorch.distributed_spec import init_device_mesh
+    from dtorch.models import LlamaForCausalLM
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    weights = transformers.LlamaForCausalLM(config).state_dict()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 96, (4, 12), generator=g) for _ in range(4)]
+
+    def run(compiled: bool):
+        model = LlamaForCausalLM(config, device_mesh=mesh)
+        model.load_state_dict(weights)
+        optimizer = dtorch.optim.AdamW(model.parameters(), lr=3e-3)
+        forward = lambda ids: model(ids).logits   # noqa: E731
+        def step(ids):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+        if compiled:
+            forward, step = dtorch.compile(forward), dtorch.compile(step)
+        uploaded = [dtorch.tensor(b, device_mesh=mesh, placements=[Shard(0), Replicate()]) for b in batches]
+        logits = [forward(ids).to_torch() for ids in uploaded[:2]]
+        return logits, [step(ids).item() for ids in uploaded], step
+    eager_logits, eager_losses, _ = run(False)
+    logits, losses, step = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(logits, eager_logits))
+    assert losses == eager_losses and step.captures == 2
