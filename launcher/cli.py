@@ -15,6 +15,7 @@ import argparse
 import os
 import runpy
 import shlex
+import signal
 import sys
 
 from .hostfile import parse_hostfile
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(launch_environment(args))
     except (OSError, ValueError) as error:
         parser.exit(USAGE_ERROR, f"dtorch-launch: error: {error}\n")
+    if args.slurm:
+        signal.signal(signal.SIGTERM, _end_of_slurm_job)
     run_script(args.script, args.script_args)
     return 0
 
@@ -91,6 +94,15 @@ def options_from_arguments(args: argparse.Namespace) -> SshOptions:
         connect_timeout=args.connect_timeout,
         worker_module=args.worker_module,
     )
+
+
+def _end_of_slurm_job(signum, frame) -> None:
+    """SIGTERM under sbatch: SLURM ends the job (scancel, time limit, preemption) and signals the
+    batch script and the workers' steps together. Python would die at once, skipping atexit;
+    as an exception it unwinds the script (its `finally` blocks may save a checkpoint) and
+    dtorch's shutdown runs, within SLURM's KillWait grace period."""
+    job = os.environ.get("SLURM_JOB_ID", "?")
+    raise SystemExit(f"dtorch-launch: SLURM is ending job {job} (SIGTERM: scancel, time limit or preemption)")
 
 
 def run_script(script: str, script_args: list[str]) -> None:

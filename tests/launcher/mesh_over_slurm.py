@@ -1,6 +1,8 @@
 """Run by ``dtorch-launch --slurm`` (under salloc or sbatch) in tests/launcher/test_slurm.py.
 
-A (4,) mesh over every task of the allocation: prints ``WORKERS <json>`` (rank, host, pid), runs
+A (4,) mesh over every task of the allocation: prints ``CONTROLLER <json>`` (its pid, the SLURM job
+id and the run's secret, which the test looks for on command lines) and ``WORKERS <json>`` (rank,
+host, pid), runs
 the README's seed example, a redistribute and a read, each checked against torch on the same
 inputs. Then, as the arguments ask:
   --wait  prints WAITING and waits on stdin (a test SIGKILLs this controller, or scancels the job);
@@ -11,6 +13,7 @@ inputs. Then, as the arguments ask:
 Ends with OK after dtorch.shutdown(). A failed start prints ``STARTUP <seconds> <message>``.
 """
 import json
+import os
 import sys
 import time
 
@@ -51,6 +54,9 @@ def main() -> None:
     except dtorch.StartupError as error:
         print(f"STARTUP {time.monotonic() - started:.1f} {error}", flush=True)
         return
+    secret = dtorch.runtime.session.controller().secret
+    print("CONTROLLER " + json.dumps({"pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
+                                      "secret": secret.hex() if isinstance(secret, bytes) else str(secret)}), flush=True)
     print("WORKERS " + json.dumps([{k: w[k] for k in ("rank", "host", "pid")} for w in dtorch.workers()]),
           flush=True)
     a = seed_example_and_redistribute(mesh)
