@@ -22,7 +22,7 @@ from launch_helpers import LAUNCH_COMMAND, REPOSITORY, TESTS_DIRECTORY, all_comm
 from launch_slurm import SlurmCluster, missing_slurm, wait_all_gone
 
 SCRIPT = str(TESTS_DIRECTORY / "mesh_over_slurm.py")
-DAEMONS = pytest.mark.usefixtures("slurm")
+DAEMONS = pytest.mark.slurm    # the tests that start the cluster (through the `cluster` fixture)
 
 
 # --- without daemons --------------------------------------------------------------------------
