@@ -30,7 +30,7 @@ USAGE_ERROR = 2
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dtorch-launch",
-        description="Run a dtorch script as the controller, with workers started over ssh.")
+        description="Run a dtorch script as the controller, with workers started over ssh or srun.")
     parser.add_argument("--hostfile", help="hosts and slots, one `host slots=N` per line")
     parser.add_argument("--slurm", action="store_true",
                         help="inside a SLURM allocation (salloc, sbatch): one worker per task, started with srun")

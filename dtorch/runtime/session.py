@@ -6,6 +6,7 @@ or interpreter exit stops every worker.
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import random
 import threading
@@ -168,8 +169,11 @@ def _progress(handles):
     """The live start-up display for workers on remote hosts (local ones start in a second)."""
     if isinstance(_spawner, LocalSpawner):
         return None
-    from dtorch_launcher import StartupProgress
-    return StartupProgress(len(handles), _spawner.hosts)
+    from dtorch_launcher import Host, StartupProgress
+    # The hosts of THESE workers: a replaced rank or a grown pool may start on any host, while
+    # StartupProgress fills the hosts it is given from the first one.
+    per_host = collections.Counter(handle.host for handle in handles)
+    return StartupProgress(len(handles), [Host(name, slots=count) for name, count in per_host.items()])
 
 
 def shutdown() -> None:

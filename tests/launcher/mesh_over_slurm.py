@@ -7,7 +7,8 @@ the README's seed example, a redistribute and a read, each checked against torch
 inputs. Then, as the arguments ask:
   --wait  prints WAITING and waits on stdin (a test SIGKILLs this controller, or scancels the job);
   --lose  prints READY, waits for one stdin line (the test kills a worker meanwhile), and prints
-          ``LOST <seconds> <message>`` for the read that follows;
+          ``LOST <seconds> <message>`` for the read that follows; then replaces the lost worker
+          (REPLACED <json>) and runs the checks again on the same mesh (RECHECKED);
   --until-lost  prints WAITING, then reads in a loop until a worker is lost and prints LOST like
           --lose (a test scancels the job meanwhile).
 Ends with OK after dtorch.shutdown(). A failed start prints ``STARTUP <seconds> <message>``.
@@ -65,6 +66,10 @@ def main() -> None:
         print("READY", flush=True)
         sys.stdin.readline()
         report_loss(a)
+        replaced = dtorch.replace_lost_workers()     # a new srun step for the lost rank, same node
+        print("REPLACED " + json.dumps([{k: r[k] for k in ("rank", "host", "pid")} for r in replaced]), flush=True)
+        seed_example_and_redistribute(mesh)
+        print("RECHECKED", flush=True)
     if "--until-lost" in sys.argv:
         print("WAITING", flush=True)
         try:

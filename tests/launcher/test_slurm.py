@@ -143,7 +143,7 @@ def worker_nodes(cluster: SlurmCluster) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @DAEMONS
-def test_salloc_mesh_over_two_nodes_matches_torch_and_leaves_nothing(cluster, tmp_path):
+def test_salloc_mesh_over_two_nodes_matches_torch_recovers_a_lost_worker_and_leaves_nothing(cluster, tmp_path):
     controller, stderr_path = launch(cluster, tmp_path, "--lose")
     pids = []
     try:
@@ -164,6 +164,12 @@ def test_salloc_mesh_over_two_nodes_matches_torch_and_leaves_nothing(cluster, tm
         seconds, message = read_tagged_line(controller.stdout, "LOST ", stderr_path).split(" ", 1)
         assert float(seconds) < 5, message
         assert "rank 3" in message and "node2" in message, message
+        # replace_lost_workers starts a new srun step for rank 3 on node2; the mesh works again.
+        replaced = json.loads(read_tagged_line(controller.stdout, "REPLACED ", stderr_path))
+        pids += [r["pid"] for r in replaced]
+        assert [(r["rank"], r["host"]) for r in replaced] == [(3, "node2")]
+        assert worker_nodes(cluster)["dtorch-rank3"] == "node2"
+        read_tagged_line(controller.stdout, "RECHECKED", stderr_path)
         read_tagged_line(controller.stdout, "OK", stderr_path)
         assert controller.wait(30) == 0, stderr_path.read_text()
         assert not wait_all_gone(pids, 10), "workers outlived dtorch.shutdown()"
