@@ -1,4 +1,5 @@
-"""dtorch-launch: start dtorch workers on the hosts of a hostfile over OpenSSH.
+"""dtorch-launch: start dtorch workers on the hosts of a hostfile over OpenSSH, or with srun inside
+a SLURM allocation (--slurm).
 
 Installed as ``dtorch_launcher`` (a top-level ``launcher`` would collide in site-packages).
 The runtime uses ``spawner_from_environment()`` to get the SshSpawner that dtorch-launch asked
@@ -6,7 +7,8 @@ for, and StartupProgress / explain_ssh_failure to report workers coming up. See 
 
 Modules: cli (the dtorch-launch command), hostfile (parsing), options (ssh options from the
 environment), addresses (which address workers reach the controller on), ssh (SshSpawner: one ssh
-session per worker), progress and output (what a start prints), failures (why a start failed).
+session per worker), slurm (SlurmSpawner: one srun step per worker in a SLURM job), progress and
+output (what a start prints), failures (why a start failed).
 """
 from .addresses import controller_host
 from .failures import explain_ssh_failure
@@ -14,9 +16,11 @@ from .hostfile import Host, HostfileError, parse_hostfile
 from .options import ENV_CONTROLLER_ADDRESS, ENV_HOSTFILE, ENV_OPTIONS, OptionsError, SshOptions
 from .progress import StartupProgress
 from .ssh import SshSpawner, SshWorker, spawner_from_environment
+from .slurm import ENV_SLURM, Allocation, SlurmError, SlurmSpawner, SlurmWorker, slurm_spawner_from_environment
 
 __all__ = [
     "ENV_CONTROLLER_ADDRESS", "ENV_HOSTFILE", "ENV_OPTIONS", "Host", "HostfileError", "OptionsError", "SshOptions",
     "SshSpawner", "SshWorker", "StartupProgress", "controller_host", "explain_ssh_failure", "parse_hostfile",
     "spawner_from_environment",
+    "ENV_SLURM", "Allocation", "SlurmError", "SlurmSpawner", "SlurmWorker", "slurm_spawner_from_environment",
 ]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from .hostfile import Host, parse_hostfile
 from .options import SshOptions
 
-__all__ = ["controller_host", "resolve_host"]
+__all__ = ["address_toward", "controller_host", "resolve_host"]
 
 _SSH_CONFIG_SECONDS = 10
 _DISCARD_PORT = 9  # any port: connecting a UDP socket sends nothing, it only picks the route
@@ -25,7 +25,11 @@ def controller_host(hostfile: str | os.PathLike | Sequence[Host], options: SshOp
     """This machine's address on the route to the first host (127.0.0.1 when the hosts are local)."""
     hosts = parse_hostfile(hostfile) if isinstance(hostfile, (str, os.PathLike)) else list(hostfile)
     options = options if options is not None else SshOptions.from_environment()
-    address = resolve_host(hosts[0], options)
+    return address_toward(resolve_host(hosts[0], options))
+
+
+def address_toward(address: str) -> str:
+    """This machine's address on the route to ``address`` (the kernel's routing table decides)."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect((address, _DISCARD_PORT))

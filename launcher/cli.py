@@ -2,10 +2,12 @@
 
     dtorch-launch --hostfile hosts [--python P] [--chdir D] [--env NAME]... [--ssh-option "..."]...
                   [--log-dir D] [--controller-address ADDR] [--connect-timeout S] script.py [args...]
+    dtorch-launch --slurm [--python P] [--chdir D] [--log-dir D] [--controller-address ADDR] script.py [args...]
 
 The script runs IN THIS PROCESS as ``__main__`` (it is the controller). The launcher only writes
 the options into the environment; the runtime reads them when the script builds its first mesh.
 Without --hostfile the script runs with local workers, exactly as ``python script.py`` would.
+With --slurm (inside salloc or sbatch) each task of the allocation runs one worker, started with srun.
 """
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ import argparse
 import os
 import runpy
 import shlex
+import signal
 import sys
 
 from .hostfile import parse_hostfile
 from .options import DEFAULT_WORKER_MODULE, ENV_CONTROLLER_ADDRESS, ENV_HOSTFILE, SshOptions
+from .slurm import ENV_SLURM, Allocation
 
 __all__ = ["main", "build_parser"]
 
@@ -26,8 +30,10 @@ USAGE_ERROR = 2
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dtorch-launch",
-        description="Run a dtorch script as the controller, with workers started over ssh.")
+        description="Run a dtorch script as the controller, with workers started over ssh or srun.")
     parser.add_argument("--hostfile", help="hosts and slots, one `host slots=N` per line")
+    parser.add_argument("--slurm", action="store_true",
+                        help="inside a SLURM allocation (salloc, sbatch): one worker per task, started with srun")
     parser.add_argument("--python", help="python on the hosts (default: this interpreter's path)")
     parser.add_argument("--chdir", help="working directory on the hosts (default: the current one)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME",
@@ -53,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(launch_environment(args))
     except (OSError, ValueError) as error:
         parser.exit(USAGE_ERROR, f"dtorch-launch: error: {error}\n")
+    if args.slurm:
+        signal.signal(signal.SIGTERM, _end_of_slurm_job)
     run_script(args.script, args.script_args)
     return 0
 
@@ -60,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
 def launch_environment(args: argparse.Namespace) -> dict[str, str]:
     """The variables the runtime reads; parsing the hostfile here reports its errors up front."""
     environment = options_from_arguments(args).to_environment()
+    if args.slurm:
+        if args.hostfile:
+            raise ValueError("--slurm and --hostfile exclude each other: SLURM's allocation names the nodes")
+        Allocation.from_environment()   # outside an allocation, say so before the script runs
+        environment[ENV_SLURM] = "1"
     if args.hostfile:
         path = os.path.abspath(args.hostfile)
         parse_hostfile(path)
@@ -81,6 +94,15 @@ def options_from_arguments(args: argparse.Namespace) -> SshOptions:
         connect_timeout=args.connect_timeout,
         worker_module=args.worker_module,
     )
+
+
+def _end_of_slurm_job(signum, frame) -> None:
+    """SIGTERM under sbatch: SLURM ends the job (scancel, time limit, preemption) and signals the
+    batch script and the workers' steps together. Python would die at once, skipping atexit;
+    as an exception it unwinds the script (its `finally` blocks may save a checkpoint) and
+    dtorch's shutdown runs, within SLURM's KillWait grace period."""
+    job = os.environ.get("SLURM_JOB_ID", "?")
+    raise SystemExit(f"dtorch-launch: SLURM is ending job {job} (SIGTERM: scancel, time limit or preemption)")
 
 
 def run_script(script: str, script_args: list[str]) -> None:

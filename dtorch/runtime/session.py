@@ -6,6 +6,7 @@ or interpreter exit stops every worker.
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import random
 import threading
@@ -37,10 +38,12 @@ def controller() -> Controller:
 
 def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str | None = None,
          controller_address: str | None = None, startup_timeout: float = 120.0,
-         curve: bool | None = None, hang_timeout_s: float | None = None) -> Controller:
+         curve: bool | None = None, hang_timeout_s: float | None = None, slurm: bool | None = None) -> Controller:
     """Start the controller and `num_workers` workers (default: the hostfile's slots, or 1).
 
     hostfile: start workers over SSH (also set by dtorch-launch through DTORCH_HOSTFILE).
+    slurm: inside a SLURM allocation (salloc, sbatch), one worker per task, each started with srun
+    (default: DTORCH_SLURM=1, which dtorch-launch --slurm sets); num_workers defaults to the tasks.
     controller_address: where workers reach this process (default: detected from the hostfile;
     without one, private ipc:// sockets that only this user can open).
     curve: encrypt and authenticate every ZeroMQ channel with fresh CURVE keys. Default: on
@@ -57,7 +60,12 @@ def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str
         warm_up = threading.Thread(target=warm_up_inference, name="dtorch-warm-up", daemon=True)
         warm_up.start()   # in parallel with the workers' start; joined before init returns
         hostfile = hostfile or os.environ.get("DTORCH_HOSTFILE")
-        if hostfile:
+        if slurm is None:
+            slurm = not hostfile and os.environ.get("DTORCH_SLURM") == "1"
+        if slurm:
+            _controller, _spawner = _start_slurm(controller_address, curve)
+            num_workers = num_workers or _spawner.capacity
+        elif hostfile:
             _controller, _spawner = _start_remote(hostfile, controller_address, curve)
             num_workers = num_workers or _spawner.capacity
         else:
@@ -95,6 +103,18 @@ def _start_remote(hostfile: str, controller_address: str | None, curve: bool | N
     return Controller(bind_host=bind, curve=make_curve_keys() if curve else None), SshSpawner(hosts, options)
 
 
+def _start_slurm(controller_address: str | None, curve: bool | None):
+    from dtorch_launcher import Allocation, SlurmSpawner, SshOptions
+    from dtorch_launcher.slurm import slurm_controller_address
+    allocation = Allocation.from_environment()
+    bind = (controller_address or os.environ.get("DTORCH_CONTROLLER_ADDRESS")
+            or slurm_controller_address(allocation))
+    if curve is None:
+        curve = not bind.startswith("127.")
+    spawner = SlurmSpawner(allocation, SshOptions.from_environment())
+    return Controller(bind_host=bind, curve=make_curve_keys() if curve else None), spawner
+
+
 def acquire_workers(device_type: str, count: int) -> list[int]:
     """Ranks for a mesh of `count` devices, starting or growing the pool when needed."""
     with _lock:
@@ -116,8 +136,8 @@ def _grow(device_type: str, extra: int, timeout: float) -> None:
     capacity = getattr(_spawner, "capacity", None)
     first = len(_controller.workers)
     if capacity is not None and first + extra > capacity:
-        raise MeshError(f"a mesh needs {first + extra} workers but the hostfile has {capacity} slots: "
-                        "add hosts or slots to the hostfile")
+        where = getattr(_spawner, "capacity_advice", f"the hostfile has {capacity} slots: add hosts or slots to the hostfile")
+        raise MeshError(f"a mesh needs {first + extra} workers but {where}")
     ranks = range(first, first + extra)
     devices = [device_type] * extra
     if device_type != "cpu":  # runtime/gpu_assignment.py: checks at the call, then one GPU per worker
@@ -149,8 +169,11 @@ def _progress(handles):
     """The live start-up display for workers on remote hosts (local ones start in a second)."""
     if isinstance(_spawner, LocalSpawner):
         return None
-    from dtorch_launcher import StartupProgress
-    return StartupProgress(len(handles), _spawner.hosts)
+    from dtorch_launcher import Host, StartupProgress
+    # The hosts of THESE workers: a replaced rank or a grown pool may start on any host, while
+    # StartupProgress fills the hosts it is given from the first one.
+    per_host = collections.Counter(handle.host for handle in handles)
+    return StartupProgress(len(handles), [Host(name, slots=count) for name, count in per_host.items()])
 
 
 def shutdown() -> None:
