@@ -112,7 +112,7 @@ class SshWorker:
     def start(cls, rank: int, host: Host, options: SshOptions, stdin_text: str,
               name: str | None = None) -> "SshWorker":
         """name: what to call a process that is not a rank (a relay) in output and log names."""
-        log_name = name.replace(" ", "-") if name else f"rank{rank}"
+        log_name = f"{name}-{host.name}" if name else f"rank{rank}"
         log_path = os.path.join(options.log_dir, f"{log_name}.log") if options.log_dir else None
         output = OutputForwarder(rank, host.name, log_path, name)
         # A new session: a Ctrl-C in the controller's terminal must reach only the controller,

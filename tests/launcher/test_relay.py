@@ -32,7 +32,7 @@ def test_relayed_workers_compute_like_torch_and_nothing_outlives_shutdown(sshd_h
         assert read_tagged_line(controller.stdout, "OK", stderr_path) == ""
         assert controller.wait(20) == 0, stderr_path.read_text()
         assert all(wait_gone(pid, 10) for pid in pids), "a worker or relay outlived dtorch.shutdown()"
-        assert (tmp_path / "logs" / "relay.log").exists()
+        assert (tmp_path / "logs" / "relay-host-b.log").exists()
         assert not [name for name in os.listdir("/tmp") if name.startswith("dtorch-relay-")
                     and os.stat(f"/tmp/{name}").st_mtime > os.stat(tmp_path).st_mtime], "a relay left its directory"
     finally:
