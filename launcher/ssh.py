@@ -14,6 +14,9 @@ variable, an empty line, then the worker's one-line JSON config. Nothing secret 
 command line (``ps`` shows command lines to every user on both machines). The stdin stays open:
 when the controller dies or kills the ssh client, the worker's stdin reaches EOF and it exits, so
 no signal has to cross ssh.
+
+On a host with several slots, the host's first spawn also starts its relay (relays.py), and
+the workers there subscribe to it instead of to the controller; SshSpawner.close() stops relays.
 """
 from __future__ import annotations
 
