@@ -22,7 +22,7 @@ REFERENCE_COLOR, DTORCH_COLOR, OTHER_COLOR = "#9e9e9e", "#1f77b4", "#ff7f0e"
 
 
 def draw(rows: list[Row], titles: dict[str, str], path: Path) -> None:
-    panels = [(title, [r for r in rows if r.benchmark == name and r.status == "ok"])
+    panels = [(title, [r for r in rows if r.benchmark == name and r.status == "ok" and r.unit == "s"])
               for name, title in titles.items()]
     panels = [(title, section) for title, section in panels if section]
     heights = [0.6 + 0.28 * len(section) for _, section in panels]

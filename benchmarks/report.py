@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .timing import Row
 
-__all__ = ["ratio", "format_seconds", "text_table", "markdown_report", "write_json", "write_plot",
+__all__ = ["ratio", "format_seconds", "format_value", "text_table", "markdown_report", "write_json", "write_plot",
            "machine_info", "publish"]
 
 COLUMNS = ("case", "variant", "per", "median", "p90", "vs reference", "note")
@@ -40,13 +40,21 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds / 1e-9:.3g} ns"
 
 
+def format_value(value: float, unit: str) -> str:
+    """Seconds as format_seconds does; any other unit (bytes: "B") as a plain number."""
+    if unit == "s" or math.isnan(value):
+        return format_seconds(value)
+    return f"{value:.4g} {unit}"
+
+
 def _cells(row: Row, rows: list[Row]) -> list[str]:
     if row.status != "ok":
         return [row.case, row.variant, row.per, "-", "-", row.status, row.note]
     found = ratio(row, rows)
     versus = "reference" if row.reference is None else (
         f"{found:.2f}x {row.reference[1]}" if found is not None else "n/a")
-    return [row.case, row.variant, row.per, format_seconds(row.median), format_seconds(row.p90), versus, row.note]
+    return [row.case, row.variant, row.per, format_value(row.median, row.unit), format_value(row.p90, row.unit),
+            versus, row.note]
 
 
 def _sections(rows: list[Row], titles: dict[str, str]):

@@ -23,6 +23,7 @@ class Row:
     reference: tuple[str, str] | None = None   # (case, variant) of the row to divide by
     note: str = ""
     status: str = "ok"              # "ok", "not installed", or "error: ..."
+    unit: str = "s"                 # what a sample counts: seconds, or "B" (bytes, benchmark 11)
 
     @property
     def median(self) -> float:

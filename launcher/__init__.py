@@ -7,8 +7,9 @@ for, and StartupProgress / explain_ssh_failure to report workers coming up. See 
 
 Modules: cli (the dtorch-launch command), hostfile (parsing), options (ssh options from the
 environment), addresses (which address workers reach the controller on), ssh (SshSpawner: one ssh
-session per worker), slurm (SlurmSpawner: one srun step per worker in a SLURM job), progress and
-output (what a start prints), failures (why a start failed).
+session per worker), relays (one relay per host with several slots: the commands cross the
+network once per host), slurm (SlurmSpawner: one srun step per worker in a SLURM job), progress
+and output (what a start prints), failures (why a start failed).
 """
 from .addresses import controller_host
 from .failures import explain_ssh_failure

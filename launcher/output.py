@@ -27,8 +27,8 @@ _terminal_lock = threading.Lock()
 class OutputForwarder:
     """Reads one worker's stdout and stderr, writes ``[rank R host] line`` to the controller's stderr."""
 
-    def __init__(self, rank: int, host: str, log_path: str | None = None):
-        self.prefix = f"[rank {rank} {host}] "
+    def __init__(self, rank: int, host: str, log_path: str | None = None, name: str | None = None):
+        self.prefix = f"[{name or f'rank {rank}'} {host}] "   # name: a process that is not a rank (a relay)
         self.remote_pid: int | None = None
         self.pid_known = threading.Event()
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES_KEPT)

@@ -14,6 +14,9 @@ variable, an empty line, then the worker's one-line JSON config. Nothing secret 
 command line (``ps`` shows command lines to every user on both machines). The stdin stays open:
 when the controller dies or kills the ssh client, the worker's stdin reaches EOF and it exits, so
 no signal has to cross ssh.
+
+On a host with several slots, the host's first spawn also starts its relay (relays.py), and
+the workers there subscribe to it instead of to the controller; SshSpawner.close() stops relays.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from .failures import explain_ssh_failure
 from .hostfile import Host, parse_hostfile
 from .options import ENV_HOSTFILE, SshOptions
 from .output import PID_MARKER, OutputForwarder
+from .relays import Relays, relays_enabled
 
 # SshOptions and controller_host are re-exported: the runtime takes everything ssh from here.
 __all__ = ["SshOptions", "SshSpawner", "SshWorker", "controller_host", "remote_command",
@@ -43,12 +47,16 @@ _OUTPUT_DRAIN_SECONDS = 2.0
 class SshSpawner:
     """Starts worker ``rank`` on its host; ranks fill the hosts' slots in hostfile order."""
 
-    def __init__(self, hosts: Sequence[Host], options: SshOptions | None = None):
+    def __init__(self, hosts: Sequence[Host], options: SshOptions | None = None, relay: bool | None = None):
+        """relay: one relay per host with several slots (launcher/relays.py); default: on,
+        unless DTORCH_RELAY=0."""
         if not hosts:
             raise ValueError("SshSpawner needs at least one host")
         self.hosts = list(hosts)
         self.options = options if options is not None else SshOptions()
         self._slots = [(host, slot) for host in self.hosts for slot in range(host.slots)]
+        start_relay = lambda host, options, text, name: SshWorker.start(-1, host, options, text, name)  # noqa: E731
+        self._relays = Relays(self.options, relays_enabled() if relay is None else relay, start_relay)
 
     @property
     def capacity(self) -> int:
@@ -63,8 +71,22 @@ class SshSpawner:
 
     def spawn(self, rank: int, config: dict, environ: Mapping[str, str] | None = None) -> "SshWorker":
         host = self._slot(rank)[0]
-        stdin_text = environment_lines(self.options.env, environ) + json.dumps(config) + "\n"
-        return SshWorker.start(rank, host, self.options, stdin_text)
+        environment_text = environment_lines(self.options.env, environ)
+        config, relay = self._relays.route(host, self.ranks_on(host), config, environment_text)
+        worker = SshWorker.start(rank, host, self.options, environment_text + json.dumps(config) + "\n")
+        worker.relay = relay
+        return worker
+
+    def ranks_on(self, host: Host) -> list[int]:
+        return [rank for rank, (slot_host, _) in enumerate(self._slots) if slot_host is host]
+
+    def relays(self) -> list[dict]:
+        """host, pid (remote), ranks and alive of each relay started so far."""
+        return [relay.as_dict() for relay in self._relays.all()]
+
+    def close(self) -> None:
+        """Stop the relays; the runtime calls it after its workers are stopped."""
+        self._relays.close()
 
     def _slot(self, rank: int) -> tuple[Host, int]:
         if not 0 <= rank < self.capacity:
@@ -87,10 +109,15 @@ class SshWorker:
         self.rank, self.host = rank, host.name
         self._options, self._process, self._output = options, process, output
 
+    relay = None   # the host's relay (launcher/relays.py) that carries this worker's commands, if any
+
     @classmethod
-    def start(cls, rank: int, host: Host, options: SshOptions, stdin_text: str) -> "SshWorker":
-        log_path = os.path.join(options.log_dir, f"rank{rank}.log") if options.log_dir else None
-        output = OutputForwarder(rank, host.name, log_path)
+    def start(cls, rank: int, host: Host, options: SshOptions, stdin_text: str,
+              name: str | None = None) -> "SshWorker":
+        """name: what to call a process that is not a rank (a relay) in output and log names."""
+        log_name = f"{name}-{host.name}" if name else f"rank{rank}"
+        log_path = os.path.join(options.log_dir, f"{log_name}.log") if options.log_dir else None
+        output = OutputForwarder(rank, host.name, log_path, name)
         # A new session: a Ctrl-C in the controller's terminal must reach only the controller,
         # which then shuts the workers down in order, instead of killing every ssh client at once.
         try:
@@ -138,6 +165,15 @@ class SshWorker:
         self._close_stdin()
         if self._process.poll() is None:
             self._process.kill()
+
+    def relay_lost(self) -> str | None:
+        """Why no more commands can reach this worker: its host's relay is gone (None otherwise)."""
+        return self.relay.loss() if self.relay is not None else None
+
+    def last_stderr_line(self) -> str:
+        self._output.join(_OUTPUT_DRAIN_SECONDS)
+        lines = [line.strip() for line in self._output.stderr_tail.splitlines() if line.strip()]
+        return lines[-1] if lines else ""
 
     def failure_message(self) -> str | None:
         """A sentence naming the host and the cause, once the worker exited with an error."""

@@ -7,6 +7,9 @@ fork from), reads (futures and remote failures), admission (the
 run's secret, rate-limited rejection logs), rendezvous (the store collectives meet at),
 gpu_assignment (which GPU each worker pins).
 
+Host side over dtorch-launch: relay (`python -m dtorch.runtime.relay`: one subscription to the
+commands per host, fanned out to that host's workers over ipc).
+
 Both sides: protocol (the wire format; the one module that knows how messages look) and transport
 (the only zmq import).
 

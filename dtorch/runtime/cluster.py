@@ -201,6 +201,11 @@ def loss_reason(worker: WorkerRecord, now: float) -> str | None:
     code = worker.handle.poll() if worker.handle is not None else None
     if code is not None:
         return f"its process exited with code {code}"
+    relay_lost = getattr(worker.handle, "relay_lost", None)   # dtorch-launch's per-host relays
+    reason = relay_lost() if relay_lost is not None else None
+    if reason:
+        worker.handle.terminate()   # no command can reach it any more: it exits on stdin EOF
+        return reason
     if worker.registered and now - worker.last_heartbeat > WORKER_SILENCE_S:
         return f"no heartbeat for {now - worker.last_heartbeat:.1f}s"
     return None

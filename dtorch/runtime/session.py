@@ -183,7 +183,7 @@ def shutdown() -> None:
         controller, spawner, _controller, _spawner = _controller, _spawner, None, None
     if controller is not None:
         controller.shutdown()
-    if getattr(spawner, "close", None):   # the local worker template, once its workers are gone
+    if getattr(spawner, "close", None):   # the local worker template or the hosts' relays, once the workers are gone
         spawner.close()
 
 

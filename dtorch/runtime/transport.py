@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import zmq
 
-__all__ = ["CurveKeys", "make_curve_keys", "ControllerSockets", "WorkerSockets", "Poller", "Again"]
+__all__ = ["CurveKeys", "make_curve_keys", "ControllerSockets", "WorkerSockets", "RelaySockets", "Poller", "Again"]
 
 Again = zmq.Again
 
@@ -196,13 +196,17 @@ class WorkerSockets:
     """A worker's SUB (commands) and DEALER (replies); blocking, used from the worker's main thread."""
 
     def __init__(self, command_address: str, reply_address: str, rank: int, topics: list[bytes],
-                 keys: dict | None = None):
+                 keys: dict | None = None, relayed: bool = False):
+        """relayed: commands come from this host's relay (runtime/relay.py) over an ipc socket
+        in a directory only this user can enter, which never leaves the host: no CURVE on the SUB.
+        Replies and heartbeats always go straight to the controller, with CURVE when it is on."""
         self.context = zmq.Context()
         self.sub = self.context.socket(zmq.SUB)
         self.dealer = self.context.socket(zmq.DEALER)
         for socket in (self.sub, self.dealer):
             _lossless(socket)
-            _curve_client(socket, keys)
+        _curve_client(self.sub, None if relayed else keys)
+        _curve_client(self.dealer, keys)
         # w<rank>:<random>: the controller binds the rank to this identity when it registers,
         # and a stranger cannot guess it (nor take it first: it is new for every process).
         self._suffix = os.urandom(12).hex().encode()
@@ -237,6 +241,57 @@ class WorkerSockets:
 
     def close(self) -> None:
         self.context.destroy(linger=0)
+
+
+class RelaySockets:
+    """A host's relay (runtime/relay.py): one SUB to the controller's PUB (TCP, with CURVE when
+    the run has keys) subscribed to the topics of every rank on this host, and one PUB bound on
+    an ipc:// socket in `directory` (mode 0700, made by the relay) that the host's workers
+    connect to. `forward()` copies every message, frames unchanged, so the workers' sequence
+    checks stay end to end.
+
+    The upstream subscriptions are fixed at start, the probe topic with the rest: the controller
+    takes one connection's subscriptions in one go, so a probe that reached this relay proves
+    every rank's private topic is subscribed too (workers register only after a probe; forwarding
+    their own subscriptions upstream one by one would let a worker see a probe before its private
+    topic reached the controller)."""
+
+    def __init__(self, upstream: str, directory: str, topics: list[bytes], keys: dict | None,
+                 silence_timeout_s: float):
+        self.context = zmq.Context()
+        self.sub = self.context.socket(zmq.SUB)
+        self.pub = self.context.socket(zmq.PUB)
+        for socket in (self.sub, self.pub):
+            _lossless(socket)
+        _curve_client(self.sub, keys)
+        # ZMTP heartbeats, answered by the controller's ZeroMQ I/O thread (never held up by its
+        # Python code): a controller host that goes silent drops this connection.
+        self.sub.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self.sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(silence_timeout_s * 1000))
+        self.monitor = self.sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        for topic in topics:
+            self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.address = f"ipc://{directory}/commands"
+        self.pub.bind(self.address)
+        self.sub.connect(upstream)
+
+    def next_event(self) -> str:
+        """Block until the upstream connection changes: "connected", "disconnected" or
+        "refused" (the CURVE handshake failed: wrong keys, or not the run's controller)."""
+        from zmq.utils.monitor import recv_monitor_message
+        event = recv_monitor_message(self.monitor)["event"]
+        if event == zmq.EVENT_CONNECTED:
+            return "connected"
+        return "disconnected" if event == zmq.EVENT_DISCONNECTED else "refused"
+
+    def forward(self) -> None:
+        """Copy messages downstream until the context ends (runs in C, without the GIL)."""
+        try:
+            zmq.proxy(self.sub, self.pub)
+        except zmq.ContextTerminated:
+            pass
 
 
 class Poller:

@@ -111,7 +111,8 @@ def _gloo_host(config: dict) -> str:
     host = config.get("gloo_host", "auto")
     if host != "auto":
         return host
-    controller_host = config["command_address"].split("//", 1)[1].rsplit(":", 1)[0]
+    # The reply address: commands may come from this host's relay (ipc), replies never do.
+    controller_host = config["reply_address"].split("//", 1)[1].rsplit(":", 1)[0]
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((controller_host, 9))
         return probe.getsockname()[0]
@@ -136,7 +137,10 @@ def main() -> None:
         # The device first: a host without a GPU or without cupy fails here, before registering,
         # and the controller reports it as a failed start naming the host and this reason.
         device = make_device(config["device"])
-        sockets = WorkerSockets(config["command_address"], config["reply_address"], rank, topics, config.get("curve"))
+        # With a relay on this host (launcher/relays.py), commands come from it, not the controller.
+        relay = config.get("relay_address")
+        sockets = WorkerSockets(relay or config["command_address"], config["reply_address"], rank, topics,
+                                config.get("curve"), relayed=relay is not None)
         start_seq, store_address, gloo_timeout = _register(sockets, config)
         holding: list = []   # the Worker, once it exists: the heartbeat reports on it
         status = lambda: (len(holding[0].tensors), holding[0].busy_seq) if holding else (0, -1)  # noqa: E731

@@ -83,17 +83,18 @@ LAUNCH_COMMAND = [sys.executable, str(TESTS_DIRECTORY / "dtorch_launch_from_tree
 
 
 def launch_mesh_script(ssh_config: Path, host_names: list[str], directory: Path, *script_args: str,
-                       script: str = "mesh_over_ssh.py"):
-    """Start dtorch-launch on tests/launcher/<script> (mesh_over_ssh.py) with one worker per host.
+                       script: str = "mesh_over_ssh.py", slots: int = 1, env: dict | None = None):
+    """Start dtorch-launch on tests/launcher/<script> (mesh_over_ssh.py) with `slots` workers per
+    host (default one), `env` added to its environment.
 
     Returns the controller process (stdin, stdout piped as text) and its stderr file, where the
     workers' prefixed output lands.
     """
     hostfile = directory / "hosts"
-    hostfile.write_text("".join(f"{name} slots=1\n" for name in host_names))
+    hostfile.write_text("".join(f"{name} slots={slots}\n" for name in host_names))
     stderr_path = directory / "controller.stderr"
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY),
-                                                                           os.environ.get("PYTHONPATH")]))}
+    environment = {**os.environ, **(env or {}),
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")]))}
     with open(stderr_path, "w") as stderr:
         controller = subprocess.Popen(
             [*LAUNCH_COMMAND, "--hostfile", str(hostfile), "--ssh-option", f"-F {ssh_config}",

@@ -128,5 +128,26 @@ def test_mesh_across_namespaces_matches_torch(netns_hosts, tmp_path):
         stop_controller(controller, pids)
 
 
+@pytest.mark.slow
+def test_relays_across_namespaces_use_curve_upstream(netns_hosts, tmp_path):
+    """Two workers per namespace: one relay in each, subscribed to the controller's CURVE-only
+    PUB (its ZAP handler admits the run's client key alone), the workers behind it on ipc."""
+    servers, ssh_config = netns_hosts
+    controller, stderr_path = launch_mesh_script(ssh_config, [s.name for s in servers], tmp_path,
+                                                 script="relay_over_ssh.py", slots=2)
+    pids = []
+    try:
+        workers = json.loads(read_tagged_line(controller.stdout, "WORKERS ", stderr_path))
+        relays = json.loads(read_tagged_line(controller.stdout, "RELAYS ", stderr_path))
+        pids = [w["pid"] for w in workers] + [r["pid"] for r in relays]
+        assert json.loads(read_tagged_line(controller.stdout, "SESSION ", stderr_path))["curve"] is True
+        assert [ssh_server_address(r["pid"]) for r in relays] == [server.address for server in servers]
+        assert read_tagged_line(controller.stdout, "OK", stderr_path) == ""
+        assert controller.wait(20) == 0, stderr_path.read_text()
+        assert all(wait_gone(pid, 10) for pid in pids)
+    finally:
+        stop_controller(controller, pids)
+
+
 def _bridge_address(server: SshServer) -> str:
     return server.address.rsplit(".", 1)[0] + ".1"
