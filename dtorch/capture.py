@@ -152,7 +152,8 @@ class Capture:
             "inputs": input_ids,
             "outputs": output_ids,
             "scratch": scratch,
-            "random": tuple(i for i, c in enumerate(rows) if _draws_random(c)),
+            "random": tuple(i for i, c in enumerate(rows)
+                            if _draws_random(c, self.seed, range(self.random_start, random_end))),
             "steps": tuple(i for i, c in enumerate(rows) if type(c) is wire.OptimizerStep),
             "step_shifts": [self.step_shifts.get(c.seq, _no_shift) for c in rows if type(c) is wire.OptimizerStep],
             "rebound_arguments": rebound_arguments,   # (argument index, output index)
@@ -192,10 +193,17 @@ class Capture:
             self.after_replay.append(lambda leaf=leaf, after=after: setattr(leaf, "grad", after))
 
 
-def _draws_random(command) -> bool:
-    if type(command) is wire.Factory:
-        return command.kind in RANDOM_FACTORIES
-    return type(command) is wire.RunOp and command.op in RANDOM_OPS
+def _draws_random(command, seed: int, counters: range) -> bool:
+    """Whether `command` took its (seed, counter) from the global stream during the capture (a
+    caller may also pass dropout an explicit seed and counter: those stay as they are)."""
+    if type(command) is wire.Factory and command.kind in RANDOM_FACTORIES:
+        drawn = command.args[:2]
+    elif type(command) is wire.RunOp and command.op in RANDOM_OPS:
+        kwargs = command.kwargs
+        drawn = (kwargs["seed"], kwargs["counter"]) if "counter" in kwargs else command.args[-2:]
+    else:
+        return False
+    return len(drawn) == 2 and drawn[0] == seed and drawn[1] in counters
 
 
 def _no_shift() -> int:

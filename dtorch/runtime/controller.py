@@ -59,6 +59,7 @@ class Controller:
         hang_timeout_s: a worker running one command longer than this is reported lost and ended
         (default: DTORCH_HANG_TIMEOUT_S, else HANG_TIMEOUT_S; 0 turns it off)."""
         self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()   # taken before _lock, never inside it
         self._pending: list = []
         self._private: dict[int, list] = {}
         self._released: collections.deque = collections.deque()
@@ -129,13 +130,15 @@ class Controller:
                 self._reads[seq] = read
             if private is not None:
                 self._private[seq] = private
-            if read is not None or len(self._pending) >= BATCH_LIMIT:
+            if read is None and len(self._pending) >= BATCH_LIMIT:
                 if not self._flush_now:
                     self._flush_now = True
                     self._loop.call_soon_threadsafe(self._flush)
-            elif not self._flush_scheduled:
+            elif read is None and not self._flush_scheduled:
                 self._flush_scheduled = True
                 self._loop.call_soon_threadsafe(self._flush_soon)
+        if read is not None:   # publish from this thread: a read waits for no loop wake-up
+            self._flush()
         return seq
 
     def count_inserted_redistribute(self) -> None:
@@ -359,7 +362,8 @@ class Controller:
     def _close(self) -> None:
         self._flush()   # the Shutdown command, if its idle flush has not fired yet
         self._receive()   # errors the workers sent before they exited
-        self._sockets_open = False
+        with self._publish_lock:   # no reading thread is publishing as the sockets close
+            self._sockets_open = False
         self._loop.remove_reader(self.sockets.reply_fd)
         for task in self._tasks:
             task.cancel()
@@ -369,6 +373,13 @@ class Controller:
         self._loop.call_later(IDLE_FLUSH_S, self._flush)
 
     def _flush(self) -> None:
+        """Publish what is pending. The loop thread runs it after a short idle; a thread that
+        issues a read runs it itself. The publish lock keeps batches in seq order on the PUB
+        socket (and one thread on it at a time, as ZeroMQ requires)."""
+        with self._publish_lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
         if not self._sockets_open:   # a flush scheduled before shutdown closed the sockets
             return
         recorder = profiling.active
@@ -396,7 +407,9 @@ class Controller:
         """Publish probes until every worker has registered: a worker registers only after its
         SUB socket has seen one, so it cannot miss the commands that follow (slow joiners)."""
         while self.pool.starting() and not self.closed:
-            self.sockets.publish([wire.TOPIC_PROBE, _PROBE])
+            with self._publish_lock:
+                if self._sockets_open:
+                    self.sockets.publish([wire.TOPIC_PROBE, _PROBE])
             await asyncio.sleep(0.02)
 
     def _receive(self) -> None:
