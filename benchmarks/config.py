@@ -43,6 +43,9 @@ class Suite:
     train_world: int = 4            # dp and fsdp size against DDP and FSDP2 over as many processes
     train_fsdp_sizes: tuple = (2, 4)   # beside the 1-worker run (an fsdp of 1): peak memory by fsdp size
     train_microbatches: tuple = (1, 2, 4)   # pp2's microbatch counts: the bubble
+    scale_worlds: tuple = (1, 4, 16, 64)    # benchmark 11: controller CPU per op by world size
+    scale_ops: int = 2000                   # its program: this many small ops and one read
+    scale_idle_s: float = 3.0               # seconds of idle pool measured for its heartbeat row
 
 
 QUICK = Suite(
@@ -55,7 +58,7 @@ QUICK = Suite(
 FULL = replace(
     QUICK, name="full", chain_ops=50_000, reps=15, collective_reps=50, fetch_reads=2_000,
     redistribute_bytes=(1 * MIB, 16 * MIB, 64 * MIB), mlp_hidden=1024, mlp_batch=256,
-    process_timeout_s=900, train_reps=15,
+    process_timeout_s=900, train_reps=15, scale_ops=10_000,
 )
 
 SMOKE = replace(
@@ -63,7 +66,8 @@ SMOKE = replace(
     fetch_reads=5, fetch_worlds=(4,), redistribute_bytes=(64 * 1024,), redistribute_worlds=(4,),
     mlp_layers=1, mlp_hidden=64, mlp_batch=8, process_timeout_s=60, llama_layers=1, llama_hidden=64, llama_seq=8,
     worker_start_worlds=(2,), train_layers=2, train_hidden=64, train_seq=8, train_batch=4, train_reps=2,
-    train_world=2, train_fsdp_sizes=(), train_microbatches=(2,),
+    train_world=2, train_fsdp_sizes=(), train_microbatches=(2,), scale_worlds=(1, 2), scale_ops=40,
+    scale_idle_s=0.3,
 )
 
 PRESETS = {suite.name: suite for suite in (QUICK, FULL, SMOKE)}
