@@ -46,6 +46,9 @@ class Suite:
     relay_ops: int = 400            # benchmark 11: elementwise ops whose PUB bytes are counted
     relay_slots: int = 4            # workers per host of its many-workers layouts
     relay_round_trips: int = 2000   # its reply-hop round trips
+    scale_worlds: tuple = (1, 4, 16, 64)    # benchmark 12: controller CPU per op by world size
+    scale_ops: int = 2000                   # its program: this many small ops and one read
+    scale_idle_s: float = 3.0               # seconds of idle pool measured for its heartbeat row
 
 
 QUICK = Suite(
@@ -58,7 +61,7 @@ QUICK = Suite(
 FULL = replace(
     QUICK, name="full", chain_ops=50_000, reps=15, collective_reps=50, fetch_reads=2_000,
     redistribute_bytes=(1 * MIB, 16 * MIB, 64 * MIB), mlp_hidden=1024, mlp_batch=256,
-    process_timeout_s=900, train_reps=15,
+    process_timeout_s=900, train_reps=15, scale_ops=10_000,
 )
 
 SMOKE = replace(
@@ -67,6 +70,7 @@ SMOKE = replace(
     mlp_layers=1, mlp_hidden=64, mlp_batch=8, process_timeout_s=60, llama_layers=1, llama_hidden=64, llama_seq=8,
     worker_start_worlds=(2,), train_layers=2, train_hidden=64, train_seq=8, train_batch=4, train_reps=2,
     train_world=2, train_fsdp_sizes=(), train_microbatches=(2,), relay_ops=40, relay_slots=2, relay_round_trips=200,
+    scale_worlds=(1, 2), scale_ops=40, scale_idle_s=0.3,
 )
 
 PRESETS = {suite.name: suite for suite in (QUICK, FULL, SMOKE)}
