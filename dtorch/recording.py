@@ -15,11 +15,15 @@ from contextlib import contextmanager
 __all__ = ["is_grad_enabled", "set_grad_enabled", "no_grad", "enable_grad", "Leaf", "OpNode", "HopNode",
            "record_op"]
 
-_mode = threading.local()   # per thread, as in torch: one thread's no_grad is not another's
+class _Mode(threading.local):   # per thread, as in torch: one thread's no_grad is not another's
+    enabled = True              # a class default: no thread pays a failed attribute lookup per op
+
+
+_mode = _Mode()
 
 
 def is_grad_enabled() -> bool:
-    return getattr(_mode, "enabled", True)
+    return _mode.enabled
 
 
 class set_grad_enabled:

@@ -457,10 +457,20 @@ def _land_for_backward(source: DTensor, landed: DTensor) -> DTensor:
     return view
 
 
+_PLAIN_ARGS = frozenset((int, float, bool, str, type(None)))
+
 def _grad_nodes(args: tuple, kwargs: dict) -> tuple:
-    """The nodes of the inputs that require grad (top-level tensors first: the common case)."""
-    nodes = [a._node for a in args if isinstance(a, DTensor) and a._node is not None]
-    if any(type(a) in (list, tuple) for a in args) or kwargs:
+    """The nodes of the inputs that require grad (top-level tensors first: the common case, in
+    one pass that also notes whether a list or kwargs need the general walk)."""
+    nodes, nested = [], bool(kwargs)
+    for a in args:
+        kind = type(a)
+        if kind is DTensor or (kind not in _PLAIN_ARGS and isinstance(a, DTensor)):
+            if a._node is not None:
+                nodes.append(a._node)
+        elif kind is list or kind is tuple:
+            nested = True
+    if nested:
         nested = []
         map_tensors(([a for a in args if type(a) in (list, tuple)], kwargs),
                     lambda t: nested.append(t._node) if t._node is not None else None)

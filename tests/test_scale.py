@@ -27,6 +27,8 @@ REPORT = """
     def processes():
         template = session._spawner._zygote
         return [w["pid"] for w in dtorch.workers()], template.pid if template else None
+    def relays():
+        return [[r.ranks.start, r.ranks.stop, r.process.pid] for r in session._spawner.relays()]
 """
 
 
@@ -73,12 +75,45 @@ def test_64_workers_seed_example_every_redistribute_and_a_read():
     same("seed 8x8", (a + b).to_torch(), a.to_torch() + b.to_torch())
     same("8x8 S(0),S(1)->R,R", a.redistribute(mesh88, [Replicate(), Replicate()]).to_torch(), a.to_torch())
     workers, template = processes()
+    local_relays = relays()
     dtorch.shutdown()
-    print(json.dumps({"checks": checks, "workers": workers, "template": template, "start_s": start_s}))
+    print(json.dumps({"checks": checks, "workers": workers, "template": template, "start_s": start_s,
+                      "relays": local_relays}))
     """, timeout=150)
     report = _report(result)
     assert all(report["checks"].values()) and len(report["checks"]) == 9, report["checks"]
     assert len(report["workers"]) == 64 and report["template"] is not None
+    # ranks 16-63 subscribe through three relays (runtime/local_relays.py): 19 subscribers, not 64
+    assert [r[:2] for r in report["relays"]] == [[16, 32], [32, 48], [48, 64]], report["relays"]
+    relay_pids = [r[2] for r in report["relays"]]
+    assert not _wait_gone(report["workers"] + [report["template"]] + relay_pids, 10), "processes outlived shutdown"
+
+
+@pytest.mark.scale
+def test_a_local_relay_killed_among_64_workers_is_reported_as_its_ranks_loss_within_5s():
+    result = run_script(REPORT + """
+    import json, os, signal, time, dtorch
+    from dtorch.distributed_spec import init_device_mesh, Shard
+    mesh = init_device_mesh("cpu", (64,))
+    x = dtorch.ones(128, 4, device_mesh=mesh, placements=[Shard(0)])
+    assert x.sum().item() == 512
+    workers, template = processes()
+    relay = relays()[1]
+    os.kill(relay[2], signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        (x * 2).to_torch()
+        outcome = "no error"
+    except dtorch.WorkerLostError as error:
+        outcome = str(error)
+    seconds = time.monotonic() - start
+    dtorch.shutdown()
+    print(json.dumps({"outcome": outcome, "seconds": seconds, "relay": relay, "workers": workers,
+                      "template": template}))
+    """, timeout=150)
+    report = _report(result)
+    assert report["seconds"] < 5, report
+    assert "ranks 32-47 exited" in report["outcome"] and f"pid {report['relay'][2]}" in report["outcome"], report
     assert not _wait_gone(report["workers"] + [report["template"]], 10), "processes outlived shutdown"
 
 

@@ -62,6 +62,9 @@ def signature(op: RegisteredOp, args: tuple, kwargs: dict, specs: list) -> tuple
     `specs` collects the tensor specs in that same order."""
     key = [op.name]
     for a in args:
+        if type(a) in _PLAIN:   # a scalar: no attribute lookup (a failed getattr raises inside)
+            key.append(_plain_key(a, op.scalars_by_type))
+            continue
         spec = getattr(a, "_meta", None)
         if spec is not None:   # the common case, inline: this runs for every op
             specs.append(spec)
@@ -73,7 +76,21 @@ def signature(op: RegisteredOp, args: tuple, kwargs: dict, specs: list) -> tuple
     return tuple(key)
 
 
+_PLAIN = frozenset((int, float, bool, str, type(None)))   # exact types: keyed without attribute lookups
+
+
+def _plain_key(value, scalars_by_type: bool):
+    kind = type(value)
+    if kind is str or value is None:
+        return value
+    # 1 == 1.0 == True as keys: var(x, True) is not var(x, 1); bools always by value: a flag
+    # (inplace, training) changes the plan, not just a scalar
+    return kind if scalars_by_type and kind is not bool else (kind, value)
+
+
 def _key_of(value, specs: list, scalars_by_type: bool):
+    if type(value) in _PLAIN:
+        return _plain_key(value, scalars_by_type)
     spec = getattr(value, "_meta", None)
     if spec is not None:
         specs.append(spec)

@@ -15,6 +15,9 @@ import time
 
 from ..errors import MeshError, StartupError, WorkerLostError
 from .protocol import lost_worker_key
+from dtorch_launcher.relays import relays_enabled
+
+from .local_relays import LocalRelays
 from .zygote import Zygote, ZygoteUnavailable, zygote_enabled
 
 __all__ = ["LocalWorker", "ForkedWorker", "LocalSpawner", "worker_config", "forward_lines", "WorkerRecord", "WorkerPool",
@@ -62,6 +65,7 @@ class LocalWorker:
     or when the worker template cannot start)."""
 
     host = "localhost"
+    relay = None   # the local relay its commands come through (runtime/local_relays.py), if any
 
     def __init__(self, rank: int, config: dict, python: str = sys.executable):
         self.rank = rank
@@ -86,6 +90,9 @@ class LocalWorker:
         self._output.join(2.0)
         last = f": {self._tail[-1]}" if self._tail else ""
         return f"worker rank {self.rank} on localhost exited with code {code}{last}"
+
+    def relay_lost(self) -> str | None:
+        return self.relay.loss() if self.relay is not None else None
 
     def poll(self):
         return self.process.poll()
@@ -139,11 +146,21 @@ class LocalSpawner:
     def __init__(self):
         self._zygote: Zygote | None = None
         self._use_zygote = zygote_enabled()
+        self._relays = LocalRelays(relays_enabled())
 
     def host_for(self, rank: int) -> str:
         return "localhost"
 
+    def relays(self) -> list:
+        return self._relays.all()
+
     def spawn(self, rank: int, config: dict) -> LocalWorker:
+        config, relay = self._relays.route(rank, config, _worker_env())
+        worker = self._start(rank, config)
+        worker.relay = relay
+        return worker
+
+    def _start(self, rank: int, config: dict) -> LocalWorker:
         zygote = self._template()
         if zygote is not None:
             try:
@@ -154,7 +171,7 @@ class LocalSpawner:
 
     def _template(self) -> Zygote | None:
         if self._use_zygote and (self._zygote is None or not self._zygote.alive):
-            self.close()   # a template that died: release its socket before starting the next
+            self._close_template()   # a template that died: release its socket before starting the next
             try:
                 self._zygote = Zygote(_worker_env())
                 forward_lines(self._zygote.output, "[worker template] ")
@@ -165,10 +182,14 @@ class LocalSpawner:
     def _give_up_on_template(self, reason: Exception) -> None:
         print(f"dtorch: starting local workers directly from now on ({reason})", file=sys.stderr)
         self._use_zygote = False
-        self.close()
+        self._close_template()
 
     def close(self) -> None:
-        """End the worker template (after the workers: they are its children)."""
+        """End the relays and the worker template (after the workers: they are its children)."""
+        self._relays.close()
+        self._close_template()
+
+    def _close_template(self) -> None:
         zygote, self._zygote = self._zygote, None
         if zygote is not None:
             zygote.close()

@@ -37,6 +37,7 @@ __all__ = ["main", "relay_topics", "STALE_AGE_S"]
 EXIT_UPSTREAM_LOST = 3        # the controller went away (as a worker's heartbeat exit)
 EXIT_CANNOT_START = 2         # as worker_process.EXIT_CANNOT_START: the launcher quotes stderr
 STALE_AGE_S = 60.0            # another relay's directory younger than this is never swept
+QUIET_EXIT_GRACE_S = 1.0      # a lost upstream waits this long for stdin's EOF before saying so
 
 
 def relay_topics(ranks) -> list[bytes]:
@@ -75,6 +76,9 @@ def _watch_upstream(sockets: RelaySockets, directory: str) -> None:
     while True:
         event = sockets.next_event()
         if event == "disconnected":
+            # At a normal shutdown the controller closes its sockets, then this relay's stdin:
+            # that EOF ends the process quietly (_watch_stdin) within this grace.
+            time.sleep(QUIET_EXIT_GRACE_S)
             print("dtorch relay: lost the connection to the controller, exiting", file=sys.stderr, flush=True)
             _leave(directory, EXIT_UPSTREAM_LOST)
         if event == "refused":
