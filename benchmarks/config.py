@@ -31,6 +31,7 @@ class Suite:
     mlp_hidden: int
     mlp_batch: int
     process_timeout_s: float        # a baseline process group that runs longer is killed
+    redistribute_burst: int = 4     # redistributes issued back to back per timed sample (one synchronize)
     llama_layers: int = 4           # the Llama of benchmark 8 (hidden size, layers, tokens per sequence)
     llama_hidden: int = 256
     llama_seq: int = 64
@@ -67,6 +68,7 @@ FULL = replace(
 SMOKE = replace(
     QUICK, name="smoke", chain_ops=40, reps=2, collective_reps=2, end_to_end_worlds=(1, 4),
     fetch_reads=5, fetch_worlds=(4,), redistribute_bytes=(64 * 1024,), redistribute_worlds=(4,),
+    redistribute_burst=2,
     mlp_layers=1, mlp_hidden=64, mlp_batch=8, process_timeout_s=60, llama_layers=1, llama_hidden=64, llama_seq=8,
     worker_start_worlds=(2,), train_layers=2, train_hidden=64, train_seq=8, train_batch=4, train_reps=2,
     train_world=2, train_fsdp_sizes=(), train_microbatches=(2,), relay_ops=40, relay_slots=2, relay_round_trips=200,

@@ -5,6 +5,7 @@ workers. When a symbol is garbage-collected its buffers are freed on the workers
 """
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import torch
@@ -20,12 +21,30 @@ from .ops.one_device import join_target
 from .ops.operators import BINARY_OPERATORS, UNARY_OPERATORS
 from .ops.tensor_meta import TensorMeta, check_placements, shape_argument, tensor_meta
 from .aliasing import VIEW_OPS, note_view
-from .redistribute import plan_redistribute
+from .redistribute import plan_redistribute, step_kind
 from .runtime import profiling, session
 from .recording import HopNode, Leaf, OpNode, is_grad_enabled, record_op
 from .runtime.protocol import Redistribute, RequireGrad, RunOp, Transfer, dtype_name
 
 __all__ = ["DTensor", "call_op"]
+
+
+# Donation: at the top of a method called on a temporary (`(a @ b).redistribute(...)`), the
+# only references to `self` are the call's own; a tensor that a name, a container or another
+# frame holds counts more. Calibrated on the running interpreter; where it cannot tell the two
+# apart (borrowed references), -1: never donate.
+class _RefProbe:
+    def count(self, device_mesh=None, placements=None) -> int:
+        return sys.getrefcount(self)
+
+
+def _temporary_refs() -> int:
+    held = _RefProbe()
+    temporary = _RefProbe().count()
+    return temporary if held.count() > temporary else -1
+
+
+_TEMPORARY_REFS = _temporary_refs()
 
 
 class DTensor:
@@ -133,13 +152,15 @@ class DTensor:
     def redistribute(self, device_mesh: DeviceMesh | None = None,
                      placements: Sequence[Placement] | None = None) -> "DTensor":
         """The same logical tensor with new placements; collectives run worker-to-worker."""
+        donate = sys.getrefcount(self) <= _TEMPORARY_REFS   # first: `(a @ b).redistribute(...)`
         recorder = profiling.active
         if recorder is not None:   # dtorch.profile: a span like an op's
             with recorder.user_span("redistribute", "op"):
-                return self._redistribute(device_mesh, placements)
-        return self._redistribute(device_mesh, placements)
+                return self._redistribute(device_mesh, placements, donate)
+        return self._redistribute(device_mesh, placements, donate)
 
-    def _redistribute(self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> "DTensor":
+    def _redistribute(self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None,
+                      donate: bool = False) -> "DTensor":
         mesh = device_mesh if device_mesh is not None else self.device_mesh
         placements = check_placements(placements if placements is not None else
                                       [Replicate()] * mesh.ndim, self.ndim, mesh)
@@ -153,8 +174,11 @@ class DTensor:
         controller.check_current(self)   # not a tensor that lived on a lost, since replaced, worker
         out_id = controller.new_id()
         grad = self._node is not None and is_grad_enabled()
+        # a temporary's P -> R may reduce in place on the workers (kernels.apply_steps); never a
+        # tensor autograd knows, whose value backward may still need
+        donate = donate and self._node is None and any(step_kind(b, a) == "all_reduce" for _, b, a in steps)
         seq = controller.submit(Redistribute, out_id, self._id, controller.define_mesh(mesh), self._meta.shape,
-                           dtype_name(self.dtype), self.placements, steps, grad)
+                           dtype_name(self.dtype), self.placements, steps, grad, donate)
         moved = DTensor(out_id, spec, seq, controller)
         if grad:
             moved._node = OpNode((self._node,), mesh)

@@ -81,8 +81,12 @@ def partial_identity(values: torch.Tensor, reduce_op: str, keep: bool) -> torch.
 
 # --- redistribute steps ---------------------------------------------------------------------
 def apply_steps(tensor: torch.Tensor, shape, mesh: DeviceMesh, placements, steps, rank: int,
-                comm: Communicator) -> torch.Tensor:
+                comm: Communicator, donated: bool = False) -> torch.Tensor:
     """Run redistribute steps (mesh_dim, before, after) in order on this rank's shard.
+
+    `donated`: the controller will never read the source again (a temporary, protocol's
+    Redistribute.donate), so an all-reduce may overwrite it rather than a copy, if no other
+    tensor here shares its storage. A buffer an earlier step made is reduced in place anyway.
 
     A step that fails here but not on the peers (out of memory while padding, say) must not
     leave them waiting in its collective or a later one: this rank goes on with zeros through
@@ -90,9 +94,12 @@ def apply_steps(tensor: torch.Tensor, shape, mesh: DeviceMesh, placements, steps
     computed with those zeros, can never be read (see Worker._stand_in)."""
     coordinate = mesh.coordinate_of(rank)
     placements = list(placements)
+    source, donated = tensor, donated and _alone_in_storage(tensor)
     failure = None
     for mesh_dim, before, after in steps:
         step = _STEPS[step_kind(before, after)]
+        if step is _all_reduce and not torch.is_grad_enabled() and (donated or not _shares_storage(tensor, source)):
+            step = _all_reduce_in_place
         arguments = (before, after, _group_extents(shape, mesh, placements, coordinate, mesh_dim),
                      mesh.group_along(rank, mesh_dim), coordinate[mesh_dim])
         if failure is None:
@@ -139,9 +146,28 @@ class _CountingComm:
 def _collectives_of(step, before, tensor: torch.Tensor) -> int:
     if step in (_slice, _partialize):
         return 0
-    if step in (_all_reduce, _reduce_scatter) and _drops_nan(tensor, before.reduce_op):
+    if step in (_all_reduce, _all_reduce_in_place, _reduce_scatter) and _drops_nan(tensor, before.reduce_op):
         return 2
     return 1
+
+
+# A fresh tensor's storage use count (its own TensorImpl, plus the storage object asking): a
+# tensor that counts more has views or aliases that an in-place reduce would change too.
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_LONE_USE_COUNT = _storage_use_count(torch.empty(1).untyped_storage()._cdata) if _storage_use_count else 0
+
+
+def _alone_in_storage(tensor: torch.Tensor) -> bool:
+    """No other tensor (a view, an alias another id holds) shares this one's storage."""
+    if _storage_use_count is None or tensor.requires_grad or tensor._base is not None:
+        return False
+    return _storage_use_count(tensor.untyped_storage()._cdata) <= _LONE_USE_COUNT
+
+
+def _shares_storage(tensor: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether `tensor` may alias `source` (a slice of it, or it): only buffers that earlier
+    steps made are private to this redistribute."""
+    return tensor.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
 
 
 def _zeros_of(tensor: torch.Tensor, shape, mesh, placements, coordinate) -> torch.Tensor:
@@ -189,8 +215,19 @@ def _all_gather(tensor, before, after, extents, group, index, comm):
 
 
 def _all_reduce(tensor, before, after, extents, group, index, comm):
+    """Into a copy: Gloo and NCCL reduce in place, and the source may still be read."""
+    return _reduced(tensor, lambda: tensor.clone(memory_format=torch.contiguous_format), before, group, comm)
+
+
+def _all_reduce_in_place(tensor, before, after, extents, group, index, comm):
+    """Overwriting `tensor` (copied only if not contiguous): apply_steps picks it for a buffer
+    no one else reads."""
+    return _reduced(tensor, tensor.contiguous, before, group, comm)
+
+
+def _reduced(tensor, buffer, before, group, comm):
     nan = torch.isnan(tensor).to(torch.uint8) if _drops_nan(tensor, before.reduce_op) else None
-    reduced = comm.all_reduce(group, tensor.clone(memory_format=torch.contiguous_format), before.reduce_op)
+    reduced = comm.all_reduce(group, buffer(), before.reduce_op)
     if nan is not None:   # (the mask is made first: nothing but collectives between the two)
         reduced = reduced.masked_fill(comm.all_reduce(group, nan, "max").bool(), float("nan"))
     return reduced

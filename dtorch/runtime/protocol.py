@@ -152,6 +152,7 @@ class Redistribute(NamedTuple):
     placements: tuple    # placements before the first step
     steps: tuple         # ((mesh_dim, before, after), ...) from dtorch.redistribute
     grad: bool = False   # record it for backward: each collective step gets its dual in backward
+    donate: bool = False  # the source is a temporary nothing else reads: a P -> R may reduce in place
 
 
 class Transfer(NamedTuple):
@@ -473,7 +474,7 @@ _FIELD_TYPES = {
     DefineMesh: (int, str, tuple, IDS), Factory: (int, int, str, tuple, str, tuple, tuple),
     Upload: (int, int, tuple, str, tuple), LoadShard: (int, int, tuple, str, tuple, str, str, int, str),
     RunOp: (IDS, int, str, str, tuple, dict, tuple, bool),
-    Redistribute: (int, int, int, tuple, str, tuple, tuple, bool),
+    Redistribute: (int, int, int, tuple, str, tuple, tuple, bool, bool),
     Transfer: (int, int, int, int, tuple, str, tuple, tuple), Fetch: (int, int, IDS),
     Free: (IDS,), Sync: (), Shutdown: (), Regroup: (int, IDS),
     RequireGrad: (IDS, bool), SetGrads: (IDS, IDS), Backward: (int, IDS, IDS, IDS, IDS, str, bool),
@@ -527,6 +528,9 @@ def _command(seq: int, row):
         raise ProtocolError(f"command #{seq}: not a command row {clip(row)}")
     values = row[1:]
     types = (int,) + _FIELD_TYPES[command_type]
+    # trailing fields with a default may be absent (added later without a version bump: donate)
+    if len(types) - len(command_type._field_defaults) <= len(values) < len(types):
+        types = types[:len(values)]
     if len(values) != len(types) or not all(_has_type(v, t) for v, t in zip(values, types)):
         raise ProtocolError(f"command #{seq}: malformed {command_type.__name__} {clip(values)}")
     if values[0] != seq:

@@ -317,7 +317,7 @@ class Worker:
         source = self._held(command.src_id)
         out, done = self.device.communicate(
             lambda: apply_steps(source, command.shape, mesh, command.placements, command.steps,
-                                self.rank, self.comm), (source,))
+                                self.rank, self.comm, donated=command.donate), (source,))
         self._keep(command.out_id, out, done)
 
     def _stand_in(self, command: wire.Redistribute, mesh: DeviceMesh) -> None:
