@@ -43,10 +43,11 @@ class _Graph:
     """What the controller keeps of one capture: enough to replay it without the function."""
     __slots__ = ("graph_id", "controller", "span", "sites", "output_metas", "output_tree", "guards",
                  "after_replay", "step_shifts", "random_count", "random_start", "replays", "rebound_arguments",
-                 "state", "state_ids")
+                 "state", "state_ids", "defined_seq", "generation")
 
-    def __init__(self, graph_id, controller, fields: dict, output_metas, output_tree, capture):
-        self.graph_id, self.controller = graph_id, controller
+    def __init__(self, graph_id, controller, fields: dict, output_metas, output_tree, capture, defined_seq):
+        self.graph_id, self.controller, self.defined_seq = graph_id, controller, defined_seq
+        self.generation = controller.generation   # replace_lost_workers: new processes lack the graph
         self.span, self.sites = len(fields["rows"]), fields["sites"]
         self.output_metas, self.output_tree = output_metas, output_tree
         self.guards, self.after_replay = capture.guards, capture.after_replay
@@ -58,7 +59,9 @@ class _Graph:
         self.replays = 0
 
     def still_valid(self) -> bool:
-        return all(guard() for guard in self.guards)
+        controller = self.controller
+        return (controller is session.controller() and controller.generation == self.generation
+                and all(guard() for guard in self.guards))
 
     def replay(self, inputs: list):
         controller = self.controller
@@ -67,7 +70,7 @@ class _Graph:
         out_ids = controller.new_ids(len(self.output_metas))
         input_ids = tuple(t._id for t in inputs) + tuple(t._id for t in self.state)
         seq = controller.submit(wire.RunGraph, self.graph_id, self.span, input_ids, out_ids,
-                                seed, first - self.random_start, shifts, span=self.span)
+                                seed, first - self.random_start, shifts, self.defined_seq, span=self.span)
         controller.note_replay(seq, self.span, self.sites)
         for hook in self.after_replay:
             hook()
@@ -106,7 +109,7 @@ class CompiledFunction:
         key.append(is_grad_enabled())
         key = tuple(key)
         graph = self._graphs.get(key)
-        if graph is not None and graph.controller is session.controller() and graph.still_valid():
+        if graph is not None and graph.still_valid():
             self._graphs.move_to_end(key)
             return graph.replay(inputs)
         return self._capture(key, inputs, args, kwargs)
@@ -122,11 +125,11 @@ class CompiledFunction:
             tree, outputs = _output_tree(result, capture.start_id, inputs, self.name)
             fields = capture.finish(tuple(t._id for t in inputs), tuple(t._id for t in outputs))
         graph_id = next(_GRAPH_IDS)
-        controller.submit(wire.DefineGraph, graph_id, fields["rows"], fields["inputs"], fields["outputs"],
-                          fields["scratch"], fields["random"], fields["steps"])
+        defined_seq = controller.submit(wire.DefineGraph, graph_id, fields["rows"], fields["inputs"], fields["outputs"],
+                                        fields["scratch"], fields["random"], fields["steps"])
         self._forget(key)
         metas = [t._meta for t in outputs] + [inputs[k]._meta for k, _ in fields["rebound_arguments"]]
-        self._graphs[key] = _Graph(graph_id, controller, fields, metas, tree, capture)
+        self._graphs[key] = _Graph(graph_id, controller, fields, metas, tree, capture, defined_seq)
         while len(self._graphs) > self.max_graphs:
             self._forget(next(iter(self._graphs)))
         self.captures += 1

@@ -223,6 +223,16 @@ def test_compiled_inside_compiled_is_part_of_the_outer_capture(mesh4):
     assert outer.captures == 1 and inner.captures == 0
 
 
+def test_a_worker_that_joined_after_the_capture_skips_its_replays(mesh4):
+    from dtorch.distributed_spec import init_device_mesh
+    compiled = dtorch.compile(lambda x: x * 2)
+    compiled(dtorch.ones(8, device_mesh=mesh4, placements=[Shard(0)]))
+    init_device_mesh("cpu", (len(dtorch.workers()) + 1,))   # one more worker joins the pool
+    out = compiled(dtorch.ones(8, device_mesh=mesh4, placements=[Shard(0)]))
+    assert torch.equal(out.to_torch(), torch.full((8,), 2.0)) and compiled.captures == 1
+    dtorch.synchronize()   # the newcomer reported no missing graph
+
+
 # --- errors ------------------------------------------------------------------------------------------
 def test_a_read_inside_is_refused_at_capture_naming_the_line(mesh4):
     def reads(x):

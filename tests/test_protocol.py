@@ -113,7 +113,7 @@ COMMAND_EXAMPLES = [
     wire.Profile(20, True),
     wire.DefineGraph(21, 1, (wire.command_row(wire.RunOp(4, (4,), 0, "add", "add", (wire.TensorRef(1),) * 2, {}, ())),
                              wire.command_row(wire.Free(5, (4,)))), (1,), (4,), (), (), ()),
-    wire.RunGraph(22, 1, 2, (8,), (9,), 7, 3, ()),   # spans seqs 22 and 23
+    wire.RunGraph(22, 1, 2, (8,), (9,), 7, 3, (), 21),   # spans seqs 22 and 23
     wire.DropGraph(24, 1),
 ]
 

@@ -313,6 +313,7 @@ class RunGraph(NamedTuple):
     seed: int            # the global random stream's seed now
     random_shift: int    # its counter now minus its counter at capture
     step_shifts: tuple   # per OptimizerStep row: the step count now minus at capture
+    defined_seq: int     # the DefineGraph's seq: a worker that joined after it is on none of its meshes
 
 
 class DropGraph(NamedTuple):
@@ -482,7 +483,7 @@ _FIELD_TYPES = {
     UpdateGrads: (int, str, IDS, int, NUMBER),
     SaveShard: (str, int, tuple), LoadChunks: (int, int, tuple, str, tuple, tuple, str),
     Profile: (bool,),
-    DefineGraph: (int, tuple, IDS, IDS, IDS, IDS, IDS), RunGraph: (int, int, IDS, IDS, int, int, IDS),
+    DefineGraph: (int, tuple, IDS, IDS, IDS, IDS, IDS), RunGraph: (int, int, IDS, IDS, int, int, IDS, int),
     DropGraph: (int,),
 }
 

@@ -51,7 +51,7 @@ class Worker:
                  host_comm: Communicator | None = None):
         self.rank, self.sockets, self.comm, self.device = rank, sockets, comm, device
         self.host_comm = host_comm or comm   # Gloo: transfers between meshes, CPU or not
-        self.next_seq = start_seq
+        self.next_seq = self.start_seq = start_seq
         self.tensors: dict[int, torch.Tensor] = {}
         self.poisoned: dict[int, int] = {}          # tensor id -> seq of the command that failed
         self.in_flight: dict[int, object] = {}      # tensor id -> event of the communication making it
@@ -453,6 +453,8 @@ class Worker:
         """Each row runs as a command of its own (seq + i): its failure poisons its outputs and
         is reported under its own seq, as in eager; the replay goes on, as a batch would."""
         graph = self.graphs.get(command.graph_id)
+        if graph is None and command.defined_seq < self.start_seq:
+            return   # defined before this worker joined: none of the graph's meshes holds this rank
         if graph is None:
             raise KeyError(f"compiled graph {command.graph_id} is not on rank {self.rank} (dropped, or defined "
                            "before this worker joined)")
