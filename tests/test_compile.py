@@ -4,6 +4,7 @@ cannot do is refused at capture, naming the line; a failure inside a replay name
 inside the compiled function."""
 from __future__ import annotations
 
+import json
 import random
 import re
 import zlib
@@ -231,6 +232,32 @@ def test_a_worker_that_joined_after_the_capture_skips_its_replays(mesh4):
     out = compiled(dtorch.ones(8, device_mesh=mesh4, placements=[Shard(0)]))
     assert torch.equal(out.to_torch(), torch.full((8,), 2.0)) and compiled.captures == 1
     dtorch.synchronize()   # the newcomer reported no missing graph
+
+
+def test_after_replace_lost_workers_a_compiled_function_captures_again():
+    """The replacing processes never saw the graph: the next call captures anew."""
+    from support import run_script
+    result = run_script("""
+        import json, os, signal, torch, dtorch
+        from dtorch.distributed_spec import init_device_mesh, Shard
+        mesh = init_device_mesh("cpu", (2,))
+        double = dtorch.compile(lambda x: x * 2)
+        double(dtorch.ones(4, device_mesh=mesh, placements=[Shard(0)]))
+        os.kill(dtorch.workers()[1]["pid"], signal.SIGKILL)
+        try:
+            dtorch.synchronize(timeout=30)
+        except dtorch.WorkerLostError:
+            pass
+        dtorch.replace_lost_workers(timeout=60)
+        out = double(dtorch.ones(4, device_mesh=mesh, placements=[Shard(0)])).to_torch()
+        again = double(dtorch.ones(4, device_mesh=mesh, placements=[Shard(0)])).to_torch()
+        dtorch.synchronize()
+        print(json.dumps({"out": out.tolist(), "again": again.tolist(), "captures": double.captures}))
+        dtorch.shutdown()
+    """, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"out": [2.0] * 4, "again": [2.0] * 4, "captures": 2}, report
 
 
 # --- errors ------------------------------------------------------------------------------------------

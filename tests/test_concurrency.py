@@ -69,6 +69,31 @@ def test_a_hundred_concurrent_fetches_in_one_event_loop(mesh4):
         assert torch.equal(result, torch.full((5, 3), 2.0 * i))
 
 
+def test_awaiting_a_read_leaves_the_event_loop_free(mesh4):
+    """`await x.fetch()` publishes the read from the loop's own thread (no wait there) and then
+    yields: other coroutines run while the workers compute."""
+    x = dtorch.ones(256, 256, device_mesh=mesh4, placements=[Shard(0)]) / 256
+    w = dtorch.ones(256, 256, device_mesh=mesh4, placements=[Replicate()]) / 256
+    for _ in range(60):
+        x = (x @ w).relu() + 0.001
+
+    async def read_while_ticking():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        value = await x.fetch()
+        ticker.cancel()
+        return value, ticks
+    value, ticks = asyncio.run(asyncio.wait_for(read_while_ticking(), 60))
+    assert value.shape == (256, 256) and ticks >= 3, ticks
+
+
 def test_a_read_while_another_thread_is_mid_batch(mesh4):
     """Reads on one thread while another issues a long run of small ops (the controller is
     mid-batch the whole time). Each read waits for the commands issued before it, no more. (The
