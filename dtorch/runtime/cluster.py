@@ -15,9 +15,7 @@ import time
 
 from ..errors import MeshError, StartupError, WorkerLostError
 from .protocol import lost_worker_key
-from dtorch_launcher.relays import relays_enabled
-
-from .local_relays import LocalRelays
+from .local_relays import LocalRelays, local_relays_enabled
 from .zygote import Zygote, ZygoteUnavailable, zygote_enabled
 
 __all__ = ["LocalWorker", "ForkedWorker", "LocalSpawner", "worker_config", "forward_lines", "WorkerRecord", "WorkerPool",
@@ -146,7 +144,7 @@ class LocalSpawner:
     def __init__(self):
         self._zygote: Zygote | None = None
         self._use_zygote = zygote_enabled()
-        self._relays = LocalRelays(relays_enabled())
+        self._relays = LocalRelays(local_relays_enabled())
 
     def host_for(self, rank: int) -> str:
         return "localhost"

@@ -21,7 +21,7 @@ import secrets
 import subprocess
 import sys
 
-__all__ = ["LOCAL_RELAY_GROUP", "LocalRelays", "LocalRelay"]
+__all__ = ["LOCAL_RELAY_GROUP", "LocalRelays", "LocalRelay", "local_relays_enabled"]
 
 LOCAL_RELAY_GROUP = 16
 _STOP_SECONDS = 5.0
@@ -92,3 +92,13 @@ class LocalRelays:
         for relay in relays:
             relay.wait()
 
+
+
+def local_relays_enabled() -> bool:
+    """DTORCH_RELAY, read by dtorch-launch's own switch (launcher/relays.py). A local session
+    also runs from a source tree where dtorch_launcher is not installed: relays stay on there."""
+    try:
+        from dtorch_launcher.relays import relays_enabled
+    except ImportError:
+        return True
+    return relays_enabled()
