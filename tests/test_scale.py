@@ -30,7 +30,7 @@ REPORT = """
     def relays():
         return [[r.ranks.start, r.ranks.stop, r.process.pid] for r in session._spawner.relays()]
     def kill_and_read(pid, x):
-        """SIGKILL `pid`, then read: (what the read raised, seconds until it did)."""
+        # SIGKILL `pid`, then read: (what the read raised, seconds until it did)
         import os, signal, time
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()

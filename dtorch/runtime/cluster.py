@@ -144,7 +144,7 @@ class LocalSpawner:
     def __init__(self):
         self._zygote: Zygote | None = None
         self._use_zygote = zygote_enabled()
-        self._relays = LocalRelays(local_relays_enabled())
+        self._relays = LocalRelays(local_relays_enabled(), forward_lines)
 
     def host_for(self, rank: int) -> str:
         return "localhost"

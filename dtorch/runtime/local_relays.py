@@ -28,8 +28,8 @@ _STOP_SECONDS = 5.0
 
 
 class LocalRelay:
-    def __init__(self, ranks: range, config: dict, env: dict):
-        from .cluster import forward_lines   # cluster imports this module: import at use
+    def __init__(self, ranks: range, config: dict, env: dict, forward_lines):
+        """forward_lines(stream, prefix, tail=): cluster's copy of a process's output to ours."""
         self.ranks = ranks
         directory = f"/tmp/dtorch-relay-{secrets.token_hex(8)}"
         self.address = f"ipc://{directory}/commands"
@@ -67,8 +67,8 @@ class LocalRelay:
 
 
 class LocalRelays:
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, forward_lines):
+        self.enabled, self._forward_lines = enabled, forward_lines
         self._by_group: dict[int, LocalRelay] = {}
 
     def route(self, rank: int, config: dict, env: dict) -> tuple[dict, LocalRelay | None]:
@@ -79,7 +79,7 @@ class LocalRelays:
         relay = self._by_group.get(group)
         if relay is None or relay.loss() is not None:
             ranks = range(group * LOCAL_RELAY_GROUP, (group + 1) * LOCAL_RELAY_GROUP)
-            relay = self._by_group[group] = LocalRelay(ranks, config, env)
+            relay = self._by_group[group] = LocalRelay(ranks, config, env, self._forward_lines)
         return {**config, "relay_address": relay.address}, relay
 
     def all(self) -> list[LocalRelay]:
