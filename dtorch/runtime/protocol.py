@@ -457,7 +457,7 @@ def decode_placement(code: int) -> Placement:
 def encode_batch(first_seq: int, commands: list) -> list[bytes]:
     """A batch: commands go as [opcode, *fields] rows in one msgpack body."""
     header = encode(Batch(first_seq, len(commands)))
-    body = _packer.pack([command_row(c) for c in commands])
+    body = _packer.pack([(OPCODE[type(c)],) + tuple(c) for c in commands])   # command_row, inline: per command
     return [TOPIC_ALL, header, body]
 
 

@@ -456,8 +456,8 @@ class Worker:
         if graph is None and command.defined_seq < self.start_seq:
             return   # defined before this worker joined: none of the graph's meshes holds this rank
         if graph is None:
-            raise KeyError(f"compiled graph {command.graph_id} is not on rank {self.rank} (dropped, or defined "
-                           "before this worker joined)")
+            raise KeyError(f"compiled graph {command.graph_id} is not on rank {self.rank} (dropped, or this "
+                           "process replaced a lost worker after the graph was defined)")
         graphs.replay(graph, command, (self.tensors, self.poisoned, self.in_flight), self._run_command)
 
     def handle_drop_graph(self, command: wire.DropGraph) -> None:
