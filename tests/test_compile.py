@@ -224,14 +224,24 @@ def test_compiled_inside_compiled_is_part_of_the_outer_capture(mesh4):
     assert outer.captures == 1 and inner.captures == 0
 
 
-def test_a_worker_that_joined_after_the_capture_skips_its_replays(mesh4):
-    from dtorch.distributed_spec import init_device_mesh
-    compiled = dtorch.compile(lambda x: x * 2)
-    compiled(dtorch.ones(8, device_mesh=mesh4, placements=[Shard(0)]))
-    init_device_mesh("cpu", (len(dtorch.workers()) + 1,))   # one more worker joins the pool
-    out = compiled(dtorch.ones(8, device_mesh=mesh4, placements=[Shard(0)]))
-    assert torch.equal(out.to_torch(), torch.full((8,), 2.0)) and compiled.captures == 1
-    dtorch.synchronize()   # the newcomer reported no missing graph
+def test_a_worker_that_joined_after_the_capture_skips_its_replays():
+    """Its own session: growing the shared pool would change what other tests see."""
+    from support import run_script
+    result = run_script("""
+        import json, dtorch
+        from dtorch.distributed_spec import init_device_mesh, Shard
+        mesh = init_device_mesh("cpu", (2,))
+        double = dtorch.compile(lambda x: x * 2)
+        double(dtorch.ones(8, device_mesh=mesh, placements=[Shard(0)]))
+        init_device_mesh("cpu", (3,))   # one more worker joins the pool
+        out = double(dtorch.ones(8, device_mesh=mesh, placements=[Shard(0)])).to_torch()
+        dtorch.synchronize()   # the newcomer reported no missing graph
+        print(json.dumps({"out": out.tolist(), "captures": double.captures, "workers": len(dtorch.workers())}))
+        dtorch.shutdown()
+    """, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"out": [2.0] * 8, "captures": 1, "workers": 3}, report
 
 
 def test_after_replace_lost_workers_a_compiled_function_captures_again():
