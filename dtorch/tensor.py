@@ -16,7 +16,7 @@ from .errors import MeshError, UnsupportedOpError
 from .ops.unsupported import NOTES, is_inplace_name, unsupported_method, unsupported_op
 from .ops import REGISTRY, cached_plan
 from .ops.conversions import to_target
-from .ops.dispatch import is_strict, map_tensors
+from .ops.dispatch import PLAIN_TYPES, is_strict, map_tensors
 from .ops.one_device import join_target
 from .ops.operators import BINARY_OPERATORS, UNARY_OPERATORS
 from .ops.tensor_meta import TensorMeta, check_placements, shape_argument, tensor_meta
@@ -481,7 +481,6 @@ def _land_for_backward(source: DTensor, landed: DTensor) -> DTensor:
     return view
 
 
-_PLAIN_ARGS = frozenset((int, float, bool, str, type(None)))
 
 def _grad_nodes(args: tuple, kwargs: dict) -> tuple:
     """The nodes of the inputs that require grad (top-level tensors first: the common case, in
@@ -489,7 +488,7 @@ def _grad_nodes(args: tuple, kwargs: dict) -> tuple:
     nodes, nested = [], bool(kwargs)
     for a in args:
         kind = type(a)
-        if kind is DTensor or (kind not in _PLAIN_ARGS and isinstance(a, DTensor)):
+        if kind is DTensor or (kind not in PLAIN_TYPES and isinstance(a, DTensor)):
             if a._node is not None:
                 nodes.append(a._node)
         elif kind is list or kind is tuple:

@@ -62,7 +62,7 @@ def signature(op: RegisteredOp, args: tuple, kwargs: dict, specs: list) -> tuple
     `specs` collects the tensor specs in that same order."""
     key = [op.name]
     for a in args:
-        if type(a) in _PLAIN:   # a scalar: no attribute lookup (a failed getattr raises inside)
+        if type(a) in PLAIN_TYPES:   # a scalar: no attribute lookup (a failed getattr raises inside)
             key.append(_plain_key(a, op.scalars_by_type))
             continue
         spec = getattr(a, "_meta", None)
@@ -76,7 +76,7 @@ def signature(op: RegisteredOp, args: tuple, kwargs: dict, specs: list) -> tuple
     return tuple(key)
 
 
-_PLAIN = frozenset((int, float, bool, str, type(None)))   # exact types: keyed without attribute lookups
+PLAIN_TYPES = frozenset((int, float, bool, str, type(None)))   # exact types: never tensors, no attribute lookups
 
 
 def _plain_key(value, scalars_by_type: bool):
@@ -89,7 +89,7 @@ def _plain_key(value, scalars_by_type: bool):
 
 
 def _key_of(value, specs: list, scalars_by_type: bool):
-    if type(value) in _PLAIN:
+    if type(value) in PLAIN_TYPES:
         return _plain_key(value, scalars_by_type)
     spec = getattr(value, "_meta", None)
     if spec is not None:
