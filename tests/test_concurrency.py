@@ -185,7 +185,7 @@ def test_soak_memory_flat_tensors_return_and_no_message_lost(mesh4, mesh22):
     live_start, live_end = [t for t, _ in start_state], [t for t, _ in end_state]
     assert live_end == live_start, (live_start, live_end)
     assert after["messages_rejected"] == before["messages_rejected"]
-    assert after["pending_reads"] == 0
+    assert after["pending_reads"] == before["pending_reads"]   # its own reads all answered
     # Memory: after the first round (allocator warm-up), growth over the rest stays under 64 MiB
     # per process; the slope is printed for the note (pytest -s).
     first, last = samples[0], samples[-1]

@@ -105,3 +105,26 @@ def test_version_mismatch_is_refused_with_a_reason(session):
     finally:
         context.destroy(linger=0)
 
+
+
+def test_an_error_report_that_overtakes_the_publish_call_still_reaches_the_read(mesh4, monkeypatch):
+    """A worker can run a batch and report its failure before the thread that published the batch
+    returns from the send (CI saw it: a read of a failed replay hung). The report must count as
+    one for a command that was sent."""
+    import time
+    from dtorch.runtime import session as runtime_session
+    controller = runtime_session.controller()
+    dtorch.synchronize()
+    send = controller.sockets.publish
+
+    def slow_to_return(frames, copy=True):
+        send(frames, copy)
+        time.sleep(0.2)   # the workers run the batch and report meanwhile
+    monkeypatch.setattr(controller.sockets, "publish", slow_to_return)
+    monkeypatch.setattr(controller, "_flush_soon", lambda: None)   # the read's own thread publishes it all
+    rejected = dtorch.stats()["messages_rejected"]
+    _, quotient = _failing_division(mesh4)
+    with pytest.raises(RemoteError, match="div"):
+        quotient.fetch().result(timeout=30)
+    monkeypatch.undo()
+    assert dtorch.stats()["messages_rejected"] == rejected

@@ -395,8 +395,11 @@ class Controller:
         for seq, sends in private.items():
             for rank, frame in sends:
                 self.sockets.publish([wire.topic_for_rank(rank), wire.encode(wire.Private(seq)), frame], copy=False)
-        self.sockets.publish(wire.encode_batch(batch[0].seq, batch))
+        # Raised before the send: a worker may run the batch and report an error for one of its
+        # commands before this thread returns from publish, and the loop thread checks the report's
+        # seq against this bound (a report under the old bound would be rejected and its read hang).
         self._published_upto = batch[-1].seq + wire.span(batch[-1])
+        self.sockets.publish(wire.encode_batch(batch[0].seq, batch))
         self.commands_sent += len(batch)
         self.batches_sent += 1
         if recorder is not None:
