@@ -2,7 +2,7 @@
 (transformers' weights), dtorch against the hand-written multi-controller program in
 torch.distributed Gloo processes on the same machine, in the same run (train_baselines.py):
 
-  1 worker   dtorch on a (1,) mesh against transformers + torch.optim.AdamW in this process
+  1 worker   dtorch on a (1,) mesh against transformers + torch.optim.AdamW in one process of its own
   dp4        ("dp",) of 4 against DistributedDataParallel over 4 processes; also with the whole
              step as one dtorch.compile'd function (goal: within 1.05x of DDP)
   fsdp4      ("fsdp",) of 4 (dtorch.nn.fully_shard per layer and root) against FSDP2's
@@ -16,8 +16,9 @@ A sample is one step after two warm-up steps: dtorch's from the forward call to 
 torch layout's the slowest rank's, after a barrier. Each dtorch layout's first loss is checked
 against transformers' on the same weights and batch, outside the timer.
 
-Memory: every process (dtorch's workers, torch's ranks) starts with MALLOC_MMAP_THRESHOLD_ set
-(process_memory.py). Its resident set is read before the layout's model is built (idle: torch,
+Memory: every timed process (dtorch's workers, torch's ranks, the 1-process reference: all
+started alike, since freeing large buffers to the OS costs page faults a reused heap does not,
+~30% of a step here) starts with MALLOC_MMAP_THRESHOLD_ set (process_memory.py). Its resident set is read before the layout's model is built (idle: torch,
 the libraries, earlier layouts' leftovers) and its peak-RSS mark (VmHWM) is reset after the
 warm-up steps (the model, the optimizer state and the allocator's working set exist by then).
 The note gives, for the process with the highest peak during the timed steps, the peak and its
@@ -44,7 +45,7 @@ from .local_ranks import run_ranks
 from .process_memory import busy_seconds, peak_mib, reset_peak, returned_buffers, rss_mib
 from .timing import Row, failed, guarded, median, not_installed, repeat, stopwatch
 from .train_baselines import TP_RANKS as TP_WORLD
-from .train_baselines import tiny_fields, train_rank
+from .train_baselines import one_process, tiny_fields, train_rank
 
 NAME = "llama_train"
 TITLE = "10. Llama training step (forward, backward, AdamW, zero_grad)"
@@ -106,7 +107,8 @@ def run(suite) -> list[Row]:
         finally:
             dtorch_session.close()   # the peers get the cores to themselves, as dtorch's workers do
         peers = _peer_rows(suite, fields, case)
-    rows = [guarded(lambda: _one_process_row(suite, fields, case), NAME, case, ONE_PROCESS, PER)]
+        one = guarded(lambda: _one_process_row(suite, fields, case), NAME, case, ONE_PROCESS, PER)
+    rows = [one]
     for layout in layouts(suite):   # each peer row just before the first dtorch row that refers to it
         rows += [peers.pop(key) for key, variant in peer_variants(suite.train_world).items()
                  if variant == layout.reference and key in peers]
@@ -242,22 +244,11 @@ def _bubble_note(busy_per_step: float, step: float, stages: int, microbatches: i
 
 # --- torch ---------------------------------------------------------------------------------------------------
 def _one_process_row(suite, fields: dict, case: str) -> Row:
-    import torch
-    model, ids = _reference(fields, suite)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # as each dtorch worker and each peer rank runs
-
-    def once() -> float:
-        elapsed = stopwatch()
-        model(ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return elapsed()
-    try:
-        return Row(NAME, case, ONE_PROCESS, PER, repeat(once, suite.train_reps, warmup=WARMUP_STEPS))
-    finally:
-        torch.set_num_threads(threads)
+    """transformers + AdamW in a process of its own, started as the workers and ranks are."""
+    (result,) = run_ranks(one_process, 1, (fields, suite.train_batch, suite.train_seq, suite.train_reps,
+                                           WARMUP_STEPS), suite.process_timeout_s)
+    return Row(NAME, case, ONE_PROCESS, PER, result["samples"],
+               note=memory_note([result["peak_mib"]], [result["idle_mib"]]))
 
 
 def _peer_rows(suite, fields: dict, case: str) -> dict[str, Row]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from .process_memory import peak_mib, reset_peak, rss_mib
 from .timing import repeat, stopwatch
 
-__all__ = ["train_rank", "tiny_fields", "TP_RANKS"]
+__all__ = ["train_rank", "one_process", "tiny_fields", "TP_RANKS"]
 
 TP_RANKS = 2
 
@@ -39,6 +39,13 @@ def train_rank(rank: int, world: int, fields: dict, batch: int, seq: int, reps: 
                                 barrier=lambda: dist.barrier(tp_group))
     dist.barrier()   # ranks 2 and 3 sleep here while 0 and 1 run TP
     return results
+
+
+def one_process(rank: int, world: int, fields: dict, batch: int, seq: int, reps: int, warmup: int) -> dict:
+    """transformers' model and torch.optim.AdamW in one process (world 1): the 1-worker row's
+    reference, in a process started like every other timed one (one thread, the same malloc
+    settings: a process that frees large buffers to the OS pays page faults a reused heap does not)."""
+    return _warmed(_model, fields, _batch(fields, batch, seq), reps, warmup, barrier=lambda: None)
 
 
 def tiny_fields(fields: dict) -> dict:

@@ -159,12 +159,13 @@ class DeviceMesh:
 
     def group_along(self, rank: int, mesh_dim: int) -> tuple[int, ...]:
         """The ranks that differ from `rank` only along `mesh_dim`, in coordinate order."""
-        coordinate = list(self.coordinate_of(rank))
-        group = []
-        for i in range(self.shape[mesh_dim]):
-            coordinate[mesh_dim] = i
-            group.append(self.rank_at(coordinate))
-        return tuple(group)
+        return self.group_over(rank, (mesh_dim,))
+
+    def group_over(self, rank: int, mesh_dims: Sequence[int]) -> tuple[int, ...]:
+        """The ranks that differ from `rank` only along `mesh_dims`, in coordinate order."""
+        mine = self.coordinate_of(rank)
+        return tuple(r for r in self._flat
+                     if all(c == m for d, (c, m) in enumerate(zip(self.coordinate_of(r), mine)) if d not in mesh_dims))
 
     # --- sub-meshes -----------------------------------------------------------------------
     def __getitem__(self, index) -> "DeviceMesh":

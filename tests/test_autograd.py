@@ -29,16 +29,20 @@ def test_a_replicated_weight_with_a_batch_sharded_input_gets_the_global_batch_gr
     torch.testing.assert_close(dw.grad.to_torch(), reference.grad)
 
 
-def test_gradients_accumulate_and_are_reduced_once_per_read(mesh4):
+def test_gradients_accumulate_and_under_no_sync_are_reduced_once_per_read(mesh4):
     w = _up(torch.randn(4, 3), mesh4, [Replicate()], requires_grad=True)
     x = dtorch.randn(8, 4, device_mesh=mesh4, placements=[Shard(0)])
     (x @ w).sum().backward()
     first = w.grad.to_torch()
     before = dtorch.stats()["commands_sent"]
-    (x @ w).sum().backward()
-    (x @ w).sum().backward()
+    with dtorch.autograd.no_sync():
+        (x @ w).sum().backward()
+        (x @ w).sum().backward()
+    assert w._node.grad.placements == (Partial(),)   # pending: the read reduces it, once
     assert dtorch.stats()["commands_sent"] - before < 20   # two forwards and backwards, no per-op reduction
     torch.testing.assert_close(w.grad.to_torch(), 3 * first)
+    (x @ w).sum().backward()        # outside no_sync: reduced by this backward, the earlier sum included
+    torch.testing.assert_close(w.grad.to_torch(), 4 * first)
     w.grad = None
     assert w.grad is None
     (x @ w).sum().backward()
@@ -201,3 +205,71 @@ def test_ring_attention_gradients_equal_torch(causal, gqa, mesh4):
     (expected * weights).sum().backward()
     for got, want in zip(leaves, reference):
         torch.testing.assert_close(got.grad.to_torch(), want.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_data_parallel_gradients_are_reduced_inside_the_backward(mesh4):
+    """A Replicate weight's gradient comes out of the Backward already reduced (the workers
+    all-reduce it in buckets while the backward runs, as DDP does): reading it costs no command."""
+    w, b, x = torch.randn(6, 5), torch.randn(5), torch.randn(10, 6)   # 10 rows: uneven over 4 ranks
+    dw, db = _up(w, mesh4, [Replicate()], requires_grad=True), _up(b, mesh4, [Replicate()], requires_grad=True)
+    (_up(x, mesh4, [Shard(0)]) @ dw + db).tanh().mean().backward()
+    tw, tb = w.clone().requires_grad_(), b.clone().requires_grad_()
+    (x @ tw + tb).tanh().mean().backward()
+    before = dtorch.stats()["commands_sent"]
+    grads = dw.grad, db.grad
+    assert dtorch.stats()["commands_sent"] == before
+    assert [g.placements for g in grads] == [(Replicate(),)] * 2
+    torch.testing.assert_close(grads[0].to_torch(), tw.grad)
+    torch.testing.assert_close(grads[1].to_torch(), tb.grad)
+
+
+def test_module_no_sync_is_ddps_spelling(mesh4):
+    layer = dtorch.nn.Linear(4, 3, device_mesh=mesh4)
+    x = dtorch.randn(8, 4, device_mesh=mesh4, placements=[Shard(0)])
+    with layer.no_sync():
+        layer(x).sum().backward()
+    assert layer.weight._node.grad.placements == (Partial(),)
+    layer(x).sum().backward()
+    torch.testing.assert_close(layer.weight.grad.to_torch(), 2 * x.to_torch().sum(0).expand(3, 4))
+
+
+@pytest.mark.parametrize("one_leaf_per_bucket", [False, True])
+def test_gradient_buckets_meet_the_backwards_own_collectives_on_a_2d_mesh(mesh22, one_leaf_per_bucket, monkeypatch):
+    """Buckets go out while the backward still runs collectives of the same ranks (the dual of a
+    P(sum) -> R all-reduce between the layers, a tp weight's reduction over "tp"): a group of
+    their own keeps every rank's order the same. One leaf per bucket makes every leaf a launch."""
+    if one_leaf_per_bucket:
+        monkeypatch.setattr(dtorch.autograd.rules, "FIRST_BUCKET_BYTES", 1)
+        monkeypatch.setattr(dtorch.autograd.rules, "BUCKET_BYTES", 1)
+    torch.manual_seed(3)
+    x, w1, w2, w3, s = torch.randn(6, 4), torch.randn(4, 8), torch.randn(8, 5), torch.randn(5, 5), torch.randn(5)
+    dx = _up(x, mesh22, [Shard(0), Replicate()])
+    d1 = _up(w1, mesh22, [Replicate(), Shard(1)], requires_grad=True)     # column parallel over "tp"
+    d2 = _up(w2, mesh22, [Replicate(), Shard(0)], requires_grad=True)     # row parallel: P(sum) out
+    d3 = _up(w3, mesh22, [Replicate(), Replicate()], requires_grad=True)
+    ds = _up(s, mesh22, [Replicate(), Replicate()], requires_grad=True)
+    h = (dx @ d1).relu() @ d2                                            # [S(0), P(sum)]
+    h = h.redistribute(placements=[Shard(0), Replicate()])                # all-reduce; backward: its dual
+    ((h * ds).tanh() @ d3).pow(2).mean().backward()
+    leaves = [t.clone().requires_grad_() for t in (w1, w2, w3, s)]
+    t1, t2, t3, ts = leaves
+    (((x @ t1).relu() @ t2 * ts).tanh() @ t3).pow(2).mean().backward()
+    for ours, theirs in zip((d1, d2, d3, ds), leaves):
+        assert ours.grad.placements == ours.placements
+        torch.testing.assert_close(ours.grad.to_torch(), theirs.grad)
+
+
+def test_a_gradient_held_across_the_next_backward_keeps_its_value(mesh4):
+    """Workers keep their gradient bucket buffers from one backward to the next, but reuse one
+    only when no gradient view of it is alive: a gradient the user holds is never overwritten."""
+    w = _up(torch.randn(4, 3), mesh4, [Replicate()], requires_grad=True)
+    x = dtorch.randn(8, 4, device_mesh=mesh4, placements=[Shard(0)])
+    for _ in range(2):   # the second round reuses the first round's buffer (nothing holds it by then)
+        w.grad = None
+        (x @ w).sum().backward()
+    kept = w.grad
+    value = kept.to_torch()
+    w.grad = None
+    ((x @ w) * 3).sum().backward()
+    torch.testing.assert_close(w.grad.to_torch(), 3 * value)
+    assert torch.equal(kept.to_torch(), value)

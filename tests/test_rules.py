@@ -280,3 +280,22 @@ def test_operator_rows_reach_registered_ops():
     from dtorch.ops.operators import BINARY_OPERATORS, SPELLINGS, UNARY_OPERATORS
     assert set(BINARY_OPERATORS.values()) | set(UNARY_OPERATORS.values()) <= set(REGISTRY)
     assert SPELLINGS["add"] == "+" and SPELLINGS["rsub"] == "scalar - x" and SPELLINGS["bitwise_and"] == "&"
+
+
+def test_reduction_buckets_newest_first_by_dims_and_dtype_within_budget(monkeypatch):
+    """autograd.rules.reduction_buckets: which leaves' gradients a backward all-reduces, over
+    which mesh dims, in which launch order (pure: no workers)."""
+    from types import SimpleNamespace
+    from dtorch.autograd import rules
+
+    def leaf(placements, numel, dtype=torch.float32):
+        return SimpleNamespace(placements=placements, numel=lambda: numel, dtype=dtype)
+    R, S0 = Replicate(), Shard(0)
+    leaves = [leaf([R, R], 10), leaf([R, S0], 10), leaf([S0, S0], 10), leaf([R, R], 10, torch.bfloat16),
+              leaf([R, R], 10), leaf([R, R], 10)]
+    assert rules.reduction_buckets(leaves, (2, 2)) == [((0, 1), [5, 4, 0]), ((0, 1), [3]), ((0,), [1])]
+    assert rules.reduction_buckets(leaves, (2, 1)) == [((0,), [5, 4, 1, 0]), ((0,), [3])]   # size-1 dims drop out
+    assert rules.reduction_buckets(leaves, (1, 1)) == []
+    monkeypatch.setattr(rules, "FIRST_BUCKET_BYTES", 40)   # the first bucket closes at its budget
+    monkeypatch.setattr(rules, "BUCKET_BYTES", 80)
+    assert rules.reduction_buckets(leaves, (2, 2))[:2] == [((0, 1), [5]), ((0, 1), [4, 0])]

@@ -102,9 +102,12 @@ def test_gradient_accumulation_and_clipping(reference, session):
     torch_model.load_state_dict(initial)
     model = _model(initial, "dp2xtp2")
     ids = batches()[0]
-    for half in ids.chunk(2):
+    first, second = ids.chunk(2)
+    for half in (first, second):
         (torch_model(half, labels=half).loss / 2).backward()
-        (model(half, labels=half).loss / 2).backward()
+    with model.no_sync():   # DDP's pattern: the first half accumulates unreduced
+        (model(first, labels=first).loss / 2).backward()
+    (model(second, labels=second).loss / 2).backward()   # reduces both halves' sum
     expected = torch.nn.utils.clip_grad_norm_(torch_model.parameters(), 0.5)
     total = dtorch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     assert total.item() == pytest.approx(expected.item(), rel=1e-5)
@@ -194,10 +197,10 @@ ONE_RANK_FAILS_IN_BACKWARD = """
     import dtorch
     from dtorch import Replicate, Shard
     mesh = dtorch.init_device_mesh("cpu", (4,))
-    w = dtorch.tensor(torch.randn(6, 6), device_mesh=mesh, placements=[Shard(0)], requires_grad=True)
+    w = dtorch.tensor(torch.randn(6, 6), device_mesh=mesh, placements=[PLACEMENT], requires_grad=True)
     x = dtorch.randn(8, 6, device_mesh=mesh, placements=[Shard(0)])
     start = time.monotonic()
-    (x @ w.redistribute(placements=[Replicate()])).sum().backward()   # backward: a reduce-scatter
+    (x @ w.redistribute(placements=[Replicate()])).sum().backward()   # S(0): a reduce-scatter; R: a bucket
     try:
         w.grad.to_torch()
         error = None
@@ -211,12 +214,14 @@ ONE_RANK_FAILS_IN_BACKWARD = """
 """
 
 
-def test_one_rank_failing_in_backward_stops_the_others_waiting():
+@pytest.mark.parametrize("placement", ["Shard(0)", "Replicate()"])
+def test_one_rank_failing_in_backward_stops_the_others_waiting(placement):
     """Rank 2's backward fails (injected) while ranks 0, 1 and 3 wait for it in the backward's
-    reduce-scatter: they stop within a second, the error names rank 2, and the next backward works."""
+    reduce-scatter (a Shard(0) weight) or in its gradient bucket's all-reduce (a Replicate
+    weight): they stop within seconds, the error names rank 2, and the next backward works."""
     import json
     from support import run_script
-    result = run_script(ONE_RANK_FAILS_IN_BACKWARD, timeout=150)
+    result = run_script(ONE_RANK_FAILS_IN_BACKWARD.replace("PLACEMENT", placement), timeout=150)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["error"] and "injected failure in backward on rank 2" in report["error"], report

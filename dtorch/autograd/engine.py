@@ -10,6 +10,9 @@ works on one microbatch's backward while stage s-1 works on the one before.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 from ..errors import user_site
 from ..factories import ones
 from ..recording import HopNode, Leaf, OpNode, no_grad
@@ -19,9 +22,28 @@ from ..runtime.protocol import Backward, SetGrads
 from ..distributed_spec import Replicate
 from ..tensor import DTensor, call_op
 from ..ops.tensor_meta import tensor_meta
-from .rules import gradient_placements
+from .rules import gradient_placements, reduction_buckets
 
-__all__ = ["backward", "backward_stages", "grad", "leaf_grad", "set_leaf_grad", "reduce_gradients"]
+__all__ = ["backward", "backward_stages", "grad", "leaf_grad", "set_leaf_grad", "reduce_gradients", "no_sync"]
+
+
+class _Sync(threading.local):   # per thread, as grad mode is
+    deferred = False
+
+
+_sync = _Sync()
+
+
+@contextlib.contextmanager
+def no_sync():
+    """Backward calls inside accumulate data-parallel gradients without reducing them (DDP's
+    no_sync): the reduction then happens once, when the gradients are read (an optimizer step,
+    `param.grad`). Outside it, each backward all-reduces them while it runs."""
+    before, _sync.deferred = _sync.deferred, True
+    try:
+        yield
+    finally:
+        _sync.deferred = before
 
 
 def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None) -> None:
@@ -39,7 +61,10 @@ def _backward(tensors, grad_tensors, retain_graph, create_graph, inputs) -> None
     pending, walked = [(roots, seeds)], []
     while pending:
         roots, seeds = pending.pop()
-        hops, reached = _run_segment(roots, seeds, retain, only, shared, drop_hops=not retain)
+        # Data-parallel gradients are reduced inside a backward that is one segment: across
+        # pipeline hops a leaf may gain more gradient from a later segment, so those wait for the read.
+        reduce = not walked and not _sync.deferred
+        hops, reached = _run_segment(roots, seeds, retain, only, shared, drop_hops=not retain, reduce=reduce)
         walked.append(reached)
         pending += reversed(hops)
     if not retain:
@@ -232,20 +257,30 @@ def _shared_nodes(starts: list) -> set:
     return {key for key, count in counts.items() if count > 1}
 
 
-def _run_segment(roots, seeds, retain: bool, only, shared: set, drop_hops: bool) -> tuple[list, _Reached]:
+def _run_segment(roots, seeds, retain: bool, only, shared: set, drop_hops: bool,
+                 reduce: bool = False) -> tuple[list, _Reached]:
     """Backward on the roots' mesh up to its leaves and hops; returns the (roots, seeds) each hop
     continues with on its source mesh, and what the walk reached. With drop_hops (no second
     backward will cross them) each hop lets go of its two ends, so the workers free them, and
-    what hangs off them, as soon as the continuation has run rather than when the loss goes."""
+    what hangs off them, as soon as the continuation has run rather than when the loss goes.
+    With `reduce` and no hops, Replicate leaves' gradients are all-reduced in buckets while the
+    workers' backward runs (rules.reduction_buckets) and come out in their tensors' placements."""
     mesh = roots[0].device_mesh
     reached = _walk(roots, only, mesh)
     retain = retain or any(id(node) in shared for node in reached.nodes)
     controller = roots[0]._controller
-    grads = [_accumulator(leaf) for leaf in reached.leaves]
+    leaves = sorted(reached.leaves, key=lambda t: t._id)   # creation order: the buckets' order
+    buckets = reduction_buckets(leaves, mesh.shape) if reduce and not reached.hops else []
+    reduced = {i: dims for dims, members in buckets for i in members}
+    grads = [_accumulator(leaf, reduced.get(i, ())) for i, leaf in enumerate(leaves)]
     landed_ids = controller.new_ids(len(reached.hops))
-    controller.submit(Backward, controller.define_mesh(mesh), _ids(roots), _ids(seeds),
-                      _ids(reached.leaves) + tuple(hop.landed._id for hop in reached.hops),
-                      _ids(grads) + landed_ids, "backward", retain)
+    seq = controller.submit(Backward, controller.define_mesh(mesh), _ids(roots), _ids(seeds),
+                            _ids(leaves) + tuple(hop.landed._id for hop in reached.hops),
+                            _ids(grads) + landed_ids, "backward", retain,
+                            tuple((dims, tuple(members)) for dims, members in buckets))
+    for i in reduced:   # bound on the workers by the Backward itself
+        leaves[i]._node.grad = grads[i]
+        grads[i]._seq = seq
     if reached.hops:   # a landed tensor's gradient is taken, not kept accumulating on its leaf
         controller.submit(SetGrads, tuple(hop.landed._id for hop in reached.hops), (-1,) * len(reached.hops))
     continuations = [_hop_back(hop, landed_id, controller) for hop, landed_id in zip(reached.hops, landed_ids)]
@@ -256,11 +291,21 @@ def _run_segment(roots, seeds, retain: bool, only, shared: set, drop_hops: bool)
     return continuations, reached
 
 
-def _accumulator(tensor: DTensor) -> DTensor:
+def _accumulator(tensor: DTensor, reduced_dims: tuple = ()) -> DTensor:
     """The DTensor a leaf's gradient accumulates into on the workers, in gradient placements: a
-    gradient read since the last backward (hence reduced) goes back to them first."""
+    gradient read since the last backward (hence reduced) goes back to them first. With
+    `reduced_dims` the backward all-reduces it over those dims: what it returns is then a new
+    DTensor, Replicate there, that the caller binds after the Backward (the workers bind it there)."""
     leaf, wanted = tensor._node, gradient_placements(tensor.placements)
     _touch(leaf)   # a capture's backward builds on this gradient (or on none): a replay needs the same
+    if reduced_dims:
+        if leaf.grad is not None and leaf.grad.placements != wanted:
+            with no_grad():   # the sum to reduce is this gradient's pending form plus the new parts
+                _bind(tensor, leaf, leaf.grad.redistribute(placements=wanted))
+        placements = [Replicate() if dim in reduced_dims else p for dim, p in enumerate(wanted)]
+        controller = tensor._controller
+        return DTensor(controller.new_id(), tensor_meta(tensor.shape, tensor.dtype, tensor.device_mesh, placements),
+                       -1, controller)
     if leaf.grad is None:
         controller = tensor._controller
         spec = tensor_meta(tensor.shape, tensor.dtype, tensor.device_mesh, wanted)

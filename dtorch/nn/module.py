@@ -143,6 +143,12 @@ class Module(torch.nn.Module):
                 self._buffers[name] = fn(buffer)
         return self
 
+    def no_sync(self):
+        """DDP's spelling of dtorch.autograd.no_sync(): backward calls inside it accumulate the
+        data-parallel gradients unreduced (gradient accumulation); the step reduces them once."""
+        from ..autograd import no_sync   # nn sits beside autograd; the import is deferred to the call
+        return no_sync()
+
     def to(self, *args, **kwargs):
         """module.to(dtype) casts floating-point tensors; module.to(device_mesh) (or
         to(device_mesh=...)) moves every tensor to another mesh of the same number of dims,

@@ -3,25 +3,31 @@ graph. The forward recorded every local op (RunOp with `grad`) and every redistr
 autograd Function whose backward is the dual collective (kernels.DifferentiableStep), so one
 engine run per rank computes every local gradient, and the collectives meet in the same order on
 every rank: the engine runs nodes in reverse creation order, and every rank created the same
-communication nodes in the same order.
+communication nodes in the same order. Data-parallel gradients are all-reduced in buckets while
+the engine runs (grad_buckets.py).
 """
 from __future__ import annotations
 
 import torch
 
 from . import protocol as wire
+from .grad_buckets import BucketBuffers, BucketReducer
 
 __all__ = ["run_backward", "connect_outputs"]
 
 
-def run_backward(tensors: dict, roots: list, seeds: list, command: wire.Backward) -> None:
+def run_backward(tensors: dict, roots: list, seeds: list, command: wire.Backward, comm, mesh, rank: int,
+                 buffers: BucketBuffers) -> None:
     if command.mode == "grad":
         inputs = [tensors[i] for i in command.inputs]
         found = torch.autograd.grad(roots, inputs, seeds, retain_graph=command.retain_graph, allow_unused=True)
         for out_id, tensor, grad in zip(command.out_ids, inputs, found):
             tensors[out_id] = _dense(grad, tensor)
         return
-    torch.autograd.backward(roots, seeds, retain_graph=command.retain_graph)
+    inputs = [tensors[i] for i in command.inputs]
+    with BucketReducer(comm, mesh, rank, inputs, command.buckets, buffers) as reducer:
+        torch.autograd.backward(roots, seeds, retain_graph=command.retain_graph)
+        reducer.finish()
     for leaf_id, out_id in zip(command.inputs, command.out_ids):
         leaf = tensors[leaf_id]
         if leaf.grad is None or leaf.grad._is_zerotensor():

@@ -74,6 +74,19 @@ class Communicator(Protocol):
         by len(ranks). The result may be `tensor` itself, overwritten: use the returned tensor.
         NCCL raises TypeError, before any member waits, for a dtype it cannot reduce."""
 
+    background_collectives: bool
+    """Whether start_all_reduce runs beside the caller's other collectives of the same ranks:
+    True for Gloo (a group of its own, and Gloo's own threads); False for NCCL, whose calls on
+    one stream must come in one order on every member, so its callers start only after the rest."""
+
+    def start_all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str):
+        """all_reduce begun now, finished by calling what this returns (which returns what
+        all_reduce would). Call prepare_background(ranks) at a point every member reaches alike
+        first: creating a group waits for every member."""
+
+    def prepare_background(self, ranks: tuple) -> None:
+        """Create what start_all_reduce on `ranks` needs (collectively)."""
+
     def all_gather(self, ranks: tuple, tensor: torch.Tensor) -> torch.Tensor:
         """Every member's `tensor`, stacked in member order on a new dim 0, in a new buffer."""
 
@@ -243,6 +256,21 @@ class GlooCommunicator:
     def all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
         self._run(ranks, self.group(ranks).allreduce([tensor], _allreduce_options(reduce_op)))
         return finish_reduction(tensor, reduce_op, ranks)
+
+    background_collectives = True
+
+    def prepare_background(self, ranks: tuple) -> None:
+        self.group(ranks, "background")
+
+    def start_all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str):
+        """On a group of `ranks` that carries only these, so they meet in their own order
+        whatever the caller's other collectives do meanwhile (Gloo's threads run them)."""
+        work = self.group(ranks, "background").allreduce([tensor], _allreduce_options(reduce_op))
+
+        def finish() -> torch.Tensor:
+            self._run(ranks, work)
+            return finish_reduction(tensor, reduce_op, ranks)
+        return finish
 
     def all_gather(self, ranks: tuple, tensor: torch.Tensor) -> torch.Tensor:
         """Every member's `tensor` (same shape everywhere), stacked on a new dim 0 in one buffer."""

@@ -135,6 +135,16 @@ class NcclCommunicator:
             comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), kind, op, stream)
         return finish_reduction(tensor, reduce_op, ranks)
 
+    background_collectives = False   # one stream, one order: see Communicator.background_collectives
+
+    def prepare_background(self, ranks: tuple) -> None:
+        self.group(ranks)
+
+    def start_all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str):
+        """Enqueued at once on the current stream, like every NCCL call."""
+        result = self.all_reduce(ranks, tensor, reduce_op)
+        return lambda: result
+
     def all_gather(self, ranks: tuple, tensor: torch.Tensor) -> torch.Tensor:
         """Every member's `tensor` (same shape everywhere), stacked on a new dim 0 in one buffer."""
         tensor = tensor.contiguous()

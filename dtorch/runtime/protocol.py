@@ -41,7 +41,7 @@ __all__ = [
     "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 11   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+VERSION = 12   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
               # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
               # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention);
               # 6: Regroup (lost ranks were replaced: communication groups of a new generation)
@@ -54,6 +54,7 @@ VERSION = 11   # 2: REGISTER carries the run's secret; 3: RunOp names the user's
               #     their clock, and send what they recorded when it turns off)
               # 11: DefineGraph, RunGraph, DropGraph (dtorch.compile: a captured command list,
               #     replayed by one command that spans one seq per captured command)
+              # 12: Backward.buckets (data-parallel gradients all-reduced during the backward)
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -214,6 +215,9 @@ class Backward(NamedTuple):
     out_ids: tuple       #   gradient becomes out_ids without accumulating ("grad")
     mode: str            # "backward" | "grad"
     retain_graph: bool
+    buckets: tuple = ()  # ((mesh dims, (input index, ...)), ...): leaves whose gradients this rank
+                         #   all-reduces over the group along those dims, bucket by bucket in this
+                         #   order, while the backward runs (runtime/grad_buckets.py)
 
 
 class OptimizerStep(NamedTuple):
@@ -478,7 +482,7 @@ _FIELD_TYPES = {
     Redistribute: (int, int, int, tuple, str, tuple, tuple, bool, bool),
     Transfer: (int, int, int, int, tuple, str, tuple, tuple), Fetch: (int, int, IDS),
     Free: (IDS,), Sync: (), Shutdown: (), Regroup: (int, IDS),
-    RequireGrad: (IDS, bool), SetGrads: (IDS, IDS), Backward: (int, IDS, IDS, IDS, IDS, str, bool),
+    RequireGrad: (IDS, bool), SetGrads: (IDS, IDS), Backward: (int, IDS, IDS, IDS, IDS, str, bool, tuple),
     OptimizerStep: (int, str, dict, IDS, IDS, IDS, IDS, IDS), GradNorm: (int, int, NUMBER, IDS, tuple),
     UpdateGrads: (int, str, IDS, int, NUMBER),
     SaveShard: (str, int, tuple), LoadChunks: (int, int, tuple, str, tuple, tuple, str),

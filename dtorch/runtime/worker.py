@@ -28,6 +28,7 @@ from .comm import BackwardAbandoned, Communicator
 from . import graphs
 from .file_shards import read_block, read_region, shard_file_name, write_safetensors
 from .backward import connect_outputs, run_backward
+from .grad_buckets import BucketBuffers
 from .kernels import apply_steps, make_factory, pack_saved, unpack_saved
 from .optim_kernels import local_norm_share, optimizer_step, state_names, update_grads
 from .peers import Peers
@@ -58,6 +59,7 @@ class Worker:
         self.meshes: dict[int, DeviceMesh] = {}
         self.private: dict[int, list] = {}          # command seq -> raw frames sent to this rank
         self.graphs: dict[int, graphs.Graph] = {}   # dtorch.compile: graph id -> captured commands
+        self.grad_buffers = BucketBuffers()   # data-parallel gradient buckets, kept across backwards
         self.outgoing: list = []                    # (HostCopy, wire.Reply): replies waiting on the device
         self.running = True
         self.busy_seq = -1                          # the command running now (read by the heartbeat)
@@ -531,7 +533,7 @@ class Worker:
             if self._fail_next_backward:   # fault injection, for the tests of this path
                 self._fail_next_backward = False
                 raise RuntimeError(f"injected failure in backward on rank {self.rank}")
-            run_backward(self.tensors, roots, seeds, command)
+            run_backward(self.tensors, roots, seeds, command, self.comm, mesh, self.rank, self.grad_buffers)
         except Exception as error:
             failure = error
             if not isinstance(error, BackwardAbandoned):
