@@ -275,10 +275,12 @@ class LlamaForCausalLM(nn.Module):
         if labels is not None:   # per microbatch, then one mean: the logits are never concatenated for it
             rows = [0] + list(itertools.accumulate(chunk.shape[0] for chunk in chunks))
             labels = labels if isinstance(labels, DTensor) else torch.as_tensor(labels)
-            parts = [token_losses(part, self._upload_labels(labels[start:end], part))
-                     for part, start, end in zip(logits, rows, rows[1:])]
-            totals, counts = zip(*parts)
-            loss = functools.reduce(operator.add, totals) / functools.reduce(operator.add, counts)
+            uploaded = [self._upload_labels(labels[start:end], part) for part, start, end in zip(logits, rows, rows[1:])]
+            total = functools.reduce(operator.add, [token_loss_sum(part, up) for part, up in zip(logits, uploaded)])
+            # labels given here: their count is known here, so the workers need not all-reduce it
+            count = (functools.reduce(operator.add, [token_count(up) for up in uploaded]) if isinstance(labels, DTensor)
+                     else int((labels[:, 1:] != -100).sum()))
+            loss = total / count
         logits = logits[0] if len(logits) == 1 else _cat(logits, 0)
         return CausalLMOutput(loss, logits, past_key_values)
 
@@ -326,8 +328,7 @@ class LlamaForCausalLM(nn.Module):
             parts = [labels[start:end] for start, end in zip(rows, rows[1:])]
 
             def finish(k, logits):
-                total, _ = token_losses(logits, self._upload_labels(parts[k], logits))
-                return total / counted
+                return token_loss_sum(logits, self._upload_labels(parts[k], logits)) / counted
             losses = run_schedule(len(self.stages), [self._stage_steps(chunk) for chunk in chunks], finish, schedule)
         finally:
             for hook in self._forward_hooks.values():
@@ -483,6 +484,11 @@ def causal_lm_loss(logits: DTensor, labels: DTensor, ignore_index: int = -100) -
 def token_losses(logits: DTensor, labels: DTensor, ignore_index: int = -100) -> tuple[DTensor, DTensor]:
     """(sum of the token losses, number of counted tokens): causal_lm_loss before its division,
     so that microbatches add up to the batch's mean."""
+    return token_loss_sum(logits, labels, ignore_index), token_count(labels, ignore_index)
+
+
+def token_loss_sum(logits: DTensor, labels: DTensor, ignore_index: int = -100) -> DTensor:
+    """The sum of the token losses, in float32; a pending sum until it is read."""
     logits = logits.float()
     vocab = logits.shape[-1]
     # the shift cancels out of the loss, so it carries no gradient (torch's logsumexp detaches it too)
@@ -493,8 +499,12 @@ def token_losses(logits: DTensor, labels: DTensor, ignore_index: int = -100) -> 
     hit = (classes == labels.unsqueeze(-1)).to(shifted.dtype)
     target = (shifted * hit).sum(-1).reduce_partials()
     keep = (labels != ignore_index).to(shifted.dtype)
-    # the count is all-reduced (a scalar); the loss stays a pending sum until it is read
-    return ((log_total - target) * keep).sum(), keep.sum().reduce_partials()
+    return ((log_total - target) * keep).sum()
+
+
+def token_count(labels: DTensor, ignore_index: int = -100) -> DTensor:
+    """The number of counted tokens, all-reduced (a scalar)."""
+    return (labels != ignore_index).to(torch.float32).sum().reduce_partials()
 
 
 def _class_placements(logits: DTensor) -> list:
