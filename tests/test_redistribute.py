@@ -26,6 +26,19 @@ def test_every_pair_on_a_1d_mesh(mesh4, shape):
         assert_same(y.to_torch(), value)
 
 
+def test_every_pair_on_meshes_with_a_dim_of_one_rank(session):
+    """Steps along a mesh dim of one rank move nothing (workers skip them): every pair still
+    reads back equal, with the other dim's collectives in between."""
+    from dtorch.distributed_spec import init_device_mesh
+    value = torch.randn(5, 6)
+    for shape in [(1,), (2, 1), (1, 2)]:
+        mesh = init_device_mesh("cpu", shape)
+        layouts = list(itertools.product(choices(2, ("sum", "max")), repeat=len(shape)))
+        for src, dst in itertools.product(layouts, repeat=2):
+            x = dtorch.tensor(value, device_mesh=mesh, placements=src)
+            assert_same(x.redistribute(placements=dst).to_torch(), value)
+
+
 @pytest.mark.parametrize("shape", [(8, 12), (5, 7)])
 def test_every_pair_on_a_2d_mesh(mesh22, shape):
     value = torch.randn(shape)

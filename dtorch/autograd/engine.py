@@ -145,9 +145,9 @@ def reduce_gradients(tensors) -> None:
         leaf = tensor._node
         if type(leaf) is not Leaf or leaf.grad is None or leaf.grad.placements == tensor.placements:
             continue
-        if all(p == Replicate() for p in tensor.placements):
+        if all(p == Replicate() for p in tensor.placements) and tensor.device_mesh.size() > 1:
             buckets.setdefault((tensor.device_mesh, tensor.dtype), []).append(tensor)
-        else:
+        else:   # on one rank the "reduction" is a relabel: nothing to flatten
             leaf_grad(tensor)
     with no_grad():
         for bucket in buckets.values():

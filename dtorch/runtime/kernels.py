@@ -97,6 +97,9 @@ def apply_steps(tensor: torch.Tensor, shape, mesh: DeviceMesh, placements, steps
     source, donated = tensor, donated and _alone_in_storage(tensor)
     failure = None
     for mesh_dim, before, after in steps:
+        if mesh.shape[mesh_dim] == 1:   # one rank: every placement holds the same local data
+            placements[mesh_dim] = after
+            continue
         step = _STEPS[step_kind(before, after)]
         if step is _all_reduce and not torch.is_grad_enabled() and (donated or not _shares_storage(tensor, source)):
             step = _all_reduce_in_place
