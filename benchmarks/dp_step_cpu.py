@@ -1,0 +1,155 @@
+"""Where a data-parallel training step's time goes: benchmark 10's Llama on dp4, dtorch against
+DDP, wall time and CPU time (user, system) per step of every process, from /proc.
+
+    python -m benchmarks.dp_step_cpu            # ~1.5 min on a quiet 2-core machine
+
+Rows:
+  dtorch dp4                 loss.backward() reduces the gradients inside the backward (buckets)
+  dtorch dp4, no_sync        the same step with the reduction deferred to the optimizer's read
+                             (dtorch.autograd.no_sync(): the path before the buckets), alternated
+                             step by step with the row above, so both see the same machine
+  dtorch dp4, losses kept    as the first row, keeping every step's loss DTensor (and with it
+                             the step's autograd graph on every worker), as benchmark 10 once did
+  torch DDP, 4 procs         each rank's CPU over the same number of steps
+  torch.cat into a new / a kept buffer   the bucket flattening's cost in a process started with
+                             the benchmarks' malloc setting (a fresh 14 MiB buffer pays its page faults)
+
+Every process starts with MALLOC_MMAP_THRESHOLD_ as in benchmark 10 (process_memory.py). On a
+2-core machine the step is bound by the CPU of all processes together: compare the sums.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import replace
+
+from .config import QUICK
+from .llama_forward import config_fields
+from .local_ranks import run_ranks
+from .process_memory import returned_buffers
+from .train_baselines import _batch, _ddp
+
+STEPS = 10
+WARMUP = 3
+
+
+def cpu_seconds(pid: int | str = "self") -> tuple[float, float]:
+    """(user, system) CPU seconds of a process so far (/proc/<pid>/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
+
+
+def _fields() -> dict:
+    suite = QUICK
+    return config_fields(replace(suite, llama_layers=suite.train_layers, llama_hidden=suite.train_hidden,
+                                 llama_seq=suite.train_seq))
+
+
+def _dtorch(fields: dict) -> dict:
+    import torch
+    import transformers
+    import dtorch
+    from dtorch.models import LlamaForCausalLM
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
+    ids = _batch(fields, QUICK.train_batch, QUICK.train_seq)
+    dtorch.init(num_workers=4)
+    try:
+        mesh = dtorch.init_device_mesh("cpu", (4,), mesh_dim_names=["dp"])
+        model = LlamaForCausalLM(reference.config, device_mesh=mesh)
+        model.load_state_dict(reference.state_dict())
+        optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
+        pids = [worker["pid"] for worker in dtorch.workers()]
+
+        kept = []
+
+        def step(variant: str) -> float:
+            start = time.perf_counter()
+            loss = model(ids, labels=ids).loss
+            with dtorch.autograd.no_sync() if variant == "no_sync" else contextlib.nullcontext():
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            dtorch.synchronize()
+            if variant == "losses kept":
+                kept.append(loss)
+            return time.perf_counter() - start
+        variants = ("", "no_sync", "losses kept")
+        for variant in variants[:2] * WARMUP:
+            step(variant)
+        rows = {}
+        for variant in variants[:2] * 2 + variants[2:]:   # alternated; the kept graphs last, once
+            before = [cpu_seconds(pid) for pid in pids] + [cpu_seconds()]
+            walls = sorted(step(variant) for _ in range(STEPS))
+            after = [cpu_seconds(pid) for pid in pids] + [cpu_seconds()]
+            kept.clear()
+            name = f"dtorch dp4, {variant}" if variant else "dtorch dp4"
+            rows.setdefault(name, []).append((walls[len(walls) // 2], _per_step(before, after)))
+        return rows
+    finally:
+        dtorch.shutdown()
+
+
+def _per_step(before: list, after: list) -> list:
+    return [((a[0] - b[0]) / STEPS, (a[1] - b[1]) / STEPS) for a, b in zip(after, before)]
+
+
+def _ddp_rank(rank: int, world: int, fields: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+    ids = _batch(fields, QUICK.train_batch, QUICK.train_seq).chunk(world)[rank]
+    model = _ddp(fields)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    walls = []
+    for index in range(WARMUP + STEPS):
+        if index == WARMUP:
+            before = cpu_seconds()
+        dist.barrier()
+        start = time.perf_counter()
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        walls.append(time.perf_counter() - start)
+    after = cpu_seconds()
+    return {"wall": sorted(walls[WARMUP:])[STEPS // 2], "cpu": _per_step([before], [after])[0]}
+
+
+def _cat_rank(rank: int, world: int) -> dict:
+    """torch.cat of a bucket's worth of gradients (14 MiB) into a new buffer and into a kept one."""
+    import torch
+    pieces = [torch.randn(n) for n in [1024 * 256] * 2 + [256 * 256] * 16 + [256 * 682] * 12 + [256] * 9]
+    kept = torch.empty(sum(p.numel() for p in pieces))
+    timings = {}
+    for name, run in (("new", lambda: torch.cat(pieces)), ("kept", lambda: torch.cat(pieces, out=kept))):
+        run()
+        start = time.perf_counter()
+        for _ in range(30):
+            run()
+        timings[name] = (time.perf_counter() - start) / 30
+    return timings
+
+
+def main() -> None:
+    fields = _fields()
+    with returned_buffers():
+        ours = _dtorch(fields)
+        ddp = run_ranks(_ddp_rank, 4, (fields,), 600)
+        (cat,) = run_ranks(_cat_rank, 1, (), 120)
+    print(f"{'variant':24s} {'step (median)':>14s}   CPU per step: user + system, per process (ms)")
+    for name, runs in ours.items():
+        for wall, cpu in runs:
+            workers = ", ".join(f"{u * 1e3:.0f}+{s * 1e3:.0f}" for u, s in cpu[:-1])
+            controller = cpu[-1]
+            print(f"{name:24s} {wall * 1e3:11.1f} ms   workers {workers}; controller "
+                  f"{controller[0] * 1e3:.0f}+{controller[1] * 1e3:.0f}")
+    ranks = ", ".join(f"{r['cpu'][0] * 1e3:.0f}+{r['cpu'][1] * 1e3:.0f}" for r in ddp)
+    print(f"{'torch DDP, 4 procs':24s} {max(r['wall'] for r in ddp) * 1e3:11.1f} ms   ranks {ranks}")
+    print(f"torch.cat of 14 MiB of gradients: into a new buffer {cat['new'] * 1e3:.2f} ms, "
+          f"into a kept one {cat['kept'] * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
