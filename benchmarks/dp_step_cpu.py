@@ -1,7 +1,8 @@
 """Where a data-parallel training step's time goes: benchmark 10's Llama on dp4, dtorch against
 DDP, wall time and CPU time (user, system) per step of every process, from /proc.
 
-    python -m benchmarks.dp_step_cpu            # ~1.5 min on a quiet 2-core machine
+    python -m benchmarks.dp_step_cpu            # ~30 s on a quiet 2-core machine
+    python -m benchmarks.dp_step_cpu --steps 2  # does it run? (the tests)
 
 Rows:
   dtorch dp4                 loss.backward() reduces the gradients inside the backward (buckets)
@@ -19,6 +20,7 @@ Every process starts with MALLOC_MMAP_THRESHOLD_ as in benchmark 10 (process_mem
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import time
@@ -133,6 +135,11 @@ def _cat_rank(rank: int, world: int) -> dict:
 
 
 def main() -> None:
+    global STEPS, WARMUP
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per row")
+    STEPS = parser.parse_args().steps
+    WARMUP = min(WARMUP, STEPS)
     fields = _fields()
     with returned_buffers():
         ours = _dtorch(fields)

@@ -102,3 +102,14 @@ def test_ratio_uses_the_reference_from_the_same_run():
     measured = Row("b", "case", "system", "op", [4.0, 4.0, 8.0], reference=("case", "floor"))
     assert ratio(measured, [reference, measured]) == pytest.approx(2.0)
     assert ratio(reference, [reference, measured]) is None
+
+
+def test_the_dp_step_cpu_script_runs():
+    """benchmarks.dp_step_cpu (docs/benchmarks.md quotes it) prints every row, with 2 steps each."""
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, "-m", "benchmarks.dp_step_cpu", "--steps", "2"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for row in ("dtorch dp4 ", "dtorch dp4, no_sync", "dtorch dp4, losses kept", "torch DDP, 4 procs", "torch.cat"):
+        assert row in result.stdout, (row, result.stdout)
