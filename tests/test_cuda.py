@@ -367,7 +367,9 @@ def test_nccl_and_gloo_have_the_communicator_interface():
     from dtorch.runtime.comm import Communicator, GlooCommunicator
     declared = {name: member for name, member in vars(Communicator).items() if not name.startswith("_")}
     assert set(declared) == {"host", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "exchange", "regroup",
-                             "agree_max", "close"}
+                             "agree_max", "close", "start_all_reduce", "prepare_background"}
+    assert Communicator.__annotations__ == {"background_collectives": "bool"}   # a data member each sets
+    assert GlooCommunicator.background_collectives is True and nccl.NcclCommunicator.background_collectives is False
     for backend in (GlooCommunicator, nccl.NcclCommunicator):
         for name, member in declared.items():
             if isinstance(member, property):   # NcclCommunicator sets its host in __init__
