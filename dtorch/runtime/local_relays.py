@@ -18,6 +18,7 @@ import collections
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 
@@ -31,7 +32,7 @@ class LocalRelay:
     def __init__(self, ranks: range, config: dict, env: dict, forward_lines):
         """forward_lines(stream, prefix, tail=): cluster's copy of a process's output to ours."""
         self.ranks = ranks
-        directory = f"/tmp/dtorch-relay-{secrets.token_hex(8)}"
+        self.directory = directory = f"/tmp/dtorch-relay-{secrets.token_hex(8)}"
         self.address = f"ipc://{directory}/commands"
         self.process = subprocess.Popen([sys.executable, "-m", "dtorch.runtime.relay"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
@@ -64,6 +65,8 @@ class LocalRelay:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(_STOP_SECONDS)
+        # A relay removes its own directory as it leaves; one that was killed cannot
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class LocalRelays:
