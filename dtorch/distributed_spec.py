@@ -162,10 +162,11 @@ class DeviceMesh:
         return self.group_over(rank, (mesh_dim,))
 
     def group_over(self, rank: int, mesh_dims: Sequence[int]) -> tuple[int, ...]:
-        """The ranks that differ from `rank` only along `mesh_dims`, in coordinate order."""
+        """The ranks that differ from `rank` only along `mesh_dims`, in coordinate order
+        (workers ask on every redistribute step: one rank_at per member, no scan of the mesh)."""
         mine = self.coordinate_of(rank)
-        return tuple(r for r in self._flat
-                     if all(c == m for d, (c, m) in enumerate(zip(self.coordinate_of(r), mine)) if d not in mesh_dims))
+        ranges = [range(extent) if dim in mesh_dims else (mine[dim],) for dim, extent in enumerate(self.shape)]
+        return tuple(self.rank_at(coordinate) for coordinate in itertools.product(*ranges))
 
     # --- sub-meshes -----------------------------------------------------------------------
     def __getitem__(self, index) -> "DeviceMesh":

@@ -481,7 +481,6 @@ def _land_for_backward(source: DTensor, landed: DTensor) -> DTensor:
     return view
 
 
-
 def _grad_nodes(args: tuple, kwargs: dict) -> tuple:
     """The nodes of the inputs that require grad (top-level tensors first: the common case, in
     one pass that also notes whether a list or kwargs need the general walk)."""

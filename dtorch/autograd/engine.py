@@ -298,22 +298,18 @@ def _accumulator(tensor: DTensor, reduced_dims: tuple = ()) -> DTensor:
     DTensor, Replicate there, that the caller binds after the Backward (the workers bind it there)."""
     leaf, wanted = tensor._node, gradient_placements(tensor.placements)
     _touch(leaf)   # a capture's backward builds on this gradient (or on none): a replay needs the same
-    if reduced_dims:
-        if leaf.grad is not None and leaf.grad.placements != wanted:
-            with no_grad():   # the sum to reduce is this gradient's pending form plus the new parts
-                _bind(tensor, leaf, leaf.grad.redistribute(placements=wanted))
-        placements = [Replicate() if dim in reduced_dims else p for dim, p in enumerate(wanted)]
-        controller = tensor._controller
-        return DTensor(controller.new_id(), tensor_meta(tensor.shape, tensor.dtype, tensor.device_mesh, placements),
-                       -1, controller)
-    if leaf.grad is None:
-        controller = tensor._controller
-        spec = tensor_meta(tensor.shape, tensor.dtype, tensor.device_mesh, wanted)
-        leaf.grad = DTensor(controller.new_id(), spec, -1, controller)
-    elif leaf.grad.placements != wanted:
+    if leaf.grad is not None and leaf.grad.placements != wanted:
         with no_grad():
             _bind(tensor, leaf, leaf.grad.redistribute(placements=wanted))
-    return leaf.grad
+    if not reduced_dims and leaf.grad is not None:
+        return leaf.grad
+    placements = [Replicate() if dim in reduced_dims else p for dim, p in enumerate(wanted)]
+    controller = tensor._controller
+    made = DTensor(controller.new_id(), tensor_meta(tensor.shape, tensor.dtype, tensor.device_mesh, placements),
+                   -1, controller)
+    if not reduced_dims:
+        leaf.grad = made
+    return made
 
 
 def _hop_back(hop: HopNode, landed_id: int, controller) -> tuple:
