@@ -11,7 +11,10 @@ Rows:
                              step by step with the row above, so both see the same machine
   dtorch dp4, losses kept    as the first row, keeping every step's loss DTensor (and with it
                              the step's autograd graph on every worker), as benchmark 10 once did
-  torch DDP, 4 procs         each rank's CPU over the same number of steps
+  dtorch dp4, fused AdamW    as the first row with dtorch.optim.AdamW(fused=True): torch's fused
+                             kernel on the workers (alternated with the rows above)
+  torch DDP, 4 procs         each rank's CPU over the same number of steps (torch's default AdamW,
+                             the single-tensor path on CPU), then with fused=True
   torch.cat into a new / a kept buffer   the bucket flattening's cost in a process started with
                              the benchmarks' malloc setting (a fresh 14 MiB buffer pays its page faults)
 
@@ -63,7 +66,8 @@ def _dtorch(fields: dict) -> dict:
         mesh = dtorch.init_device_mesh("cpu", (4,), mesh_dim_names=["dp"])
         model = LlamaForCausalLM(reference.config, device_mesh=mesh)
         model.load_state_dict(reference.state_dict())
-        optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
+        default = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
+        fused = dtorch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         pids = [worker["pid"] for worker in dtorch.workers()]
 
         kept = []
@@ -73,17 +77,18 @@ def _dtorch(fields: dict) -> dict:
             loss = model(ids, labels=ids).loss
             with dtorch.autograd.no_sync() if variant == "no_sync" else contextlib.nullcontext():
                 loss.backward()
+            optimizer = fused if variant == "fused AdamW" else default
             optimizer.step()
             optimizer.zero_grad()
             dtorch.synchronize()
             if variant == "losses kept":
                 kept.append(loss)
             return time.perf_counter() - start
-        variants = ("", "no_sync", "losses kept")
-        for variant in variants[:2] * WARMUP:
+        variants = ("", "no_sync", "fused AdamW", "losses kept")
+        for variant in variants[:3] * WARMUP:
             step(variant)
         rows = {}
-        for variant in variants[:2] * 2 + variants[2:]:   # alternated; the kept graphs last, once
+        for variant in variants[:3] * 2 + variants[3:]:   # alternated; the kept graphs last, once
             before = [cpu_seconds(pid) for pid in pids] + [cpu_seconds()]
             walls = sorted(step(variant) for _ in range(STEPS))
             after = [cpu_seconds(pid) for pid in pids] + [cpu_seconds()]
@@ -99,12 +104,12 @@ def _per_step(before: list, after: list) -> list:
     return [((a[0] - b[0]) / STEPS, (a[1] - b[1]) / STEPS) for a, b in zip(after, before)]
 
 
-def _ddp_rank(rank: int, world: int, fields: dict) -> dict:
+def _ddp_rank(rank: int, world: int, fields: dict, fused: bool) -> dict:
     import torch
     import torch.distributed as dist
     ids = _batch(fields, QUICK.train_batch, QUICK.train_seq).chunk(world)[rank]
     model = _ddp(fields)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     walls = []
     for index in range(WARMUP + STEPS):
         if index == WARMUP:
@@ -143,7 +148,7 @@ def main() -> None:
     fields = _fields()
     with returned_buffers():
         ours = _dtorch(fields)
-        ddp = run_ranks(_ddp_rank, 4, (fields,), 600)
+        ddp = {fused: run_ranks(_ddp_rank, 4, (fields, fused), 600) for fused in (False, True)}
         (cat,) = run_ranks(_cat_rank, 1, (), 120)
     print(f"{'variant':24s} {'step (median)':>14s}   CPU per step: user + system, per process (ms)")
     for name, runs in ours.items():
@@ -152,8 +157,10 @@ def main() -> None:
             controller = cpu[-1]
             print(f"{name:24s} {wall * 1e3:11.1f} ms   workers {workers}; controller "
                   f"{controller[0] * 1e3:.0f}+{controller[1] * 1e3:.0f}")
-    ranks = ", ".join(f"{r['cpu'][0] * 1e3:.0f}+{r['cpu'][1] * 1e3:.0f}" for r in ddp)
-    print(f"{'torch DDP, 4 procs':24s} {max(r['wall'] for r in ddp) * 1e3:11.1f} ms   ranks {ranks}")
+    for fused, runs in ddp.items():
+        ranks = ", ".join(f"{r['cpu'][0] * 1e3:.0f}+{r['cpu'][1] * 1e3:.0f}" for r in runs)
+        name = "torch DDP, fused AdamW" if fused else "torch DDP, 4 procs"
+        print(f"{name:24s} {max(r['wall'] for r in runs) * 1e3:11.1f} ms   ranks {ranks}")
     print(f"torch.cat of 14 MiB of gradients: into a new buffer {cat['new'] * 1e3:.2f} ms, "
           f"into a kept one {cat['kept'] * 1e3:.2f} ms")
 

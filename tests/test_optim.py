@@ -1,7 +1,7 @@
 """dtorch.optim and dtorch.nn.utils clipping against torch.optim and torch.nn.utils on the same full
 tensors: every option of SGD, Adam and AdamW over several steps on meshes (1,), (2,), (4,), (2,2)
 and placements R, S(0), S(1) with uneven shapes; the updates are elementwise, so parameters and
-state must be bit-equal. Also lr schedulers, state_dict round trips across layouts, zero_grad,
+state must be bit-equal (within rounding for torch's fused kernels).  Also lr schedulers, state_dict round trips across layouts, zero_grad,
 the number of commands per step, and a worker failure in a step."""
 from __future__ import annotations
 
@@ -59,9 +59,12 @@ def set_grads(ours, theirs, step: int, skip: int | None = None) -> None:
         t.grad = grad.clone()
 
 
-def assert_same_state(opt, ours, topt, theirs) -> None:
+def assert_same_state(opt, ours, topt, theirs, exact: bool = True) -> None:
+    """Bit-equal; or, for torch's fused kernels (`exact=False`), within rounding: their vector body
+    and their scalar tail round differently, and a shard puts other elements in the tail."""
+    same = torch.equal if exact else lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-7)
     for p, t in zip(ours, theirs):
-        assert torch.equal(p.to_torch(), t.detach()), "parameter differs from torch's"
+        assert same(p.to_torch(), t.detach()), f"parameter differs from torch's by {(p.to_torch() - t.detach()).abs().max()}"
         mine, torchs = opt.state[p], topt.state[t]
         assert set(mine) == set(torchs), (set(mine), set(torchs))
         for name, value in torchs.items():
@@ -71,7 +74,7 @@ def assert_same_state(opt, ours, topt, theirs) -> None:
                 assert mine[name] is None
             else:
                 assert mine[name].placements == p.placements and mine[name].device_mesh == p.device_mesh
-                assert torch.equal(mine[name].to_torch(), value), name
+                assert same(mine[name].to_torch(), value), name
 
 
 CONFIGS = [
@@ -82,6 +85,11 @@ CONFIGS = [
     ("Adam", {"lr": 0.02, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1, "amsgrad": True, "maximize": True}),
     ("AdamW", {"lr": 0.01}),
     ("AdamW", {"lr": 0.03, "weight_decay": 0.05, "amsgrad": True, "maximize": True}),
+    # torch's other implementations, chosen as in torch (each element still gets torch's bits)
+    ("SGD", {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01, "fused": True}),
+    ("Adam", {"lr": 0.02, "weight_decay": 0.1, "amsgrad": True, "foreach": True}),
+    ("AdamW", {"lr": 0.03, "weight_decay": 0.05, "fused": True}),
+    ("AdamW", {"lr": 0.03, "amsgrad": True, "maximize": True, "fused": True}),
 ]
 
 
@@ -94,7 +102,7 @@ def test_steps_equal_torch(any_mesh, name, options):
         set_grads(ours, theirs, step, skip=2 if step == 1 else None)   # no grad: skipped, as in torch
         opt.step()
         topt.step()
-    assert_same_state(opt, ours, topt, theirs)
+    assert_same_state(opt, ours, topt, theirs, exact=not options.get("fused"))
 
 
 def test_param_groups_and_commands_per_step(mesh2, mesh4):
@@ -298,8 +306,14 @@ def test_bad_arguments_fail_at_the_call(mesh2):
         dtorch.optim.Adam([p], lr=-1)
     with pytest.raises(ValueError, match="Nesterov"):
         dtorch.optim.SGD([p], nesterov=True)
-    with pytest.raises(ValueError, match="fused=True"):
-        dtorch.optim.AdamW([p], fused=True)
+    with pytest.raises(ValueError, match="capturable=True is not supported"):
+        dtorch.optim.AdamW([p], capturable=True)
+    with pytest.raises(RuntimeError, match="cannot be `True` together"):
+        dtorch.optim.AdamW([p], fused=True, foreach=True)
+    whole = dtorch.nn.Parameter(dtorch.ones(4, dtype=torch.int64, device_mesh=mesh2, placements=[S(0)]),
+                                requires_grad=False)
+    with pytest.raises(RuntimeError, match="floating point Tensors, got a torch.int64 parameter of shape"):
+        dtorch.optim.SGD([p, whole], fused=True)
     with pytest.raises(ValueError, match="more than one parameter group"):
         dtorch.optim.SGD([{"params": [p]}, {"params": [p]}])
     with pytest.raises(RuntimeError, match="different size"):   # refused at the assignment, as in torch

@@ -39,7 +39,8 @@ class Adam(Optimizer):
         return {"lr": float(group["lr"]), "betas": (float(beta1), float(beta2)), "eps": float(group["eps"]),
                 "weight_decay": float(group["weight_decay"]), "amsgrad": bool(group["amsgrad"]),
                 "maximize": bool(group["maximize"]),
-                "decoupled_weight_decay": bool(group.get("decoupled_weight_decay", self.kind == "AdamW"))}
+                "decoupled_weight_decay": bool(group.get("decoupled_weight_decay", self.kind == "AdamW")),
+                **self.path(group)}
 
 
 class AdamW(Adam):

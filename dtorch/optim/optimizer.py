@@ -30,14 +30,23 @@ class Optimizer(torch.optim.Optimizer):
     kind = ""
 
     def __init__(self, params, defaults: dict):
-        for flag in ("fused", "capturable", "differentiable"):
+        name = f"dtorch.optim.{type(self).__name__}"
+        for flag in ("capturable", "differentiable"):
             if defaults.get(flag):
-                raise ValueError(f"dtorch.optim.{type(self).__name__}: {flag}=True is not supported; the workers "
-                                 "run torch's single-tensor update (foreach=False) on their shards")
+                raise ValueError(f"{name}: {flag}=True is not supported; the workers run torch's update on their "
+                                 "shards without autograd (choose the path with foreach= or fused=)")
+        if defaults.get("fused") and defaults.get("foreach"):
+            raise RuntimeError(f"{name}: `fused` and `foreach` cannot be `True` together.")
         super().__init__(params, defaults)
 
     def hyper(self, group: dict) -> dict:
         raise NotImplementedError
+
+    @staticmethod
+    def path(group: dict) -> dict:
+        """Which of torch's implementations the workers run: foreach / fused as the user set them
+        (None, torch's default on CPU, is the single-tensor path)."""
+        return {"foreach": bool(group.get("foreach")), "fused": bool(group.get("fused"))}
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's checks, for DTensors (torch's own refuses anything but a torch.Tensor)."""
@@ -55,7 +64,10 @@ class Optimizer(torch.optim.Optimizer):
         held = {id(p) for group in self.param_groups for p in group["params"]}
         if any(id(p) in held for p in params):
             raise ValueError("some parameters appear in more than one parameter group")
-        self.param_groups.append({**self.defaults, **param_group, "params": params})
+        group = {**self.defaults, **param_group, "params": params}
+        if group.get("fused"):
+            _check_fused(f"dtorch.optim.{type(self).__name__}", params)
+        self.param_groups.append(group)
 
     def step(self, closure=None):
         """One OptimizerStep per param group and mesh; parameters without a grad are skipped.
@@ -180,3 +192,10 @@ def _grad_like(p: DTensor, what: str) -> DTensor:
         grad = grad.redistribute(p.device_mesh, p.placements)
     return grad
 
+
+def _check_fused(name: str, params: list) -> None:
+    """torch's fused kernels take floating-point tensors only (checked here, at the user's call)."""
+    for p in params:
+        if not p.dtype.is_floating_point:
+            raise RuntimeError(f"{name}: `fused=True` requires all the params to be floating point Tensors, got a "
+                               f"{p.dtype} parameter of shape {tuple(p.shape)}")

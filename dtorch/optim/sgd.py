@@ -27,4 +27,4 @@ class SGD(Optimizer):
     def hyper(self, group: dict) -> dict:
         return {"lr": float(group["lr"]), "momentum": float(group["momentum"]),
                 "dampening": float(group["dampening"]), "weight_decay": float(group["weight_decay"]),
-                "nesterov": bool(group["nesterov"]), "maximize": bool(group["maximize"])}
+                "nesterov": bool(group["nesterov"]), "maximize": bool(group["maximize"]), **self.path(group)}

@@ -1,9 +1,11 @@
 """What a worker runs for dtorch.optim and dtorch.nn.utils: torch.optim's own functional updates
 over its local shards, and the local share of a global gradient norm.
 
-The updates are elementwise, so running torch's single-tensor path (foreach=False, what
-torch.optim picks for CPU tensors) on each shard gives, element for element, the bits torch gives
-on the whole tensor. Every update is in place: the workers' parameter is an autograd leaf.
+The updates are elementwise, so running torch's path on each shard gives, element for element,
+the bits torch gives on the whole tensor: the single-tensor path by default (foreach=False, what
+torch.optim picks for CPU tensors), or the one the user asked for with `foreach=True` or
+`fused=True` (torch's fused kernel: one pass over each tensor, ~4x faster than the single-tensor
+path on CPU). Every update is in place: the workers' parameter is an autograd leaf.
 """
 from __future__ import annotations
 
@@ -45,9 +47,25 @@ def optimizer_step(kind: str, hyper: dict, params: list, grads: list, states: li
 def _sgd(hyper: dict, params: list, grads: list, states: list, fresh: tuple) -> list:
     with_momentum = hyper["momentum"] != 0
     buffers = [None if new or not with_momentum else state[0] for state, new in zip(states, fresh)]
-    sgd(params, grads, buffers, foreach=False, weight_decay=hyper["weight_decay"], momentum=hyper["momentum"],
-        lr=hyper["lr"], dampening=hyper["dampening"], nesterov=hyper["nesterov"], maximize=hyper["maximize"])
+    options = dict(weight_decay=hyper["weight_decay"], momentum=hyper["momentum"], lr=hyper["lr"],
+                   dampening=hyper["dampening"], nesterov=hyper["nesterov"], maximize=hyper["maximize"])
+    # torch's fused kernel treats the buffers as all new or all kept: one call for each kind
+    for chosen in _fresh_and_kept(fresh) if hyper.get("fused") else [range(len(params))]:
+        picked = [buffers[i] for i in chosen]
+        sgd([params[i] for i in chosen], [grads[i] for i in chosen], picked, **_path(hyper), **options)
+        for i, buffer in zip(chosen, picked):
+            buffers[i] = buffer
     return [[buffer] if with_momentum else [] for buffer in buffers]   # torch made the fresh ones
+
+
+def _fresh_and_kept(fresh: tuple) -> list:
+    return [chosen for chosen in ([i for i, new in enumerate(fresh) if new], [i for i, new in enumerate(fresh) if not new])
+            if chosen]
+
+
+def _path(hyper: dict) -> dict:
+    """torch's implementation switch, as the user set it (both False: the single-tensor path)."""
+    return {"foreach": bool(hyper.get("foreach")), "fused": bool(hyper.get("fused"))}
 
 
 def _adam(kind: str, hyper: dict, params: list, grads: list, states: list, steps: tuple, fresh: tuple) -> list:
@@ -55,11 +73,14 @@ def _adam(kind: str, hyper: dict, params: list, grads: list, states: list, steps
     count = 3 if amsgrad else 2
     states = [[torch.zeros_like(p, memory_format=torch.preserve_format) for _ in range(count)] if new else state
               for p, state, new in zip(params, states, fresh)]
-    # torch keeps the step as a 0-d float tensor and adds 1 inside the update
-    step_tensors = [torch.tensor(float(step), dtype=torch.float32) for step in steps]
+    # torch keeps the step as a 0-d float tensor and adds 1 inside the update (the fused kernel
+    # reads it on the parameter's device)
+    fused = bool(hyper.get("fused"))
+    step_tensors = [torch.tensor(float(step), dtype=torch.float32, device=p.device if fused else None)
+                    for p, step in zip(params, steps)]
     beta1, beta2 = hyper["betas"]
     adam(params, grads, [s[0] for s in states], [s[1] for s in states], [s[2] for s in states] if amsgrad else [],
-         step_tensors, foreach=False, has_complex=any(torch.is_complex(p) for p in params),
+         step_tensors, **_path(hyper), has_complex=any(torch.is_complex(p) for p in params),
          decoupled_weight_decay=hyper["decoupled_weight_decay"], amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=hyper["lr"],
          weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=hyper["maximize"])
     return states
