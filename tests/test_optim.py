@@ -1,8 +1,9 @@
 """dtorch.optim and dtorch.nn.utils clipping against torch.optim and torch.nn.utils on the same full
 tensors: every option of SGD, Adam and AdamW over several steps on meshes (1,), (2,), (4,), (2,2)
 and placements R, S(0), S(1) with uneven shapes; the updates are elementwise, so parameters and
-state must be bit-equal (within rounding for torch's fused kernels).  Also lr schedulers, state_dict round trips across layouts, zero_grad,
-the number of commands per step, and a worker failure in a step."""
+state must be bit-equal (within rounding for torch's fused kernels). Also lr schedulers,
+state_dict round trips across layouts, zero_grad, the number of commands per step, and a worker
+failure in a step."""
 from __future__ import annotations
 
 import gc
@@ -205,7 +206,12 @@ def test_zero_grad_both_ways(mesh22):
     assert dtorch.stats()["commands_sent"] - before == 1 + 1
     assert all(p.grad is g for p, g in zip(ours, grads))
     assert all(torch.equal(g.to_torch(), torch.zeros(g.shape)) for g in grads)
-    opt.zero_grad()
+    set_grads(ours, theirs, 1)
+    dtorch.synchronize()
+    before = dtorch.stats()["commands_sent"]
+    opt.zero_grad()   # one SetGrads for every parameter
+    dtorch.synchronize()
+    assert dtorch.stats()["commands_sent"] - before == 1 + 1 + 1   # and one Free of the dropped grads
     assert all(p.grad is None for p in ours)
     opt.step()   # no grads: nothing to do
     assert all(torch.equal(p.to_torch(), t.detach()) for p, t in zip(ours, theirs))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..recording import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from ..tensor import DTensor
-from .engine import backward, backward_stages, grad, leaf_grad, no_sync, reduce_gradients, set_leaf_grad
+from .engine import backward, backward_stages, clear_grads, grad, leaf_grad, no_sync, reduce_gradients, set_leaf_grad
 from .rules import gradient_placements
 
 __all__ = ["backward", "backward_stages", "grad", "reduce_gradients", "no_sync", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",

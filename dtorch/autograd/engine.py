@@ -24,7 +24,8 @@ from ..tensor import DTensor, call_op
 from ..ops.tensor_meta import tensor_meta
 from .rules import gradient_placements, reduction_buckets
 
-__all__ = ["backward", "backward_stages", "grad", "leaf_grad", "set_leaf_grad", "reduce_gradients", "no_sync"]
+__all__ = ["backward", "backward_stages", "grad", "leaf_grad", "set_leaf_grad", "clear_grads", "reduce_gradients",
+           "no_sync"]
 
 
 class _Sync(threading.local):   # per thread, as grad mode is
@@ -182,6 +183,16 @@ def set_leaf_grad(tensor: DTensor, value) -> None:
     with no_grad():
         value = value.redistribute(tensor.device_mesh, tensor.placements)
     _bind(tensor, leaf, value)
+
+
+def clear_grads(tensors: list) -> None:
+    """`t.grad = None` for each leaf in one SetGrads command (zero_grad(set_to_none=True))."""
+    leaves = [t for t in tensors if type(t._node) is Leaf]
+    for tensor in leaves:
+        _touch(tensor._node, resets=True)
+        tensor._node.grad = None
+    if leaves:
+        leaves[0]._controller.submit(SetGrads, tuple(t._id for t in leaves), (-1,) * len(leaves))
 
 
 def _bind(tensor: DTensor, leaf: Leaf, grad: DTensor) -> None:

@@ -11,7 +11,7 @@ from collections import defaultdict
 import torch
 
 from .. import capture as capturing
-from ..autograd import reduce_gradients
+from ..autograd import clear_grads, reduce_gradients
 from ..ops.tensor_meta import tensor_meta
 from ..runtime import profiling, session
 from ..runtime.optim_kernels import state_names
@@ -136,11 +136,11 @@ class Optimizer(torch.optim.Optimizer):
             state["step"] = state.get("step", 0) + 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """set_to_none=False zeroes each grad in place on the workers: one command per mesh."""
+        """One SetGrads command; set_to_none=False zeroes each grad in place on the workers, one command
+        per mesh."""
         params = [p for group in self.param_groups for p in group["params"] if getattr(p, "grad", None) is not None]
         if set_to_none:
-            for p in params:
-                p.grad = None
+            clear_grads(params)
             return
         update_grads("zero_grad", [p.grad for p in params])
 
