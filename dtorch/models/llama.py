@@ -176,15 +176,20 @@ class LlamaAttention(nn.Module):
             if cache:
                 k, v = _cat([cache[0], k], 2), _cat([cache[1], v], 2)
             cache[:] = [k, v]
-        attended = self._attend(q, _repeat_kv(k, self.heads // self.kv_heads),
-                                _repeat_kv(v, self.heads // self.kv_heads), causal=seq > 1)
+        attended = self._attend(q, k, v, causal=seq > 1)
         merged = attended.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim)
         return _reduced(self.o_proj(merged))
 
     def _attend(self, q, k, v, causal: bool):
+        groups = self.heads // self.kv_heads
         if self.cp_dim is None or q.placements[self.cp_dim] != Shard(2) or self.cp_attention == "ring":
             # ring attention when the sequence is sharded: the op's rule picks it (ops/ring_attention.py)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            if groups > 1 and Shard(1) not in k.placements:
+                # whole heads on every rank: the kernel maps query heads to their key/value head itself,
+                # as transformers does (no repeated copies of k and v, forward or backward)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups), is_causal=causal)
+        k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
         # Ulysses: one all-to-all per tensor moves the cp shards from sequence to heads, so each
         # rank attends whole sequences for some heads; one more all-to-all moves the result back
         to_heads = lambda t: _on_dim(t, self.cp_dim, Shard(1))  # noqa: E731
