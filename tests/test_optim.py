@@ -65,7 +65,8 @@ def assert_same_state(opt, ours, topt, theirs, exact: bool = True) -> None:
     and their scalar tail round differently, and a shard puts other elements in the tail."""
     same = torch.equal if exact else lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-7)
     for p, t in zip(ours, theirs):
-        assert same(p.to_torch(), t.detach()), f"parameter differs from torch's by {(p.to_torch() - t.detach()).abs().max()}"
+        mine = p.to_torch()
+        assert same(mine, t.detach()), f"parameter differs from torch's by {(mine - t.detach()).abs().max()}"
         mine, torchs = opt.state[p], topt.state[t]
         assert set(mine) == set(torchs), (set(mine), set(torchs))
         for name, value in torchs.items():

@@ -356,7 +356,7 @@ def pack_saved(tensor: torch.Tensor):
     to gather it again (its shard and the step), so it is freed after the forward that used it."""
     recipe = getattr(_root(tensor), "_dtorch_regather", None)
     if recipe is None:
-        # Detached: a hook's result is held as is, and an op's own output (exp, silu, sdpa save
+        # Detached: a hook's result is held as is, and an op's own output (exp, tanh, sdpa save
         # theirs) would hold its grad_fn, which holds it: a cycle that no backward frees when the
         # graph is retained (pipeline stages), so every step's graph stayed. unpack gets the same
         # storage and version counter back; torch reattaches the grad_fn itself.

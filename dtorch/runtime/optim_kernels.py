@@ -1,11 +1,12 @@
 """What a worker runs for dtorch.optim and dtorch.nn.utils: torch.optim's own functional updates
 over its local shards, and the local share of a global gradient norm.
 
-The updates are elementwise, so running torch's path on each shard gives, element for element,
-the bits torch gives on the whole tensor: the single-tensor path by default (foreach=False, what
-torch.optim picks for CPU tensors), or the one the user asked for with `foreach=True` or
-`fused=True` (torch's fused kernel: one pass over each tensor, ~4x faster than the single-tensor
-path on CPU). Every update is in place: the workers' parameter is an autograd leaf.
+The updates are elementwise, so running torch's single-tensor path (foreach=False, what
+torch.optim picks for CPU tensors) on each shard gives, element for element, the bits torch gives
+on the whole tensor; so does `foreach=True`. `fused=True` runs torch's fused kernel (one pass
+over each tensor, ~4x faster on CPU), equal to it on the whole tensor within rounding: its vector
+body and scalar tail round differently, and a shard moves elements between them. Every update
+is in place: the workers' parameter is an autograd leaf.
 """
 from __future__ import annotations
 
@@ -59,8 +60,10 @@ def _sgd(hyper: dict, params: list, grads: list, states: list, fresh: tuple) -> 
 
 
 def _fresh_and_kept(fresh: tuple) -> list:
-    return [chosen for chosen in ([i for i, new in enumerate(fresh) if new], [i for i, new in enumerate(fresh) if not new])
-            if chosen]
+    """The indices of the parameters without buffers yet, and of those with: each list if not empty."""
+    made = [i for i, new in enumerate(fresh) if new]
+    kept = [i for i, new in enumerate(fresh) if not new]
+    return [chosen for chosen in (made, kept) if chosen]
 
 
 def _path(hyper: dict) -> dict:
