@@ -236,11 +236,14 @@ def test_clip_grad_norm_equals_torch(mesh2, mesh22, norm_type):
     assert all(p.grad is g for p, g in zip(ours, grads))
 
 
-def test_clip_grad_norm_commands_and_no_clip(mesh4):
+def test_clip_grad_norm_commands_and_no_clip(mesh4, monkeypatch):
     ours, theirs = make_pair(mesh4, layouts(mesh4))
     set_grads(ours, theirs, 0)
     gc.collect()       # earlier tests' garbage, freed now, would add its own Free to the count
     dtorch.synchronize()
+    controller = dtorch.runtime.session.controller()
+    frees, free_released = [], controller._free_released
+    monkeypatch.setattr(controller, "_free_released", lambda: (frees.append(1), free_released())[1])
     gc.disable()
     try:
         before = dtorch.stats()["commands_sent"]
@@ -248,9 +251,11 @@ def test_clip_grad_norm_commands_and_no_clip(mesh4):
         dtorch.synchronize()
     finally:
         gc.enable()
-    # GradNorm, its all-reduce, pow, add, rdiv, clamp, UpdateGrads, a Free of the temporaries, the Sync:
-    # a constant, whatever the number of parameters
-    assert dtorch.stats()["commands_sent"] - before <= 10
+    # GradNorm, its all-reduce, pow, add, rdiv, clamp, UpdateGrads, the Sync: a constant, whatever
+    # the number of parameters. The temporaries' Free: one, or two where a flush (the 2 ms age
+    # limit, under load) fell between their releases.
+    assert dtorch.stats()["commands_sent"] - before - len(frees) <= 9
+    assert len(frees) <= 2
     expected = torch.nn.utils.clip_grad_norm_(theirs, 1e6)
     torch.testing.assert_close(total.to_torch(), expected, rtol=1e-6, atol=0)
     assert all(torch.equal(p.grad.to_torch(), t.grad) for p, t in zip(ours, theirs))
