@@ -252,10 +252,10 @@ def test_clip_grad_norm_commands_and_no_clip(mesh4, monkeypatch):
     finally:
         gc.enable()
     # GradNorm, its all-reduce, pow, add, rdiv, clamp, UpdateGrads, the Sync: a constant, whatever
-    # the number of parameters. The temporaries' Free: one, or two where a flush (the 2 ms age
-    # limit, under load) fell between their releases.
+    # the number of parameters. Not counted: the Frees of the temporaries, one before each command
+    # issued while some were released; how many depends on when the loop thread drops what a
+    # finished read held (1 on a quiet machine, 2 or 3 under load: CI once saw 11 commands in all).
     assert dtorch.stats()["commands_sent"] - before - len(frees) <= 9
-    assert len(frees) <= 2
     expected = torch.nn.utils.clip_grad_norm_(theirs, 1e6)
     torch.testing.assert_close(total.to_torch(), expected, rtol=1e-6, atol=0)
     assert all(torch.equal(p.grad.to_torch(), t.grad) for p, t in zip(ours, theirs))
