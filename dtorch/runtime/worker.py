@@ -29,7 +29,7 @@ from . import graphs
 from .file_shards import read_block, read_region, shard_file_name, write_safetensors
 from .backward import connect_outputs, run_backward
 from .grad_buckets import BucketBuffers
-from .kernels import apply_steps, make_factory, pack_saved, unpack_saved
+from .kernels import apply_steps, make_factory, saving_for
 from .optim_kernels import local_norm_share, optimizer_step, state_names, update_grads
 from .peers import Peers
 from .protocol import TensorRef
@@ -235,7 +235,7 @@ class Worker:
         if mesh is None:
             return
         if command.grad:   # torch records the local op for backward (workers run with grad off)
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack_saved, unpack_saved):
+            with torch.enable_grad():
                 return self._run_op(command, mesh)
         self._run_op(command, mesh)
 
@@ -248,9 +248,13 @@ class Worker:
             tensor = self._tensor
             args = [tensor(a.id) if type(a) is TensorRef else a for a in command.args]
             kwargs = _map_refs(command.kwargs, lambda ref: tensor(ref.id), self._place(mesh)) if command.kwargs else {}
-        result = KERNELS[command.kernel](*args, **kwargs)
         if command.grad:
-            result = connect_outputs(result, _grad_inputs(args, kwargs))
+            inputs = _grad_inputs(args, kwargs)
+            with saving_for(inputs):
+                result = KERNELS[command.kernel](*args, **kwargs)
+            result = connect_outputs(result, inputs)
+        else:
+            result = KERNELS[command.kernel](*args, **kwargs)
         if isinstance(result, (tuple, list)):
             for tensor_id, value in zip(command.out_ids, result):
                 self.tensors[tensor_id] = value
