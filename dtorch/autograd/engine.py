@@ -170,9 +170,7 @@ def set_leaf_grad(tensor: DTensor, value) -> None:
             return
         raise RuntimeError(f"assigning .grad at {user_site()}: dtorch keeps gradients of leaves that require grad only")
     if value is None:
-        _touch(leaf, resets=True)
-        tensor._controller.submit(SetGrads, (tensor._id,), (-1,))
-        leaf.grad = None
+        clear_grads([tensor])
         return
     if not isinstance(value, DTensor) or tuple(value.shape) != tuple(tensor.shape):
         raise RuntimeError(f"assigned grad has data of a different size at {user_site()}: "

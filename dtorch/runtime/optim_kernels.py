@@ -51,9 +51,10 @@ def _sgd(hyper: dict, params: list, grads: list, states: list, fresh: tuple) -> 
     options = dict(weight_decay=hyper["weight_decay"], momentum=hyper["momentum"], lr=hyper["lr"],
                    dampening=hyper["dampening"], nesterov=hyper["nesterov"], maximize=hyper["maximize"])
     # torch's fused kernel treats the buffers as all new or all kept: one call for each kind
-    for chosen in _fresh_and_kept(fresh) if hyper.get("fused") else [range(len(params))]:
+    path = _path(hyper)
+    for chosen in _fresh_and_kept(fresh) if path["fused"] else [range(len(params))]:
         picked = [buffers[i] for i in chosen]
-        sgd([params[i] for i in chosen], [grads[i] for i in chosen], picked, **_path(hyper), **options)
+        sgd([params[i] for i in chosen], [grads[i] for i in chosen], picked, **path, **options)
         for i, buffer in zip(chosen, picked):
             buffers[i] = buffer
     return [[buffer] if with_momentum else [] for buffer in buffers]   # torch made the fresh ones
@@ -67,8 +68,9 @@ def _fresh_and_kept(fresh: tuple) -> list:
 
 
 def _path(hyper: dict) -> dict:
-    """torch's implementation switch, as the user set it (both False: the single-tensor path)."""
-    return {"foreach": bool(hyper.get("foreach")), "fused": bool(hyper.get("fused"))}
+    """torch's implementation switch as dtorch.optim's Optimizer.path sent it (both False: the
+    single-tensor path)."""
+    return {"foreach": hyper.get("foreach", False), "fused": hyper.get("fused", False)}
 
 
 def _adam(kind: str, hyper: dict, params: list, grads: list, states: list, steps: tuple, fresh: tuple) -> list:
@@ -78,12 +80,12 @@ def _adam(kind: str, hyper: dict, params: list, grads: list, states: list, steps
               for p, state, new in zip(params, states, fresh)]
     # torch keeps the step as a 0-d float tensor and adds 1 inside the update (the fused kernel
     # reads it on the parameter's device)
-    fused = bool(hyper.get("fused"))
-    step_tensors = [torch.tensor(float(step), dtype=torch.float32, device=p.device if fused else None)
+    path = _path(hyper)
+    step_tensors = [torch.tensor(float(step), dtype=torch.float32, device=p.device if path["fused"] else None)
                     for p, step in zip(params, steps)]
     beta1, beta2 = hyper["betas"]
     adam(params, grads, [s[0] for s in states], [s[1] for s in states], [s[2] for s in states] if amsgrad else [],
-         step_tensors, **_path(hyper), has_complex=any(torch.is_complex(p) for p in params),
+         step_tensors, **path, has_complex=any(torch.is_complex(p) for p in params),
          decoupled_weight_decay=hyper["decoupled_weight_decay"], amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=hyper["lr"],
          weight_decay=hyper["weight_decay"], eps=hyper["eps"], maximize=hyper["maximize"])
     return states
