@@ -97,10 +97,11 @@ class ClockReading(NamedTuple):
 
 def ping_workers(controller, on: bool, timeout: float | None, wait: bool = True) -> dict[int, ClockReading]:
     """Issue one Profile command to every live worker and wait for every reply (or not)."""
-    future = Future()
+    future = controller.new_future()   # replies taken by this thread as they arrive: exact times
     read = ProfileRead(controller.pool.live_ranks(), future)
     controller.submit(wire.Profile, on, read=read)
     if not wait:
+        controller.wake_receiver()   # nobody blocks on it: the loop thread takes the replies
         return {}
     frames = future.result(timeout)
     return {rank: ClockReading(read.sent, read.arrived[rank], _decode(rank, frame)) for rank, frame in frames.items()}

@@ -7,6 +7,7 @@ import asyncio
 import collections.abc
 import concurrent.futures
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -26,11 +27,17 @@ class Future(collections.abc.Coroutine):
     It is a Coroutine so that asyncio.run() and create_task() take it directly; each `await`
     gets a fresh waiter, so it can be awaited any number of times."""
 
-    def __init__(self, inner: concurrent.futures.Future | None = None):
+    def __init__(self, inner: concurrent.futures.Future | None = None, receiver=None):
+        """receiver: the controller. A thread that blocks in result() takes the reply off the
+        socket itself (receiver.receive_here); a future awaited or polled instead asks the
+        controller's loop thread to watch the socket (receiver.wake_receiver)."""
         self._inner = inner or concurrent.futures.Future()
         self._driven = None
+        self._receiver = receiver
 
     def __await__(self):
+        if self._receiver is not None and not self._inner.done():
+            self._receiver.wake_receiver()
         return asyncio.wrap_future(self._inner).__await__()
 
     # Coroutine protocol, used when a Task drives this object directly (asyncio.run(f)).
@@ -49,10 +56,19 @@ class Future(collections.abc.Coroutine):
             self._driven.close()
 
     def result(self, timeout: float | None = None):
+        if self._receiver is not None and not self._inner.done():
+            started = time.monotonic()
+            self._receiver.receive_here(self._inner, timeout)
+            if timeout is not None:
+                timeout = max(0.0, timeout - (time.monotonic() - started))
         return self._inner.result(timeout)
 
     def done(self) -> bool:
-        return self._inner.done()
+        if self._inner.done():
+            return True
+        if self._receiver is not None:
+            self._receiver.wake_receiver()
+        return False
 
     def exception(self, timeout: float | None = None):
         return self._inner.exception(timeout)

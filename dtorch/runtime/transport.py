@@ -105,6 +105,10 @@ class ControllerSockets:
         self.messages_sent += 1
         self.bytes_sent += sum(len(f) for f in frames)
 
+    def wait_for_reply(self, seconds: float) -> bool:
+        """Block (without the GIL) until the ROUTER may have a message, or `seconds` pass."""
+        return bool(self.router.poll(max(1, round(seconds * 1000))))
+
     def drain(self):
         """Yield every message queued on the ROUTER now; re-checks after each one, so replies
         sent while handling a message (which can swallow the descriptor's edge) lose nothing."""

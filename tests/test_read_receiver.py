@@ -1,0 +1,119 @@
+"""Who takes a read's reply off the controller's socket. A thread that blocks on a read receives
+its reply itself (Controller.receive_here), so the controller's loop thread stops watching the
+socket; these tests check that everything that does not block on a read still gets its replies
+afterwards: awaited and polled futures, reads slower than the reading thread's wait, other
+threads' reads, and the workers' heartbeats."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import Replicate, Shard
+from dtorch.errors import RemoteError
+from dtorch.runtime import cluster
+from dtorch.runtime import controller as controller_module
+from dtorch.runtime import session
+
+
+def _blocking_reads(mesh, count: int = 3) -> None:
+    """Blocking reads: afterwards the loop thread has handed the socket to the reading thread."""
+    for i in range(count):
+        assert (dtorch.full((4,), float(i), device_mesh=mesh, placements=[Shard(0)]) + 1).to_torch().tolist() == [i + 1.0] * 4
+
+
+def test_a_blocking_read_needs_no_loop_thread(mesh4):
+    """With the loop thread held in a callback, a blocking read still completes: its own thread
+    publishes the command and receives the replies."""
+    loop = session.controller()._loop
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        held.set()
+        release.wait(60)
+    loop.call_soon_threadsafe(hold)
+    assert held.wait(30)
+    try:
+        x = dtorch.arange(10, device_mesh=mesh4, placements=[Shard(0)]) * 3
+        assert torch.equal(x.fetch().result(timeout=30), torch.arange(10) * 3)
+        dtorch.synchronize(timeout=30)
+    finally:
+        release.set()
+
+
+def test_an_awaited_read_after_blocking_reads(mesh4):
+    _blocking_reads(mesh4)
+    x = dtorch.ones(6, 2, device_mesh=mesh4, placements=[Shard(0)]) * 5
+
+    async def read():
+        return await x.fetch()
+    assert torch.equal(asyncio.run(asyncio.wait_for(read(), 30)), torch.full((6, 2), 5.0))
+
+
+def test_a_polled_future_after_blocking_reads(mesh4):
+    _blocking_reads(mesh4)
+    future = (dtorch.ones(3, device_mesh=mesh4, placements=[Replicate()]) * 2).fetch()
+    deadline = time.monotonic() + 30
+    while not future.done():
+        assert time.monotonic() < deadline, "a polled read never completed"
+        time.sleep(0.001)
+    assert torch.equal(future.result(), torch.full((3,), 2.0))
+
+
+def test_reads_slower_than_the_reading_threads_wait(mesh4, monkeypatch):
+    """The reading thread gives up at once: the loop thread must take the replies over."""
+    monkeypatch.setattr(controller_module, "READER_RECEIVE_S", 0.0)
+    _blocking_reads(mesh4)
+    x = dtorch.ones(64, 64, device_mesh=mesh4, placements=[Shard(0)])
+    for _ in range(20):
+        x = (x @ dtorch.ones(64, 64, device_mesh=mesh4, placements=[Replicate()])) / 64
+    assert torch.allclose(x.to_torch(), torch.ones(64, 64))
+
+
+def test_a_read_on_one_thread_while_another_holds_the_socket(mesh4):
+    """Two threads read at once: the one that does not hold the socket is answered by the one
+    that does, or by the loop thread once it lets go."""
+    errors, results = [], {}
+
+    def read(index):
+        try:
+            for i in range(30):
+                value = (dtorch.full((8,), float(i), device_mesh=mesh4, placements=[Shard(0)]) * index).to_torch()
+                assert torch.equal(value, torch.full((8,), float(i * index)))
+            results[index] = True
+        except BaseException as error:   # reported below
+            errors.append(error)
+    threads = [threading.Thread(target=read, args=(i,)) for i in (1, 2, 3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    assert sorted(results) == [1, 2, 3]
+
+
+def test_heartbeats_are_taken_while_only_blocking_reads_run(mesh4):
+    """The loop thread does not watch the socket after blocking reads; its watchdog still drains
+    the heartbeats, so a quiet spell longer than the silence limit loses no worker."""
+    _blocking_reads(mesh4)
+    time.sleep(cluster.WORKER_SILENCE_S + 1.0)
+    x = dtorch.ones(4, device_mesh=mesh4, placements=[Shard(0)]) + 1
+    assert torch.equal(x.to_torch(), torch.full((4,), 2.0))
+    assert all(w.lost is None for w in session.controller().workers.values())
+
+
+@pytest.mark.timeout(60)
+def test_a_remote_error_reaches_a_blocking_read(mesh4):
+    """The failure record and the poisoned replies are handled on the reading thread."""
+    _blocking_reads(mesh4)
+    numerator = dtorch.tensor(torch.arange(8), device_mesh=mesh4, placements=[Shard(0)])
+    denominator = dtorch.tensor(torch.tensor([1, 1, 1, 1, 1, 1, 0, 1]), device_mesh=mesh4, placements=[Shard(0)])
+    quotient = dtorch.div(numerator, denominator, rounding_mode="floor")   # fails on rank 3
+    with pytest.raises(RemoteError, match="div") as raised:
+        quotient.to_torch()
+    assert raised.value.ranks == [3]
+    _blocking_reads(mesh4)   # the session goes on
