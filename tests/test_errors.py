@@ -121,10 +121,13 @@ def test_an_error_report_that_overtakes_the_publish_call_still_reaches_the_read(
         send(frames, copy)
         time.sleep(0.2)   # the workers run the batch and report meanwhile
     monkeypatch.setattr(controller.sockets, "publish", slow_to_return)
-    monkeypatch.setattr(controller, "_flush_soon", lambda: None)   # the read's own thread publishes it all
+    # the read's own thread publishes it all: no idle-flush timer runs
+    monkeypatch.setattr(controller, "_flush_soon", lambda: None)
+    monkeypatch.setattr(controller, "_flush_if_idle", lambda: None)
     rejected = dtorch.stats()["messages_rejected"]
     _, quotient = _failing_division(mesh4)
     with pytest.raises(RemoteError, match="div"):
         quotient.fetch().result(timeout=30)
     monkeypatch.undo()
+    controller._flush_scheduled = False   # the timer this test kept from running is not armed
     assert dtorch.stats()["messages_rejected"] == rejected

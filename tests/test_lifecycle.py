@@ -14,6 +14,7 @@ import torch
 
 import dtorch
 from dtorch.distributed_spec import Replicate, Shard
+from dtorch.runtime import session
 from support import REPO, alive, run_script
 
 
@@ -188,6 +189,21 @@ def test_commands_are_batched_and_sent_once_for_all_workers(mesh4):
     batches = after["batches_sent"] - before["batches_sent"]
     assert commands >= 1000
     assert batches < commands / 10, (batches, commands)   # batched, one broadcast each
+
+
+def test_commands_leave_once_the_issuing_thread_goes_quiet(mesh4):
+    """No read follows: the idle-flush timer, which stays armed while ops keep coming, publishes
+    the last batch once the thread stops issuing."""
+    controller = session.controller()
+    dtorch.synchronize()
+    x = dtorch.ones(16, device_mesh=mesh4, placements=[Shard(0)])
+    started = time.monotonic()
+    while time.monotonic() - started < 0.05:   # issue for 50 ms: the timer re-arms while busy
+        x = x * 1.0001 + 1
+    deadline = time.monotonic() + 10
+    while controller._published_upto < controller._next_seq:
+        assert time.monotonic() < deadline, "commands issued before a quiet spell were never published"
+        time.sleep(0.001)
 
 
 class _Recorder:
