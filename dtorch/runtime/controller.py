@@ -526,8 +526,8 @@ class Controller:
                 self._handle_queued()
         finally:
             self._router_lock.release()
-        if self._reads:   # this thread's read if it gave up, or others that nobody may be receiving
-            self.wake_receiver()
+            if self._reads:   # this thread's read if it gave up (or was interrupted), or others'
+                self.wake_receiver()
 
     def _handle_queued(self) -> None:
         """ROUTER lock held: handle every message queued on the ROUTER."""
