@@ -56,12 +56,7 @@ class Future(collections.abc.Coroutine):
             self._driven.close()
 
     def result(self, timeout: float | None = None):
-        if self._receiver is not None and not self._inner.done():
-            started = time.monotonic()
-            self._receiver.receive_here(self._inner, timeout)
-            if timeout is not None:
-                timeout = max(0.0, timeout - (time.monotonic() - started))
-        return self._inner.result(timeout)
+        return self._inner.result(self._receive_here(timeout))
 
     def done(self) -> bool:
         if self._inner.done():
@@ -71,7 +66,16 @@ class Future(collections.abc.Coroutine):
         return False
 
     def exception(self, timeout: float | None = None):
-        return self._inner.exception(timeout)
+        return self._inner.exception(self._receive_here(timeout))
+
+    def _receive_here(self, timeout: float | None) -> float | None:
+        """Before blocking: take the reply off the socket on this thread if the controller lets
+        it; returns what is left of `timeout`."""
+        if self._receiver is None or self._inner.done():
+            return timeout
+        started = time.monotonic()
+        self._receiver.receive_here(self._inner, timeout)
+        return None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
 
     # DTorch's TensorFuture spellings (x.to_torch_async().get()); unlike DTorch's, a result can
     # be read any number of times, so is_ready() stays True after get().

@@ -64,9 +64,11 @@ class ControllerSockets:
     or with host=LOCAL on two ipc:// sockets in a fresh directory of mode 0700 (mkdtemp), which
     no other user can enter: the kernel refuses their connect(). It is removed at close.
 
-    Used from the controller's event loop thread only. The loop watches the ROUTER's file
-    descriptor and drains every queued message in one go (`drain`), which costs far less per
-    message than one awaited future per receive.
+    Not thread-safe, as no ZeroMQ socket is: the controller publishes under its publish lock,
+    and receives and replies on the ROUTER under its router lock, from the loop thread (which
+    watches the ROUTER's file descriptor) or from a thread that blocks on a read
+    (`wait_for_reply`). Either drains every queued message in one go (`drain`), which costs far
+    less per message than one awaited future per receive.
 
     With CURVE on, a ZAP handler admits only the run's client key, so a process without the
     keys can neither subscribe to commands nor inject replies."""
