@@ -208,8 +208,9 @@ def _on_dim(tensor: DTensor, mesh_dim: int, placement) -> DTensor:
 
 
 def _rotate_half(x: DTensor) -> DTensor:
-    half = x.shape[-1] // 2
-    return _cat([-x[..., half:], x[..., :half]], -1)
+    # chunk: one command for both halves, where two x[..., a:b] cost the controller ~2x the time
+    first, second = x.chunk(2, dim=-1)
+    return _cat([-second, first], -1)
 
 
 def _repeat_kv(x: DTensor, groups: int) -> DTensor:
