@@ -26,13 +26,17 @@ class TensorMeta(NamedTuple):
         return f"{format_placements(self.placements)} shape={tuple(self.shape)} {str(self.dtype)[6:]}"
 
     def local_shape(self, rank: int) -> tuple:
-        return local_shape(self.shape, self.mesh, self.placements, rank)
+        found = _local_shapes.get((self.key, rank))   # interned metas: reads ask for the same few
+        if found is None:
+            found = _local_shapes[self.key, rank] = local_shape(self.shape, self.mesh, self.placements, rank)
+        return found
 
     def meta(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device="meta")
 
 
 _interned: dict[tuple, TensorMeta] = {}
+_local_shapes: dict[tuple, tuple] = {}   # (meta key, rank) -> TensorMeta.local_shape
 _keys = itertools.count()
 _lock = threading.Lock()
 

@@ -154,7 +154,7 @@ class FetchRead(_Read):
         """A sender's "ok" carries exactly its shard's bytes; every other reply carries none."""
         if status != "ok" or rank not in self.senders:
             return super().check(rank, status, frames)
-        expected = math.prod(_local_shape(self.meta, rank)) * self.meta.dtype.itemsize
+        expected = math.prod(self.meta.local_shape(rank)) * self.meta.dtype.itemsize
         got = sum(len(f) for f in frames)   # zero frames for an empty shard is fine
         if got != expected or len(frames) > 1:
             return f"{got} bytes in {len(frames)} frame(s) where its shard has {expected}"
@@ -192,17 +192,7 @@ class FetchRead(_Read):
         return out
 
 
-_local_shapes: dict[tuple, tuple] = {}   # (meta key, rank) -> local shape: reads repeat the same few
-
-
-def _local_shape(meta: TensorMeta, rank: int) -> tuple:
-    shape = _local_shapes.get((meta.key, rank))
-    if shape is None:
-        shape = _local_shapes[meta.key, rank] = meta.local_shape(rank)
-    return shape
-
-
 def _piece(frames, meta: TensorMeta, rank: int) -> torch.Tensor:
-    shape = _local_shape(meta, rank)
+    shape = meta.local_shape(rank)
     buffer = frames[0].buffer if frames else b""
     return wire.tensor_from_frame(buffer, meta.dtype, shape)
