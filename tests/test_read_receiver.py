@@ -26,9 +26,12 @@ def _blocking_reads(mesh, count: int = 3) -> None:
         assert (dtorch.full((4,), float(i), device_mesh=mesh, placements=[Shard(0)]) + 1).to_torch().tolist() == [i + 1.0] * 4
 
 
-def test_a_blocking_read_needs_no_loop_thread(mesh4):
+def test_a_blocking_read_needs_no_loop_thread(mesh4, monkeypatch):
     """With the loop thread held in a callback, a blocking read still completes: its own thread
-    publishes the command and receives the replies."""
+    publishes the command and receives the replies (for as long as the read's timeout here, so
+    that workers slow to answer on a busy machine cannot hand the read back to the held loop)."""
+    monkeypatch.setattr(controller_module, "READER_RECEIVE_S", 60.0)
+    dtorch.synchronize()   # nothing earlier still runs on the workers
     loop = session.controller()._loop
     held, release = threading.Event(), threading.Event()
 

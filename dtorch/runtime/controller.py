@@ -59,6 +59,7 @@ FREE_BATCH = 16
 SITE_RING = 1 << 16
 REPLAYS_KEPT = 4096   # dtorch.compile replays whose rows' lines errors can still name
 WATCH_PERIOD_S = 0.1
+STALE_PENDING_S = 0.1   # the watchdog publishes commands pending this long (no timer did: a safety net)
 # A thread blocked on a read takes replies off the ROUTER itself for up to this long, then hands
 # the socket back to the loop thread: the reply wakes only the thread that waits for it, not the
 # loop thread first (125 us less per read, benchmark 3), and the loop's watchdog waits at most
@@ -697,7 +698,7 @@ class Controller:
                     self._lose(worker, f"stuck for {worker.busy_s:.0f}s in {self._describe_command(worker.busy_seq)}, "
                                        f"past the hang timeout of {self.hang_timeout_s:g}s; dtorch ended it")
                     _end(worker.handle)
-        stale = self._pending and time.monotonic() - self._pending_since > WATCH_PERIOD_S
+        stale = self._pending and time.monotonic() - self._pending_since > STALE_PENDING_S
         if stale or (self._released and not self._flush_scheduled):
             self._flush()   # dropped ids, or commands no timer published (a safety net)
 
