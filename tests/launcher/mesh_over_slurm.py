@@ -10,7 +10,7 @@ inputs. Then, as the arguments ask:
           ``LOST <seconds> <message>`` for the read that follows; then replaces the lost worker
           (REPLACED <json>) and runs the checks again on the same mesh (RECHECKED);
   --until-lost  prints WAITING, then reads in a loop until a worker is lost and prints LOST like
-          --lose (a test scancels the job meanwhile).
+          --lose (a test scancels the job meanwhile), then waits for SLURM's SIGTERM.
 Ends with OK after dtorch.shutdown(). A failed start prints ``STARTUP <seconds> <message>``.
 """
 import json
@@ -78,6 +78,9 @@ def main() -> None:
                 time.sleep(0.1)
         except dtorch.WorkerLostError as error:
             print(f"LOST {error}", flush=True)
+            # SLURM may signal the workers' steps before this batch step: wait for its SIGTERM,
+            # so that the job always ends through dtorch-launch's handler, as the test checks
+            time.sleep(60)
     if "--wait" in sys.argv:
         print("WAITING", flush=True)
         sys.stdin.read()
