@@ -3,6 +3,7 @@ check that nothing is left running afterwards."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -10,16 +11,40 @@ import dtorch
 from dtorch.distributed_spec import init_device_mesh
 
 from support import alive
+import session_health
+
+
+SHARED_WORKERS = 4
+_shared_pids: list = []   # every worker the shared session started, restarts included
 
 
 @pytest.fixture(scope="session")
 def session():
-    dtorch.init(num_workers=4)
-    pids = [w["pid"] for w in dtorch.workers()]
+    dtorch.init(num_workers=SHARED_WORKERS)
+    _shared_pids.extend(w["pid"] for w in dtorch.workers())
     yield
     dtorch.shutdown()
-    for pid in pids:
+    for pid in _shared_pids:
         assert not alive(pid), f"worker pid {pid} still running after shutdown"
+
+
+@pytest.fixture(autouse=True)
+def _shared_session_survives_a_failure(request):
+    """After a failed test that used the shared session: if that session no longer works (a
+    lost worker, a retired mesh, a read that never completes), say why and start it again, so
+    that one failure stays one failure instead of failing (and slowing) every test after it."""
+    yield
+    report = getattr(request.node, "dtorch_call_report", None)
+    if report is None or not report.failed or "session" not in request.fixturenames:
+        return
+    problem = session_health.problem(SHARED_WORKERS)
+    if problem is None:
+        return
+    _to_print.append(f"=== the shared session is broken after {request.node.nodeid}: {problem}\n"
+                     f"{session_health.describe()}\n=== restarted it")
+    dtorch.shutdown()
+    dtorch.init(num_workers=SHARED_WORKERS)
+    _shared_pids.extend(w["pid"] for w in dtorch.workers())
 
 
 @pytest.fixture
@@ -61,3 +86,30 @@ def mesh(request):
     return request.getfixturevalue(request.param)
 
 
+
+
+
+FAILURES_PRINTED_AS_THEY_HAPPEN = 5
+_failures_printed: list = []
+_to_print: list = []   # printed once pytest's capture is off (in pytest_runtest_logreport)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.dtorch_call_report = report   # for _shared_session_survives_a_failure
+
+
+def pytest_runtest_logreport(report):
+    """Print the first few failures when they happen, with the shared session's state, not only
+    in the summary at the end: a CI run killed at its time limit then still shows what failed
+    first and why."""
+    while _to_print:
+        print("\n" + _to_print.pop(0), file=sys.__stderr__, flush=True)
+    if not report.failed or len(_failures_printed) >= FAILURES_PRINTED_AS_THEY_HAPPEN:
+        return
+    _failures_printed.append(report.nodeid)
+    print(f"\n=== failure #{len(_failures_printed)} as it happened: {report.nodeid} ({report.when})\n"
+          f"{report.longreprtext}\n{session_health.describe()}\n", file=sys.__stderr__, flush=True)
