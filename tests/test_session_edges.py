@@ -102,6 +102,37 @@ def test_a_mesh_of_survivors_works_after_a_worker_is_lost():
     assert report["survivors answered after"] < 10, report
 
 
+def test_a_stall_of_the_whole_machine_loses_no_worker():
+    """Controller and workers stop together for longer than the heartbeat silence limit (a
+    suspended VM, a starved CI machine): the controller's watchdog sees that it did not run
+    either and loses nobody. The workers go on a moment after the controller, as they would
+    if the machine's scheduler woke the controller first."""
+    report = _report(run_script("""
+        import json, os, signal, threading, time, dtorch
+        from dtorch import init_device_mesh, Shard
+        from dtorch.runtime import cluster, session
+        mesh = init_device_mesh("cpu", (2,))
+        x = dtorch.ones(8, device_mesh=mesh, placements=[Shard(0)])
+        assert x.sum().item() == 8
+        pids = [w["pid"] for w in dtorch.workers()]
+        held = threading.Event()
+        def stall():   # the controller's loop thread stops, as the workers do
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            held.set()
+            time.sleep(cluster.WORKER_SILENCE_S + 1.5)
+        session.controller()._loop.call_soon_threadsafe(stall)
+        held.wait(10)
+        time.sleep(cluster.WORKER_SILENCE_S + 1.8)   # the loop runs again from here
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(1.0)
+        lost = [w["rank"] for w in dtorch.workers() if not w["alive"]]
+        print(json.dumps({"lost": lost, "sum": (x * 2).sum().item()}))
+    """, timeout=60))
+    assert report == {"lost": [], "sum": 16}, report
+
+
 def test_a_failure_nobody_read_is_reported_at_shutdown_naming_the_op_and_line():
     result = run_script("""
         import torch, dtorch

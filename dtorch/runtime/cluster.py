@@ -271,6 +271,13 @@ class WorkerPool:
         self._store.set(lost_worker_key(worker.rank), reason)
         return WorkerLostError(worker.rank, worker.host, worker.pid, reason)
 
+    def excuse_silence(self, seconds: float, now: float) -> None:
+        """The controller did not run for `seconds` until `now`: nobody heard heartbeats then,
+        and workers suspended with it (a paused VM) could not send any, so that time is not
+        their silence."""
+        for worker in self.workers.values():
+            worker.last_heartbeat = min(now, worker.last_heartbeat + seconds)
+
     def newly_lost(self, now: float) -> list:
         """(worker, reason) for each worker that exited or went silent since the last look."""
         found = [(w, loss_reason(w, now)) for w in list(self.workers.values()) if w.lost is None]

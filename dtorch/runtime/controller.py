@@ -59,6 +59,7 @@ FREE_BATCH = 16
 SITE_RING = 1 << 16
 REPLAYS_KEPT = 4096   # dtorch.compile replays whose rows' lines errors can still name
 WATCH_PERIOD_S = 0.1
+STALL_EXCUSED_S = 0.5   # a watchdog tick this late means the controller itself stalled (see _watch_once)
 STALE_PENDING_S = 0.1   # the watchdog publishes commands pending this long (no timer did: a safety net)
 # A thread blocked on a read takes replies off the ROUTER itself for up to this long, then hands
 # the socket back to the loop thread: the reply wakes only the thread that waits for it, not the
@@ -674,19 +675,26 @@ class Controller:
         return f"command #{seq} ({what}, issued at {format_site(kept[1])})"
 
     async def _watch(self) -> None:
+        ticked = time.monotonic()
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
+            now = time.monotonic()
+            late, ticked = now - ticked - WATCH_PERIOD_S, now
             try:
-                self._watch_once()
+                self._watch_once(late)
             except Exception:  # keep watching: a silent end would leave lost workers unreported
                 traceback.print_exc()
 
-    def _watch_once(self) -> None:
+    def _watch_once(self, late: float = 0.0) -> None:
+        """`late`: how long past its period this tick came, i.e. how long this process did not
+        run its loop (a long GC pause, a starved or suspended machine)."""
         self._watchdog_waiting = True   # reading threads stop taking the lock: no starvation
         with self._router_lock:   # _lose fails reads that a reading thread's handlers may resolve
             self._watchdog_waiting = False
-            if self._receive_wanted and self._sockets_open:   # a reading thread took the socket:
-                self._handle_queued()                          # heartbeats keep arriving
+            if self._sockets_open:   # heartbeats queued in the socket count before silence is judged
+                self._handle_queued()
+            if late > STALL_EXCUSED_S:   # nobody listened meanwhile: that is not the workers' silence
+                self.pool.excuse_silence(late, time.monotonic())
             self._watch_locked()
 
     def _watch_locked(self) -> None:
