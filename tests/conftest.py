@@ -15,13 +15,20 @@ import session_health
 
 
 SHARED_WORKERS = 4
+FAILURES_PRINTED_AS_THEY_HAPPEN = 5
 _shared_pids: list = []   # every worker the shared session started, restarts included
+_failures_printed: list = []
+_to_print: list = []   # printed once pytest's capture is off (in pytest_runtest_logreport)
+
+
+def _start_shared_session() -> None:
+    dtorch.init(num_workers=SHARED_WORKERS)
+    _shared_pids.extend(w["pid"] for w in dtorch.workers())
 
 
 @pytest.fixture(scope="session")
 def session():
-    dtorch.init(num_workers=SHARED_WORKERS)
-    _shared_pids.extend(w["pid"] for w in dtorch.workers())
+    _start_shared_session()
     yield
     dtorch.shutdown()
     for pid in _shared_pids:
@@ -43,8 +50,7 @@ def _shared_session_survives_a_failure(request):
     _to_print.append(f"=== the shared session is broken after {request.node.nodeid}: {problem}\n"
                      f"{session_health.describe()}\n=== restarted it")
     dtorch.shutdown()
-    dtorch.init(num_workers=SHARED_WORKERS)
-    _shared_pids.extend(w["pid"] for w in dtorch.workers())
+    _start_shared_session()
 
 
 @pytest.fixture
@@ -84,14 +90,6 @@ def mesh22(session):
 @pytest.fixture(params=["mesh1", "mesh4", "mesh22"])
 def mesh(request):
     return request.getfixturevalue(request.param)
-
-
-
-
-
-FAILURES_PRINTED_AS_THEY_HAPPEN = 5
-_failures_printed: list = []
-_to_print: list = []   # printed once pytest's capture is off (in pytest_runtest_logreport)
 
 
 @pytest.hookimpl(hookwrapper=True)

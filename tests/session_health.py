@@ -62,8 +62,8 @@ def describe() -> str:
     lines.append("--- threads:")
     names = {t.ident: t.name for t in threading.enumerate()}
     for ident, frame in sys._current_frames().items():
-        if names.get(ident, "").startswith(("output [", "dtorch-zygote")):   # pipes and the fork server
-            continue
+        if ident == threading.get_ident() or names.get(ident, "").startswith(("output [", "dtorch-zygote")):
+            continue   # this very call, the workers' output pipes, the fork server
         lines.append(f"  thread {names.get(ident, ident)}:")
         lines.extend("    " + line.rstrip() for line in traceback.format_stack(frame)[-8:])
     return "\n".join(lines)

@@ -685,7 +685,7 @@ class Controller:
             except Exception:  # keep watching: a silent end would leave lost workers unreported
                 traceback.print_exc()
 
-    def _watch_once(self, late: float = 0.0) -> None:
+    def _watch_once(self, late: float) -> None:
         """`late`: how long past its period this tick came, i.e. how long this process did not
         run its loop (a long GC pause, a starved or suspended machine)."""
         self._watchdog_waiting = True   # reading threads stop taking the lock: no starvation
