@@ -1,28 +1,39 @@
-"""Two worker settings side by side on 16 MiB redistributes, alternated in fresh pools so that
-a drifting load touches both alike (benchmark 4 divides by a raw Gloo run measured apart, whose
-own swing hides a 15% change). By default: workers keeping freed blocks
-(worker_process.KEEP_FREED_MIB) against glibc's defaults (DTORCH_KEEP_FREED_MIB=0). For a
-change in code, run it on the commit before and after.
+"""Environment settings side by side on 16 MiB redistributes, alternated so that a drifting load
+touches each alike. Benchmark 4 divides by a raw Gloo run measured apart, and that reference
+swings by 1.3-2x between runs on a busy 2-core machine, which hides a 15% change; this script
+compares absolute times of the same code under each setting instead.
 
     python -m benchmarks.redistribute_ab [--workers 2] [--rounds 3] [--bursts 25]
-                                         [--setting NAME=VALUE ...]  (each --setting is one column)
+                                         [--setting NAME=VALUE ...]   (one column each; "" = as is)
 
-Per round and setting: a pool of `--workers`, a 16 MiB float32 matrix sharded S(0), then
-bursts of 4 redistributes to S(1) and to R, each burst timed to `dtorch.synchronize()`; the
-median per redistribute, and each worker's minor page faults per burst (pages touched for the
-first time: what keeping freed blocks saves).
+By default it compares glibc's malloc defaults with a worker that keeps freed blocks
+(GLIBC_TUNABLES: blocks up to 32 MiB from the heap, 256 MiB of free heap kept), the experiment
+in docs/benchmarks.md, "Redistribute". For a change in code, run it on the commit before and
+after.
+
+Each round and setting runs in a controller process of its own, started with the setting in its
+environment, so that the worker template and the workers see it from their start (glibc reads
+its tunables once). It starts a pool of `--workers`, shards a 16 MiB float32 matrix S(0), then
+times bursts of 4 redistributes to S(1) and to R, each burst to `dtorch.synchronize()`: the
+median per redistribute, and each worker's minor page faults per burst (pages the process
+touched for the first time).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
 SIDE = 2048   # 16 MiB of float32
 BURST = 4
-DEFAULT_SETTINGS = ("DTORCH_KEEP_FREED_MIB=0", "")   # "" = the environment as it is
+DEFAULT_SETTINGS = (
+    "",
+    "GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456",
+)
 
 
 def _minor_faults(pid: int) -> int:
@@ -31,7 +42,7 @@ def _minor_faults(pid: int) -> int:
 
 
 def measure(workers: int, bursts: int) -> dict:
-    """{target placement: (seconds per redistribute, faults per burst per worker)} in a fresh pool."""
+    """{case: [seconds per redistribute, faults per burst per worker]} in a fresh pool."""
     import dtorch
     from dtorch.distributed_spec import Replicate, Shard, init_device_mesh
     dtorch.init(num_workers=workers)
@@ -47,16 +58,27 @@ def measure(workers: int, bursts: int) -> dict:
                 dtorch.synchronize()
                 seconds = (time.perf_counter() - start) / BURST
                 del outputs
+                dtorch.synchronize()
                 return seconds
             for _ in range(3):   # warm-up
                 burst()
             before = [_minor_faults(p) for p in pids]
             seconds = statistics.median(burst() for _ in range(bursts))
             faults = [(_minor_faults(p) - b) / bursts for p, b in zip(pids, before)]
-            results[name] = (seconds, statistics.mean(faults))
+            results[name] = [seconds, statistics.mean(faults)]
         return results
     finally:
         dtorch.shutdown()
+
+
+def _measure_in_process(setting: str, workers: int, bursts: int) -> dict:
+    env = dict(os.environ)
+    if setting:
+        name, value = setting.split("=", 1)
+        env[name] = value
+    command = [sys.executable, "-m", "benchmarks.redistribute_ab", "--one", f"--workers={workers}", f"--bursts={bursts}"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str]) -> int:
@@ -64,19 +86,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bursts", type=int, default=25)
-    parser.add_argument("--setting", action="append", help="NAME=VALUE for the workers' environment, or ''")
+    parser.add_argument("--setting", action="append", help="NAME=VALUE added to the environment, or ''")
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # one measurement, as JSON
     args = parser.parse_args(argv)
-    settings, original = args.setting or DEFAULT_SETTINGS, dict(os.environ)
+    if args.one:
+        print(json.dumps(measure(args.workers, args.bursts)))
+        return 0
     print(f"{args.workers} workers, 16 MiB, bursts of {BURST}: ms per redistribute (faults per burst per worker)")
     for round_ in range(args.rounds):
-        for setting in settings:
-            os.environ.clear()
-            os.environ.update(original)
-            if setting:
-                name, value = setting.split("=", 1)
-                os.environ[name] = value
-            cells = [f"{case} {s * 1e3:.2f} ms ({f:.0f})" for case, (s, f) in measure(args.workers, args.bursts).items()]
-            print(f"round {round_ + 1}, {setting or '(as is)':24s}", " | ".join(cells), flush=True)
+        for setting in args.setting or DEFAULT_SETTINGS:
+            measured = _measure_in_process(setting, args.workers, args.bursts)
+            cells = [f"{case} {s * 1e3:.2f} ms ({f:.0f})" for case, (s, f) in measured.items()]
+            print(f"round {round_ + 1}, {setting or '(as is)'}:", " | ".join(cells), flush=True)
     return 0
 
 

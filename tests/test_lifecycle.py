@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Replicate, Shard, init_device_mesh
+from dtorch.distributed_spec import Replicate, Shard
 from dtorch.runtime import session
 from support import REPO, alive, run_script
 
@@ -150,35 +150,6 @@ def test_dropped_tensors_are_freed_on_workers(mesh4):
     after = [_rss_kib(p) for p in pids]
     growth_mib = max(a - b for a, b in zip(after, before)) / 1024
     assert growth_mib < 64, f"worker memory grew by {growth_mib:.0f} MiB"
-
-
-def _minor_faults(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[7])
-
-
-@pytest.mark.timeout(180)
-def test_workers_reuse_freed_blocks_instead_of_faulting_in_fresh_pages(session):
-    """A redistribute's buffers (8 MiB here) come back freed and are reused by the next one
-    (worker_process.KEEP_FREED_MIB): glibc's defaults return them to the kernel, and each burst
-    faults in ~15% of its pages again (DTORCH_KEEP_FREED_MIB=0 fails this test)."""
-    mesh = init_device_mesh("cpu", (2,))
-    pids = [w["pid"] for w in dtorch.workers() if w["rank"] in mesh.ranks]
-    source = dtorch.ones(2048, 2048, device_mesh=mesh, placements=[Shard(0)])
-
-    def burst():   # per rank: 4 x (8 MiB packed for the all-to-all + 8 MiB received)
-        results = [source.redistribute(placements=[Shard(1)]) for _ in range(4)]
-        dtorch.synchronize()
-        del results
-        dtorch.synchronize()
-    for _ in range(3):
-        burst()
-    before = [_minor_faults(p) for p in pids]
-    for _ in range(10):
-        burst()
-    pages_per_burst = 4 * 2 * (8 << 20) // 4096
-    faults = [(_minor_faults(p) - b) / 10 for p, b in zip(pids, before)]
-    assert max(faults) < pages_per_burst / 16, f"page faults per burst {faults} of {pages_per_burst} pages allocated"
 
 
 async def test_await_from_a_user_event_loop_does_not_block_it(mesh4):

@@ -127,33 +127,9 @@ def _fail_start(rank: int, error: BaseException) -> None:
     os._exit(EXIT_CANNOT_START)
 
 
-# glibc returns a freed block of 128 KiB or more to the kernel (munmap, or trimming the heap's
-# top), so the next tensor of that size faults in fresh zeroed pages on first touch: ~2 ms per
-# 8 MiB here, as much as the collective that fills it. A worker allocates the same sizes step
-# after step (a redistribute's output, an activation), so it keeps freed blocks for reuse, as
-# CUDA's caching allocator does: blocks up to 32 MiB (glibc's largest mmap threshold) come from
-# the heap, and up to KEEP_FREED_MIB of free memory stays at its top. DTORCH_KEEP_FREED_MIB=0
-# leaves glibc's defaults. Measured in docs/benchmarks.md, "Redistribute".
-KEEP_FREED_MIB = 256
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # glibc's mallopt parameters (malloc.h)
-
-
-def _keep_freed_memory() -> None:
-    keep_mib = int(os.environ.get("DTORCH_KEEP_FREED_MIB", KEEP_FREED_MIB))
-    if keep_mib <= 0:
-        return
-    import ctypes
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:   # not glibc (musl, macOS): its own policy stands
-        return
-    mallopt(_M_MMAP_THRESHOLD, min(keep_mib, 32) << 20)
-    mallopt(_M_TRIM_THRESHOLD, keep_mib << 20)
-
-
 def main() -> None:
     config = json.loads(sys.stdin.readline())
     _exit_when_stdin_closes()
-    _keep_freed_memory()
     torch.set_num_threads(max(1, int(config.get("threads", 1))))
     rank = config["rank"]
     topics = [wire.TOPIC_ALL, wire.TOPIC_PROBE, wire.topic_for_rank(rank)]
