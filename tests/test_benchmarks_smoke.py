@@ -7,8 +7,8 @@ written, and that every process the suite started is gone afterwards.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
