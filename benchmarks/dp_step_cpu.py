@@ -32,7 +32,7 @@ from dataclasses import replace
 from .config import QUICK
 from .llama_forward import config_fields
 from .local_ranks import run_ranks
-from .process_memory import returned_buffers
+from .process_memory import returned_buffers, stat_fields
 from .train_baselines import _batch, _ddp
 
 STEPS = 10
@@ -41,8 +41,7 @@ WARMUP = 3
 
 def cpu_seconds(pid: int | str = "self") -> tuple[float, float]:
     """(user, system) CPU seconds of a process so far (/proc/<pid>/stat fields 14 and 15)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
+    fields = stat_fields(pid)
     ticks = os.sysconf("SC_CLK_TCK")
     return int(fields[11]) / ticks, int(fields[12]) / ticks
 

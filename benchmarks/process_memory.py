@@ -17,7 +17,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["MMAP_THRESHOLD", "returned_buffers", "peak_mib", "rss_mib", "reset_peak", "busy_seconds"]
+__all__ = ["MMAP_THRESHOLD", "returned_buffers", "peak_mib", "rss_mib", "reset_peak", "busy_seconds",
+           "stat_fields", "minor_faults"]
 
 MMAP_THRESHOLD = "131072"
 _VARIABLE = "MALLOC_MMAP_THRESHOLD_"
@@ -66,3 +67,15 @@ def busy_seconds(pid: int | str = "self") -> float:
     with open(f"/proc/{pid}/schedstat") as schedstat:
         on_cpu_ns, waiting_ns = schedstat.read().split()[:2]
     return (int(on_cpu_ns) + int(waiting_ns)) / 1e9
+
+
+def stat_fields(pid: int | str = "self") -> list[str]:
+    """/proc/<pid>/stat after the command name (which may hold spaces and parentheses): the
+    state is [0], minor faults [7], user and system CPU ticks [11] and [12]."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()
+
+
+def minor_faults(pid: int | str = "self") -> int:
+    """Pages the process has touched for the first time (faults served without I/O)."""
+    return int(stat_fields(pid)[7])

@@ -4,7 +4,7 @@ swings by 1.3-2x between runs on a busy 2-core machine, which hides a 15% change
 compares absolute times of the same code under each setting instead.
 
     python -m benchmarks.redistribute_ab [--workers 2] [--rounds 3] [--bursts 25]
-                                         [--setting NAME=VALUE ...]   (one column each; "" = as is)
+                                         [--setting NAME=VALUE ...]   (one row each; "" = as is)
 
 By default it compares glibc's malloc defaults with a worker that keeps freed blocks
 (GLIBC_TUNABLES: blocks up to 32 MiB from the heap, 256 MiB of free heap kept), the experiment
@@ -28,17 +28,14 @@ import subprocess
 import sys
 import time
 
+from .process_memory import minor_faults
+
 SIDE = 2048   # 16 MiB of float32
 BURST = 4
 DEFAULT_SETTINGS = (
     "",
     "GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456",
 )
-
-
-def _minor_faults(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[7])
 
 
 def measure(workers: int, bursts: int) -> dict:
@@ -62,9 +59,9 @@ def measure(workers: int, bursts: int) -> dict:
                 return seconds
             for _ in range(3):   # warm-up
                 burst()
-            before = [_minor_faults(p) for p in pids]
+            before = [minor_faults(p) for p in pids]
             seconds = statistics.median(burst() for _ in range(bursts))
-            faults = [(_minor_faults(p) - b) / bursts for p, b in zip(pids, before)]
+            faults = [(minor_faults(p) - b) / bursts for p, b in zip(pids, before)]
             results[name] = [seconds, statistics.mean(faults)]
         return results
     finally:
