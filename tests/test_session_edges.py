@@ -2,8 +2,16 @@
 of survivors after a lost worker, failures nobody read. Each runs a fresh controller in a
 subprocess with a hard timeout (run_script), since they end sessions or kill workers."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 
-from support import run_script
+import pytest
+
+from support import REPO, alive, run_script
 
 
 def _report(result) -> dict:
@@ -131,6 +139,65 @@ def test_a_stall_of_the_whole_machine_loses_no_worker():
         print(json.dumps({"lost": lost, "sum": (x * 2).sum().item()}))
     """, timeout=60))
     assert report == {"lost": [], "sum": 16}, report
+
+
+@pytest.mark.parametrize("workers_stop", [True, False], ids=["whole machine, workers wake first",
+                                                            "controller's Python only"])
+def test_a_stall_longer_than_the_workers_silence_limit_loses_no_worker(workers_stop):
+    """As above, but the stall outlasts the workers' own limit on controller silence (6 s).
+    Either the workers stopped too and wake first (they find no answer yet, and must not count
+    the time they were stopped as the controller's silence: a CI machine lost ranks 0 and 3
+    this way), or they ran on through a pause of the controller's Python alone (a long garbage
+    collection), whose ZeroMQ I/O thread kept their connection alive."""
+    report = _report(run_script(f"""
+        import json, os, signal, threading, time, dtorch
+        from dtorch import init_device_mesh, Shard
+        from dtorch.runtime import session
+        mesh = init_device_mesh("cpu", (2,))
+        x = dtorch.ones(8, device_mesh=mesh, placements=[Shard(0)])
+        assert x.sum().item() == 8
+        pids = [w["pid"] for w in dtorch.workers()] if {workers_stop} else []
+        held = threading.Event()
+        def stall():
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            held.set()
+            time.sleep(8.5)
+        session.controller()._loop.call_soon_threadsafe(stall)
+        held.wait(10)
+        time.sleep(7.5)
+        for pid in pids:   # the workers run a second before the controller's loop does
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(2.5)
+        alive = [w["rank"] for w in dtorch.workers() if w["alive"]]
+        print(json.dumps({{"alive": alive, "sum": (x * 2).sum().item()}}))
+    """, timeout=60))
+    assert report == {"alive": [0, 1], "sum": 16}, report
+
+
+def test_workers_exit_when_only_the_controller_stops_answering():
+    """The other side of the rule above: a controller that is stopped while its workers run
+    (hung, or its host cut off without closing the workers' stdin) is silent for real, and the
+    workers leave after 6 s of listening instead of waiting forever."""
+    controller = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import time, dtorch
+        mesh = dtorch.init_device_mesh("cpu", (2,))
+        assert dtorch.ones(4, device_mesh=mesh).sum().item() == 4
+        print(*[w["pid"] for w in dtorch.workers()], flush=True)
+        time.sleep(120)
+    """)], cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    try:
+        pids = [int(p) for p in controller.stdout.readline().split()]
+        assert len(pids) == 2, pids
+        controller.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        while any(alive(pid) for pid in pids) and time.monotonic() - stopped < 20:
+            time.sleep(0.2)
+        assert not any(alive(pid) for pid in pids), f"workers {pids} outlived a silent controller by 20 s"
+        assert time.monotonic() - stopped > 5, "the workers left before the 6 s silence limit"
+    finally:
+        controller.kill()
+        controller.wait(10)
 
 
 def test_a_failure_nobody_read_is_reported_at_shutdown_naming_the_op_and_line():

@@ -223,14 +223,13 @@ class WorkerSockets:
         self.dealer.connect(reply_address)
         self._reply_address, self._keys = reply_address, keys
 
-    def heartbeat_socket(self, rank: int) -> zmq.Socket:
+    def heartbeat_link(self, rank: int, silence_timeout_s: float) -> "HeartbeatLink":
         """A second DEALER for the heartbeat thread (zmq sockets are not thread-safe)."""
         socket = self.context.socket(zmq.DEALER)
         _lossless(socket)
         _curve_client(socket, self._keys)
         socket.setsockopt(zmq.IDENTITY, b"h%d:%s" % (rank, self._suffix))
-        socket.connect(self._reply_address)
-        return socket
+        return HeartbeatLink(socket, self._reply_address, silence_timeout_s)
 
     def receive_command(self, timeout_ms: int | None = None) -> list | None:
         if timeout_ms is not None and not self.sub.poll(timeout_ms):
@@ -300,13 +299,33 @@ class RelaySockets:
             pass
 
 
-class Poller:
-    """Wait on one socket with a timeout (heartbeat thread)."""
+class HeartbeatLink:
+    """The heartbeat thread's DEALER to the controller, and whether ZeroMQ still holds a live
+    connection to it. ZMTP heartbeats (a PING every second) are answered by the controller's
+    ZeroMQ I/O thread, which runs without Python's GIL: a controller whose Python is paused (a
+    long garbage collection) keeps the connection, and one that is stopped, gone or cut off
+    loses it after `silence_timeout_s`."""
 
-    def __init__(self, socket: zmq.Socket):
+    def __init__(self, socket: zmq.Socket, address: str, silence_timeout_s: float):
         self.socket = socket
+        socket.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(silence_timeout_s * 1000))
+        # Watched from before the connect: a handshake (CURVE's too) done is "up", a drop "down".
+        self.monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._up = True   # the worker registered through the same endpoint a moment ago
+        socket.connect(address)
+
+    def send(self, frames: list) -> None:
+        self.socket.send_multipart(frames)
 
     def receive(self, timeout_ms: int) -> list | None:
         if not self.socket.poll(timeout_ms):
             return None
         return self.socket.recv_multipart()
+
+    def connected(self) -> bool:
+        """Whether the latest connection event says the controller's end is there."""
+        from zmq.utils.monitor import recv_monitor_message
+        while self.monitor.poll(0):
+            self._up = recv_monitor_message(self.monitor)["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        return self._up

@@ -7,6 +7,7 @@ and EOF on it means the controller (or the ssh session carrying us) is gone: exi
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -18,7 +19,7 @@ import torch
 
 from . import protocol as wire
 from .devices import make_device
-from .transport import Poller, WorkerSockets
+from .transport import WorkerSockets
 from .worker import Worker
 
 __all__ = ["main"]
@@ -42,9 +43,18 @@ def _heartbeat(sockets: WorkerSockets, rank: int, timeout_s: float, status) -> N
     even while the main thread is blocked inside a collective. Each beat also says how many
     tensors the worker holds, its resident memory, and which command it has been running for
     how long (`status()` gives (live tensors, busy seq)): the controller ends a worker stuck in
-    one command past its hang timeout."""
-    hb = sockets.heartbeat_socket(rank)
-    poller, last_answer = Poller(hb), time.monotonic()
+    one command past its hang timeout.
+
+    The controller counts as gone only when both say so: its Python has left `timeout_s` worth
+    of beats in a row unanswered, and ZeroMQ has dropped the connection (its I/O thread stopped
+    answering ZMTP heartbeats too). Beats are counted, not seconds: a machine that stops this
+    process with the controller (a suspended VM, a starved CI host) makes one long wait, after
+    which the controller answers again. A pause of the controller's Python alone (a long garbage
+    collection) keeps the connection up. (The controller excuses its own stalls the same way:
+    cluster.WorkerPool.excuse_silence.) A controller that exits closes our stdin, which ends us
+    at once."""
+    link = sockets.heartbeat_link(rank, timeout_s)
+    beats_allowed, unanswered = max(1, math.ceil(timeout_s / wire.HEARTBEAT_INTERVAL)), 0
     watched_seq, since = -1, time.monotonic()
     while not _stopping.is_set():
         live, busy_seq = status()
@@ -52,16 +62,19 @@ def _heartbeat(sockets: WorkerSockets, rank: int, timeout_s: float, status) -> N
             watched_seq, since = busy_seq, time.monotonic()
         busy_s = time.monotonic() - since if busy_seq >= 0 else 0.0
         try:
-            hb.send_multipart([wire.encode(wire.Heartbeat(rank, live, _resident_bytes(), busy_seq, busy_s))])
-            answer = poller.receive(int(wire.HEARTBEAT_INTERVAL * 1000))
+            link.send([wire.encode(wire.Heartbeat(rank, live, _resident_bytes(), busy_seq, busy_s))])
+            answer = link.receive(int(wire.HEARTBEAT_INTERVAL * 1000))
+            gone = answer is None and unanswered + 1 >= beats_allowed and not link.connected()
         except Exception:
             if _stopping.is_set():
                 return
             raise
         if answer is not None:
-            last_answer = time.monotonic()
+            unanswered = 0
             time.sleep(wire.HEARTBEAT_INTERVAL)
-        elif time.monotonic() - last_answer > timeout_s:
+            continue
+        unanswered += 1
+        if gone:
             print(f"dtorch worker {rank}: controller silent for {timeout_s:.0f}s, exiting", file=sys.stderr)
             os._exit(3)
 
