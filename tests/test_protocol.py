@@ -127,6 +127,23 @@ def test_commands_round_trip_in_a_batch():
     assert wire.decode_batch(wire.decode(header, (wire.Batch,)), body) == COMMAND_EXAMPLES
 
 
+@pytest.mark.parametrize("example", COMMAND_EXAMPLES, ids=lambda c: type(c).__name__)
+def test_a_command_with_any_field_of_the_wrong_type_is_refused(example):
+    """Every field of every command, replaced by a value of another type (a bool where an int
+    belongs, an int in a string's place), and every id list holding a non-int: refused."""
+    row = wire.command_row(example)
+    declared = (None, int) + wire._FIELD_TYPES[type(example)]   # the opcode, seq, the fields
+    bad_rows = []
+    for i in range(1, len(row)):
+        wrong = 1.5 if type(row[i]) is str else True if type(row[i]) is int else "x"
+        bad_rows.append(row[:i] + (wrong,) + row[i + 1:])
+        if declared[i] is wire.IDS and row[i]:
+            bad_rows += [row[:i] + ((*row[i][:-1], bad),) + row[i + 1:] for bad in (True, 1.0, "1")]
+    for bad in bad_rows:
+        with pytest.raises(ProtocolError, match=f"malformed {type(example).__name__}|numbered"):
+            wire.decode_batch(wire.Batch(example.seq, 1), wire.pack([bad]))
+
+
 def test_a_load_shard_with_a_field_of_the_wrong_type_is_refused():
     row = (wire.OPCODE[wire.LoadShard], 0, 3, 0, (7, 5), "bfloat16", (), "/ckpt/x.safetensors", "w", "8", "float32")
     with pytest.raises(ProtocolError, match="malformed LoadShard"):
