@@ -14,6 +14,10 @@ nanoseconds): the user's thread, which plans and queues commands; the loop threa
 publishes batches and handles replies and heartbeats; ZeroMQ's I/O thread, which writes each
 subscriber its copy; and the rest (output forwarders, the worker template's listener).
 
+The same rows give each worker's own CPU per op (the mean over workers, every thread of the
+process, from /proc/<pid>/task/*/schedstat): a worker decodes and runs every command of its mesh,
+and on a machine with fewer cores than workers that CPU is what stretches the wall time.
+
 Then, with the pool idle, it measures the CPU per second that heartbeats cost (every message
 the controller sends while idle is a pong, one per heartbeat). That cost is per second, not per
 op, and on a 2-core machine 64 busy workers stretch the program's wall time (they share the two
@@ -67,7 +71,8 @@ def _world_rows(suite, world: int) -> list[Row]:
         net = median(measured["net_cpu_per_op"])
         return Row(NAME, cases["raw"], variant, "op", measured["cpu_per_op"], reference=reference(cases["raw"]),
                    note=f"{_thread_note(measured, '')}; net of heartbeats {1e6 * net:.1f} us/op; "
-                        f"wall {1e6 * median(measured['wall_per_op']):.0f} us/op")
+                        f"wall {1e6 * median(measured['wall_per_op']):.0f} us/op; "
+                        f"each worker's CPU {1e6 * median(measured['worker_cpu_per_op']):.1f} us/op")
 
     rows = [guarded(raw_row, NAME, cases["raw"], variant, "op")]
     if not measured:
@@ -163,9 +168,9 @@ def measure(world: int, ops: int, reps: int, idle_s: float, reads: int = 20) -> 
         z = dtorch.zeros(*SHAPE, device_mesh=mesh, placements=[Shard(0)])
         run_chain(z, ops).to_torch()   # warm-up: caches, the first command's Gloo connect
         found: dict = collections.defaultdict(list)
-        for _ in range(reps):
-            _program_once(mesh, ops, clocks, found)
         pids = [worker["pid"] for worker in dtorch.workers()]
+        for _ in range(reps):
+            _program_once(mesh, ops, clocks, pids, found)
         for _ in range(reps):
             _issue_paused(mesh, ops, clocks, pids, found)
         for name, placement, shape in (("read_s0", Shard(0), SHAPE), ("read_r", Replicate(), (1,))):
@@ -182,20 +187,23 @@ def measure(world: int, ops: int, reps: int, idle_s: float, reads: int = 20) -> 
         dtorch.shutdown()
 
 
-def _program_once(mesh, ops: int, clocks: ThreadClocks, found: dict) -> None:
-    """The program with the workers running: all in, on this machine."""
+def _program_once(mesh, ops: int, clocks: ThreadClocks, pids: list, found: dict) -> None:
+    """The program with the workers running: all in, on this machine. Also the workers' own
+    CPU per op (each decodes and runs every command of its mesh), their mean."""
     import dtorch
     from dtorch.distributed_spec import Shard
 
     from .chain import run_chain
     z = dtorch.zeros(*SHAPE, device_mesh=mesh, placements=[Shard(0)])
     dtorch.synchronize()
+    workers_cpu = _cpu_seconds(pids)
     threads, cpu, wall = clocks.start(), time.process_time(), time.perf_counter()
     z = run_chain(z, ops)
     issued = time.perf_counter()
     z.to_torch()
     done = time.perf_counter()
     found["cpu_per_op"].append((time.process_time() - cpu) / ops)
+    found["worker_cpu_per_op"].append((_cpu_seconds(pids) - workers_cpu) / ops / len(pids))
     for name, seconds in clocks.stop(threads).items():
         found[f"{name}_cpu_per_op"].append(seconds / ops)
     found["wall_per_op"].append((done - wall) / ops)
@@ -227,6 +235,20 @@ def _issue_paused(mesh, ops: int, clocks: ThreadClocks, pids: list, found: dict)
     finally:
         _signal_all(pids, signal.SIGCONT)
     z.to_torch()
+
+
+def _cpu_seconds(pids: list) -> float:
+    """CPU time so far of every thread of these processes, in ns resolution (/proc schedstat;
+    the clock ticks of /proc/<pid>/stat are 10 ms, too coarse for 2,000 ops)."""
+    total = 0
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
+                    total += int(stat.read().split()[0])
+            except OSError:   # the thread ended meanwhile
+                continue
+    return total / 1e9
 
 
 def _signal_all(pids: list, number: int) -> None:
