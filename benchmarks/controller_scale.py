@@ -36,6 +36,7 @@ import threading
 import time
 from pathlib import Path
 
+from .process_memory import cpu_seconds, thread_cpu_seconds
 from .timing import Row, guarded, median
 
 NAME = "controller_scale"
@@ -141,8 +142,7 @@ class ThreadClocks:
             if int(tid) == self._user:
                 continue
             try:
-                with open(f"/proc/self/task/{tid}/schedstat") as stat:
-                    seconds = int(stat.read().split()[0]) / 1e9   # time on a CPU, in ns
+                seconds = thread_cpu_seconds("self", tid)
                 with open(f"/proc/self/task/{tid}/comm") as comm:
                     name = comm.read()
             except OSError:   # the thread ended meanwhile
@@ -196,14 +196,14 @@ def _program_once(mesh, ops: int, clocks: ThreadClocks, pids: list, found: dict)
     from .chain import run_chain
     z = dtorch.zeros(*SHAPE, device_mesh=mesh, placements=[Shard(0)])
     dtorch.synchronize()
-    workers_cpu = _cpu_seconds(pids)
+    workers_cpu = sum(map(cpu_seconds, pids))
     threads, cpu, wall = clocks.start(), time.process_time(), time.perf_counter()
     z = run_chain(z, ops)
     issued = time.perf_counter()
     z.to_torch()
     done = time.perf_counter()
     found["cpu_per_op"].append((time.process_time() - cpu) / ops)
-    found["worker_cpu_per_op"].append((_cpu_seconds(pids) - workers_cpu) / ops / len(pids))
+    found["worker_cpu_per_op"].append((sum(map(cpu_seconds, pids)) - workers_cpu) / ops / len(pids))
     for name, seconds in clocks.stop(threads).items():
         found[f"{name}_cpu_per_op"].append(seconds / ops)
     found["wall_per_op"].append((done - wall) / ops)
@@ -235,20 +235,6 @@ def _issue_paused(mesh, ops: int, clocks: ThreadClocks, pids: list, found: dict)
     finally:
         _signal_all(pids, signal.SIGCONT)
     z.to_torch()
-
-
-def _cpu_seconds(pids: list) -> float:
-    """CPU time so far of every thread of these processes, in ns resolution (/proc schedstat;
-    the clock ticks of /proc/<pid>/stat are 10 ms, too coarse for 2,000 ops)."""
-    total = 0
-    for pid in pids:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
-                    total += int(stat.read().split()[0])
-            except OSError:   # the thread ended meanwhile
-                continue
-    return total / 1e9
 
 
 def _signal_all(pids: list, number: int) -> None:

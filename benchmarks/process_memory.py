@@ -18,7 +18,7 @@ import contextlib
 import os
 
 __all__ = ["MMAP_THRESHOLD", "returned_buffers", "peak_mib", "rss_mib", "reset_peak", "busy_seconds",
-           "stat_fields", "minor_faults"]
+           "thread_cpu_seconds", "cpu_seconds", "stat_fields", "minor_faults"]
 
 MMAP_THRESHOLD = "131072"
 _VARIABLE = "MALLOC_MMAP_THRESHOLD_"
@@ -67,6 +67,25 @@ def busy_seconds(pid: int | str = "self") -> float:
     with open(f"/proc/{pid}/schedstat") as schedstat:
         on_cpu_ns, waiting_ns = schedstat.read().split()[:2]
     return (int(on_cpu_ns) + int(waiting_ns)) / 1e9
+
+
+def thread_cpu_seconds(pid: int | str, tid: int | str) -> float:
+    """Seconds one thread has run on a CPU (/proc/<pid>/task/<tid>/schedstat, in ns: the clock
+    ticks of /proc/<pid>/stat are 10 ms, too coarse for a few thousand small ops)."""
+    with open(f"/proc/{pid}/task/{tid}/schedstat") as schedstat:
+        return int(schedstat.read().split()[0]) / 1e9
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """Seconds every thread of the process has run on a CPU so far (threads that ended are not
+    counted: compare readings of long-lived threads)."""
+    total = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += thread_cpu_seconds(pid, tid)
+        except OSError:   # the thread ended meanwhile
+            continue
+    return total
 
 
 def stat_fields(pid: int | str = "self") -> list[str]:
