@@ -24,7 +24,7 @@ from .aliasing import VIEW_OPS, note_view
 from .redistribute import plan_redistribute, step_kind
 from .runtime import profiling, session
 from .recording import HopNode, Leaf, OpNode, is_grad_enabled, record_op
-from .runtime.protocol import Redistribute, RequireGrad, RunOp, Transfer, dtype_name
+from .runtime.protocol import Redistribute, RequireGrad, RunOp, Transfer, dtype_name, wire_ref
 
 __all__ = ["DTensor", "call_op"]
 
@@ -438,17 +438,17 @@ def _issue_op(name: str, args: tuple, kwargs: dict):
         args, kwargs = _apply_moves(plan.moves, args, kwargs)
     out_specs = plan.out_specs
     controller = session.controller()
-    ref = controller.reference   # checks each input belongs to this session (none kept from an ended one)
-    # exact types first (the hot case); a subclass (nn.Parameter) or a list takes the general walk
-    wire_args = tuple([ref(a) if type(a) is DTensor else
-                       map_tensors(a, ref) if type(a) in (list, tuple) or isinstance(a, DTensor) else a
-                       for a in args])
-    wire_kwargs = map_tensors(kwargs, ref) if kwargs else {}
+    wire_args, nodes, nested = _wire_args(controller, args)
+    wire_kwargs = map_tensors(kwargs, controller.reference) if kwargs else {}
     if plan.extra_kwargs:
         wire_kwargs.update(plan.extra_kwargs)
     mesh_id = controller.define_mesh(out_specs[0].mesh)
-    nodes = _grad_nodes(args, kwargs) if is_grad_enabled() and name not in NOT_DIFFERENTIABLE else ()
-    grad = bool(nodes)
+    grad = False
+    if is_grad_enabled() and name not in NOT_DIFFERENTIABLE:
+        if nested or kwargs:
+            nodes += _nested_grad_nodes(args, kwargs)
+        nodes = tuple(nodes)
+        grad = bool(nodes)
     if not plan.sequence:
         out_id = controller.new_id()
         seq = controller.submit(RunOp, (out_id,), mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps,
@@ -481,23 +481,36 @@ def _land_for_backward(source: DTensor, landed: DTensor) -> DTensor:
     return view
 
 
-def _grad_nodes(args: tuple, kwargs: dict) -> tuple:
-    """The nodes of the inputs that require grad (top-level tensors first: the common case, in
-    one pass that also notes whether a list or kwargs need the general walk)."""
-    nodes, nested = [], bool(kwargs)
+def _wire_args(controller, args: tuple) -> tuple:
+    """(args as they go on the wire, the autograd nodes of the top-level tensors among them,
+    whether a list or tuple holds more), in one pass. The hot case (a DTensor of this session,
+    or a scalar) is inline; a tensor from another session, a subclass (nn.Parameter) or a list
+    takes controller.reference, which checks and explains."""
+    wire, nodes, nested = [], [], False
+    first_valid = controller._first_valid_id
     for a in args:
         kind = type(a)
         if kind is DTensor or (kind not in PLAIN_TYPES and isinstance(a, DTensor)):
+            if kind is DTensor and a._controller is controller and a._id >= first_valid:
+                wire.append(wire_ref(a._id))
+            else:   # an ended session's tensor raises; one that may have lived on a lost rank is checked
+                wire.append(controller.reference(a))
             if a._node is not None:
                 nodes.append(a._node)
         elif kind is list or kind is tuple:
+            wire.append(map_tensors(a, controller.reference))
             nested = True
-    if nested:
-        nested = []
-        map_tensors(([a for a in args if type(a) in (list, tuple)], kwargs),
-                    lambda t: nested.append(t._node) if t._node is not None else None)
-        nodes += nested
-    return tuple(nodes)
+        else:
+            wire.append(a)
+    return tuple(wire), nodes, nested
+
+
+def _nested_grad_nodes(args: tuple, kwargs: dict) -> list:
+    """The nodes of tensors inside lists and tuples, then kwargs (after the top-level ones)."""
+    nodes = []
+    map_tensors(([a for a in args if type(a) in (list, tuple)], kwargs),
+                lambda t: nodes.append(t._node) if t._node is not None else None)
+    return nodes
 
 
 NOT_DIFFERENTIABLE = frozenset({"detach"})

@@ -76,6 +76,29 @@ def test_worker_exception_surfaces_at_the_read_with_rank_and_user_line(mesh4):
     assert torch.equal((numerator + 1).to_torch(), torch.arange(8) + 1)  # the session goes on
 
 
+def test_a_remote_error_names_the_exact_line_even_deep_in_a_long_function(mesh4, tmp_path):
+    """Each command's place is kept as (code, instruction offset), and its line worked out only
+    for an error: the line named is the one that issued the op, 300 lines into a function and
+    on the second line of a statement, as f_lineno would give it."""
+    filler = "".join(f"    x{i} = {i}\n" for i in range(300))
+    source = ("import dtorch\n"
+              "def program(numerator, denominator):\n" + filler +
+              "    quotient = (numerator +\n"
+              "                dtorch.div(numerator, denominator, rounding_mode='floor'))\n"
+              "    return quotient\n")
+    path = tmp_path / "long_program.py"
+    path.write_text(source)
+    namespace = {}
+    exec(compile(source, str(path), "exec"), namespace)
+    numerator = dtorch.tensor(torch.arange(8), device_mesh=mesh4, placements=[Shard(0)])
+    denominator = dtorch.tensor(torch.tensor([1, 1, 1, 1, 1, 1, 0, 1]), device_mesh=mesh4, placements=[Shard(0)])
+    quotient = namespace["program"](numerator, denominator)
+    with pytest.raises(DependencyError) as info:
+        quotient.to_torch()
+    div_line = source.splitlines().index("                dtorch.div(numerator, denominator, rounding_mode='floor'))") + 1
+    assert f"{path}:{div_line}" in str(info.value), str(info.value)
+
+
 def test_synchronize_raises_failures_no_read_has_raised(mesh4):
     _failing_division(mesh4)
     with pytest.raises(RemoteError, match="div"):

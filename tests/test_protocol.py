@@ -127,6 +127,20 @@ def test_commands_round_trip_in_a_batch():
     assert wire.decode_batch(wire.decode(header, (wire.Batch,)), body) == COMMAND_EXAMPLES
 
 
+@pytest.mark.parametrize("tensor_id", [0, 1, 7, 1 << 40, -1])
+def test_the_controllers_tensor_reference_goes_on_the_wire_as_a_workers_tensor_ref(tensor_id):
+    """The controller's WireRef is packed by msgpack in C; a worker must read it exactly as the
+    TensorRef it stands for, in an op's args, in nested lists and in kwargs."""
+    sent = wire.RunOp(4, (4,), 0, "cat", "cat", ([wire.wire_ref(tensor_id), wire.wire_ref(3)],),
+                      {"other": wire.wire_ref(tensor_id)}, ())
+    _, header, body = wire.encode_batch(4, [sent])
+    (received,) = wire.decode_batch(wire.decode(header, (wire.Batch,)), body)
+    assert received.args == ((wire.TensorRef(tensor_id), wire.TensorRef(3)),)
+    assert type(received.args[0][0]) is wire.TensorRef and received.kwargs == {"other": wire.TensorRef(tensor_id)}
+    assert wire.wire_ref(tensor_id).id == tensor_id and repr(wire.wire_ref(tensor_id)) == f"TensorRef({tensor_id})"
+    assert wire.pack(wire.wire_ref(tensor_id)) == wire.pack(wire.TensorRef(tensor_id))
+
+
 @pytest.mark.parametrize("example", COMMAND_EXAMPLES, ids=lambda c: type(c).__name__)
 def test_a_command_with_any_field_of_the_wrong_type_is_refused(example):
     """Every field of every command, replaced by a value of another type (a bool where an int

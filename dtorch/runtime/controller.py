@@ -27,7 +27,8 @@ import traceback
 import warnings
 
 from ..distributed_spec import DeviceMesh, distinct_shard_ranks as _senders
-from ..errors import ProtocolError, SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site, user_frame
+from ..errors import (ProtocolError, SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site,
+                      user_frame, user_position)
 from . import profiling
 from . import protocol as wire
 from .admission import Rejections, new_secret, secret_matches
@@ -140,7 +141,7 @@ class Controller:
     def submit(self, command_type, *fields, read=None, private=None, span=1) -> int:
         """Append one command; returns its seq. Never waits on a worker. `span`: the seqs it
         takes (a RunGraph takes one per replayed command)."""
-        site = user_frame(skip=2)   # skip submit and whichever dtorch function called it
+        site = user_position(skip=2)   # skip submit and whichever dtorch function called it
         if self.closed:
             raise SessionEndedError(f"at {format_site(site)}: this tensor or call belongs to a dtorch session "
                                     "that has ended (dtorch.shutdown()); its data went with that session's "
@@ -196,7 +197,7 @@ class Controller:
             self.checkpoint_tensors_saved += tensors
             self.checkpoint_bytes_saved += nbytes
 
-    def reference(self, tensor) -> wire.TensorRef:
+    def reference(self, tensor) -> wire.WireRef:
         """The wire reference to `tensor` as an op input; it must belong to this session."""
         if tensor._controller is not self:
             raise SessionEndedError(f"at {format_site(user_frame(skip=1))}: an input of this call, {tensor!r}, "
@@ -204,7 +205,7 @@ class Controller:
                                     "data went with that session's workers: build it again in this session")
         if tensor._id < self._first_valid_id:   # inline: this runs for every input of every op
             self.lost_tensors.check(tensor)
-        return wire.TensorRef(tensor._id)
+        return wire.wire_ref(tensor._id)
 
     def check_current(self, tensor) -> None:
         """Refuse a tensor whose data went with a lost, since replaced, worker (LostTensorError)."""

@@ -37,7 +37,7 @@ __all__ = [
     "Batch", "Private", "Probe", "Register", "Welcome", "Refused", "Reply", "ErrorReport", "Heartbeat", "Pong",
     "MESSAGES", "FROM_WORKER", "REPLY_STATUSES", "encode", "decode", "decode_from_worker", "read_header",
     # values inside messages
-    "TensorRef", "pack", "unpack", "dtype_name", "dtype_from_name", "encode_placement", "decode_placement",
+    "TensorRef", "WireRef", "wire_ref", "pack", "unpack", "dtype_name", "dtype_from_name", "encode_placement", "decode_placement",
     "tensor_frame", "tensor_from_frame", "clip",
 ]
 
@@ -345,8 +345,8 @@ _ID = struct.Struct("<q")
 
 
 class TensorRef:
-    """A tensor argument by id; the worker substitutes its local shard. (Not a tuple: msgpack
-    would pack a tuple subclass as a plain array before asking `_default`.)"""
+    """A tensor argument by id, as workers decode it; the worker substitutes its local shard.
+    (Not a tuple: msgpack would pack a tuple subclass as a plain array before asking `_default`.)"""
     __slots__ = ("id",)
 
     def __init__(self, tensor_id: int):
@@ -360,6 +360,29 @@ class TensorRef:
 
     def __repr__(self) -> str:
         return f"TensorRef({self.id})"
+
+
+class WireRef(msgpack.ExtType):
+    """The controller's tensor reference: already the msgpack extension it goes on the wire as,
+    so the packer writes it in C instead of calling `_default` per tensor (0.6 us of the ~1.2 us
+    a small RunOp took to encode). Workers decode the same bytes as a TensorRef."""
+    __slots__ = ()
+
+    @property
+    def id(self) -> int:
+        return _ID.unpack(self.data)[0]
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.id})"
+
+
+_new_tuple, _pack_id = tuple.__new__, _ID.pack
+
+
+def wire_ref(tensor_id: int) -> WireRef:
+    """A WireRef, built without ExtType's Python-level argument checks (the hot path: every
+    tensor input of every op)."""
+    return _new_tuple(WireRef, (EXT_TENSOR, _pack_id(tensor_id)))
 
 
 def _default(value: Any):
