@@ -11,7 +11,7 @@ import time
 
 from . import dtorch_session
 from .chain import seconds_per_op, torch_eager_per_op
-from .timing import Row, guarded, median, repeat
+from .timing import Row, failed, interleaved, median
 
 NAME = "dispatch"
 TITLE = "1. Dispatch cost per op (issuing loop only)"
@@ -25,29 +25,56 @@ COMPILED = f"dtorch.compile replay of a {COMPILED_OPS}-op function, {WORKERS} wo
 def run(suite) -> list[Row]:
     rows = []
     for shape in suite.chain_shapes:
-        case = str(tuple(shape))
-        rows.append(guarded(lambda: _eager_row(suite, shape, case), NAME, case, EAGER, "op"))
-        rows.append(guarded(lambda: _dtorch_row(suite, shape, case), NAME, case, DTORCH, "op"))
-        rows.append(guarded(lambda: _compiled_row(suite, shape, case), NAME, case, COMPILED, "op"))
+        rows += _rows_for_shape(suite, shape, str(tuple(shape)))
     return rows
 
 
-def _eager_row(suite, shape, case: str) -> Row:
-    samples = repeat(lambda: torch_eager_per_op(shape, suite.chain_ops), suite.reps)
-    return Row(NAME, case, EAGER, "op", samples)
-
-
-def _dtorch_row(suite, shape, case: str) -> Row:
-    mesh = dtorch_session.mesh((WORKERS,), ("dp",))
-    before = dtorch_session.traffic()
+def _rows_for_shape(suite, shape, case: str) -> list[Row]:
+    """torch eager, dtorch eager and the compiled replay, one repetition of each in turn."""
+    import dtorch
+    from .chain import run_chain
+    ops = suite.chain_ops
     cpu: list[float] = []
-    samples = repeat(lambda: issue_chain_once(mesh, shape, suite.chain_ops, cpu), suite.reps)
-    after = dtorch_session.traffic()
-    note = dtorch_session.traffic_note(before, after, suite.chain_ops * (suite.reps + 1))
-    # The workers share this machine's cores with the issuing thread, so the wall time above
-    # includes time the thread spent preempted; its own CPU time is the issuing cost alone.
-    note += f"; issuing thread's CPU: {median(cpu[1:]) * 1e6:.3g} us/op"
-    return Row(NAME, case, DTORCH, "op", samples, reference=(case, EAGER), note=note)
+    measures = {EAGER: lambda: torch_eager_per_op(shape, ops)}
+    try:
+        mesh = dtorch_session.mesh((WORKERS,), ("dp",))
+        function = dtorch.compile(lambda z: run_chain(z, COMPILED_OPS))
+        measures[DTORCH] = lambda: issue_chain_once(mesh, shape, ops, cpu)
+        measures[COMPILED] = lambda: replay_chain_once(mesh, shape, function, max(1, ops // COMPILED_OPS))
+        before = dtorch_session.traffic()
+    except Exception as error:  # noqa: BLE001 -- no session: the dtorch rows say why
+        measures[DTORCH] = measures[COMPILED] = _raise(error)
+    samples = interleaved(measures, suite.reps)
+    rows = [_row(case, EAGER, samples[EAGER])]
+    if isinstance(samples[DTORCH], list):
+        # both dtorch variants ran in the same session: its traffic counters cover both (the
+        # replays add one command per call, ~1% of the eager chain's)
+        note = dtorch_session.traffic_note(before, dtorch_session.traffic(), ops * (suite.reps + 1))
+        # The workers share this machine's cores with the issuing thread, so the wall time
+        # includes time the thread spent preempted; its own CPU time is the issuing cost alone.
+        note += f"; issuing thread's CPU: {median(cpu[1:]) * 1e6:.3g} us/op"
+        rows.append(_row(case, DTORCH, samples[DTORCH], note))
+    else:
+        rows.append(failed(NAME, case, DTORCH, "op", samples[DTORCH]))
+    if isinstance(samples[COMPILED], list):
+        rows.append(_row(case, COMPILED, samples[COMPILED],
+                         f"{function.captures} capture, then one command per {COMPILED_OPS} ops"))
+    else:
+        rows.append(failed(NAME, case, COMPILED, "op", samples[COMPILED]))
+    return rows
+
+
+def _row(case: str, variant: str, samples, note: str = "") -> Row:
+    if isinstance(samples, BaseException):
+        return failed(NAME, case, variant, "op", samples)
+    reference = None if variant == EAGER else (case, EAGER)
+    return Row(NAME, case, variant, "op", samples, reference=reference, note=note)
+
+
+def _raise(error: BaseException):
+    def measure():
+        raise error
+    return measure
 
 
 def issue_chain_once(mesh, shape, ops: int, cpu: list | None = None) -> float:
@@ -63,17 +90,6 @@ def issue_chain_once(mesh, shape, ops: int, cpu: list | None = None) -> float:
         cpu.append((time.thread_time() - started) / ops)
     dtorch.synchronize()
     return per_op
-
-
-def _compiled_row(suite, shape, case: str) -> Row:
-    import dtorch
-    from .chain import run_chain
-    mesh = dtorch_session.mesh((WORKERS,), ("dp",))
-    function = dtorch.compile(lambda z: run_chain(z, COMPILED_OPS))
-    samples = repeat(lambda: replay_chain_once(mesh, shape, function, max(1, suite.chain_ops // COMPILED_OPS)),
-                     suite.reps)
-    return Row(NAME, case, COMPILED, "op", samples, reference=(case, EAGER),
-               note=f"{function.captures} capture, then one command per {COMPILED_OPS} ops")
 
 
 def replay_chain_once(mesh, shape, function, calls: int) -> float:

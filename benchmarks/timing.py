@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["Row", "median", "p90", "repeat", "stopwatch", "guarded", "not_installed", "failed"]
+__all__ = ["Row", "median", "p90", "repeat", "interleaved", "stopwatch", "guarded", "not_installed", "failed"]
 
 
 @dataclass
@@ -58,6 +58,29 @@ def repeat(measure_once: Callable[[], float], reps: int, warmup: int = 1) -> lis
     for _ in range(warmup):
         measure_once()
     return [measure_once() for _ in range(reps)]
+
+
+def interleaved(measures: dict, reps: int, warmup: int = 1) -> dict:
+    """repeat() for several measurements taken in turn (A B C A B C ...), so that a machine whose
+    speed drifts during the run (a shared VM's can halve within a minute) weighs on each alike
+    and their ratios keep their meaning. {name: samples}, or {name: the exception} for one that
+    raised (it leaves the rotation; the others go on)."""
+    results: dict = {name: [] for name in measures}
+    for rep in range(warmup + reps):
+        for name, measure in measures.items():
+            if isinstance(results[name], BaseException):
+                continue
+            try:
+                sample = measure()
+            except Exception as error:  # noqa: BLE001 -- becomes that variant's error row
+                import sys
+                import traceback
+                traceback.print_exc(file=sys.stderr)
+                results[name] = error
+                continue
+            if rep >= warmup:
+                results[name].append(sample)
+    return results
 
 
 def stopwatch() -> Callable[[], float]:
