@@ -7,9 +7,11 @@ because a read completes only when every rank of the mesh has answered.
 """
 from __future__ import annotations
 
+import contextlib
+
 from . import dtorch_session
-from .timing import Row, guarded, stopwatch
-from .zmq_pingpong import round_trip_seconds
+from .timing import Row, failed, interleaved, stopwatch
+from .zmq_pingpong import EchoServer
 
 NAME = "fetch"
 TITLE = "3. Read of a ready (1,) float32 tensor"
@@ -17,22 +19,62 @@ CASE = "(1,) float32, 4 B"
 RAW = "raw pyzmq DEALER/ROUTER (tcp loopback)"
 
 
+TURNS = 5   # the reads of each variant are split into this many turns, the variants alternating
+
+
 def run(suite) -> list[Row]:
-    rows = [guarded(lambda: Row(NAME, CASE, RAW, "read", round_trip_seconds(
-        suite.fetch_reads, 4, suite.process_timeout_s)), NAME, CASE, RAW, "read")]
-    for world in suite.fetch_worlds:
-        variant = f"dtorch to_torch(), R, {world} worker{'s' if world > 1 else ''}"
-        rows.append(guarded(lambda: _dtorch_row(suite, world, variant), NAME, CASE, variant, "read"))
-    return rows
+    """For each world size, the raw round trip and the dtorch read take turns, a batch of reads
+    each, so that a drift in this machine's speed weighs on both alike; the raw row holds every
+    raw turn (taken across both world sizes' runs). Each world size has a pool of its own, as
+    elsewhere (benchmarks/dtorch_session.py)."""
+    turns = max(1, min(TURNS, suite.fetch_reads))
+    per_turn = -(-suite.fetch_reads // turns)
+    raw: list | BaseException = []
+    rows = []
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(EchoServer(suite.process_timeout_s))
+            raw_turn = lambda: server.round_trips(per_turn, 4)   # noqa: E731
+        except Exception as error:  # noqa: BLE001 -- the raw row says why
+            raw_turn = _raise(error)
+        for world in suite.fetch_worlds:
+            variant = f"dtorch to_torch(), R, {world} worker{'s' if world > 1 else ''}"
+            measures = {variant: _dtorch_reads(world, per_turn)}
+            if not isinstance(raw, BaseException):
+                measures[RAW] = raw_turn
+            samples = interleaved(measures, turns, warmup=0)
+            if RAW in samples:
+                raw = samples[RAW] if isinstance(samples[RAW], BaseException) else raw + samples[RAW]
+            rows.append(_row(variant, samples[variant]))
+    return [_row(RAW, raw)] + rows
 
 
-def _dtorch_row(suite, world: int, variant: str) -> Row:
-    import dtorch
-    from dtorch.distributed_spec import Replicate
-    mesh = dtorch_session.mesh((world,), ("dp",))
-    source = dtorch.ones(1, device_mesh=mesh, placements=[Replicate()])
-    samples = [_read_fresh_tensor(dtorch, source) for _ in range(suite.fetch_reads + 1)][1:]
-    return Row(NAME, CASE, variant, "read", samples, reference=(CASE, RAW))
+def _dtorch_reads(world: int, reads: int):
+    """A measurement: `reads` timed reads of fresh tensors on a `world`-worker mesh (one more
+    first, untimed); the mesh and its source tensor are made at the first call."""
+    made = {}
+
+    def measure() -> list[float]:
+        import dtorch
+        from dtorch.distributed_spec import Replicate
+        if not made:
+            mesh = dtorch_session.mesh((world,), ("dp",))
+            made["source"] = dtorch.ones(1, device_mesh=mesh, placements=[Replicate()])
+        return [_read_fresh_tensor(dtorch, made["source"]) for _ in range(reads + 1)][1:]
+    return measure
+
+
+def _row(variant: str, turns) -> Row:
+    if isinstance(turns, BaseException):
+        return failed(NAME, CASE, variant, "read", turns)
+    samples = [sample for turn in turns for sample in turn]
+    return Row(NAME, CASE, variant, "read", samples, reference=None if variant == RAW else (CASE, RAW))
+
+
+def _raise(error: BaseException):
+    def measure():
+        raise error
+    return measure
 
 
 def _read_fresh_tensor(dtorch, source) -> float:
