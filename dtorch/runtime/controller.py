@@ -534,19 +534,18 @@ class Controller:
 
     def _handle_queued(self) -> None:
         """ROUTER lock held: handle every message queued on the ROUTER."""
-        for frames in self.sockets.drain():
-            identity = frames[0].bytes
+        for identity, header, data in self.sockets.drain():
             try:
-                self._on_message(identity, frames[1:])
+                self._on_message(identity, header, data)
             except ProtocolError as error:
                 self._reject(identity, str(error))
             except Exception:  # a bug in one handler must not stop the loop
                 traceback.print_exc()
 
-    def _on_message(self, identity: bytes, frames: list) -> None:
+    def _on_message(self, identity: bytes, header: bytes | None, data: list) -> None:
         """Only well-formed messages reach a handler (types and frame counts checked first);
         each handler then checks who sent it (docs/protocol.md, "Acceptance")."""
-        message, data = wire.decode_from_worker(frames)
+        message = wire.decode_from_worker(header, data)
         self._handlers[type(message)](identity, message, data)
 
     def _reject(self, identity: bytes, reason: str) -> None:

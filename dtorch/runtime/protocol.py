@@ -693,14 +693,15 @@ def decode(frame, expected) -> tuple:
     return message_type(*values)
 
 
-def decode_from_worker(frames: list) -> tuple:
-    """(message, data frames) of what a worker sent the controller; ProtocolError if malformed."""
-    if not frames:
+def decode_from_worker(header: bytes | None, data: list):
+    """The message a worker sent the controller (its header; `data`, the frames after it, only
+    counted here); ProtocolError if malformed."""
+    if header is None:
         raise ProtocolError("a message without a header")
-    message = decode(frames[0].bytes, FROM_WORKER)
-    if len(frames) - 1 > FROM_WORKER[type(message)]:
-        raise ProtocolError(f"{type(message).__name__} with {len(frames) - 1} data frames")
-    return message, frames[1:]
+    message = decode(header, FROM_WORKER)
+    if len(data) > FROM_WORKER[type(message)]:
+        raise ProtocolError(f"{type(message).__name__} with {len(data)} data frames")
+    return message
 
 
 def clip(value) -> str:

@@ -58,8 +58,8 @@ def _curve_client(socket: zmq.Socket, keys: dict | None) -> None:
 
 LOCAL = None   # ControllerSockets(host=LOCAL): ipc sockets in a private directory
 # Plain ints: pyzmq's constants are enum.IntFlag, whose `&` runs in Python (~0.7 us each); the
-# reply path tests EVENTS twice per message.
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+# reply path tests EVENTS and RCVMORE several times per message.
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
 
 
 def _poller_for(socket) -> zmq.Poller:
@@ -123,12 +123,19 @@ class ControllerSockets:
         return bool(self._reply_poller.poll(max(1, round(seconds * 1000))))
 
     def drain(self):
-        """Yield every message queued on the ROUTER now; re-checks after each one, so replies
-        sent while handling a message (which can swallow the descriptor's edge) lose nothing."""
-        while self.router.getsockopt(_EVENTS) & _POLLIN:
-            frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
-            self.bytes_received += sum(len(f.buffer) for f in frames)
-            yield frames
+        """Yield (sender identity, header or None, data frames) for every message queued on the
+        ROUTER now; re-checks after each one, so replies sent while handling a message (which can
+        swallow the descriptor's edge) lose nothing. The identity and header come as bytes (both
+        are small, and a zmq.Frame costs ~1.5 us more each); data frames as zero-copy Frames."""
+        router = self.router
+        while router.getsockopt(_EVENTS) & _POLLIN:
+            identity = router.recv(zmq.NOBLOCK)   # every part of a message has arrived with the first
+            header = router.recv(zmq.NOBLOCK) if router.getsockopt(_RCVMORE) else None
+            data = []
+            while router.getsockopt(_RCVMORE):
+                data.append(router.recv(zmq.NOBLOCK, copy=False))
+            self.bytes_received += len(identity) + len(header or b"") + sum(len(f.buffer) for f in data)
+            yield identity, header, data
 
     def close(self) -> None:
         for socket in (self.pub, self.router):
