@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Placement, Shard, format_placements, local_shape
+from ..distributed_spec import DeviceMesh, Placement, Shard, distinct_shard_ranks, format_placements, local_shape
 from ..errors import PlacementError
 
 __all__ = ["TensorMeta", "tensor_meta", "check_placements", "parse_shape"]
@@ -31,12 +31,20 @@ class TensorMeta(NamedTuple):
             found = _local_shapes[self.key, rank] = local_shape(self.shape, self.mesh, self.placements, rank)
         return found
 
+    def senders(self) -> tuple:
+        """One rank per distinct shard (distinct_shard_ranks): the ranks a read fetches from."""
+        found = _senders.get(self.key)
+        if found is None:
+            found = _senders[self.key] = distinct_shard_ranks(self.mesh, self.placements)
+        return found
+
     def meta(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device="meta")
 
 
 _interned: dict[tuple, TensorMeta] = {}
 _local_shapes: dict[tuple, tuple] = {}   # (meta key, rank) -> TensorMeta.local_shape
+_senders: dict[int, tuple] = {}   # meta key -> TensorMeta.senders
 _keys = itertools.count()
 _lock = threading.Lock()
 

@@ -26,7 +26,7 @@ import time
 import traceback
 import warnings
 
-from ..distributed_spec import DeviceMesh, distinct_shard_ranks as _senders
+from ..distributed_spec import DeviceMesh
 from ..errors import (ProtocolError, SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site,
                       user_frame, user_position)
 from . import profiling
@@ -279,7 +279,7 @@ class Controller:
         if lost:
             future._inner.set_exception(lost)
             return future
-        senders = _senders(mesh, meta.placements)
+        senders = meta.senders()
         read = FetchRead(mesh.ranks, future, meta, senders, tensor._seq)
         self.submit(wire.Fetch, tensor._id, self.define_mesh(mesh), senders, read=read)
         if profiling.active is not None:
