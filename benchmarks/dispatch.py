@@ -11,7 +11,7 @@ import time
 
 from . import dtorch_session
 from .chain import seconds_per_op, torch_eager_per_op
-from .timing import Row, failed, interleaved, median
+from .timing import Row, failed, interleaved, median, raising
 
 NAME = "dispatch"
 TITLE = "1. Dispatch cost per op (issuing loop only)"
@@ -43,25 +43,19 @@ def _rows_for_shape(suite, shape, case: str) -> list[Row]:
         measures[COMPILED] = lambda: replay_chain_once(mesh, shape, function, max(1, ops // COMPILED_OPS))
         before = dtorch_session.traffic()
     except Exception as error:  # noqa: BLE001 -- no session: the dtorch rows say why
-        measures[DTORCH] = measures[COMPILED] = _raise(error)
+        measures[DTORCH] = measures[COMPILED] = raising(error)
     samples = interleaved(measures, suite.reps)
-    rows = [_row(case, EAGER, samples[EAGER])]
+    notes = {EAGER: ""}
     if isinstance(samples[DTORCH], list):
         # both dtorch variants ran in the same session: its traffic counters cover both (the
         # replays add one command per call, ~1% of the eager chain's)
         note = dtorch_session.traffic_note(before, dtorch_session.traffic(), ops * (suite.reps + 1))
         # The workers share this machine's cores with the issuing thread, so the wall time
         # includes time the thread spent preempted; its own CPU time is the issuing cost alone.
-        note += f"; issuing thread's CPU: {median(cpu[1:]) * 1e6:.3g} us/op"
-        rows.append(_row(case, DTORCH, samples[DTORCH], note))
-    else:
-        rows.append(failed(NAME, case, DTORCH, "op", samples[DTORCH]))
+        notes[DTORCH] = note + f"; issuing thread's CPU: {median(cpu[1:]) * 1e6:.3g} us/op"
     if isinstance(samples[COMPILED], list):
-        rows.append(_row(case, COMPILED, samples[COMPILED],
-                         f"{function.captures} capture, then one command per {COMPILED_OPS} ops"))
-    else:
-        rows.append(failed(NAME, case, COMPILED, "op", samples[COMPILED]))
-    return rows
+        notes[COMPILED] = f"{function.captures} capture, then one command per {COMPILED_OPS} ops"
+    return [_row(case, variant, samples[variant], notes.get(variant, "")) for variant in (EAGER, DTORCH, COMPILED)]
 
 
 def _row(case: str, variant: str, samples, note: str = "") -> Row:
@@ -69,12 +63,6 @@ def _row(case: str, variant: str, samples, note: str = "") -> Row:
         return failed(NAME, case, variant, "op", samples)
     reference = None if variant == EAGER else (case, EAGER)
     return Row(NAME, case, variant, "op", samples, reference=reference, note=note)
-
-
-def _raise(error: BaseException):
-    def measure():
-        raise error
-    return measure
 
 
 def issue_chain_once(mesh, shape, ops: int, cpu: list | None = None) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 
 from . import dtorch_session
-from .timing import Row, failed, interleaved, stopwatch
+from .timing import Row, failed, interleaved, raising, stopwatch
 from .zmq_pingpong import EchoServer
 
 NAME = "fetch"
@@ -36,7 +36,7 @@ def run(suite) -> list[Row]:
             server = stack.enter_context(EchoServer(suite.process_timeout_s))
             raw_turn = lambda: server.round_trips(per_turn, 4)   # noqa: E731
         except Exception as error:  # noqa: BLE001 -- the raw row says why
-            raw_turn = _raise(error)
+            raw_turn = raising(error)
         for world in suite.fetch_worlds:
             variant = f"dtorch to_torch(), R, {world} worker{'s' if world > 1 else ''}"
             measures = {variant: _dtorch_reads(world, per_turn)}
@@ -69,12 +69,6 @@ def _row(variant: str, turns) -> Row:
         return failed(NAME, CASE, variant, "read", turns)
     samples = [sample for turn in turns for sample in turn]
     return Row(NAME, CASE, variant, "read", samples, reference=None if variant == RAW else (CASE, RAW))
-
-
-def _raise(error: BaseException):
-    def measure():
-        raise error
-    return measure
 
 
 def _read_fresh_tensor(dtorch, source) -> float:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["Row", "median", "p90", "repeat", "interleaved", "stopwatch", "guarded", "not_installed", "failed"]
+__all__ = ["Row", "median", "p90", "repeat", "interleaved", "raising", "stopwatch", "guarded", "not_installed", "failed"]
 
 
 @dataclass
@@ -81,6 +81,14 @@ def interleaved(measures: dict, reps: int, warmup: int = 1) -> dict:
             if rep >= warmup:
                 results[name].append(sample)
     return results
+
+
+def raising(error: BaseException) -> Callable[[], float]:
+    """A measurement that raises `error`: the stand-in for one whose set-up failed, so that
+    interleaved() reports it as that variant's error row."""
+    def measure() -> float:
+        raise error
+    return measure
 
 
 def stopwatch() -> Callable[[], float]:
