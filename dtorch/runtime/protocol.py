@@ -562,11 +562,13 @@ def _command(seq: int, row):
         for i in ids_at:
             if not _INTS.issuperset(map(type, values[i])):
                 _check_fields(seq, command_type, values)   # raises
+        command = _new_tuple(command_type, values)   # every field present: no defaults to fill
     else:
         _check_fields(seq, command_type, values)
+        command = command_type(*values)
     if values[0] != seq:
         raise ProtocolError(f"command #{seq}: numbered #{values[0]}")
-    return command_type(*values)
+    return command
 
 
 def _check_fields(seq: int, command_type, values: tuple) -> None:
