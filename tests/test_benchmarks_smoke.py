@@ -127,3 +127,21 @@ def test_the_redistribute_ab_script_runs():
     assert len(rows) == 2 and "GLIBC_TUNABLES=" in rows[1], result.stdout
     for row in rows:
         assert re.search(r"S\(0\)->S\(1\) [\d.]+ ms \(\d+\) \| S\(0\)->R [\d.]+ ms \(\d+\)", row), row
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("script, rows", [
+    ("issue_cpu.py", (r"issue, short function: CPU us/op min [\d.]+ median [\d.]+",
+                      r"issue, 300 lines into a function: CPU us/op min [\d.]+ median [\d.]+",
+                      r"read of a ready \(1,\) tensor: us min \d+ median \d+")),
+    ("worker_cpu.py", (r"worker [\d.]+ us/op, plain torch [\d.]+: -?[\d.]+ us/op added; decoding alone [\d.]+ us/op",)),
+])
+def test_the_standalone_ab_scripts_run_against_a_checkout(script, rows):
+    """benchmarks/issue_cpu.py and worker_cpu.py (docs/benchmarks.md quotes them) run as files,
+    importing dtorch from the checkout PYTHONPATH names, as the A/B procedure runs them."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--reps", "2"], cwd="/",
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stdout.startswith(str(ROOT)), result.stdout
+    for row in rows:
+        assert re.search(row, result.stdout), (row, result.stdout)
