@@ -487,7 +487,7 @@ def _wire_args(controller, args: tuple) -> tuple:
     or a scalar) is inline; a tensor from another session, a subclass (nn.Parameter) or a list
     takes controller.reference, which checks and explains."""
     wire, nodes, nested = [], [], False
-    first_valid = controller._first_valid_id
+    first_valid = controller._first_valid_id   # controller.reference's two checks, inline below
     for a in args:
         kind = type(a)
         if kind is DTensor or (kind not in PLAIN_TYPES and isinstance(a, DTensor)):
