@@ -333,11 +333,11 @@ def test_values_that_cannot_be_saved_are_refused_before_anything_is_written(mesh
 
 
 KILLED_SAVE = """
-    import json, os, signal, tempfile, threading, time, torch, dtorch
+    import json, os, signal, threading, time, torch, dtorch
     from dtorch.distributed_spec import init_device_mesh, Shard
     EXISTING = {existing}
     mesh = init_device_mesh("cpu", (2,))
-    parent = tempfile.mkdtemp()
+    parent = {folder!r}   # the test's tmp_path: pytest removes it
     target = os.path.join(parent, "ck")
     x = dtorch.tensor(torch.arange(64.0).reshape(8, 8), device_mesh=mesh, placements=[Shard(0)])
     if EXISTING:
@@ -384,8 +384,8 @@ KILLED_SAVE = """
 
 
 @pytest.mark.parametrize("existing", [False, True], ids=["fresh_target", "replacing_a_checkpoint"])
-def test_a_worker_killed_mid_save_leaves_no_checkpoint_at_the_target(existing):
-    result = run_script(KILLED_SAVE.format(existing=existing), timeout=200)
+def test_a_worker_killed_mid_save_leaves_no_checkpoint_at_the_target(existing, tmp_path):
+    result = run_script(KILLED_SAVE.format(existing=existing, folder=str(tmp_path)), timeout=200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["staged"], "the save never started writing"
