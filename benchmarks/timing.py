@@ -73,9 +73,7 @@ def interleaved(measures: dict, reps: int, warmup: int = 1) -> dict:
             try:
                 sample = measure()
             except Exception as error:  # noqa: BLE001 -- becomes that variant's error row
-                import sys
-                import traceback
-                traceback.print_exc(file=sys.stderr)
+                _print_traceback()
                 results[name] = error
                 continue
             if rep >= warmup:
@@ -111,7 +109,12 @@ def guarded(make_row: Callable[[], "Row"], benchmark: str, case: str, variant: s
     try:
         return make_row()
     except Exception as error:  # noqa: BLE001 -- reported in the table and on stderr
-        import sys
-        import traceback
-        traceback.print_exc(file=sys.stderr)
+        _print_traceback()
         return failed(benchmark, case, variant, per, error)
+
+
+def _print_traceback() -> None:
+    """The exception being handled, on stderr: the table shows only its first line."""
+    import sys
+    import traceback
+    traceback.print_exc(file=sys.stderr)

@@ -122,19 +122,17 @@ _LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, _package_d
 
 def user_frame(skip: int = 0) -> tuple[str, int] | None:
     """(file, line) of the first frame outside dtorch and torch: the user's own line that issued
-    a call. Kept unformatted: the controller records it for every command, and formats only on
-    error. `skip`: callers known to be inside dtorch, not worth testing one by one."""
-    frame = sys._getframe(1 + skip)
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        frame = frame.f_back
-    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+    a call, for an error raised now. `skip`: callers known to be inside dtorch, not worth testing
+    one by one."""
+    position = user_position(skip + 1)
+    return None if position is None else (position[0].co_filename, _line_at(*position))
 
 
 def user_position(skip: int = 0) -> tuple[CodeType, int] | None:
-    """What user_frame finds, as (code object, offset of the instruction running in it): the
-    line number is worked out only when an error names it (format_site). The controller records
-    one for every command, and a frame's f_lineno scans its code's line table from the start:
-    1-2 us per op from a loop in a long script or function, where this costs nothing extra."""
+    """The user's frame (see user_frame) as (code object, offset of the instruction running in
+    it): the line number is worked out only when an error names it (format_site). The controller
+    records one for every command, and a frame's f_lineno scans its code's line table from the
+    start: 1-2 us per op from a loop in a long script or function, where this costs nothing extra."""
     frame = sys._getframe(1 + skip)
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         frame = frame.f_back
