@@ -26,6 +26,9 @@ class Graph(NamedTuple):
     scratch: tuple
     random: frozenset     # row indexes that drew from the global random stream
     steps: tuple          # row indexes of OptimizerStep rows, in RunGraph.step_shifts order
+    rows: tuple           # per row, (its command type, its fields after seq): a replay's commands are
+                          # built from these with one tuple.__new__ each (NamedTuple._replace costs ~1 us)
+    edges: frozenset      # inputs, outputs and scratch: ids a replay sets aside if they are bound
 
 
 def define(command: wire.DefineGraph) -> Graph:
@@ -35,7 +38,9 @@ def define(command: wire.DefineGraph) -> Graph:
         raise ValueError(f"graph {command.graph_id}: a random or step row index outside its {len(commands)} rows")
     if not all(type(commands[i]) is wire.OptimizerStep for i in command.steps):
         raise ValueError(f"graph {command.graph_id}: a step row that is not an OptimizerStep")
-    return Graph(commands, command.inputs, command.outputs, command.scratch, frozenset(command.random), command.steps)
+    return Graph(commands, command.inputs, command.outputs, command.scratch, frozenset(command.random), command.steps,
+                 tuple((type(c), tuple(c)[1:]) for c in commands),
+                 frozenset(command.inputs + command.outputs + command.scratch))
 
 
 def replay_commands(graph: Graph, run: wire.RunGraph) -> list:
@@ -44,15 +49,12 @@ def replay_commands(graph: Graph, run: wire.RunGraph) -> list:
         raise ValueError(f"RunGraph spans {run.span} commands; graph {run.graph_id} holds {len(graph.commands)}")
     if len(run.step_shifts) != len(graph.steps):
         raise ValueError(f"RunGraph gives {len(run.step_shifts)} step shifts for {len(graph.steps)} optimizer rows")
-    shifts = dict(zip(graph.steps, run.step_shifts))
-    commands = []
-    for i, command in enumerate(graph.commands):
-        command = command._replace(seq=run.seq + i)
-        if i in graph.random:
-            command = _shift_random(command, run.seed, run.random_shift)
-        elif i in shifts:
-            command = command._replace(steps=tuple(s + shifts[i] for s in command.steps))
-        commands.append(command)
+    new, first = tuple.__new__, run.seq
+    commands = [new(kind, (first + i,) + fields) for i, (kind, fields) in enumerate(graph.rows)]
+    for i in graph.random:
+        commands[i] = _shift_random(commands[i], run.seed, run.random_shift)
+    for i, shift in zip(graph.steps, run.step_shifts):
+        commands[i] = commands[i]._replace(steps=tuple(s + shift for s in commands[i].steps))
     return commands
 
 
@@ -76,10 +78,13 @@ class Bindings:
         self.set_aside: list = []
 
     def set_aside_ids(self, ids) -> None:
-        for tensor_id in ids:
-            held = tuple(table.pop(tensor_id, _NONE) for table in self.tables)
-            if any(h is not _NONE for h in held):
-                self.set_aside.append((tensor_id, held))
+        # Most ids are bound nowhere: find the few that are, in C (filter), then move those.
+        bound = set()
+        for table in self.tables:
+            if table:
+                bound.update(filter(table.__contains__, ids))
+        for tensor_id in bound:
+            self.set_aside.append((tensor_id, tuple(table.pop(tensor_id, _NONE) for table in self.tables)))
 
     def copy(self, source: int, target: int) -> None:
         for table in self.tables:
@@ -94,9 +99,10 @@ class Bindings:
                 table[target] = value
 
     def drop(self, ids) -> None:
-        for tensor_id in ids:
-            for table in self.tables:
-                table.pop(tensor_id, None)
+        for table in self.tables:
+            if table:
+                for tensor_id in [*filter(table.__contains__, ids)]:
+                    del table[tensor_id]
 
     def put_back(self) -> None:
         for tensor_id, held in self.set_aside:
@@ -116,7 +122,7 @@ def replay(graph: Graph, run: wire.RunGraph, tables: tuple, execute) -> None:
         raise ValueError(f"RunGraph names {len(run.input_ids)} inputs and {len(run.out_ids)} outputs; graph "
                          f"{run.graph_id} takes {len(graph.inputs)} and gives {len(graph.outputs)}")
     bindings = Bindings(tables)
-    bindings.set_aside_ids(set(graph.inputs + graph.outputs + graph.scratch) - set(run.input_ids))
+    bindings.set_aside_ids(graph.edges.difference(run.input_ids))
     for captured, given in zip(graph.inputs, run.input_ids):
         bindings.copy(given, captured)
     for command in commands:

@@ -125,10 +125,13 @@ class Worker:
         except Poisoned as poisoned:
             self._poison(command, poisoned.origin)
         except Exception as error:  # any failure of one command; the worker goes on
-            self._poison(command, command.seq)
-            self._report(command, error)
+            self._failed(command, error)
         finally:
             self.busy_seq = -1
+
+    def _failed(self, command, error: Exception) -> None:
+        self._poison(command, command.seq)
+        self._report(command, error)
 
     def _poison(self, command, origin: int) -> None:
         for tensor_id in _outputs_of(command):
@@ -255,11 +258,14 @@ class Worker:
             result = connect_outputs(result, inputs)
         else:
             result = KERNELS[command.kernel](*args, **kwargs)
+        self._store(command.out_ids, result)
+
+    def _store(self, out_ids: tuple, result) -> None:
         if isinstance(result, (tuple, list)):
-            for tensor_id, value in zip(command.out_ids, result):
+            for tensor_id, value in zip(out_ids, result):
                 self.tensors[tensor_id] = value
         else:
-            self.tensors[command.out_ids[0]] = result
+            self.tensors[out_ids[0]] = result
 
     def _localized_args(self, command: wire.RunOp, mesh: DeviceMesh):
         """Resolve tensors depth-first; slice the Replicate inputs the op needs as shards."""
@@ -464,7 +470,31 @@ class Worker:
         if graph is None:
             raise KeyError(f"compiled graph {command.graph_id} is not on rank {self.rank} (dropped, or this "
                            "process replaced a lost worker after the graph was defined)")
-        graphs.replay(graph, command, (self.tensors, self.poisoned, self.in_flight), self._run_command)
+        run_row = self._run_command if self.profiler is not None else self._run_replayed_row
+        graphs.replay(graph, command, (self.tensors, self.poisoned, self.in_flight), run_row)
+
+    def _run_replayed_row(self, command) -> None:
+        """A replayed row. A plain op (tensors and scalars in, nothing to slice, no grad, no peers,
+        no communication in flight) whose inputs are all here runs inline: a replay's rows are
+        mostly such ops, and the general path's layers cost about as much as a small op. Anything
+        else, or an input that is missing or poisoned, takes the general path, which also says
+        why. Already on the compute stream: the RunGraph runs inside _execute."""
+        if (type(command) is not wire.RunOp or command.grad or command.input_steps or command.kwargs
+                or self.in_flight or command.kernel in PEER_KERNELS or not _flat(command.args)
+                or self._member(command.mesh_id) is None):
+            return self._execute(command)
+        tensors = self.tensors
+        try:
+            args = [tensors[a.id] if type(a) is TensorRef else a for a in command.args]
+        except KeyError:
+            return self._execute(command)
+        self.busy_seq = command.seq
+        try:
+            self._store(command.out_ids, KERNELS[command.kernel](*args))
+        except Exception as error:  # as _execute: poisoned outputs, a report, and the replay goes on
+            self._failed(command, error)
+        finally:
+            self.busy_seq = -1
 
     def handle_drop_graph(self, command: wire.DropGraph) -> None:
         self.graphs.pop(command.graph_id, None)
