@@ -8,9 +8,11 @@ machine with 4 workers it is what stretches the end-to-end chain (benchmark 2).
 
 Standalone (no relative imports), so that one copy measures either checkout: run it
 alternately with PYTHONPATH on the commit before and after a change. Prints the minimum over
-repetitions of 4,000 ops (a drifting machine only raises it) for the worker, plain torch, and
-decoding the batch alone; then the same ops as replays of a captured 100-op graph (dtorch.compile's
-RunGraph), against the same plain torch.
+repetitions of 4,000 ops (a drifting machine only raises it) for the worker, the same ops as
+replays of a captured 100-op graph (dtorch.compile's RunGraph), decoding the batch alone, and
+plain torch, taken in turns. On a checkout whose workers run plain ops inline
+(Worker._ran_inline), the worker rows are also measured with every command on the general
+path, in the same turns: an A/B of that step within one process.
 """
 from __future__ import annotations
 
@@ -100,28 +102,54 @@ def main() -> None:
     worker.next_seq, last_id = 2, 1
     graph = chain_graph(wire, worker.next_seq, 1)
     worker._on_message([zmq.Frame(f) for f in wire.encode_batch(worker.next_seq, [graph])])
-    define_seq = worker.next_seq - 1
-    on_worker, replayed, in_torch, decoding = [], [], [], []
-    for _ in range(args.reps + 1):   # the first warms up; the measurements in turn
-        commands, made = chain_commands(wire, worker.next_seq, last_id)
+    define_seq, last = worker.next_seq - 1, [last_id]
+
+    def eager() -> float:
+        commands, last[0] = chain_commands(wire, worker.next_seq, last[0])
+        return _time_batch(worker, wire, zmq, commands)
+
+    def replayed() -> float:
+        commands, last[0] = replay_commands(wire, worker.next_seq, last[0], define_seq, 1, len(graph.rows))
+        return _time_batch(worker, wire, zmq, commands)
+
+    def decoding() -> float:
+        commands, _ = chain_commands(wire, worker.next_seq, last[0])
         body = wire.encode_batch(worker.next_seq, commands)[2]
         started = time.thread_time()
         wire.decode_batch(wire.Batch(worker.next_seq, len(commands)), body)
-        decoding.append(time.thread_time() - started)
-        on_worker.append(_time_batch(worker, wire, zmq, commands))
-        commands, last_id = replay_commands(wire, worker.next_seq, made, define_seq, 1, len(graph.rows))
-        replayed.append(_time_batch(worker, wire, zmq, commands))
+        return time.thread_time() - started
+
+    def plain_torch() -> float:
         z = torch.zeros(SHAPE)
         started = time.thread_time()
         for _ in range(OPS // 2):
             z = z * 1.0001 + 1
-        in_torch.append(time.thread_time() - started)
-    where = dtorch.__file__.rsplit("/dtorch/", 1)[0]
-    worker_us, torch_us = min(on_worker[1:]) / OPS * 1e6, min(in_torch[1:]) / OPS * 1e6
-    print(f"{where}  worker {worker_us:.2f} us/op, plain torch {torch_us:.2f}: {worker_us - torch_us:.2f} us/op "
-          f"added; decoding alone {min(decoding[1:]) / OPS * 1e6:.2f} us/op; replayed "
-          f"{min(replayed[1:]) / OPS * 1e6:.2f} us/op: {min(replayed[1:]) / OPS * 1e6 - torch_us:.2f} us/op added")
+        return time.thread_time() - started
 
+    measures = {"worker, eager": eager, "worker, replayed": replayed}
+    if hasattr(Worker, "_ran_inline"):   # the same worker with every command on the general path
+        measures.update({f"{name}, general path only": _general_path_only(worker, measure)
+                         for name, measure in list(measures.items())})
+    measures.update({"decoding alone": decoding, "plain torch": plain_torch})
+    samples = {name: [] for name in measures}
+    for _ in range(args.reps + 1):   # the first warms up; the measurements in turn
+        for name, measure in measures.items():
+            samples[name].append(measure())
+    best = {name: min(values[1:]) / OPS * 1e6 for name, values in samples.items()}
+    print(dtorch.__file__.rsplit("/dtorch/", 1)[0])
+    for name, us in best.items():
+        added = f"  {us - best['plain torch']:5.2f} us/op added" if name.startswith("worker") else ""
+        print(f"  {name:36s} {us:6.2f} us/op{added}")
+
+
+def _general_path_only(worker, measure):
+    def measure_on_the_general_path() -> float:
+        worker._ran_inline = lambda command: False
+        try:
+            return measure()
+        finally:
+            del worker._ran_inline
+    return measure_on_the_general_path
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,8 @@
-"""A worker replaying a compiled graph (RunGraph), in process: plain op rows run inline
-(Worker._run_replayed_row), every other row through the general per-command path. Both must
-leave the same tensors, the same poison and the same error reports; and the values must be
-torch's on the same inputs. The whole-session tests are in test_compile.py."""
+"""A worker running plain ops inline (Worker._ran_inline), in process: in an eager batch and in a
+replay of a compiled graph (RunGraph), plain op commands run inline and everything else through
+the general per-command path (Worker._execute). Both ways must leave the same tensors, the same
+poison and the same error reports; and the values must be torch's on the same inputs. The
+whole-session tests are in test_compile.py and the op sweeps."""
 import pytest
 import torch
 import zmq
@@ -43,20 +44,26 @@ class TensorId(int):
     """An argument that names a tensor (a bare int is a scalar)."""
 
 
-def graph_rows() -> tuple:
+def program(first_seq: int, first_id: int) -> list:
     """picked = table.index_select(0, index); scaled = picked * 2; shifted = scaled.add(1, alpha=3)
-    (kwargs: the general path); del picked; out = shifted - 0.5. The ids are the capture's."""
-    x, picked, scaled, shifted, out = (TensorId(CAPTURED + i) for i in range(5))
-    rows = [run_op(0, picked, "index_select", TensorId(TABLE), 0, x),
-            run_op(1, scaled, "mul", picked, 2),
-            run_op(2, shifted, "add", scaled, 1, kwargs={"alpha": 3}),
-            wire.Free(3, (picked,)),
-            run_op(4, out, "sub", shifted, 0.5)]
-    return tuple(wire.command_row(r) for r in rows)
+    (a scalar kwarg); del picked; out = shifted.sum(dim=[0]) (a list kwarg: the general path);
+    `first_id` is index's id, the others follow it."""
+    x, picked, scaled, shifted, out = (TensorId(first_id + i) for i in range(5))
+    commands = [run_op(0, picked, "index_select", TensorId(TABLE), 0, x),
+                run_op(1, scaled, "mul", picked, 2),
+                run_op(2, shifted, "add", scaled, 1, kwargs={"alpha": 3}),
+                wire.Free(3, (picked,)),
+                run_op(4, out, "sum", shifted, kwargs={"dim": [0]})]
+    return [c._replace(seq=first_seq + c.seq) for c in commands]
+
+
+def graph_rows() -> tuple:
+    """The program as a graph's rows: the capture's ids."""
+    return tuple(wire.command_row(c) for c in program(0, CAPTURED))
 
 
 def expected(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return torch.add(table.index_select(0, index) * 2, 1, alpha=3) - 0.5
+    return torch.add(table.index_select(0, index) * 2, 1, alpha=3).sum(dim=[0])
 
 
 def fresh_worker(table: torch.Tensor) -> tuple[Worker, Replies]:
@@ -86,8 +93,8 @@ def path(request):
 
 def worker_on(path: str, table: torch.Tensor) -> tuple[Worker, Replies]:
     worker, replies = fresh_worker(table)
-    if path == "general":   # every row through _run_command, as before plain rows ran inline
-        worker._run_replayed_row = worker._run_command
+    if path == "general":   # every command through _execute, as before plain ops ran inline
+        worker._ran_inline = lambda command: False
     return worker, replies
 
 
@@ -124,3 +131,26 @@ def test_a_missing_input_row_takes_the_general_path_and_names_the_tensor(path):
     assert report.seq == seq and report.exception_type == "KeyError"
     assert f"tensor #{TABLE} is not on rank 0" in report.message
     assert worker.poisoned == {10: seq}
+
+
+def test_an_eager_batch_computes_what_torch_computes(path):
+    table = torch.randn(5, 3)
+    worker, replies = worker_on(path, table)
+    index = torch.tensor([4, 0, 0])
+    worker.tensors[INDEX] = index
+    deliver(worker, lambda s: program(s, INDEX))
+    assert torch.equal(worker.tensors[INDEX + 4], expected(table, index))
+    assert set(worker.tensors) == {TABLE, INDEX, INDEX + 2, INDEX + 3, INDEX + 4}   # picked was freed
+    assert replies.sent == [] and not worker.poisoned
+
+
+def test_an_eager_op_that_fails_is_reported_and_poisons_what_follows(path):
+    worker, replies = worker_on(path, torch.randn(5, 3))
+    worker.tensors[INDEX] = torch.tensor([7])
+    first = worker.next_seq
+    deliver(worker, lambda s: program(s, INDEX))
+    (report,) = replies.reports()
+    assert (report.seq, report.op, report.exception_type) == (first, "index_select", "IndexError")
+    # picked (failed) was then freed; the ops after it are poisoned by it
+    assert worker.poisoned == {INDEX + 2: first, INDEX + 3: first, INDEX + 4: first}
+    assert worker.busy_seq == -1

@@ -108,14 +108,44 @@ class Worker:
             raise ProtocolError(f"rank {self.rank}: expected command #{self.next_seq}, got #{batch.first_seq}: "
                                 "commands were lost on the way")
         self.next_seq = commands[-1].seq + wire.span(commands[-1]) if commands else self.next_seq
-        for command in commands:
-            self._run_command(command)
+        with self.device.compute():   # once a batch, for the plain ops that run inline (_ran_inline)
+            for command in commands:
+                self._run_command(command)
 
     def _run_command(self, command) -> None:
-        if self.profiler is None:   # profiling off costs this one check per command
-            self._execute(command)
-        else:
+        if self.profiler is not None:   # profiling off costs this one check per command
             self.profiler.record(command, self._execute)
+        elif not self._ran_inline(command):
+            self._execute(command)
+
+    def _ran_inline(self, command) -> bool:
+        """Run a plain op here and say True; False leaves the command to the general path.
+
+        Plain means: tensors and scalars in, scalar kwargs, nothing to slice, no grad, no peers,
+        no communication in flight, and every input here. Most commands of a small-op program
+        are such ops, and _execute's layers (the handler table, handle_run_op, _run_op, a method
+        call per input) cost about as much as the op itself. The general path takes everything
+        else, including a missing or poisoned input, whose error it words. The caller has entered
+        the compute stream (_run_batch; a RunGraph runs inside _execute). A failure here is
+        handled as _execute handles one: poisoned outputs and a report under the command's seq."""
+        if (type(command) is not wire.RunOp or command.grad or command.input_steps or self.in_flight
+                or command.kernel in PEER_KERNELS or not _flat(command.args)
+                or (command.kwargs and not _SCALARS.issuperset(map(type, command.kwargs.values())))
+                or self._member(command.mesh_id) is None):
+            return False
+        tensors = self.tensors
+        try:
+            args = [tensors[a.id] if type(a) is TensorRef else a for a in command.args]
+        except KeyError:
+            return False
+        self.busy_seq = command.seq
+        try:
+            self._store(command.out_ids, KERNELS[command.kernel](*args, **command.kwargs))
+        except Exception as error:  # any failure of one command; the worker goes on
+            self._failed(command, error)
+        finally:
+            self.busy_seq = -1
+        return True
 
     def _execute(self, command) -> None:
         self.busy_seq = command.seq   # the heartbeat thread reports a command that runs too long
@@ -470,31 +500,7 @@ class Worker:
         if graph is None:
             raise KeyError(f"compiled graph {command.graph_id} is not on rank {self.rank} (dropped, or this "
                            "process replaced a lost worker after the graph was defined)")
-        run_row = self._run_command if self.profiler is not None else self._run_replayed_row
-        graphs.replay(graph, command, (self.tensors, self.poisoned, self.in_flight), run_row)
-
-    def _run_replayed_row(self, command) -> None:
-        """A replayed row. A plain op (tensors and scalars in, nothing to slice, no grad, no peers,
-        no communication in flight) whose inputs are all here runs inline: a replay's rows are
-        mostly such ops, and the general path's layers cost about as much as a small op. Anything
-        else, or an input that is missing or poisoned, takes the general path, which also says
-        why. Already on the compute stream: the RunGraph runs inside _execute."""
-        if (type(command) is not wire.RunOp or command.grad or command.input_steps or command.kwargs
-                or self.in_flight or command.kernel in PEER_KERNELS or not _flat(command.args)
-                or self._member(command.mesh_id) is None):
-            return self._execute(command)
-        tensors = self.tensors
-        try:
-            args = [tensors[a.id] if type(a) is TensorRef else a for a in command.args]
-        except KeyError:
-            return self._execute(command)
-        self.busy_seq = command.seq
-        try:
-            self._store(command.out_ids, KERNELS[command.kernel](*args))
-        except Exception as error:  # as _execute: poisoned outputs, a report, and the replay goes on
-            self._failed(command, error)
-        finally:
-            self.busy_seq = -1
+        graphs.replay(graph, command, (self.tensors, self.poisoned, self.in_flight), self._run_command)
 
     def handle_drop_graph(self, command: wire.DropGraph) -> None:
         self.graphs.pop(command.graph_id, None)
@@ -690,6 +696,7 @@ def _flat(args) -> bool:
 
 
 _CONTAINERS = frozenset((tuple, list, dict))
+_SCALARS = frozenset((int, float, bool, str, type(None)))   # kwargs values a plain op may take inline
 
 
 RANK_LOCAL = (ShardRegion, PeerGroup)   # argument types each rank replaces with its own value
