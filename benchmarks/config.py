@@ -66,7 +66,7 @@ FULL = replace(
 )
 
 SMOKE = replace(
-    QUICK, name="smoke", chain_ops=40, reps=2, collective_reps=2, end_to_end_worlds=(1, 4),
+    QUICK, name="smoke", chain_ops=40, reps=2, collective_reps=2, end_to_end_worlds=(2,),
     fetch_reads=5, fetch_worlds=(4,), redistribute_bytes=(64 * 1024,), redistribute_worlds=(4,),
     redistribute_burst=2,
     mlp_layers=1, mlp_hidden=64, mlp_batch=8, process_timeout_s=60, llama_layers=1, llama_hidden=64, llama_seq=8,
