@@ -10,9 +10,11 @@ Standalone (no relative imports), so that one copy measures either checkout: run
 alternately with PYTHONPATH on the commit before and after a change. Prints the minimum over
 repetitions of 4,000 ops (a drifting machine only raises it) for the worker, the same ops as
 replays of a captured 100-op graph (dtorch.compile's RunGraph), decoding the batch alone, and
-plain torch, taken in turns. On a checkout whose workers run plain ops inline
-(Worker._ran_inline), the worker rows are also measured with every command on the general
-path, in the same turns: an A/B of that step within one process.
+plain torch, taken in turns. On a checkout whose workers run a graph of plain ops as one
+generated function (runtime/straight_line.py), the replay is also measured row by row; on one
+whose workers run plain ops inline (Worker._ran_inline), the worker rows are also measured with
+every command on the general path (replays row by row, or as the function where there is one),
+in the same turns: A/Bs of those steps within one process.
 """
 from __future__ import annotations
 
@@ -127,6 +129,8 @@ def main() -> None:
         return time.thread_time() - started
 
     measures = {"worker, eager": eager, "worker, replayed": replayed}
+    if getattr(worker.graphs[1], "program", None) is not None:   # the replay as one generated function
+        measures["worker, replayed row by row"] = _row_by_row(worker, 1, replayed)
     if hasattr(Worker, "_ran_inline"):   # the same worker with every command on the general path
         measures.update({f"{name}, general path only": _general_path_only(worker, measure)
                          for name, measure in list(measures.items())})
@@ -139,7 +143,18 @@ def main() -> None:
     print(dtorch.__file__.rsplit("/dtorch/", 1)[0])
     for name, us in best.items():
         added = f"  {us - best['plain torch']:5.2f} us/op added" if name.startswith("worker") else ""
-        print(f"  {name:36s} {us:6.2f} us/op{added}")
+        print(f"  {name:48s} {us:6.2f} us/op{added}")
+
+
+def _row_by_row(worker, graph_id: int, measure):
+    def measure_row_by_row() -> float:
+        graph = worker.graphs[graph_id]
+        worker.graphs[graph_id] = graph._replace(program=None)
+        try:
+            return measure()
+        finally:
+            worker.graphs[graph_id] = graph
+    return measure_row_by_row
 
 
 def _general_path_only(worker, measure):

@@ -135,7 +135,8 @@ def test_the_redistribute_ab_script_runs():
                       r"issue, 300 lines into a function: CPU us/op min [\d.]+ median [\d.]+",
                       r"read of a ready \(1,\) tensor: us min \d+ median \d+")),
     ("worker_cpu.py", tuple(rf"\n  {name} +[\d.]+ us/op +-?[\d.]+ us/op added\n" for name in (
-        "worker, eager", "worker, replayed", "worker, eager, general path only", "worker, replayed, general path only"))
+        "worker, eager", "worker, replayed", "worker, replayed row by row", "worker, eager, general path only",
+        "worker, replayed, general path only", "worker, replayed row by row, general path only"))
      + (r"\n  decoding alone +[\d.]+ us/op\n", r"\n  plain torch +[\d.]+ us/op")),
 ])
 def test_the_standalone_ab_scripts_run_against_a_checkout(script, rows):

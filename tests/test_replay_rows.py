@@ -1,8 +1,9 @@
-"""A worker running plain ops inline (Worker._ran_inline), in process: in an eager batch and in a
-replay of a compiled graph (RunGraph), plain op commands run inline and everything else through
-the general per-command path (Worker._execute). Both ways must leave the same tensors, the same
-poison and the same error reports; and the values must be torch's on the same inputs. The
-whole-session tests are in test_compile.py and the op sweeps."""
+"""A worker's three routes for plain ops, in process: a replay of a compiled graph (RunGraph) runs
+its rows as one generated function where they all qualify (runtime/straight_line.py); otherwise
+rows, and the commands of an eager batch, run inline when plain (Worker._ran_inline) and through
+the general per-command path (Worker._execute) when not. Every route must leave the same tensors,
+the same poison and the same error reports; and the values must be torch's on the same inputs.
+The whole-session tests are in test_compile.py and the op sweeps."""
 import pytest
 import torch
 import zmq
@@ -44,35 +45,35 @@ class TensorId(int):
     """An argument that names a tensor (a bare int is a scalar)."""
 
 
-def program(first_seq: int, first_id: int) -> list:
+def program(first_seq: int, first_id: int, dim: int = 0) -> list:
     """picked = table.index_select(0, index); scaled = picked * 2; shifted = scaled.add(1, alpha=3)
-    (a scalar kwarg); del picked; out = shifted.sum(dim=[0]) (a list kwarg: the general path);
-    `first_id` is index's id, the others follow it."""
+    (a scalar kwarg); del picked; out = shifted.sum(dim=[dim]) (a list kwarg: the general path in
+    eager); `first_id` is index's id, the others follow it."""
     x, picked, scaled, shifted, out = (TensorId(first_id + i) for i in range(5))
     commands = [run_op(0, picked, "index_select", TensorId(TABLE), 0, x),
                 run_op(1, scaled, "mul", picked, 2),
                 run_op(2, shifted, "add", scaled, 1, kwargs={"alpha": 3}),
                 wire.Free(3, (picked,)),
-                run_op(4, out, "sum", shifted, kwargs={"dim": [0]})]
+                run_op(4, out, "sum", shifted, kwargs={"dim": [dim]})]
     return [c._replace(seq=first_seq + c.seq) for c in commands]
 
 
-def graph_rows() -> tuple:
+def graph_rows(dim: int = 0) -> tuple:
     """The program as a graph's rows: the capture's ids."""
-    return tuple(wire.command_row(c) for c in program(0, CAPTURED))
+    return tuple(wire.command_row(c) for c in program(0, CAPTURED, dim))
 
 
 def expected(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.add(table.index_select(0, index) * 2, 1, alpha=3).sum(dim=[0])
 
 
-def fresh_worker(table: torch.Tensor) -> tuple[Worker, Replies]:
+def fresh_worker(table: torch.Tensor, dim: int = 0) -> tuple[Worker, Replies]:
     replies = Replies()
     worker = Worker(0, replies, None, CpuDevice(), start_seq=0)
     deliver(worker, lambda s: [
         wire.DefineMesh(s, 0, "cpu", (1,), (0,)),
         wire.Factory(s + 1, TABLE, 0, "zeros", tuple(table.shape), "float32", REPLICATE, ()),
-        wire.DefineGraph(s + 2, 7, graph_rows(), (CAPTURED,), (CAPTURED + 4,),
+        wire.DefineGraph(s + 2, 7, graph_rows(dim), (CAPTURED,), (CAPTURED + 4,),
                          (CAPTURED + 1, CAPTURED + 2, CAPTURED + 3), (), ())])
     worker.tensors[TABLE] = table.clone()
     return worker, replies
@@ -86,13 +87,16 @@ def replay(worker: Worker, index: torch.Tensor, out_id: int) -> int:
     return seq
 
 
-@pytest.fixture(params=["inline", "general"])
+@pytest.fixture(params=["program", "inline", "general"])
 def path(request):
     return request.param
 
 
-def worker_on(path: str, table: torch.Tensor) -> tuple[Worker, Replies]:
-    worker, replies = fresh_worker(table)
+def worker_on(path: str, table: torch.Tensor, dim: int = 0) -> tuple[Worker, Replies]:
+    worker, replies = fresh_worker(table, dim)
+    assert worker.graphs[7].program is not None   # every row qualifies
+    if path != "program":   # the replay runs row by row, as before graphs became functions
+        worker.graphs[7] = worker.graphs[7]._replace(program=None)
     if path == "general":   # every command through _execute, as before plain ops ran inline
         worker._ran_inline = lambda command: False
     return worker, replies
@@ -154,3 +158,95 @@ def test_an_eager_op_that_fails_is_reported_and_poisons_what_follows(path):
     # picked (failed) was then freed; the ops after it are poisoned by it
     assert worker.poisoned == {INDEX + 2: first, INDEX + 3: first, INDEX + 4: first}
     assert worker.busy_seq == -1
+
+
+def test_a_row_failing_after_others_keeps_what_they_made_for_the_rows_after_it(path):
+    """bad = shifted.sum(dim=[5]) raises; good = shifted * 1 after it still reads shifted, which
+    the rows before the failure made: on the program route it must reach the table."""
+    table = torch.randn(5, 3)
+    worker, replies = worker_on(path, table)
+    *rows, _ = program(0, CAPTURED)
+    shifted, bad, good = CAPTURED + 3, CAPTURED + 4, CAPTURED + 5
+    rows += [run_op(4, bad, "sum", TensorId(shifted), kwargs={"dim": [5]}),
+             run_op(5, good, "mul", TensorId(shifted), 1)]
+    graph = define(worker, tuple(wire.command_row(c) for c in rows), (CAPTURED,), (bad, good),
+                   (CAPTURED + 1, CAPTURED + 2, shifted))
+    assert graph.program is not None
+    if path != "program":
+        worker.graphs[8] = graph._replace(program=None)
+    index = torch.tensor([1, 2])
+    worker.tensors[INDEX] = index
+    seq = worker.next_seq
+    deliver(worker, lambda s: [wire.RunGraph(s, 8, len(rows), (INDEX,), (20, 21), 0, 0, (), 2)])
+    (report,) = replies.reports()
+    assert (report.seq, report.op, report.exception_type) == (seq + 4, "sum", "IndexError")
+    if path == "program":   # the traceback quotes the generated row
+        assert "t104 = sum_4(t103, dim=[5])" in report.traceback
+    assert worker.poisoned == {20: seq + 4}
+    assert torch.equal(worker.tensors[21], torch.add(table.index_select(0, index) * 2, 1, alpha=3))
+    assert set(worker.tensors) == {TABLE, INDEX, 21}   # the scratch dropped, as after a clean replay
+
+
+def define(worker: Worker, rows: tuple, inputs: tuple, outputs: tuple, scratch: tuple = (), random: tuple = ()):
+    """Graph 8 from these rows; the worker's Graph."""
+    deliver(worker, lambda s: [wire.DefineGraph(s, 8, rows, inputs, outputs, scratch, random, ())])
+    return worker.graphs[8]
+
+
+@pytest.mark.parametrize("why, rows, random", [
+    ("a row records for backward",
+     (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), 2)._replace(grad=True),), ()),
+    ("a row draws random numbers",
+     (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), 2),), (0,)),
+    ("a row frees an id the rows did not make",
+     (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), 2), wire.Free(1, (CAPTURED,))), ()),
+    ("a row is not an op",
+     (wire.Redistribute(0, CAPTURED + 1, CAPTURED, 0, (1,), "float32", REPLICATE, ()),), ()),
+    ("a row's mesh does not hold this rank",
+     (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), 2)._replace(mesh_id=3),), ()),
+    ("a row takes a dict", (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), {"a": 1}),), ()),
+])
+def test_a_graph_with_a_row_that_does_not_qualify_replays_row_by_row(why, rows, random):
+    worker, _ = fresh_worker(torch.zeros(1))
+    deliver(worker, lambda s: [wire.DefineMesh(s, 3, "cpu", (1,), (1,))])   # rank 1 only
+    graph = define(worker, tuple(wire.command_row(c) for c in rows), (CAPTURED,), (CAPTURED + 1,), (), random)
+    assert graph.program is None, why
+
+
+def test_a_multi_output_row_and_a_kept_intermediate_reach_the_table():
+    """values, order = x.sort(); y = values + order (a tuple result, one id each); out = y * 2,
+    with y also an output: every id left alive that is not scratch is stored."""
+    worker, replies = fresh_worker(torch.zeros(1))
+    x, values, order, y, out = (TensorId(CAPTURED + i) for i in range(5))
+    rows = (wire.RunOp(0, (values, order), 0, "sort", "sort", (wire.TensorRef(x),), {}, ()),
+            run_op(1, y, "add", values, order), wire.Free(2, (values, order)), run_op(3, out, "mul", y, 2))
+    graph = define(worker, tuple(wire.command_row(c) for c in rows), (x,), (y, out))
+    assert graph.program is not None
+    source = torch.tensor([3.0, 1.0, 2.0])
+    worker.tensors[INDEX] = source
+    deliver(worker, lambda s: [wire.RunGraph(s, 8, len(rows), (INDEX,), (20, 21), 0, 0, (), 1)])
+    sorted_values, order_ = source.sort()
+    assert torch.equal(worker.tensors[20], sorted_values + order_)
+    assert torch.equal(worker.tensors[21], (sorted_values + order_) * 2)
+    assert set(worker.tensors) == {TABLE, INDEX, 20, 21} and replies.sent == []
+
+
+def test_rows_with_tensor_lists_dtypes_and_infinite_scalars_run_as_the_program_and_as_torch():
+    """joined = cat([x, y]); total = joined.sum(dtype=float64); scaled = joined * inf: a list of
+    tensors, a dtype and a scalar repr cannot write, each as the program passes them."""
+    worker, replies = fresh_worker(torch.zeros(1))
+    x, y, joined, total, scaled = (TensorId(CAPTURED + i) for i in range(5))
+    rows = (run_op(0, joined, "cat", [x, y]), run_op(1, total, "sum", joined, kwargs={"dtype": torch.float64}),
+            run_op(2, scaled, "mul", joined, float("inf")))
+    rows = tuple(c._replace(args=tuple([wire.TensorRef(i) for i in a] if type(a) is list else a for a in c.args))
+                 for c in rows)
+    graph = define(worker, tuple(wire.command_row(c) for c in rows), (x, y), (total, scaled))
+    assert "cat_0([t100, t101])" in graph.program.source
+    first, second = torch.tensor([1.0, -2.0]), torch.tensor([0.0])
+    worker.tensors.update({INDEX: first, INDEX + 1: second})
+    deliver(worker, lambda s: [wire.RunGraph(s, 8, len(rows), (INDEX, INDEX + 1), (20, 21), 0, 0, (), 1)])
+    joined_ = torch.cat([first, second])
+    assert worker.tensors[20].dtype == torch.float64
+    assert torch.equal(worker.tensors[20], joined_.sum(dtype=torch.float64))
+    torch.testing.assert_close(worker.tensors[21], joined_ * float("inf"), rtol=0, atol=0, equal_nan=True)  # 0 * inf
+    assert replies.sent == []

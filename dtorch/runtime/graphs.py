@@ -11,7 +11,11 @@ disturbs a live tensor. Ids the call made and left alive (gradients, optimizer s
 
 What changes from call to call travels in RunGraph: the global random stream's seed and how far
 its counter moved (random rows draw fresh numbers, equal to eager's), and each optimizer row's
-step count."""
+step count.
+
+The rows run as the graph's program (one generated function, straight_line.py) where the worker
+built one, else one by one through the worker's per-command path; either way the id tables end
+as running the rows one by one leaves them."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -29,6 +33,7 @@ class Graph(NamedTuple):
     rows: tuple           # per row, (its command type, its fields after seq): a replay's commands are
                           # built from these with one tuple.__new__ each (NamedTuple._replace costs ~1 us)
     edges: frozenset      # inputs, outputs and scratch: ids a replay sets aside if they are bound
+    program: object = None   # the rows as one function (straight_line.StraightLine), where they all qualify
 
 
 def define(command: wire.DefineGraph) -> Graph:
@@ -43,12 +48,19 @@ def define(command: wire.DefineGraph) -> Graph:
                  frozenset(command.inputs + command.outputs + command.scratch))
 
 
-def replay_commands(graph: Graph, run: wire.RunGraph) -> list:
-    """The rows as commands of this replay: row i as seq run.seq + i, random and step rows shifted."""
+def _check(graph: Graph, run: wire.RunGraph) -> None:
     if run.span != len(graph.commands):
         raise ValueError(f"RunGraph spans {run.span} commands; graph {run.graph_id} holds {len(graph.commands)}")
     if len(run.step_shifts) != len(graph.steps):
         raise ValueError(f"RunGraph gives {len(run.step_shifts)} step shifts for {len(graph.steps)} optimizer rows")
+    if len(run.input_ids) != len(graph.inputs) or len(run.out_ids) != len(graph.outputs):
+        raise ValueError(f"RunGraph names {len(run.input_ids)} inputs and {len(run.out_ids)} outputs; graph "
+                         f"{run.graph_id} takes {len(graph.inputs)} and gives {len(graph.outputs)}")
+
+
+def replay_commands(graph: Graph, run: wire.RunGraph) -> list:
+    """The rows as commands of this replay: row i as seq run.seq + i, random and step rows shifted."""
+    _check(graph, run)
     new, first = tuple.__new__, run.seq
     commands = [new(kind, (first + i,) + fields) for i, (kind, fields) in enumerate(graph.rows)]
     for i in graph.random:
@@ -114,19 +126,36 @@ class Bindings:
 _NONE = object()
 
 
-def replay(graph: Graph, run: wire.RunGraph, tables: tuple, execute) -> None:
-    """Run one replay through `execute` (the worker's own per-command path: its errors, poison and
-    profiling apply to each row as to any command)."""
+def _run_program(graph: Graph, run: wire.RunGraph, tensors: dict, execute, fail) -> None:
+    """The program; if a row raises, what the rows before it made goes into the table, that row
+    fails as a command would, and the rows after it run one by one (straight_line.py)."""
+    stopped = graph.program.run(tensors)
+    if stopped is None:
+        return
+    row, error, made = stopped
     commands = replay_commands(graph, run)
-    if len(run.input_ids) != len(graph.inputs) or len(run.out_ids) != len(graph.outputs):
-        raise ValueError(f"RunGraph names {len(run.input_ids)} inputs and {len(run.out_ids)} outputs; graph "
-                         f"{run.graph_id} takes {len(graph.inputs)} and gives {len(graph.outputs)}")
+    if row >= 0:   # (else an input is missing: nothing ran, and the per-command path words why)
+        tensors.update(made)
+        fail(commands[row], error)
+    for command in commands[row + 1:]:
+        execute(command)
+
+
+def replay(graph: Graph, run: wire.RunGraph, tables: tuple, execute, fail, straight: bool) -> None:
+    """Run one replay: as graph.program where `straight` and the graph has one, else row by row
+    through `execute` (the worker's own per-command path: its errors, poison and profiling apply
+    to each row as to any command). `fail(command, error)` is the worker's handling of a command
+    that raised (for a row of the program)."""
+    _check(graph, run)
     bindings = Bindings(tables)
     bindings.set_aside_ids(graph.edges.difference(run.input_ids))
     for captured, given in zip(graph.inputs, run.input_ids):
         bindings.copy(given, captured)
-    for command in commands:
-        execute(command)
+    if straight and graph.program is not None:
+        _run_program(graph, run, tables[0], execute, fail)
+    else:
+        for command in replay_commands(graph, run):
+            execute(command)
     for captured, given in zip(graph.inputs, run.input_ids):
         if captured != given:   # a row may have rebound an input (an in-place op): the caller's id follows
             bindings.move(captured, given)

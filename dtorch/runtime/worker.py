@@ -25,7 +25,7 @@ from ..ops.registry import PEER_KERNELS
 from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
 from . import protocol as wire
 from .comm import BackwardAbandoned, Communicator
-from . import graphs
+from . import graphs, straight_line
 from .file_shards import read_block, read_region, shard_file_name, write_safetensors
 from .backward import connect_outputs, run_backward
 from .grad_buckets import BucketBuffers
@@ -171,7 +171,8 @@ class Worker:
 
     def _report(self, command, error: Exception) -> None:
         op = getattr(command, "op", None) or getattr(command, "kind", None) or type(command).__name__
-        report = wire.ErrorReport(command.seq, self.rank, op, type(error).__name__, str(error), traceback.format_exc())
+        report = wire.ErrorReport(command.seq, self.rank, op, type(error).__name__, str(error),
+                                  "".join(traceback.format_exception(type(error), error, error.__traceback__)))
         self.sockets.send([wire.encode(report)])
 
     # --- helpers shared by handlers -------------------------------------------------------------
@@ -489,7 +490,12 @@ class Worker:
             self.in_flight.pop(tensor_id, None)
 
     def handle_define_graph(self, command: wire.DefineGraph) -> None:
-        self.graphs[command.graph_id] = graphs.define(command)
+        graph = graphs.define(command)
+        if not (graph.random or graph.steps):
+            graph = graph._replace(program=straight_line.build(
+                command.graph_id, graph.commands, graph.scratch, KERNELS,
+                lambda row: straight_line.plain_row(row, PEER_KERNELS), lambda mesh_id: self._member(mesh_id) is not None))
+        self.graphs[command.graph_id] = graph
 
     def handle_run_graph(self, command: wire.RunGraph) -> None:
         """Each row runs as a command of its own (seq + i): its failure poisons its outputs and
@@ -500,10 +506,13 @@ class Worker:
         if graph is None:
             raise KeyError(f"compiled graph {command.graph_id} is not on rank {self.rank} (dropped, or this "
                            "process replaced a lost worker after the graph was defined)")
-        graphs.replay(graph, command, (self.tensors, self.poisoned, self.in_flight), self._run_command)
+        graphs.replay(graph, command, (self.tensors, self.poisoned, self.in_flight), self._run_command, self._failed,
+                      straight=self.profiler is None and not self.in_flight)
 
     def handle_drop_graph(self, command: wire.DropGraph) -> None:
-        self.graphs.pop(command.graph_id, None)
+        graph = self.graphs.pop(command.graph_id, None)
+        if graph is not None and graph.program is not None:
+            graph.program.forget()
 
     def handle_sync(self, command: wire.Sync) -> None:
         """Reply once the device has run everything before this command (at once on CPU)."""
