@@ -129,7 +129,7 @@ def main() -> None:
         return time.thread_time() - started
 
     measures = {"worker, eager": eager, "worker, replayed": replayed}
-    if getattr(worker.graphs[1], "program", None) is not None:   # the replay as one generated function
+    if getattr(worker.graphs[1], "plan", None) is not None:   # the replay as one generated function
         measures["worker, replayed row by row"] = _row_by_row(worker, 1, replayed)
     if hasattr(Worker, "_ran_inline"):   # the same worker with every command on the general path
         measures.update({f"{name}, general path only": _general_path_only(worker, measure)
@@ -149,7 +149,7 @@ def main() -> None:
 def _row_by_row(worker, graph_id: int, measure):
     def measure_row_by_row() -> float:
         graph = worker.graphs[graph_id]
-        worker.graphs[graph_id] = graph._replace(program=None)
+        worker.graphs[graph_id] = graph._replace(plan=None)
         try:
             return measure()
         finally:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import zmq
 
-from dtorch.distributed_spec import Replicate
+from dtorch.distributed_spec import Replicate, ShardRegion
 from dtorch.runtime import protocol as wire
 from dtorch.runtime.devices import CpuDevice
 from dtorch.runtime.worker import Worker
@@ -94,9 +94,9 @@ def path(request):
 
 def worker_on(path: str, table: torch.Tensor, dim: int = 0) -> tuple[Worker, Replies]:
     worker, replies = fresh_worker(table, dim)
-    assert worker.graphs[7].program is not None   # every row qualifies
+    assert runs(worker.graphs[7]) == [(0, 5)]   # every row qualifies: one function
     if path != "program":   # the replay runs row by row, as before graphs became functions
-        worker.graphs[7] = worker.graphs[7]._replace(program=None)
+        worker.graphs[7] = worker.graphs[7]._replace(plan=None)
     if path == "general":   # every command through _execute, as before plain ops ran inline
         worker._ran_inline = lambda command: False
     return worker, replies
@@ -171,9 +171,9 @@ def test_a_row_failing_after_others_keeps_what_they_made_for_the_rows_after_it(p
              run_op(5, good, "mul", TensorId(shifted), 1)]
     graph = define(worker, tuple(wire.command_row(c) for c in rows), (CAPTURED,), (bad, good),
                    (CAPTURED + 1, CAPTURED + 2, shifted))
-    assert graph.program is not None
+    assert runs(graph) == [(0, 6)]
     if path != "program":
-        worker.graphs[8] = graph._replace(program=None)
+        worker.graphs[8] = graph._replace(plan=None)
     index = torch.tensor([1, 2])
     worker.tensors[INDEX] = index
     seq = worker.next_seq
@@ -193,24 +193,67 @@ def define(worker: Worker, rows: tuple, inputs: tuple, outputs: tuple, scratch: 
     return worker.graphs[8]
 
 
-@pytest.mark.parametrize("why, rows, random", [
-    ("a row records for backward",
-     (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), 2)._replace(grad=True),), ()),
-    ("a row draws random numbers",
-     (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), 2),), (0,)),
-    ("a row frees an id the rows did not make",
-     (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), 2), wire.Free(1, (CAPTURED,))), ()),
-    ("a row is not an op",
-     (wire.Redistribute(0, CAPTURED + 1, CAPTURED, 0, (1,), "float32", REPLICATE, ()),), ()),
-    ("a row's mesh does not hold this rank",
-     (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), 2)._replace(mesh_id=3),), ()),
-    ("a row takes a dict", (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), {"a": 1}),), ()),
+def runs(graph) -> list:
+    """The graph's plan as (first, stop) for each function and the index of each row alone."""
+    return [step if type(step) is int else (step.rows.start, step.rows.stop) for step in graph.plan]
+
+
+@pytest.mark.parametrize("why, lone, random", [
+    ("it records for backward", run_op(2, CAPTURED + 9, "mul", TensorId(CAPTURED + 2), 2)._replace(grad=True), ()),
+    ("it draws random numbers", run_op(2, CAPTURED + 9, "mul", TensorId(CAPTURED + 2), 2), (2,)),
+    ("it frees an id the table held before the run", wire.Free(2, (CAPTURED,)), ()),
+    ("it is not an op", wire.Redistribute(2, CAPTURED + 9, CAPTURED + 2, 0, (1,), "float32", REPLICATE, ()), ()),
+    ("its mesh does not hold this rank", run_op(2, CAPTURED + 9, "mul", TensorId(CAPTURED + 2), 2)._replace(mesh_id=3), ()),
+    ("it takes a dict", run_op(2, CAPTURED + 9, "mul", TensorId(CAPTURED + 2), {"a": 1}), ()),
+    ("it takes a block as a positional argument",
+     run_op(2, CAPTURED + 9, "narrow_region", TensorId(CAPTURED + 2), ShardRegion((4,), REPLICATE)), ()),
 ])
-def test_a_graph_with_a_row_that_does_not_qualify_replays_row_by_row(why, rows, random):
+def test_a_row_that_does_not_qualify_goes_alone_between_two_functions(why, lone, random):
     worker, _ = fresh_worker(torch.zeros(1))
     deliver(worker, lambda s: [wire.DefineMesh(s, 3, "cpu", (1,), (1,))])   # rank 1 only
-    graph = define(worker, tuple(wire.command_row(c) for c in rows), (CAPTURED,), (CAPTURED + 1,), (), random)
-    assert graph.program is None, why
+    x, a, b, d, e = CAPTURED, CAPTURED + 1, CAPTURED + 2, CAPTURED + 3, CAPTURED + 4
+    rows = (run_op(0, a, "mul", TensorId(x), 2), run_op(1, b, "add", TensorId(a), 1), lone,
+            run_op(3, d, "mul", TensorId(b), 3), run_op(4, e, "mul", TensorId(d), TensorId(d)))
+    graph = define(worker, tuple(wire.command_row(c) for c in rows), (x,), (e,), (a, b, d), random)
+    assert runs(graph) == [(0, 2), 2, (3, 5)], why
+    assert "t102 = tensors[102]" in graph.plan[2].source   # the second run reads what the first stored
+
+
+def test_a_graph_without_two_plain_ops_in_a_row_has_no_plan():
+    worker, _ = fresh_worker(torch.zeros(1))
+    rows = (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), 2),
+            run_op(1, CAPTURED + 2, "mul", TensorId(CAPTURED + 1), 2)._replace(grad=True))
+    assert define(worker, tuple(wire.command_row(c) for c in rows), (CAPTURED,), (CAPTURED + 2,)).plan is None
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_plan_of_two_functions_around_a_lone_row_leaves_what_row_by_row_leaves(fails):
+    """a = x * 2; b = a + 1; c = b * 3 (recorded for backward: alone); del a; d = c - b (or, when
+    `fails`, c.sum(dim=[4])); e = d * d: the same tensors, poison and reports both ways."""
+    x, a, b, c, d, e = (TensorId(CAPTURED + i) for i in range(6))
+    rows = (run_op(0, a, "mul", x, 2), run_op(1, b, "add", a, 1), run_op(2, c, "mul", b, 3)._replace(grad=True),
+            wire.Free(3, (a,)),
+            run_op(4, d, "sum", c, kwargs={"dim": [4]}) if fails else run_op(4, d, "sub", c, b),
+            run_op(5, e, "mul", d, d))
+    outcomes = []
+    for planned in (True, False):
+        worker, replies = fresh_worker(torch.zeros(1))
+        graph = define(worker, tuple(wire.command_row(r) for r in rows), (x,), (e,), (a, b, c, d))
+        assert runs(graph) == [(0, 2), 2, 3, (4, 6)]   # `del a` frees what the first run stored: alone
+        if not planned:
+            worker.graphs[8] = graph._replace(plan=None)
+        worker.tensors[INDEX] = torch.tensor([1.0, 2.0])
+        deliver(worker, lambda s: [wire.RunGraph(s, 8, len(rows), (INDEX,), (20,), 0, 0, (), 1)])
+        outcomes.append((dict(worker.tensors), dict(worker.poisoned),
+                         [(r.seq, r.op, r.exception_type) for r in replies.reports()]))
+    (tensors, poisoned, reports), (tensors_, poisoned_, reports_) = outcomes
+    assert tensors.keys() == tensors_.keys() and poisoned == poisoned_ and reports == reports_
+    if fails:
+        assert poisoned == {20: 4 + 4} and [r[1:] for r in reports] == [("sum", "IndexError")]
+    else:
+        b_ = torch.tensor([1.0, 2.0]) * 2 + 1
+        assert torch.equal(tensors[20], (b_ * 3 - b_) ** 2) and torch.equal(tensors_[20], tensors[20])
+        assert set(tensors) == {TABLE, INDEX, 20} and not poisoned
 
 
 def test_a_multi_output_row_and_a_kept_intermediate_reach_the_table():
@@ -221,7 +264,7 @@ def test_a_multi_output_row_and_a_kept_intermediate_reach_the_table():
     rows = (wire.RunOp(0, (values, order), 0, "sort", "sort", (wire.TensorRef(x),), {}, ()),
             run_op(1, y, "add", values, order), wire.Free(2, (values, order)), run_op(3, out, "mul", y, 2))
     graph = define(worker, tuple(wire.command_row(c) for c in rows), (x,), (y, out))
-    assert graph.program is not None
+    assert runs(graph) == [(0, 4)]
     source = torch.tensor([3.0, 1.0, 2.0])
     worker.tensors[INDEX] = source
     deliver(worker, lambda s: [wire.RunGraph(s, 8, len(rows), (INDEX,), (20, 21), 0, 0, (), 1)])
@@ -241,7 +284,7 @@ def test_rows_with_tensor_lists_dtypes_and_infinite_scalars_run_as_the_program_a
     rows = tuple(c._replace(args=tuple([wire.TensorRef(i) for i in a] if type(a) is list else a for a in c.args))
                  for c in rows)
     graph = define(worker, tuple(wire.command_row(c) for c in rows), (x, y), (total, scaled))
-    assert "cat_0([t100, t101])" in graph.program.source
+    assert "cat_0([t100, t101])" in graph.plan[0].source
     first, second = torch.tensor([1.0, -2.0]), torch.tensor([0.0])
     worker.tensors.update({INDEX: first, INDEX + 1: second})
     deliver(worker, lambda s: [wire.RunGraph(s, 8, len(rows), (INDEX, INDEX + 1), (20, 21), 0, 0, (), 1)])

@@ -13,14 +13,15 @@ What changes from call to call travels in RunGraph: the global random stream's s
 its counter moved (random rows draw fresh numbers, equal to eager's), and each optimizer row's
 step count.
 
-The rows run as the graph's program (one generated function, straight_line.py) where the worker
-built one, else one by one through the worker's per-command path; either way the id tables end
-as running the rows one by one leaves them."""
+The rows run by the graph's plan where the worker built one (runs of plain rows as generated
+functions, straight_line.py), else one by one through the worker's per-command path; either way
+the id tables end as running the rows one by one leaves them."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from . import protocol as wire
+from . import straight_line
 
 
 class Graph(NamedTuple):
@@ -33,7 +34,7 @@ class Graph(NamedTuple):
     rows: tuple           # per row, (its command type, its fields after seq): a replay's commands are
                           # built from these with one tuple.__new__ each (NamedTuple._replace costs ~1 us)
     edges: frozenset      # inputs, outputs and scratch: ids a replay sets aside if they are bound
-    program: object = None   # the rows as one function (straight_line.StraightLine), where they all qualify
+    plan: tuple | None = None   # its steps: runs of plain rows as functions, other rows alone (straight_line.py)
 
 
 def define(command: wire.DefineGraph) -> Graph:
@@ -66,8 +67,23 @@ def replay_commands(graph: Graph, run: wire.RunGraph) -> list:
     for i in graph.random:
         commands[i] = _shift_random(commands[i], run.seed, run.random_shift)
     for i, shift in zip(graph.steps, run.step_shifts):
-        commands[i] = commands[i]._replace(steps=tuple(s + shift for s in commands[i].steps))
+        commands[i] = _shift_steps(commands[i], shift)
     return commands
+
+
+def replay_command(graph: Graph, run: wire.RunGraph, i: int):
+    """Row i alone as a command of this replay, as replay_commands makes it."""
+    kind, fields = graph.rows[i]
+    command = tuple.__new__(kind, (run.seq + i,) + fields)
+    if i in graph.random:
+        return _shift_random(command, run.seed, run.random_shift)
+    if i in graph.steps:
+        return _shift_steps(command, run.step_shifts[graph.steps.index(i)])
+    return command
+
+
+def _shift_steps(command: wire.OptimizerStep, shift: int) -> wire.OptimizerStep:
+    return command._replace(steps=tuple(s + shift for s in command.steps))
 
 
 def _shift_random(command, seed: int, shift: int):
@@ -126,33 +142,40 @@ class Bindings:
 _NONE = object()
 
 
-def _run_program(graph: Graph, run: wire.RunGraph, tensors: dict, execute, fail) -> None:
-    """The program; if a row raises, what the rows before it made goes into the table, that row
-    fails as a command would, and the rows after it run one by one (straight_line.py)."""
-    stopped = graph.program.run(tensors)
-    if stopped is None:
-        return
-    row, error, made = stopped
-    commands = replay_commands(graph, run)
-    if row >= 0:   # (else an input is missing: nothing ran, and the per-command path words why)
+def _run_plan(graph: Graph, run: wire.RunGraph, tensors: dict, execute, fail, straight) -> None:
+    """Each step in turn: a row through `execute`, a run of rows as its function while
+    `straight()` allows. If a function's row raises, what the rows before it made goes into the
+    table, that row fails as a command would, and every row after it runs one by one."""
+    one_by_one = lambda rows: [execute(replay_command(graph, run, i)) for i in rows]   # noqa: E731
+    for step in graph.plan:
+        if type(step) is int:
+            execute(replay_command(graph, run, step))
+            continue
+        stopped = step.run(tensors) if straight() else (straight_line.LOADING, None, None)
+        if stopped is None:
+            continue
+        row, error, made = stopped
+        if row == straight_line.LOADING:   # not run: an input is missing (the per-command path words why)
+            one_by_one(step.rows)
+            continue
         tensors.update(made)
-        fail(commands[row], error)
-    for command in commands[row + 1:]:
-        execute(command)
+        fail(replay_command(graph, run, row), error)
+        one_by_one(range(row + 1, len(graph.rows)))
+        return
 
 
-def replay(graph: Graph, run: wire.RunGraph, tables: tuple, execute, fail, straight: bool) -> None:
-    """Run one replay: as graph.program where `straight` and the graph has one, else row by row
-    through `execute` (the worker's own per-command path: its errors, poison and profiling apply
-    to each row as to any command). `fail(command, error)` is the worker's handling of a command
-    that raised (for a row of the program)."""
+def replay(graph: Graph, run: wire.RunGraph, tables: tuple, execute, fail, straight) -> None:
+    """Run one replay: by graph.plan where the graph has one, else row by row through `execute`
+    (the worker's own per-command path: its errors, poison and profiling apply to each row as to
+    any command). `fail(command, error)` is the worker's handling of a command that raised (for
+    a row of a run's function); `straight()` says whether a run may take its function now."""
     _check(graph, run)
     bindings = Bindings(tables)
     bindings.set_aside_ids(graph.edges.difference(run.input_ids))
     for captured, given in zip(graph.inputs, run.input_ids):
         bindings.copy(given, captured)
-    if straight and graph.program is not None:
-        _run_program(graph, run, tables[0], execute, fail)
+    if graph.plan is not None:
+        _run_plan(graph, run, tables[0], execute, fail, straight)
     else:
         for command in replay_commands(graph, run):
             execute(command)

@@ -1,22 +1,26 @@
-"""A compiled graph of plain ops as one generated Python function: each row a line that calls its
-kernel on local variables, so a replay pays for the ops and little else.
+"""A compiled graph's runs of plain ops as generated Python functions: each row a line that calls
+its kernel on local variables, so a replay pays for the ops and little else.
 
 A replay through the worker's per-command path builds each row's command, finds its inputs in the
-id table, runs the kernel and stores the result back in the table: about 2 us of Python per row,
-as much as a small op itself. Here a row is one line, `t12 = k_mul(t11, 1.0001)`, its tensors
-local variables and a Free row a `del`; the ids the rows read before making them are loaded from
-the table first, and the ids still alive at the end are stored back, except scratch, which the
-replay would drop. The table then holds exactly what running the rows one by one leaves in it.
+id table, runs the kernel and stores the result back in the table: about 3 us of Python per row,
+as much as a small op itself. Here a row is one line, `t12 = mul_4(t11, 1.0001)`, its tensors
+local variables and a Free row a `del`; the ids a run reads before making them are loaded from the
+table first, and the ids still alive at its end are stored back (at the graph's end, except
+scratch, which the replay drops). The table then holds exactly what running the rows one by one
+leaves in it.
 
-Only graphs whose every row is a plain op or a Free qualify (`plain_row`: tensors and scalars in,
-no grad, no peers, no slicing, nothing random, on a mesh that holds this rank); any other graph
-replays row by row. A replay takes this path only when no communication is in flight.
+A graph's plan (`build`) is its rows in order, each run of plain rows (`plain_row`: tensors,
+scalars, dtypes and containers of them in, this rank's block where a rule asks for it, no grad,
+no peers, no slicing, nothing random, on a mesh that holds this rank) as one function, and every
+other row (a collective, a random or optimizer row, a Free of what the run did not make) as
+itself, for the worker's per-command path. A run takes its function only when no communication
+is in flight and the profiler is off; else its rows go one by one.
 
 A row that raises stops the function. Its line names the row, and the function's frame (kept by
 the traceback) holds what the rows before it made: those go into the table, the failing row
 poisons its outputs and is reported under its own seq, and the rows after it run on the per-command
 path, which spreads the poison as in eager. A missing input (freed, or poisoned) raises before
-any row runs, and the whole replay goes row by row, which words that error."""
+any row of the run starts, and the run goes row by row, which words that error."""
 from __future__ import annotations
 
 import linecache
@@ -25,21 +29,26 @@ import re
 
 import torch
 
+from ..distributed_spec import ShardRegion
 from . import protocol as wire
 from .protocol import TensorRef
 
-__all__ = ["StraightLine", "build", "plain_row"]
+__all__ = ["StraightLine", "build", "plain_row", "LOADING"]
 
-_PLAIN = (TensorRef, int, float, bool, str, type(None), torch.dtype)
+_PLAIN = (TensorRef, int, float, bool, str, type(None), torch.dtype, ShardRegion)
+_LITERALS = (int, bool, str, type(None))   # and finite floats: repr round-trips them exactly
+MIN_ROWS = 2   # a run of fewer op rows goes through the per-command path, which runs one as fast
 _NOT_IN_NAMES = re.compile(r"\W")
 LOADING = -1   # the row index of the lines that load inputs from the table
 
 
 def plain_row(command, peer_kernels) -> bool:
     """A RunOp whose kernel can be called with its inputs as the per-command path would pass them:
-    tensors, scalars, dtypes, and tuples or lists of those; nothing rank-local to place."""
+    tensors, scalars, dtypes, tuples or lists of those, and this rank's block (a ShardRegion)
+    where the rule put one in the kwargs or inside a container."""
     return (type(command) is wire.RunOp and not command.grad and not command.input_steps
-            and command.kernel not in peer_kernels and all(map(_plain_value, command.args))
+            and command.kernel not in peer_kernels
+            and all(type(a) is not ShardRegion and _plain_value(a) for a in command.args)
             and all(type(key) is str and key.isidentifier() and _plain_value(value)
                     for key, value in command.kwargs.items()))
 
@@ -51,10 +60,10 @@ def _plain_value(value) -> bool:
 
 
 class StraightLine:
-    """One graph's rows as a function of the worker's tensor table."""
+    """A run of a graph's rows (first to stop - 1) as a function of the worker's tensor table."""
 
-    def __init__(self, source: str, namespace: dict, name: str, row_of_line: list):
-        self.source, self.name, self.row_of_line = source, name, row_of_line
+    def __init__(self, source: str, namespace: dict, name: str, row_of_line: list, rows: range):
+        self.source, self.name, self.row_of_line, self.rows = source, name, row_of_line, rows
         exec(compile(source, name, "exec"), namespace)   # noqa: S102 -- source built here from ids and names
         self.function = namespace["replay"]
         # so that a row's error report (its traceback) quotes the row's line
@@ -65,7 +74,7 @@ class StraightLine:
         linecache.cache.pop(self.name, None)
 
     def run(self, tensors: dict) -> tuple[int, Exception, dict] | None:
-        """Run every row; None when all ran. Otherwise (the failing row, its error, the values
+        """Run the rows; None when all ran. Otherwise (the failing row, its error, the values
         the rows before it left: id -> tensor), or (LOADING, KeyError, {}) if an input is missing."""
         try:
             self.function(tensors)
@@ -87,41 +96,71 @@ def _generated_frame(traceback, name: str):
     return found.tb_frame, found.tb_lineno
 
 
-def build(graph_id: int, commands: list, scratch: tuple, kernels: dict, is_plain, is_member) -> StraightLine | None:
-    """The function for these rows, or None if a row does not qualify (then the graph replays row
-    by row). `is_plain(command)` and `is_member(mesh_id)` are the worker's own tests."""
-    writer = _Writer(kernels)
+def build(graph_id: int, commands: list, scratch: tuple, random: frozenset, kernels: dict, is_plain,
+          locate) -> tuple | None:
+    """The graph's plan: its steps in row order, each a StraightLine (a run of plain rows) or a row
+    index (a row for the per-command path); None if no run qualifies. `random`: the rows each
+    replay shifts (they go alone); `is_plain(command)`: the worker's test; `locate(mesh_id)`: its
+    placer of a ShardRegion on that mesh (None off it)."""
+    steps, writer = [], None
     for index, command in enumerate(commands):
-        if type(command) is wire.Free:
-            written = writer.free(index, command.ids)
-        elif is_plain(command) and is_member(command.mesh_id):
-            written = writer.call(index, command)
-        else:
-            written = False
-        if not written:
-            return None
-    return writer.finish(f"<dtorch graph {graph_id}>", set(scratch))
+        if writer is not None and writer.take(index, command):
+            continue
+        _close(writer, steps, graph_id, None)
+        writer = _Writer(kernels, is_plain, locate, random, index)
+        if not writer.take(index, command):
+            steps.append(index)
+            writer = None
+    _close(writer, steps, graph_id, set(scratch))
+    return tuple(steps) if any(type(step) is StraightLine for step in steps) else None
+
+
+def _close(writer, steps: list, graph_id: int, scratch: set | None) -> None:
+    """End a run: its function, or its rows one by one if it holds too few ops. `scratch`: the
+    ids not to store (at the graph's end only: a later row may read any id a run made)."""
+    if writer is None:
+        return
+    if writer.ops < MIN_ROWS:
+        steps.extend(writer.rows)
+    else:
+        steps.append(writer.finish(f"<dtorch graph {graph_id}, rows {writer.rows.start}-{writer.rows.stop - 1}>",
+                                   scratch or set()))
 
 
 class _Writer:
-    """The function's lines, as rows are added in order."""
+    """A run's lines, as rows are added in order."""
 
-    def __init__(self, kernels: dict):
-        self.kernels = kernels
+    def __init__(self, kernels: dict, is_plain, locate, random: frozenset, first: int):
+        self.kernels, self.is_plain, self.locate, self.random = kernels, is_plain, locate, random
+        self.rows = range(first, first)
+        self.ops = 0
         self.loads: list = []      # ids read before any row made them, in first-use order
+        self.loaded: set = set()
         self.alive: set = set()    # ids whose local variable holds a value now
         self.made: set = set()     # ids some row assigned
         self.body: list = []       # (row index, line)
         self.namespace: dict = {"_first": _first, "_outputs": _outputs, "_Tensor": torch.Tensor}
 
-    def free(self, index: int, ids: tuple) -> bool:
-        if not all(i in self.alive and i in self.made and i not in self.loads for i in ids):
-            return False   # it frees an id the table held before the rows (or twice): row by row
+    def take(self, index: int, command) -> bool:
+        """Add the row and say True, or False if it cannot join this run."""
+        if type(command) is wire.Free:
+            taken = self._free(index, command.ids)
+        else:
+            plain = index not in self.random and self.is_plain(command)
+            place = self.locate(command.mesh_id) if plain else None
+            taken = place is not None and self._call(index, command, place)
+        if taken:
+            self.rows = range(self.rows.start, index + 1)
+        return taken
+
+    def _free(self, index: int, ids: tuple) -> bool:
+        if not all(i in self.alive and i in self.made and i not in self.loaded for i in ids):
+            return False   # it frees an id the table held before the run (or twice): the table's own Free
         self.alive.difference_update(ids)
         self.body.append((index, "del " + ", ".join(f"t{i}" for i in ids)))
         return True
 
-    def call(self, index: int, command: wire.RunOp) -> bool:
+    def _call(self, index: int, command: wire.RunOp, place) -> bool:
         if any(i in self.made and i not in self.alive for i in _ids_in((command.args, command.kwargs.values()))):
             return False   # it reads an id a row made and freed: row by row, which words the error
         kernel = self.kernels.get(command.kernel)
@@ -129,8 +168,8 @@ class _Writer:
             return False
         name = f"{_NOT_IN_NAMES.sub('_', command.kernel)}_{index}"   # as a traceback quotes the line: sum_4(...)
         self.namespace[name] = kernel
-        arguments = [self._source(a) for a in command.args]
-        arguments += [f"{key}={self._source(value)}" for key, value in command.kwargs.items()]
+        arguments = [self._source(a, place) for a in command.args]
+        arguments += [f"{key}={self._source(value, place)}" for key, value in command.kwargs.items()]
         call = f"{name}({', '.join(arguments)})"
         outs = [f"t{i}" for i in command.out_ids]
         if len(outs) == 1:   # a kernel's tuple result with one id keeps its first item, as Worker._store does
@@ -140,20 +179,33 @@ class _Writer:
             self.body.append((index, f"{', '.join(outs)} = _outputs({call}, {len(outs)})"))
         self.alive.update(command.out_ids)
         self.made.update(command.out_ids)
+        self.ops += 1
         return True
 
-    def _source(self, value) -> str:
+    def _source(self, value, place) -> str:
         """An argument as source. A tuple or list becomes a list display, built anew per call, as
-        the per-command path rebuilds containers (as lists) around the tensors it finds."""
+        the per-command path rebuilds containers (as lists) around the tensors it finds; a
+        ShardRegion becomes this rank's block, as the per-command path places it."""
         if type(value) in (tuple, list):
-            return "[" + ", ".join(map(self._source, value)) + "]"
+            return "[" + ", ".join(self._source(v, place) for v in value) + "]"
         if type(value) is TensorRef:
-            if value.id not in self.made and value.id not in self.loads:
+            if value.id not in self.made and value.id not in self.loaded:
                 self.loads.append(value.id)
+                self.loaded.add(value.id)
                 self.alive.add(value.id)
             return f"t{value.id}"
-        if type(value) in (int, bool, str, type(None)) or (type(value) is float and math.isfinite(value)):
-            return repr(value)   # the literal: repr round-trips these exactly
+        if type(value) is ShardRegion:
+            return self._exact(place(value))
+        return self._exact(value)
+
+    def _exact(self, value) -> str:
+        """A value as source that builds an equal one, tuples as tuples (a placed block)."""
+        if type(value) is tuple:
+            return "(" + "".join(self._exact(v) + ", " for v in value) + ")"
+        if type(value) is list:
+            return "[" + ", ".join(map(self._exact, value)) + "]"
+        if type(value) in _LITERALS or (type(value) is float and math.isfinite(value)):
+            return repr(value)
         name = f"c{len(self.namespace)}"   # a dtype, an inf or a nan: a name bound to it
         self.namespace[name] = value
         return name
@@ -171,7 +223,7 @@ class _Writer:
         for tensor_id in stored:
             lines.append(f"    tensors[{tensor_id}] = t{tensor_id}")
             row_of_line.append(self.body[-1][0])   # (a store cannot raise)
-        return StraightLine("\n".join(lines) + "\n", self.namespace, name, row_of_line)
+        return StraightLine("\n".join(lines) + "\n", self.namespace, name, row_of_line, self.rows)
 
 
 def _ids_in(value):

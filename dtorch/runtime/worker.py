@@ -491,11 +491,17 @@ class Worker:
 
     def handle_define_graph(self, command: wire.DefineGraph) -> None:
         graph = graphs.define(command)
-        if not (graph.random or graph.steps):
-            graph = graph._replace(program=straight_line.build(
-                command.graph_id, graph.commands, graph.scratch, KERNELS,
-                lambda row: straight_line.plain_row(row, PEER_KERNELS), lambda mesh_id: self._member(mesh_id) is not None))
-        self.graphs[command.graph_id] = graph
+        plan = straight_line.build(command.graph_id, graph.commands, graph.scratch, graph.random, KERNELS,
+                                   lambda row: straight_line.plain_row(row, PEER_KERNELS), self._region_placer)
+        self.graphs[command.graph_id] = graph._replace(plan=plan)
+
+    def _region_placer(self, mesh_id: int):
+        """How this rank places a ShardRegion on the mesh (its block), or None off the mesh."""
+        mesh = self._member(mesh_id)
+        if mesh is None:
+            return None
+        coordinate = mesh.coordinate_of(self.rank)
+        return lambda region: region.at(mesh, coordinate)
 
     def handle_run_graph(self, command: wire.RunGraph) -> None:
         """Each row runs as a command of its own (seq + i): its failure poisons its outputs and
@@ -507,12 +513,14 @@ class Worker:
             raise KeyError(f"compiled graph {command.graph_id} is not on rank {self.rank} (dropped, or this "
                            "process replaced a lost worker after the graph was defined)")
         graphs.replay(graph, command, (self.tensors, self.poisoned, self.in_flight), self._run_command, self._failed,
-                      straight=self.profiler is None and not self.in_flight)
+                      straight=lambda: self.profiler is None and not self.in_flight)
 
     def handle_drop_graph(self, command: wire.DropGraph) -> None:
         graph = self.graphs.pop(command.graph_id, None)
-        if graph is not None and graph.program is not None:
-            graph.program.forget()
+        if graph is not None and graph.plan is not None:
+            for step in graph.plan:
+                if type(step) is not int:
+                    step.forget()
 
     def handle_sync(self, command: wire.Sync) -> None:
         """Reply once the device has run everything before this command (at once on CPU)."""
