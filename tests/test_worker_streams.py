@@ -42,6 +42,9 @@ class LoggingDevice(CpuDevice):
         self.log.append(("to_host",))
         return super().to_host(tensor)
 
+    def small_bytes(self, tensor):
+        return None   # as on CUDA: every read goes through to_host
+
 
 class Replies:
     def __init__(self):
@@ -123,3 +126,39 @@ def test_freed_and_failed_tensors_leave_no_event_behind(worker):
     redistribute(worker, 3, 99, (Partial(),), (Replicate(),))        # no tensor 99: fails
     assert 3 in worker.poisoned and not worker.in_flight
     assert worker.sockets.sent[-1][1] == wire.Kind.ERROR
+
+
+class FrameLog:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, frames):
+        self.sent.append(frames)
+
+
+@pytest.mark.parametrize("tensor, at_once", [
+    (torch.arange(6.0), True),
+    (torch.tensor(3, dtype=torch.int64), True),                    # 0-dim
+    (torch.arange(12.0).reshape(3, 4).t(), True),                  # not contiguous: bytes in row-major order
+    (torch.ones(3, dtype=torch.bool), True),
+    (torch.arange(4.0).to(torch.bfloat16), False),                 # numpy lacks bfloat16
+    (torch.arange(20_000.0), False),                               # 80 KB: a snapshot that leaves zero-copy
+])
+def test_a_cpu_read_of_a_small_tensor_sends_its_bytes_at_once(tensor, at_once):
+    logged = []
+
+    class Device(CpuDevice):
+        def to_host(self, t):
+            logged.append("to_host")
+            return super().to_host(t)
+
+    replies = FrameLog()
+    worker = Worker(0, replies, None, Device(), start_seq=0)
+    worker._execute(wire.DefineMesh(0, 0, "cpu", (1,), (0,)))
+    worker.tensors[5] = tensor
+    worker._execute(wire.Fetch(1, 5, 0, (0,)))
+    (frames,) = replies.sent
+    assert wire.read_header(frames[0])[1] == wire.Kind.REPLY
+    expected = tensor.contiguous().view(-1).view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
+    assert bytes(frames[1]) == bytes(expected.numpy())
+    assert logged == ([] if at_once else ["to_host"])

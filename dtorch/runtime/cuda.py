@@ -83,6 +83,10 @@ class CudaDevice:
             copied.record(self.compute_stream)
         return HostCopy(pinned, copied)
 
+    def small_bytes(self, tensor: torch.Tensor) -> None:
+        """Never: a read waits for its device-to-host copy without stalling the loop (to_host)."""
+        return None
+
     def from_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Pinned staging (the caller's buffer may go at once), then an asynchronous upload. The
         caching host allocator keeps the staging block until the copy's stream passes it."""

@@ -20,6 +20,10 @@ from .host_copy import HostCopy
 
 __all__ = ["CpuDevice", "make_device"]
 
+SMALL_READ_BYTES = 1 << 16   # pyzmq copies a frame this small anyway (its zero-copy threshold)
+_NUMPY_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+                           torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool))
+
 
 class CpuDevice:
     kind = "cpu"
@@ -50,6 +54,15 @@ class CpuDevice:
         """A snapshot, as on CUDA: the reply's bytes leave zero-copy on zmq's thread while this
         worker runs on, and an in-place update (an optimizer step) must not reach them."""
         return HostCopy(tensor.clone(memory_format=torch.contiguous_format))
+
+    def small_bytes(self, tensor: torch.Tensor) -> bytes | None:
+        """A small tensor's bytes, copied now, so that a read sends them at once: one numpy copy
+        instead of a clone and a frame view (7 torch calls, ~8 us of a read's worker time hot,
+        several times that on a machine that just woke). None for a large tensor, which leaves
+        zero-copy from a snapshot (to_host), or a dtype numpy lacks (bfloat16)."""
+        if tensor.dtype not in _NUMPY_DTYPES or tensor.numel() * tensor.element_size() > SMALL_READ_BYTES:
+            return None
+        return tensor.detach().numpy().tobytes()
 
     def from_host(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone()

@@ -456,11 +456,14 @@ class Worker:
         elif command.tensor_id not in self.tensors:
             status, frames = ("missing", -1), []
         elif self.rank in command.senders:
-            # The reply leaves when the device-to-host copy is done, without stalling this loop.
-            self.outgoing.append((self.device.to_host(self._tensor(command.tensor_id)),
-                                  wire.Reply(command.seq, self.rank, "ok", -1)))
-            self._send_ready()
-            return
+            tensor = self._tensor(command.tensor_id)
+            small = None if self.outgoing else self.device.small_bytes(tensor)   # (replies leave in order)
+            if small is None:
+                # The reply leaves when the device-to-host copy is done, without stalling this loop.
+                self.outgoing.append((self.device.to_host(tensor), wire.Reply(command.seq, self.rank, "ok", -1)))
+                self._send_ready()
+                return
+            status, frames = ("ok", -1), [small]
         else:
             status, frames = ("ok", -1), []
         self.sockets.send([wire.encode(wire.Reply(command.seq, self.rank, *status))] + frames)
