@@ -293,3 +293,22 @@ def test_rows_with_tensor_lists_dtypes_and_infinite_scalars_run_as_the_program_a
     assert torch.equal(worker.tensors[20], joined_.sum(dtype=torch.float64))
     torch.testing.assert_close(worker.tensors[21], joined_ * float("inf"), rtol=0, atol=0, equal_nan=True)  # 0 * inf
     assert replies.sent == []
+
+
+def test_while_a_function_runs_the_heartbeat_names_its_first_row(monkeypatch):
+    """After a lone row, which clears busy_seq when done, a run's function still counts as busy
+    (a hang inside it is found and named)."""
+    from dtorch.ops import KERNELS
+    seen = []
+    worker, _ = fresh_worker(torch.zeros(1))
+    monkeypatch.setitem(KERNELS, "probe", lambda x: (seen.append(worker.busy_seq), x * 1)[1])
+    x, a, b, c, d, e = (TensorId(CAPTURED + i) for i in range(6))
+    rows = (run_op(0, a, "mul", x, 2), run_op(1, b, "add", a, 1), run_op(2, c, "mul", b, 3)._replace(grad=True),
+            run_op(3, d, "mul", c, 2), run_op(4, e, "probe", d))
+    graph = define(worker, tuple(wire.command_row(r) for r in rows), (x,), (e,), (a, b, c, d))
+    assert runs(graph) == [(0, 2), 2, (3, 5)]
+    worker.tensors[INDEX] = torch.ones(2)
+    seq = worker.next_seq
+    deliver(worker, lambda s: [wire.RunGraph(s, 8, len(rows), (INDEX,), (20,), 0, 0, (), 1)])
+    assert seen == [seq + 3] and worker.busy_seq == -1
+    assert torch.equal(worker.tensors[20], torch.full((2,), 18.0))

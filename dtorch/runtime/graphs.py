@@ -143,15 +143,15 @@ _NONE = object()
 
 
 def _run_plan(graph: Graph, run: wire.RunGraph, tensors: dict, execute, fail, straight) -> None:
-    """Each step in turn: a row through `execute`, a run of rows as its function while
-    `straight()` allows. If a function's row raises, what the rows before it made goes into the
+    """Each step in turn: a row through `execute`, a run of rows as its function where
+    `straight(seq of its first row)` allows. If a function's row raises, what the rows before it made goes into the
     table, that row fails as a command would, and every row after it runs one by one."""
     one_by_one = lambda rows: [execute(replay_command(graph, run, i)) for i in rows]   # noqa: E731
     for step in graph.plan:
         if type(step) is int:
             execute(replay_command(graph, run, step))
             continue
-        stopped = step.run(tensors) if straight() else (straight_line.LOADING, None, None)
+        stopped = step.run(tensors) if straight(run.seq + step.rows.start) else (straight_line.LOADING, None, None)
         if stopped is None:
             continue
         row, error, made = stopped
@@ -168,7 +168,8 @@ def replay(graph: Graph, run: wire.RunGraph, tables: tuple, execute, fail, strai
     """Run one replay: by graph.plan where the graph has one, else row by row through `execute`
     (the worker's own per-command path: its errors, poison and profiling apply to each row as to
     any command). `fail(command, error)` is the worker's handling of a command that raised (for
-    a row of a run's function); `straight()` says whether a run may take its function now."""
+    a row of a run's function); `straight(seq)` says whether a run starting at that seq may take
+    its function now."""
     _check(graph, run)
     bindings = Bindings(tables)
     bindings.set_aside_ids(graph.edges.difference(run.input_ids))

@@ -516,7 +516,17 @@ class Worker:
             raise KeyError(f"compiled graph {command.graph_id} is not on rank {self.rank} (dropped, or this "
                            "process replaced a lost worker after the graph was defined)")
         graphs.replay(graph, command, (self.tensors, self.poisoned, self.in_flight), self._run_command, self._failed,
-                      straight=lambda: self.profiler is None and not self.in_flight)
+                      self._may_run_straight)
+
+    def _may_run_straight(self, first_seq: int) -> bool:
+        """Whether a replay's run of plain rows may run as its function now (graphs.py): not while
+        the profiler records each row, nor with communication in flight, whose results a row
+        would have to wait for. While it runs, the heartbeat names its first row (the rows
+        before it, run alone, each cleared busy_seq when done)."""
+        if self.profiler is not None or self.in_flight:
+            return False
+        self.busy_seq = first_seq
+        return True
 
     def handle_drop_graph(self, command: wire.DropGraph) -> None:
         graph = self.graphs.pop(command.graph_id, None)
