@@ -3,6 +3,8 @@ DDP, wall time and CPU time (user, system) per step of every process, from /proc
 
     python -m benchmarks.dp_step_cpu            # ~30 s on a quiet 2-core machine
     python -m benchmarks.dp_step_cpu --steps 2  # does it run? (the tests)
+    python -m benchmarks.dp_step_cpu --glibc-defaults   # every process with glibc's own malloc
+                                                # settings instead of benchmark 10's (below)
 
 Rows:
   dtorch dp4                 loss.backward() reduces the gradients inside the backward (buckets)
@@ -142,10 +144,13 @@ def main() -> None:
     global STEPS, WARMUP
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per row")
-    STEPS = parser.parse_args().steps
+    parser.add_argument("--glibc-defaults", action="store_true",
+                        help="start every process without benchmark 10's MALLOC_MMAP_THRESHOLD_")
+    options = parser.parse_args()
+    STEPS = options.steps
     WARMUP = min(WARMUP, STEPS)
     fields = _fields()
-    with returned_buffers():
+    with contextlib.nullcontext() if options.glibc_defaults else returned_buffers():
         ours = _dtorch(fields)
         ddp = {fused: run_ranks(_ddp_rank, 4, (fields, fused), 600) for fused in (False, True)}
         (cat,) = run_ranks(_cat_rank, 1, (), 120)
