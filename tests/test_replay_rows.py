@@ -181,7 +181,7 @@ def test_a_row_failing_after_others_keeps_what_they_made_for_the_rows_after_it(p
     (report,) = replies.reports()
     assert (report.seq, report.op, report.exception_type) == (seq + 4, "sum", "IndexError")
     if path == "program":   # the traceback quotes the generated row
-        assert "t104 = sum_4(t103, dim=[5])" in report.traceback
+        assert "t104 = k_sum_4(t103, dim=[5])" in report.traceback
     assert worker.poisoned == {20: seq + 4}
     assert torch.equal(worker.tensors[21], torch.add(table.index_select(0, index) * 2, 1, alpha=3))
     assert set(worker.tensors) == {TABLE, INDEX, 21}   # the scratch dropped, as after a clean replay
@@ -205,6 +205,9 @@ def runs(graph) -> list:
     ("it is not an op", wire.Redistribute(2, CAPTURED + 9, CAPTURED + 2, 0, (1,), "float32", REPLICATE, ()), ()),
     ("its mesh does not hold this rank", run_op(2, CAPTURED + 9, "mul", TensorId(CAPTURED + 2), 2)._replace(mesh_id=3), ()),
     ("it takes a dict", run_op(2, CAPTURED + 9, "mul", TensorId(CAPTURED + 2), {"a": 1}), ()),
+    ("a kwarg is named like a Python keyword",
+     run_op(2, CAPTURED + 9, "mul", TensorId(CAPTURED + 2), 2, kwargs={"lambda": 1}), ()),
+    ("it frees nothing", wire.Free(2, ()), ()),
     ("it takes a block as a positional argument",
      run_op(2, CAPTURED + 9, "narrow_region", TensorId(CAPTURED + 2), ShardRegion((4,), REPLICATE)), ()),
 ])
@@ -284,7 +287,7 @@ def test_rows_with_tensor_lists_dtypes_and_infinite_scalars_run_as_the_program_a
     rows = tuple(c._replace(args=tuple([wire.TensorRef(i) for i in a] if type(a) is list else a for a in c.args))
                  for c in rows)
     graph = define(worker, tuple(wire.command_row(c) for c in rows), (x, y), (total, scaled))
-    assert "cat_0([t100, t101])" in graph.plan[0].source
+    assert "k_cat_0([t100, t101])" in graph.plan[0].source
     first, second = torch.tensor([1.0, -2.0]), torch.tensor([0.0])
     worker.tensors.update({INDEX: first, INDEX + 1: second})
     deliver(worker, lambda s: [wire.RunGraph(s, 8, len(rows), (INDEX, INDEX + 1), (20, 21), 0, 0, (), 1)])
@@ -312,3 +315,19 @@ def test_while_a_function_runs_the_heartbeat_names_its_first_row(monkeypatch):
     deliver(worker, lambda s: [wire.RunGraph(s, 8, len(rows), (INDEX,), (20,), 0, 0, (), 1)])
     assert seen == [seq + 3] and worker.busy_seq == -1
     assert torch.equal(worker.tensors[20], torch.full((2,), 18.0))
+
+
+def test_a_run_python_will_not_compile_goes_row_by_row(monkeypatch):
+    """The safety net under the checks: a run whose source is refused leaves its rows alone, and
+    the graph still replays (here every row: no plan)."""
+    from dtorch.runtime import straight_line
+
+    def refuse(self, name, scratch):
+        raise SyntaxError("refused")
+    monkeypatch.setattr(straight_line._Writer, "finish", refuse)
+    table = torch.randn(5, 3)
+    worker, replies = fresh_worker(table)
+    assert worker.graphs[7].plan is None
+    index = torch.tensor([2, 0])
+    replay(worker, index, 10)
+    assert torch.equal(worker.tensors[10], expected(table, index)) and replies.sent == []

@@ -3,7 +3,7 @@ its kernel on local variables, so a replay pays for the ops and little else.
 
 A replay through the worker's per-command path builds each row's command, finds its inputs in the
 id table, runs the kernel and stores the result back in the table: about 3 us of Python per row,
-as much as a small op itself. Here a row is one line, `t12 = mul_4(t11, 1.0001)`, its tensors
+as much as a small op itself. Here a row is one line, `t12 = k_mul_4(t11, 1.0001)`, its tensors
 local variables and a Free row a `del`; the ids a run reads before making them are loaded from the
 table first, and the ids still alive at its end are stored back (at the graph's end, except
 scratch, which the replay drops). The table then holds exactly what running the rows one by one
@@ -23,6 +23,7 @@ path, which spreads the poison as in eager. A missing input (freed, or poisoned)
 any row of the run starts, and the run goes row by row, which words that error."""
 from __future__ import annotations
 
+import keyword
 import linecache
 import math
 import re
@@ -49,7 +50,7 @@ def plain_row(command, peer_kernels) -> bool:
     return (type(command) is wire.RunOp and not command.grad and not command.input_steps
             and command.kernel not in peer_kernels
             and all(type(a) is not ShardRegion and _plain_value(a) for a in command.args)
-            and all(type(key) is str and key.isidentifier() and _plain_value(value)
+            and all(type(key) is str and key.isidentifier() and not keyword.iskeyword(key) and _plain_value(value)
                     for key, value in command.kwargs.items()))
 
 
@@ -120,11 +121,17 @@ def _close(writer, steps: list, graph_id: int, scratch: set | None) -> None:
     ids not to store (at the graph's end only: a later row may read any id a run made)."""
     if writer is None:
         return
-    if writer.ops < MIN_ROWS:
+    function = None
+    if writer.ops >= MIN_ROWS:
+        try:
+            function = writer.finish(f"<dtorch graph {graph_id}, rows {writer.rows.start}-{writer.rows.stop - 1}>",
+                                     scratch or set())
+        except SyntaxError:   # a name the checks let through that Python will not take: the rows alone
+            function = None
+    if function is None:
         steps.extend(writer.rows)
     else:
-        steps.append(writer.finish(f"<dtorch graph {graph_id}, rows {writer.rows.start}-{writer.rows.stop - 1}>",
-                                   scratch or set()))
+        steps.append(function)
 
 
 class _Writer:
@@ -154,7 +161,7 @@ class _Writer:
         return taken
 
     def _free(self, index: int, ids: tuple) -> bool:
-        if not all(i in self.alive and i in self.made and i not in self.loaded for i in ids):
+        if not ids or not all(i in self.alive and i in self.made and i not in self.loaded for i in ids):
             return False   # it frees an id the table held before the run (or twice): the table's own Free
         self.alive.difference_update(ids)
         self.body.append((index, "del " + ", ".join(f"t{i}" for i in ids)))
@@ -166,7 +173,7 @@ class _Writer:
         kernel = self.kernels.get(command.kernel)
         if kernel is None:
             return False
-        name = f"{_NOT_IN_NAMES.sub('_', command.kernel)}_{index}"   # as a traceback quotes the line: sum_4(...)
+        name = f"k_{_NOT_IN_NAMES.sub('_', command.kernel)}_{index}"   # as a traceback quotes the line: k_sum_4(...)
         self.namespace[name] = kernel
         arguments = [self._source(a, place) for a in command.args]
         arguments += [f"{key}={self._source(value, place)}" for key, value in command.kwargs.items()]
