@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import BENCHMARKS, dtorch_session, report
+from . import BENCHMARKS, dtorch_session, report, steal
 from .config import PRESETS
 from .timing import Row, failed
 
@@ -30,30 +30,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_selected(names: list[str], suite) -> list[Row]:
+def run_selected(names: list[str], suite, stolen: dict) -> list[Row]:
+    """The benchmarks' rows; `stolen` gets each one's host steal share (steal.Meter)."""
     rows: list[Row] = []
     try:
         for name in names:
             print(f"[benchmarks] {name} ({suite.name}) ...", file=sys.stderr, flush=True)
-            rows += _run_one(BENCHMARKS[name], suite)
+            rows += _run_one(BENCHMARKS[name], suite, stolen)
     finally:
         dtorch_session.close()
     return rows
 
 
-def _run_one(module, suite) -> list[Row]:
-    started = time.perf_counter()
+def _run_one(module, suite, stolen: dict) -> list[Row]:
+    started, meter = time.perf_counter(), steal.Meter()
     try:
         rows = module.run(suite)
     except Exception as error:  # noqa: BLE001 -- one broken benchmark must not hide the others
         rows = [failed(module.NAME, "-", "-", "-", error)]
-    print(f"[benchmarks] {module.NAME} took {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    stolen[module.NAME] = meter.share()
+    print(f"[benchmarks] {module.NAME} took {time.perf_counter() - started:.1f} s, "
+          f"{steal.describe(stolen[module.NAME])}", file=sys.stderr, flush=True)
     return rows
 
 
 def write_outputs(rows: list[Row], meta: dict, args) -> None:
     titles = {name: module.TITLE for name, module in BENCHMARKS.items()}
-    print(report.text_table(rows, titles))
+    print(report.text_table(rows, titles, meta["steal"]))
     args.out.mkdir(parents=True, exist_ok=True)
     report.write_json(rows, meta, args.out / "latest.json")
     markdown = report.markdown_report(rows, titles, meta)
@@ -82,9 +85,9 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = parse_args(argv)
     suite = PRESETS["full" if args.full else "smoke" if args.smoke else "quick"]
-    started, load_before = time.time(), _load()
-    rows = run_selected(args.only or list(BENCHMARKS), suite)
-    meta = {"command": " ".join(["python -m benchmarks", *argv]), "suite": suite.name,
+    started, load_before, stolen = time.time(), _load(), {}
+    rows = run_selected(args.only or list(BENCHMARKS), suite, stolen)
+    meta = {"steal": stolen, "command": " ".join(["python -m benchmarks", *argv]), "suite": suite.name,
             "date": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
             "duration_s": time.time() - started,
             "machine": dict(report.machine_info(), load=f"{load_before} before, {_load()} after")}

@@ -20,6 +20,9 @@ Rows:
   torch.cat into a new / a kept buffer   the bucket flattening's cost in a process started with
                              the benchmarks' malloc setting (a fresh 14 MiB buffer pays its page faults)
 
+Each row ends with the host's steal over its steps (benchmarks/steal.py): on a shared VM a row
+with steal is slow for reasons outside the machine, and rows compare only at similar steal.
+
 Every process starts with MALLOC_MMAP_THRESHOLD_ as in benchmark 10 (process_memory.py). On a
 2-core machine the step is bound by the CPU of all processes together: compare the sums.
 """
@@ -35,6 +38,7 @@ from .config import QUICK
 from .llama_forward import config_fields
 from .local_ranks import run_ranks
 from .process_memory import returned_buffers, stat_fields
+from .steal import Meter, describe
 from .train_baselines import _batch, _ddp
 
 STEPS = 10
@@ -90,12 +94,12 @@ def _dtorch(fields: dict) -> dict:
             step(variant)
         rows = {}
         for variant in variants[:3] * 2 + variants[3:]:   # alternated; the kept graphs last, once
-            before = [cpu_seconds(pid) for pid in pids] + [cpu_seconds()]
+            before, meter = [cpu_seconds(pid) for pid in pids] + [cpu_seconds()], Meter()
             walls = sorted(step(variant) for _ in range(STEPS))
             after = [cpu_seconds(pid) for pid in pids] + [cpu_seconds()]
             kept.clear()
             name = f"dtorch dp4, {variant}" if variant else "dtorch dp4"
-            rows.setdefault(name, []).append((walls[len(walls) // 2], _per_step(before, after)))
+            rows.setdefault(name, []).append((walls[len(walls) // 2], _per_step(before, after), meter.share()))
         return rows
     finally:
         dtorch.shutdown()
@@ -114,7 +118,7 @@ def _ddp_rank(rank: int, world: int, fields: dict, fused: bool) -> dict:
     walls = []
     for index in range(WARMUP + STEPS):
         if index == WARMUP:
-            before = cpu_seconds()
+            before, meter = cpu_seconds(), Meter()
         dist.barrier()
         start = time.perf_counter()
         model(ids, labels=ids).loss.backward()
@@ -122,7 +126,8 @@ def _ddp_rank(rank: int, world: int, fields: dict, fused: bool) -> dict:
         optimizer.zero_grad()
         walls.append(time.perf_counter() - start)
     after = cpu_seconds()
-    return {"wall": sorted(walls[WARMUP:])[STEPS // 2], "cpu": _per_step([before], [after])[0]}
+    return {"wall": sorted(walls[WARMUP:])[STEPS // 2], "cpu": _per_step([before], [after])[0],
+            "steal": meter.share()}
 
 
 def _cat_rank(rank: int, world: int) -> dict:
@@ -156,15 +161,15 @@ def main() -> None:
         (cat,) = run_ranks(_cat_rank, 1, (), 120)
     print(f"{'variant':24s} {'step (median)':>14s}   CPU per step: user + system, per process (ms)")
     for name, runs in ours.items():
-        for wall, cpu in runs:
+        for wall, cpu, stolen in runs:
             workers = ", ".join(f"{u * 1e3:.0f}+{s * 1e3:.0f}" for u, s in cpu[:-1])
             controller = cpu[-1]
             print(f"{name:24s} {wall * 1e3:11.1f} ms   workers {workers}; controller "
-                  f"{controller[0] * 1e3:.0f}+{controller[1] * 1e3:.0f}")
+                  f"{controller[0] * 1e3:.0f}+{controller[1] * 1e3:.0f}; {describe(stolen)}")
     for fused, runs in ddp.items():
         ranks = ", ".join(f"{r['cpu'][0] * 1e3:.0f}+{r['cpu'][1] * 1e3:.0f}" for r in runs)
         name = "torch DDP, fused AdamW" if fused else "torch DDP, 4 procs"
-        print(f"{name:24s} {max(r['wall'] for r in runs) * 1e3:11.1f} ms   ranks {ranks}")
+        print(f"{name:24s} {max(r['wall'] for r in runs) * 1e3:11.1f} ms   ranks {ranks}; {describe(runs[0]['steal'])}")
     print(f"torch.cat of 14 MiB of gradients: into a new buffer {cat['new'] * 1e3:.2f} ms, "
           f"into a kept one {cat['kept'] * 1e3:.2f} ms")
 

@@ -13,6 +13,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
+from . import steal
 from .timing import Row
 
 __all__ = ["ratio", "format_seconds", "format_value", "text_table", "markdown_report", "write_json", "write_plot",
@@ -57,16 +58,20 @@ def _cells(row: Row, rows: list[Row]) -> list[str]:
             versus, row.note]
 
 
-def _sections(rows: list[Row], titles: dict[str, str]):
+def _sections(rows: list[Row], titles: dict[str, str], stolen: dict):
+    """(title, its rows' cells) per benchmark that has rows; the title says how much CPU time the
+    host stole while it ran (steal.py), where that was measured."""
     for name, title in titles.items():
         section = [row for row in rows if row.benchmark == name]
         if section:
+            if name in stolen:
+                title += f" ({steal.describe(stolen[name])})"
             yield title, [_cells(row, rows) for row in section]
 
 
-def text_table(rows: list[Row], titles: dict[str, str]) -> str:
+def text_table(rows: list[Row], titles: dict[str, str], stolen: dict) -> str:
     lines = []
-    for title, cells in _sections(rows, titles):
+    for title, cells in _sections(rows, titles, stolen):
         widths = [max(len(c[i]) for c in cells + [list(COLUMNS)]) for i in range(len(COLUMNS))]
         lines += ["", title, "  ".join(h.ljust(w) for h, w in zip(COLUMNS, widths)).rstrip()]
         lines += ["  ".join(c.ljust(w) for c, w in zip(cell, widths)).rstrip() for cell in cells]
@@ -77,7 +82,7 @@ def markdown_report(rows: list[Row], titles: dict[str, str], meta: dict) -> str:
     machine = meta["machine"]
     lines = [f"Command: `{meta['command']}` ({meta['suite']} suite, {meta['duration_s']:.0f} s, {meta['date']})",
              "", "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), ""]
-    for title, cells in _sections(rows, titles):
+    for title, cells in _sections(rows, titles, meta.get("steal", {})):
         lines += [f"#### {title}", "", "| " + " | ".join(COLUMNS) + " |",
                   "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(c.replace("|", "/") for c in cell) + " |" for cell in cells]

@@ -94,6 +94,8 @@ def test_every_benchmark_runs_in_smoke_mode(tmp_path):
     assert {r["benchmark"] for r in results["rows"]} == set(BENCHMARKS)
     assert all(r["samples"] for r in results["rows"] if r["status"] == "ok")
     assert (tmp_path / "latest.md").read_text().count("####") == len(BENCHMARKS)
+    assert set(results["steal"]) == set(BENCHMARKS)   # each benchmark's host steal share (or null)
+    assert "host steal" in finished.stdout
 
 
 def test_ratio_uses_the_reference_from_the_same_run():
@@ -105,6 +107,28 @@ def test_ratio_uses_the_reference_from_the_same_run():
     assert ratio(reference, [reference, measured]) is None
 
 
+def test_steal_share_is_read_from_proc_stat(tmp_path, monkeypatch):
+    """steal.Meter: stolen ticks over the ticks the VM wanted a CPU (idle and iowait excluded);
+    too few ticks give no figure rather than a rounding artefact."""
+    from benchmarks import steal
+    stat = tmp_path / "stat"
+    monkeypatch.setattr(steal, "_STAT", stat)
+
+    def write(user, system, idle, stolen):   # user nice system idle iowait irq softirq steal guest guest_nice
+        stat.write_text(f"cpu  {user} 0 {system} {idle} 5 1 1 {stolen} 0 0\ncpu0 1 2 3\n")
+    write(100, 50, 1000, 10)
+    assert steal.cpu_ticks() == (100 + 50 + 1 + 1 + 10, 10)
+    meter = steal.Meter()
+    write(160, 70, 5000, 30)     # wanted 100 more ticks (ran 80), 20 of them stolen
+    assert meter.share() == pytest.approx(0.2)
+    assert steal.describe(meter.share()) == "host steal 20%"
+    write(165, 70, 9000, 30)     # 5 ticks since the start of this meter: too few to say
+    assert steal.Meter.MIN_TICKS > 5 and steal.Meter().share() is None
+    stat.write_text("intr 1 2 3\n")
+    assert steal.cpu_ticks() is None and steal.Meter().share() is None
+    assert steal.describe(None).startswith("host steal")
+
+
 def test_the_dp_step_cpu_script_runs():
     """benchmarks.dp_step_cpu (docs/benchmarks.md quotes it) prints every row, with 2 steps each."""
     import subprocess
@@ -114,6 +138,7 @@ def test_the_dp_step_cpu_script_runs():
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     for row in ("dtorch dp4 ", "dtorch dp4, no_sync", "dtorch dp4, losses kept", "torch DDP, 4 procs", "torch.cat"):
         assert row in result.stdout, (row, result.stdout)
+    assert result.stdout.count("host steal") == 9, result.stdout   # every row of steps says its steal
 
 
 @pytest.mark.timeout(180)
