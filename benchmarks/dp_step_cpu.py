@@ -1,7 +1,8 @@
 """Where a data-parallel training step's time goes: benchmark 10's Llama on dp4, dtorch against
 DDP, wall time and CPU time (user, system) per step of every process, from /proc.
 
-    python -m benchmarks.dp_step_cpu            # ~30 s on a quiet 2-core machine
+    python -m benchmarks.dp_step_cpu            # ~1.5 min on a quiet 2-core machine
+    python -m benchmarks.dp_step_cpu --rounds 4 # more turns of every row
     python -m benchmarks.dp_step_cpu --steps 2  # does it run? (the tests)
     python -m benchmarks.dp_step_cpu --glibc-defaults   # every process with glibc's own malloc
                                                 # settings instead of benchmark 10's (below)
@@ -15,13 +16,19 @@ Rows:
                              the step's autograd graph on every worker), as benchmark 10 once did
   dtorch dp4, fused AdamW    as the first row with dtorch.optim.AdamW(fused=True): torch's fused
                              kernel on the workers (alternated with the rows above)
+  dtorch dp4, dtorch.compile step   the first row's step as one dtorch.compile'd function (benchmark
+                             10's compiled row): one command per step, so the controller's CPU
+                             per step all but vanishes; alternated with the rows above
   torch DDP, 4 procs         each rank's CPU over the same number of steps (torch's default AdamW,
                              the single-tensor path on CPU), then with fused=True
   torch.cat into a new / a kept buffer   the bucket flattening's cost in a process started with
                              the benchmarks' malloc setting (a fresh 14 MiB buffer pays its page faults)
 
-Each row ends with the host's steal over its steps (benchmarks/steal.py): on a shared VM a row
-with steal is slow for reasons outside the machine, and rows compare only at similar steal.
+Every row is measured in turns (a round: each dtorch variant, then DDP, then DDP with fused AdamW,
+STEPS steps each): DDP's 4 ranks start once and wait, blocked, while dtorch's rows run, and
+dtorch's workers wait while DDP's run. Measured one after the other instead, the two sides saw
+different machines: benchmark 10 read dp4 at 0.83x and 1.31x DDP on the same day. Each row ends
+with the host's steal over its steps (benchmarks/steal.py): rows compare only at similar steal.
 
 Every process starts with MALLOC_MMAP_THRESHOLD_ as in benchmark 10 (process_memory.py). On a
 2-core machine the step is bound by the CPU of all processes together: compare the sums.
@@ -30,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
 import os
+import threading
 import time
 from dataclasses import replace
 
@@ -43,6 +52,8 @@ from .train_baselines import _batch, _ddp
 
 STEPS = 10
 WARMUP = 3
+ROUNDS = 2
+VARIANT_NAMES = {"compiled": "dtorch.compile step"}
 
 
 def cpu_seconds(pid: int | str = "self") -> tuple[float, float]:
@@ -58,7 +69,7 @@ def _fields() -> dict:
                                  llama_seq=suite.train_seq))
 
 
-def _dtorch(fields: dict) -> dict:
+def _dtorch(fields: dict, ddp: "_DdpTurns") -> dict:
     import torch
     import transformers
     import dtorch
@@ -77,8 +88,20 @@ def _dtorch(fields: dict) -> dict:
 
         kept = []
 
+        @dtorch.compile
+        def compiled_step(uploaded):
+            loss = model(uploaded, labels=uploaded).loss
+            loss.backward()
+            default.step()
+            default.zero_grad()
+            return loss
+
         def step(variant: str) -> float:
             start = time.perf_counter()
+            if variant == "compiled":
+                compiled_step(model._upload(ids))
+                dtorch.synchronize()
+                return time.perf_counter() - start
             loss = model(ids, labels=ids).loss
             with dtorch.autograd.no_sync() if variant == "no_sync" else contextlib.nullcontext():
                 loss.backward()
@@ -89,16 +112,21 @@ def _dtorch(fields: dict) -> dict:
             if variant == "losses kept":
                 kept.append(loss)
             return time.perf_counter() - start
-        variants = ("", "no_sync", "fused AdamW", "losses kept")
-        for variant in variants[:3] * WARMUP:
+        variants = ("", "no_sync", "fused AdamW", "compiled", "losses kept")
+        for variant in variants[:4] * WARMUP:
             step(variant)
+        ddp.warm_up()
         rows = {}
-        for variant in variants[:3] * 2 + variants[3:]:   # alternated; the kept graphs last, once
+        for variant in [*variants[:4], "DDP"] * ROUNDS + [variants[4]]:   # in turns; the kept graphs last, once
+            if variant == "DDP":
+                for name, row in ddp.rows().items():
+                    rows.setdefault(name, []).append(row)
+                continue
             before, meter = [cpu_seconds(pid) for pid in pids] + [cpu_seconds()], Meter()
             walls = sorted(step(variant) for _ in range(STEPS))
             after = [cpu_seconds(pid) for pid in pids] + [cpu_seconds()]
             kept.clear()
-            name = f"dtorch dp4, {variant}" if variant else "dtorch dp4"
+            name = f"dtorch dp4, {VARIANT_NAMES.get(variant, variant)}" if variant else "dtorch dp4"
             rows.setdefault(name, []).append((walls[len(walls) // 2], _per_step(before, after), meter.share()))
         return rows
     finally:
@@ -109,25 +137,81 @@ def _per_step(before: list, after: list) -> list:
     return [((a[0] - b[0]) / STEPS, (a[1] - b[1]) / STEPS) for a, b in zip(after, before)]
 
 
-def _ddp_rank(rank: int, world: int, fields: dict, fused: bool) -> dict:
+class _DdpTurns:
+    """torch DDP on 4 Gloo processes, started once, that runs STEPS steps of each optimizer (the
+    default AdamW, then fused) when asked and waits, blocked, in between: so that DDP's rows and
+    dtorch's are measured in turns on the same machine."""
+
+    OPTIMIZERS = {"torch DDP, 4 procs": False, "torch DDP, fused AdamW": True}
+
+    def __init__(self, fields: dict) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._turns, self._done, self._failure = context.Queue(), context.Queue(), None
+        self._thread = threading.Thread(target=self._run, args=(fields,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fields: dict) -> None:
+        try:
+            run_ranks(_ddp_rank, 4, (fields, self._turns, self._done), 1800)
+        except Exception as error:  # noqa: BLE001 -- raised in the caller's thread at its next turn
+            self._failure = error
+            self._done.put(None)
+
+    def warm_up(self) -> None:
+        self._turn(WARMUP)
+
+    def rows(self) -> dict:
+        """{row name: (median wall, [(user, system) per rank], steal)} of one turn of STEPS steps each."""
+        return {name: (max(r[0] for r in ranks), [(r[1], r[2]) for r in ranks], ranks[0][3])
+                for name, ranks in zip(self.OPTIMIZERS, self._turn(STEPS))}
+
+    def _turn(self, steps: int) -> list:
+        self._turns.put(steps)
+        result = self._done.get(timeout=900)
+        if result is None:
+            raise RuntimeError(f"the DDP ranks failed: {self._failure}")
+        return result
+
+    def close(self) -> None:
+        self._turns.put(0)
+        self._thread.join(timeout=60)
+
+
+def _ddp_rank(rank: int, world: int, fields: dict, turns, done) -> None:
+    """A DDP rank that runs each optimizer's steps per turn; rank 0 takes the turns from the
+    parent and hands back every rank's [median wall, user, system, steal] per optimizer."""
     import torch
     import torch.distributed as dist
     ids = _batch(fields, QUICK.train_batch, QUICK.train_seq).chunk(world)[rank]
     model = _ddp(fields)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
-    walls = []
-    for index in range(WARMUP + STEPS):
-        if index == WARMUP:
-            before, meter = cpu_seconds(), Meter()
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+                  for fused in _DdpTurns.OPTIMIZERS.values()]
+    while True:
+        steps = torch.tensor([turns.get() if rank == 0 else 0])
+        dist.broadcast(steps, 0)
+        if steps.item() == 0:
+            return
+        measured = [_ddp_steps(model, optimizer, ids, steps.item()) for optimizer in optimizers]
+        every = [torch.zeros(len(optimizers), 4, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(every, torch.tensor(measured, dtype=torch.float64))
+        if rank == 0:
+            done.put([[every[r][k].tolist() for r in range(world)] for k in range(len(optimizers))])
+
+
+def _ddp_steps(model, optimizer, ids, steps: int) -> list:
+    """[median wall, user, system per step, host steal (-1: not measured)] of `steps` steps."""
+    import torch.distributed as dist
+    walls, before, meter = [], cpu_seconds(), Meter()
+    for _ in range(steps):
         dist.barrier()
         start = time.perf_counter()
         model(ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         walls.append(time.perf_counter() - start)
-    after = cpu_seconds()
-    return {"wall": sorted(walls[WARMUP:])[STEPS // 2], "cpu": _per_step([before], [after])[0],
-            "steal": meter.share()}
+    after, stolen = cpu_seconds(), meter.share()
+    user, system = ((a - b) / steps for a, b in zip(after, before))
+    return [sorted(walls)[steps // 2], user, system, -1.0 if stolen is None else stolen]
 
 
 def _cat_rank(rank: int, world: int) -> dict:
@@ -145,31 +229,37 @@ def _cat_rank(rank: int, world: int) -> dict:
     return timings
 
 
+def _cpu_text(cpu: list) -> str:
+    return ", ".join(f"{user * 1e3:.0f}+{system * 1e3:.0f}" for user, system in cpu)
+
+
 def main() -> None:
-    global STEPS, WARMUP
+    global STEPS, WARMUP, ROUNDS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per row")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="turns of every row but 'losses kept'")
     parser.add_argument("--glibc-defaults", action="store_true",
                         help="start every process without benchmark 10's MALLOC_MMAP_THRESHOLD_")
     options = parser.parse_args()
-    STEPS = options.steps
+    STEPS, ROUNDS = options.steps, options.rounds
     WARMUP = min(WARMUP, STEPS)
     fields = _fields()
     with contextlib.nullcontext() if options.glibc_defaults else returned_buffers():
-        ours = _dtorch(fields)
-        ddp = {fused: run_ranks(_ddp_rank, 4, (fields, fused), 600) for fused in (False, True)}
+        ddp = _DdpTurns(fields)   # (its ranks build their model while the dtorch session starts)
+        try:
+            rows = _dtorch(fields, ddp)
+        finally:
+            ddp.close()
         (cat,) = run_ranks(_cat_rank, 1, (), 120)
-    print(f"{'variant':24s} {'step (median)':>14s}   CPU per step: user + system, per process (ms)")
-    for name, runs in ours.items():
+    print(f"{'variant':32s} {'step (median)':>14s}   CPU per step: user + system, per process (ms)")
+    for name, runs in rows.items():
         for wall, cpu, stolen in runs:
-            workers = ", ".join(f"{u * 1e3:.0f}+{s * 1e3:.0f}" for u, s in cpu[:-1])
-            controller = cpu[-1]
-            print(f"{name:24s} {wall * 1e3:11.1f} ms   workers {workers}; controller "
-                  f"{controller[0] * 1e3:.0f}+{controller[1] * 1e3:.0f}; {describe(stolen)}")
-    for fused, runs in ddp.items():
-        ranks = ", ".join(f"{r['cpu'][0] * 1e3:.0f}+{r['cpu'][1] * 1e3:.0f}" for r in runs)
-        name = "torch DDP, fused AdamW" if fused else "torch DDP, 4 procs"
-        print(f"{name:24s} {max(r['wall'] for r in runs) * 1e3:11.1f} ms   ranks {ranks}; {describe(runs[0]['steal'])}")
+            if name in _DdpTurns.OPTIMIZERS:
+                processes = "ranks " + _cpu_text(cpu)
+                stolen = None if stolen < 0 else stolen
+            else:
+                processes = f"workers {_cpu_text(cpu[:-1])}; controller {_cpu_text(cpu[-1:])}"
+            print(f"{name:32s} {wall * 1e3:11.1f} ms   {processes}; {describe(stolen)}")
     print(f"torch.cat of 14 MiB of gradients: into a new buffer {cat['new'] * 1e3:.2f} ms, "
           f"into a kept one {cat['kept'] * 1e3:.2f} ms")
 

@@ -22,7 +22,9 @@ started alike, since freeing large buffers to the OS costs page faults a reused 
 the libraries, earlier layouts' leftovers) and its peak-RSS mark (VmHWM) is reset after the
 warm-up steps (the model, the optimizer state and the allocator's working set exist by then).
 The note gives, for the process with the highest peak during the timed steps, the peak and its
-split into idle + what the layout added: the second number is the one fsdp shards.
+split into idle + what the layout added: the second number is the one fsdp shards. It ends with
+the host's steal during the row's timed steps (steal.py): dtorch's rows and the peers' are timed
+at different moments of the run, so a ratio between rows whose steal differs says little.
 
 Pipeline bubble, measured: a pp worker's busy time over the timed steps is the time its main
 thread ran or was runnable (/proc/<pid>/schedstat; a worker waiting for a stage's activations or
@@ -43,6 +45,7 @@ from . import dtorch_session
 from .llama_forward import config_fields
 from .local_ranks import run_ranks
 from .process_memory import busy_seconds, peak_mib, reset_peak, returned_buffers, rss_mib
+from .steal import Meter, describe
 from .timing import Row, failed, guarded, median, not_installed, repeat, stopwatch
 from .train_baselines import TP_RANKS as TP_WORLD
 from .train_baselines import one_process, tiny_fields, train_rank
@@ -149,10 +152,10 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout) -> Row:
     _check_loss(losses[0].item(), expected_loss)
     for pid in pids:
         reset_peak(pid)
-    busy = [busy_seconds(pid) for pid in pids]
+    busy, meter = [busy_seconds(pid) for pid in pids], Meter()
     samples = repeat(once, suite.train_reps, warmup=0)
     busy = [busy_seconds(pid) - before for pid, before in zip(pids, busy)]
-    note = memory_note([peak_mib(pid) for pid in pids], idle)
+    note = memory_note([peak_mib(pid) for pid in pids], idle) + "; " + describe(meter.share())
     if layout.microbatches:
         note += "; " + _bubble_note(sum(busy) / len(samples), median(samples), len(pids), layout.microbatches)
     del once, losses
@@ -256,7 +259,7 @@ def _one_process_row(suite, fields: dict, case: str) -> Row:
     (result,) = run_ranks(one_process, 1, (fields, suite.train_batch, suite.train_seq, suite.train_reps,
                                            WARMUP_STEPS), suite.process_timeout_s)
     return Row(NAME, case, ONE_PROCESS, PER, result["samples"],
-               note=memory_note([result["peak_mib"]], [result["idle_mib"]]))
+               note=memory_note([result["peak_mib"]], [result["idle_mib"]]) + "; " + describe(result["steal"]))
 
 
 def _peer_rows(suite, fields: dict, case: str) -> dict[str, Row]:
@@ -272,5 +275,5 @@ def _peer_rows(suite, fields: dict, case: str) -> dict[str, Row]:
         ranks = [rank[key] for rank in per_rank if key in rank]
         slowest = [max(samples) for samples in zip(*(rank["samples"] for rank in ranks))]
         note = memory_note([rank["peak_mib"] for rank in ranks], [rank["idle_mib"] for rank in ranks])
-        rows[key] = Row(NAME, case, variant, PER, slowest, note=note)
+        rows[key] = Row(NAME, case, variant, PER, slowest, note=note + "; " + describe(ranks[0]["steal"]))
     return rows

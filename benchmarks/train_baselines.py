@@ -10,11 +10,13 @@ torch.distributed user writes it, in one group of 4 Gloo processes:
 
 Each layout builds its own model from the same seed after measuring the idle resident set,
 resets the peak-memory mark after the warm-up steps, and reports per-step times (a barrier
-before each), the idle resident set and the peak during the timed steps.
+before each), the idle resident set, the peak during the timed steps and the host's steal
+meanwhile (steal.py).
 """
 from __future__ import annotations
 
 from .process_memory import peak_mib, reset_peak, rss_mib
+from .steal import Meter
 from .timing import repeat, stopwatch
 
 __all__ = ["train_rank", "one_process", "tiny_fields", "TP_RANKS"]
@@ -115,8 +117,9 @@ def _measure(build, ids, reps: int, warmup: int, barrier=None) -> dict:
         return elapsed()
     repeat(once, warmup, warmup=0)
     reset_peak()
+    meter = Meter()
     samples = repeat(once, reps, warmup=0)
-    result = {"samples": samples, "idle_mib": idle, "peak_mib": peak_mib()}
+    result = {"samples": samples, "idle_mib": idle, "peak_mib": peak_mib(), "steal": meter.share()}
     del model, optimizer
     gc.collect()   # the next layout starts from this layout's memory given back
     return result
