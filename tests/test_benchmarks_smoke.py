@@ -175,3 +175,19 @@ def test_the_standalone_ab_scripts_run_against_a_checkout(script, rows):
     assert result.stdout.startswith(str(ROOT)), result.stdout
     for row in rows:
         assert re.search(row, result.stdout), (row, result.stdout)
+
+
+@pytest.mark.timeout(180)
+def test_the_worker_stream_script_replays_a_recorded_training_step():
+    """benchmarks/worker_stream_cpu.py records a 1-worker session's training steps and replays them
+    into an in-process worker: it exits non-zero if any replayed command fails there, so a row
+    for each phase means the whole stream ran."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "worker_stream_cpu.py"), "--steps", "5"],
+                            cwd="/", env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                            timeout=170)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stdout.startswith(str(ROOT)), result.stdout
+    assert "batch 2 x 64 tokens, 1 steps" in result.stdout, result.stdout
+    for phase in ("forward", "backward", "AdamW step \\+ zero_grad"):
+        assert re.search(rf"\n  {phase} +worker +[\d.]+ / +[\d.]+ +torch +[\d.]+ / +[\d.]+ +added +[-+][\d.]+ ms",
+                         result.stdout), (phase, result.stdout)

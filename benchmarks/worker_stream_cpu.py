@@ -1,0 +1,158 @@
+"""A worker's own CPU per phase of benchmark 10's training step (forward, backward, AdamW), alone:
+the commands one worker receives during real steps are recorded, then replayed into a Worker in
+this process, phase by phase, in turns with transformers' same phase in the same process.
+
+    PYTHONPATH=<checkout> python benchmarks/worker_stream_cpu.py [--batch 2] [--steps 16]
+
+In a live session the worker shares the cores with the controller, which wakes it ~16 times a
+forward and evicts its caches in between; on a shared VM the host steals time as well. Here the
+stream runs back to back on one thread with nothing else running, so the difference from torch
+is what the worker itself adds: decoding, the per-command path, dtorch's kernels. The default
+batch (2 of benchmark 10's 8 rows) is a dp4 worker's share.
+
+Recording: a 1-worker session runs the steps while the controller's PUB socket is wrapped to
+keep a copy of every message for rank 0 (broadcast and private topics). The in-process Worker
+gets a one-member Gloo communicator, so the backward's collectives run as on a 1-worker mesh.
+Standalone (absolute imports only), so that one copy measures either checkout: run it
+alternately with PYTHONPATH on the commit before and after a change.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+PHASES = ("forward", "backward", "AdamW step + zero_grad")
+WARMUP_STEPS = 4
+
+
+class _Replies:
+    """The in-process worker's socket: keeps the error replies (a replay that fails measures nothing)."""
+
+    def __init__(self, wire) -> None:
+        self.wire, self.errors = wire, []
+
+    def send(self, frames) -> None:
+        header = bytes(frames[0])
+        if b"Traceback" in header:
+            self.errors.append(header[:400])
+
+
+def record(batch: int, steps: int):
+    """(messages for rank 0, [(phase, index after it)], transformers' model, the batch)."""
+    import dtorch
+    from dtorch.models import LlamaForCausalLM
+    from dtorch.runtime import protocol as wire
+    from dtorch.runtime import transport
+
+    from benchmarks.config import QUICK
+    from benchmarks.dp_step_cpu import _fields
+    from benchmarks.llama_train import _reference
+    reference, ids = _reference(_fields(), QUICK)
+    ids = ids[:batch]
+    recorded, publish = [], transport.ControllerSockets.publish
+    ours = (wire.TOPIC_ALL, wire.topic_for_rank(0))
+
+    def keeping(sockets, frames, copy=True):
+        if bytes(frames[0]) in ours:
+            recorded.append([bytes(frame) for frame in frames])
+        return publish(sockets, frames, copy)
+    transport.ControllerSockets.publish = keeping
+    try:
+        dtorch.init(num_workers=1)
+        mesh = dtorch.init_device_mesh("cpu", (1,), mesh_dim_names=["dp"])
+        model = LlamaForCausalLM(reference.config, device_mesh=mesh)
+        model.load_state_dict(reference.state_dict())
+        optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
+        dtorch.synchronize()
+        marks = [("set-up", len(recorded))]
+        for _ in range(steps):
+            loss = model(ids, labels=ids).loss
+            dtorch.synchronize()
+            marks.append((PHASES[0], len(recorded)))
+            loss.backward()
+            dtorch.synchronize()
+            marks.append((PHASES[1], len(recorded)))
+            optimizer.step()
+            optimizer.zero_grad()
+            dtorch.synchronize()
+            marks.append((PHASES[2], len(recorded)))
+    finally:
+        dtorch.shutdown()
+        transport.ControllerSockets.publish = publish
+    return recorded, marks, reference, ids
+
+
+def in_process_worker(recorded: list):
+    import torch.distributed as dist
+    from dtorch.runtime import protocol as wire
+    from dtorch.runtime.comm import GlooCommunicator
+    from dtorch.runtime.devices import CpuDevice
+    from dtorch.runtime.worker import _ON_COMMAND_SOCKET, Worker
+    first = next(wire.decode(frames[1], _ON_COMMAND_SOCKET) for frames in recorded
+                 if type(wire.decode(frames[1], _ON_COMMAND_SOCKET)) is wire.Batch)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True)
+    comm = GlooCommunicator(f"127.0.0.1:{store.port}", 0, "127.0.0.1", 60)
+    replies = _Replies(wire)
+    return Worker(0, replies, comm, CpuDevice(), start_seq=first.first_seq), replies, store
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=2, help="rows of benchmark 10's batch of 8")
+    parser.add_argument("--steps", type=int, default=16, help="steps recorded (the first 4 warm up)")
+    args = parser.parse_args()
+    if args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")
+    import torch
+    import zmq
+    torch.set_num_threads(1)
+    recorded, marks, reference, ids = record(args.batch, args.steps)
+    worker, replies, _store = in_process_worker(recorded)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    torch.set_grad_enabled(False)   # as in a worker process: only commands that say `grad` record
+
+    def replay(start: int, end: int) -> float:
+        started = time.thread_time()
+        for frames in recorded[start:end]:
+            worker._on_message([zmq.Frame(frame) for frame in frames])
+        return time.thread_time() - started
+
+    def torch_step() -> list:
+        with torch.enable_grad():
+            started = time.thread_time()
+            loss = reference(ids, labels=ids).loss
+            forward = time.thread_time()
+            loss.backward()
+            backward = time.thread_time()
+            optimizer.step()
+            optimizer.zero_grad()
+        return [forward - started, backward - forward, time.thread_time() - backward]
+
+    ours = {phase: [] for phase in PHASES}
+    theirs = {phase: [] for phase in PHASES}
+    start = 0
+    for index, (phase, end) in enumerate(marks):
+        seconds = replay(start, end)
+        start = end
+        if phase == PHASES[-1]:   # a whole step replayed: torch's step, in turn
+            for name, value in zip(PHASES, torch_step()):
+                theirs[name].append(value)
+        if phase in ours:
+            ours[phase].append(seconds)
+    if replies.errors:
+        raise SystemExit(f"the replayed stream failed on the in-process worker: {replies.errors[0]!r}")
+    import dtorch
+    print(dtorch.__file__.rsplit("/dtorch/", 1)[0])   # which checkout this measured
+    print(f"batch {args.batch} x {ids.shape[1]} tokens, {len(ours[PHASES[0]]) - WARMUP_STEPS} steps "
+          f"(CPU ms, median / min; {len(recorded)} messages recorded)")
+    for phase in PHASES:
+        mine, torch_ = ours[phase][WARMUP_STEPS:], theirs[phase][WARMUP_STEPS:]
+        added = statistics.median(mine) - statistics.median(torch_)
+        print(f"  {phase:24s} worker {statistics.median(mine) * 1e3:6.1f} / {min(mine) * 1e3:6.1f}   "
+              f"torch {statistics.median(torch_) * 1e3:6.1f} / {min(torch_) * 1e3:6.1f}   "
+              f"added {added * 1e3:+5.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
