@@ -37,18 +37,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import multiprocessing
 import os
-import threading
 import time
 from dataclasses import replace
 
 from .config import QUICK
+from .ddp_turns import DdpTurns
 from .llama_forward import config_fields
 from .local_ranks import run_ranks
 from .process_memory import returned_buffers, stat_fields
 from .steal import Meter, describe
-from .train_baselines import _batch, _ddp
+from .train_baselines import _batch
 
 STEPS = 10
 WARMUP = 3
@@ -69,7 +68,10 @@ def _fields() -> dict:
                                  llama_seq=suite.train_seq))
 
 
-def _dtorch(fields: dict, ddp: "_DdpTurns") -> dict:
+DDP_ROWS = ("torch DDP, 4 procs", "torch DDP, fused AdamW")   # DdpTurns' optimizers: default, fused
+
+
+def _dtorch(fields: dict, ddp: DdpTurns) -> dict:
     import torch
     import transformers
     import dtorch
@@ -115,12 +117,12 @@ def _dtorch(fields: dict, ddp: "_DdpTurns") -> dict:
         variants = ("", "no_sync", "fused AdamW", "compiled", "losses kept")
         for variant in variants[:4] * WARMUP:
             step(variant)
-        ddp.warm_up()
+        ddp.turn(WARMUP)
         rows = {}
         for variant in [*variants[:4], "DDP"] * ROUNDS + [variants[4]]:   # in turns; the kept graphs last, once
             if variant == "DDP":
-                for name, row in ddp.rows().items():
-                    rows.setdefault(name, []).append(row)
+                for name, turn in zip(DDP_ROWS, ddp.turn(STEPS)):
+                    rows.setdefault(name, []).append((sorted(turn.walls)[STEPS // 2], turn.cpu, turn.steal))
                 continue
             before, meter = [cpu_seconds(pid) for pid in pids] + [cpu_seconds()], Meter()
             walls = sorted(step(variant) for _ in range(STEPS))
@@ -135,83 +137,6 @@ def _dtorch(fields: dict, ddp: "_DdpTurns") -> dict:
 
 def _per_step(before: list, after: list) -> list:
     return [((a[0] - b[0]) / STEPS, (a[1] - b[1]) / STEPS) for a, b in zip(after, before)]
-
-
-class _DdpTurns:
-    """torch DDP on 4 Gloo processes, started once, that runs STEPS steps of each optimizer (the
-    default AdamW, then fused) when asked and waits, blocked, in between: so that DDP's rows and
-    dtorch's are measured in turns on the same machine."""
-
-    OPTIMIZERS = {"torch DDP, 4 procs": False, "torch DDP, fused AdamW": True}
-
-    def __init__(self, fields: dict) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._turns, self._done, self._failure = context.Queue(), context.Queue(), None
-        self._thread = threading.Thread(target=self._run, args=(fields,), daemon=True)
-        self._thread.start()
-
-    def _run(self, fields: dict) -> None:
-        try:
-            run_ranks(_ddp_rank, 4, (fields, self._turns, self._done), 1800)
-        except Exception as error:  # noqa: BLE001 -- raised in the caller's thread at its next turn
-            self._failure = error
-            self._done.put(None)
-
-    def warm_up(self) -> None:
-        self._turn(WARMUP)
-
-    def rows(self) -> dict:
-        """{row name: (median wall, [(user, system) per rank], steal)} of one turn of STEPS steps each."""
-        return {name: (max(r[0] for r in ranks), [(r[1], r[2]) for r in ranks], ranks[0][3])
-                for name, ranks in zip(self.OPTIMIZERS, self._turn(STEPS))}
-
-    def _turn(self, steps: int) -> list:
-        self._turns.put(steps)
-        result = self._done.get(timeout=900)
-        if result is None:
-            raise RuntimeError(f"the DDP ranks failed: {self._failure}")
-        return result
-
-    def close(self) -> None:
-        self._turns.put(0)
-        self._thread.join(timeout=60)
-
-
-def _ddp_rank(rank: int, world: int, fields: dict, turns, done) -> None:
-    """A DDP rank that runs each optimizer's steps per turn; rank 0 takes the turns from the
-    parent and hands back every rank's [median wall, user, system, steal] per optimizer."""
-    import torch
-    import torch.distributed as dist
-    ids = _batch(fields, QUICK.train_batch, QUICK.train_seq).chunk(world)[rank]
-    model = _ddp(fields)
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
-                  for fused in _DdpTurns.OPTIMIZERS.values()]
-    while True:
-        steps = torch.tensor([turns.get() if rank == 0 else 0])
-        dist.broadcast(steps, 0)
-        if steps.item() == 0:
-            return
-        measured = [_ddp_steps(model, optimizer, ids, steps.item()) for optimizer in optimizers]
-        every = [torch.zeros(len(optimizers), 4, dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(every, torch.tensor(measured, dtype=torch.float64))
-        if rank == 0:
-            done.put([[every[r][k].tolist() for r in range(world)] for k in range(len(optimizers))])
-
-
-def _ddp_steps(model, optimizer, ids, steps: int) -> list:
-    """[median wall, user, system per step, host steal (-1: not measured)] of `steps` steps."""
-    import torch.distributed as dist
-    walls, before, meter = [], cpu_seconds(), Meter()
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        model(ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        walls.append(time.perf_counter() - start)
-    after, stolen = cpu_seconds(), meter.share()
-    user, system = ((a - b) / steps for a, b in zip(after, before))
-    return [sorted(walls)[steps // 2], user, system, -1.0 if stolen is None else stolen]
 
 
 def _cat_rank(rank: int, world: int) -> dict:
@@ -245,7 +170,7 @@ def main() -> None:
     WARMUP = min(WARMUP, STEPS)
     fields = _fields()
     with contextlib.nullcontext() if options.glibc_defaults else returned_buffers():
-        ddp = _DdpTurns(fields)   # (its ranks build their model while the dtorch session starts)
+        ddp = DdpTurns(fields, _batch(fields, QUICK.train_batch, QUICK.train_seq), 4, fused=(False, True))
         try:
             rows = _dtorch(fields, ddp)
         finally:
@@ -254,9 +179,8 @@ def main() -> None:
     print(f"{'variant':32s} {'step (median)':>14s}   CPU per step: user + system, per process (ms)")
     for name, runs in rows.items():
         for wall, cpu, stolen in runs:
-            if name in _DdpTurns.OPTIMIZERS:
+            if name in DDP_ROWS:
                 processes = "ranks " + _cpu_text(cpu)
-                stolen = None if stolen < 0 else stolen
             else:
                 processes = f"workers {_cpu_text(cpu[:-1])}; controller {_cpu_text(cpu[-1:])}"
             print(f"{name:32s} {wall * 1e3:11.1f} ms   {processes}; {describe(stolen)}")

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 
 from . import dtorch_session
 from .llama_forward import config_fields
+from .ddp_turns import DdpTurns
 from .local_ranks import run_ranks
 from .process_memory import busy_seconds, peak_mib, reset_peak, returned_buffers, rss_mib
 from .steal import Meter, describe
@@ -105,11 +106,13 @@ def run(suite) -> list[Row]:
         return [not_installed(NAME, case, ONE_PROCESS, PER, "transformers")]
     with returned_buffers():
         dtorch_session.close()   # the next pool starts with the variable in its environment
+        ddp = _DdpRow(suite, fields, case)
         try:
-            ours = _dtorch_rows(suite, fields, case)
+            ours = _dtorch_rows(suite, fields, case, ddp)
         finally:
+            ddp.close()
             dtorch_session.close()   # the peers get the cores to themselves, as dtorch's workers do
-        peers = _peer_rows(suite, fields, case)
+        peers = dict(_peer_rows(suite, fields, case), DDP=ddp.row())
         one = guarded(lambda: _one_process_row(suite, fields, case), NAME, case, ONE_PROCESS, PER)
     rows = [one]
     for layout in layouts(suite):   # each peer row just before the first dtorch row that refers to it
@@ -120,7 +123,7 @@ def run(suite) -> list[Row]:
 
 
 # --- dtorch ------------------------------------------------------------------------------------------------
-def _dtorch_rows(suite, fields: dict, case: str) -> dict[str, Row]:
+def _dtorch_rows(suite, fields: dict, case: str, ddp: "_DdpRow") -> dict[str, Row]:
     """{variant: row}, run in pool-size order so that each pool starts once."""
     import torch
     reference_model, ids = _reference(fields, suite)
@@ -130,14 +133,15 @@ def _dtorch_rows(suite, fields: dict, case: str) -> dict[str, Row]:
     tiny = _reference(tiny_fields(fields), suite)
     rows = {}
     for layout in sorted(layouts(suite), key=_pool_size):
-        rows[layout.variant] = guarded(lambda: _dtorch_row(suite, start, tiny, case, layout),
+        rows[layout.variant] = guarded(lambda: _dtorch_row(suite, start, tiny, case, layout, ddp),
                                        NAME, case, layout.variant, PER)
     return rows
 
 
-def _dtorch_row(suite, start, tiny, case: str, layout: Layout) -> Row:
+def _dtorch_row(suite, start, tiny, case: str, layout: Layout, ddp: "_DdpRow") -> Row:
     """One layout's steps; `start` is (transformers' model, the batch, its loss), `tiny` a tiny
-    model and batch to warm the layout's code paths with."""
+    model and batch to warm the layout's code paths with. A layout compared with DDP takes its
+    steps in turns with DDP's (`ddp`), one each."""
     import dtorch
     mesh = _mesh(layout)
     pids = [worker["pid"] for worker in dtorch.workers() if worker["rank"] in mesh.ranks]
@@ -153,9 +157,15 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout) -> Row:
     for pid in pids:
         reset_peak(pid)
     busy, meter = [busy_seconds(pid) for pid in pids], Meter()
-    samples = repeat(once, suite.train_reps, warmup=0)
+    if layout.reference == ddp.variant:
+        samples, turns = [], " (in turns with DDP's steps)"
+        for _ in range(suite.train_reps):
+            samples += repeat(once, 1, warmup=0)
+            ddp.step()
+    else:
+        samples, turns = repeat(once, suite.train_reps, warmup=0), ""
     busy = [busy_seconds(pid) - before for pid, before in zip(pids, busy)]
-    note = memory_note([peak_mib(pid) for pid in pids], idle) + "; " + describe(meter.share())
+    note = memory_note([peak_mib(pid) for pid in pids], idle) + f"; {describe(meter.share())}{turns}"
     if layout.microbatches:
         note += "; " + _bubble_note(sum(busy) / len(samples), median(samples), len(pids), layout.microbatches)
     del once, losses
@@ -254,6 +264,43 @@ def _bubble_note(busy_per_step: float, step: float, stages: int, microbatches: i
 
 
 # --- torch ---------------------------------------------------------------------------------------------------
+class _DdpRow:
+    """The DDP reference of the dp layouts, measured in turns with them (ddp_turns.py): its ranks
+    start before dtorch's pools and wait while dtorch's other layouts run."""
+
+    def __init__(self, suite, fields: dict, case: str) -> None:
+        self.variant, self.case, self.samples = peer_variants(suite.train_world)["DDP"], case, []
+        self._turns, self._last, self._error = None, None, None
+        try:
+            self._turns = DdpTurns(fields, _reference(fields, suite)[1], suite.train_world,
+                                   timeout_s=suite.process_timeout_s * 4)
+            self._turns.turn(WARMUP_STEPS, warmup=True)
+        except Exception as error:  # noqa: BLE001 -- the DDP row reports it; dtorch's rows still run
+            self._error = error
+
+    def step(self) -> None:
+        """One DDP step (its slowest rank's time joins the row), unless the ranks failed."""
+        if self._error is not None:
+            return
+        try:
+            (self._last,) = self._turns.turn(1)
+        except Exception as error:  # noqa: BLE001 -- as above
+            self._error = error
+            return
+        self.samples += self._last.walls
+
+    def row(self) -> Row:
+        if self._error is not None or not self.samples:
+            return failed(NAME, self.case, self.variant, PER, self._error or RuntimeError("no DDP step was measured"))
+        note = memory_note(self._last.peak_mib, self._turns.idle_mib)
+        return Row(NAME, self.case, self.variant, PER, self.samples,
+                   note=f"{note}; in turns with the dtorch dp rows, one step each")
+
+    def close(self) -> None:
+        if self._turns is not None:
+            self._turns.close()
+
+
 def _one_process_row(suite, fields: dict, case: str) -> Row:
     """transformers + AdamW in a process of its own, started as the workers and ranks are."""
     (result,) = run_ranks(one_process, 1, (fields, suite.train_batch, suite.train_seq, suite.train_reps,
@@ -264,15 +311,17 @@ def _one_process_row(suite, fields: dict, case: str) -> Row:
 
 def _peer_rows(suite, fields: dict, case: str) -> dict[str, Row]:
     variants = peer_variants(suite.train_world)
-    try:  # one process group for every layout: spawning one costs more than the steps
+    try:  # one process group for FSDP2 and TP: spawning one costs more than the steps (DDP: _DdpRow)
         per_rank = run_ranks(train_rank, suite.train_world,
-                             (fields, suite.train_batch, suite.train_seq, suite.train_reps, WARMUP_STEPS),
+                             (fields, suite.train_batch, suite.train_seq, suite.train_reps, WARMUP_STEPS, ("DDP",)),
                              suite.process_timeout_s)
     except Exception as error:  # noqa: BLE001 -- reported on each peer row
         return {key: failed(NAME, case, variant, PER, error) for key, variant in variants.items()}
     rows = {}
     for key, variant in variants.items():
         ranks = [rank[key] for rank in per_rank if key in rank]
+        if not ranks:
+            continue
         slowest = [max(samples) for samples in zip(*(rank["samples"] for rank in ranks))]
         note = memory_note([rank["peak_mib"] for rank in ranks], [rank["idle_mib"] for rank in ranks])
         rows[key] = Row(NAME, case, variant, PER, slowest, note=note + "; " + describe(ranks[0]["steal"]))

@@ -24,14 +24,17 @@ __all__ = ["train_rank", "one_process", "tiny_fields", "TP_RANKS"]
 TP_RANKS = 2
 
 
-def train_rank(rank: int, world: int, fields: dict, batch: int, seq: int, reps: int, warmup: int) -> dict:
-    """{layout: {"samples": [...], "idle_mib": x, "peak_mib": y}} for this rank (TP: ranks 0, 1 only)."""
+def train_rank(rank: int, world: int, fields: dict, batch: int, seq: int, reps: int, warmup: int,
+               skip: tuple = ()) -> dict:
+    """{layout: {"samples": [...], "idle_mib": x, "peak_mib": y}} for this rank (TP: ranks 0, 1 only),
+    for every layout but those in `skip`."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     ids = _batch(fields, batch, seq)
     import transformers  # noqa: F401 -- before the first idle measurement: the library is not the model
     fsdp_mesh = init_device_mesh("cpu", (world,))
-    builds = {"DDP": _ddp, "FSDP2": lambda config: _fsdp2(config, fsdp_mesh)}
+    builds = {name: build for name, build in {"DDP": _ddp, "FSDP2": lambda config: _fsdp2(config, fsdp_mesh)}.items()
+              if name not in skip}
     own_rows = ids.chunk(world)[rank]
     results = {name: _warmed(build, fields, own_rows, reps, warmup) for name, build in builds.items()}
     tp_mesh = init_device_mesh("cpu", (world // TP_RANKS, TP_RANKS), mesh_dim_names=("rest", "tp"))["tp"]
