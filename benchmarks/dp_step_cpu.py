@@ -44,6 +44,7 @@ from dataclasses import replace
 from .config import QUICK
 from .ddp_turns import DdpTurns
 from .llama_forward import config_fields
+from .llama_train import compiled_step
 from .local_ranks import run_ranks
 from .process_memory import returned_buffers, stat_fields
 from .steal import Meter, describe
@@ -89,19 +90,12 @@ def _dtorch(fields: dict, ddp: DdpTurns) -> dict:
         pids = [worker["pid"] for worker in dtorch.workers()]
 
         kept = []
-
-        @dtorch.compile
-        def compiled_step(uploaded):
-            loss = model(uploaded, labels=uploaded).loss
-            loss.backward()
-            default.step()
-            default.zero_grad()
-            return loss
+        compiled = compiled_step(model, default)
 
         def step(variant: str) -> float:
             start = time.perf_counter()
             if variant == "compiled":
-                compiled_step(model._upload(ids))
+                compiled(model._upload(ids))
                 dtorch.synchronize()
                 return time.perf_counter() - start
             loss = model(ids, labels=ids).loss

@@ -184,14 +184,7 @@ def _stepper(reference_model, ids, mesh, microbatches, losses: list, schedule: s
     model = LlamaForCausalLM(reference_model.config, device_mesh=mesh, microbatches=microbatches)
     model.load_state_dict(reference_model.state_dict())
     optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    @dtorch.compile
-    def step(uploaded):
-        loss = model(uploaded, labels=uploaded).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
+    step = compiled_step(model, optimizer)
 
     def once() -> float:
         elapsed = stopwatch()
@@ -211,6 +204,21 @@ def _stepper(reference_model, ids, mesh, microbatches, losses: list, schedule: s
         _keep_first(losses, loss)
         return elapsed()
     return once
+
+
+def compiled_step(model, optimizer):
+    """The training step (forward with labels, backward, optimizer step, zero_grad) as one
+    dtorch.compile'd function of the uploaded batch, returning the loss."""
+    import dtorch
+
+    @dtorch.compile
+    def step(uploaded):
+        loss = model(uploaded, labels=uploaded).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+    return step
 
 
 def _keep_first(losses: list, loss) -> None:
