@@ -23,8 +23,9 @@ the libraries, earlier layouts' leftovers) and its peak-RSS mark (VmHWM) is rese
 warm-up steps (the model, the optimizer state and the allocator's working set exist by then).
 The note gives, for the process with the highest peak during the timed steps, the peak and its
 split into idle + what the layout added: the second number is the one fsdp shards. It ends with
-the host's steal during the row's timed steps (steal.py): dtorch's rows and the peers' are timed
-at different moments of the run, so a ratio between rows whose steal differs says little.
+the host's steal during the row's timed steps (steal.py). The dp rows and DDP's take their steps
+in turns (ddp_turns.py); the other rows and their references are timed at different moments of
+the run, so a ratio between rows whose steal differs says little.
 
 Pipeline bubble, measured: a pp worker's busy time over the timed steps is the time its main
 thread ran or was runnable (/proc/<pid>/schedstat; a worker waiting for a stage's activations or
