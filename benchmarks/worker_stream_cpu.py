@@ -2,7 +2,10 @@
 the commands one worker receives during real steps are recorded, then replayed into a Worker in
 this process, phase by phase, in turns with transformers' same phase in the same process.
 
-    PYTHONPATH=<checkout> python benchmarks/worker_stream_cpu.py [--batch 2] [--steps 16]
+    PYTHONPATH=<checkout> python benchmarks/worker_stream_cpu.py [--batch 2] [--steps 16] [--compiled]
+
+With --compiled the steps are benchmark 10's `dtorch.compile`d step (llama_train.compiled_step):
+one RunGraph command per step, so the phases are not apart and the row is the whole step.
 
 In a live session the worker shares the cores with the controller, which wakes it ~16 times a
 forward and evicts its caches in between; on a shared VM the host steals time as well. Here the
@@ -23,6 +26,7 @@ import statistics
 import time
 
 PHASES = ("forward", "backward", "AdamW step + zero_grad")
+WHOLE_STEP = "whole step (compiled)"
 WARMUP_STEPS = 4
 
 
@@ -38,7 +42,7 @@ class _Replies:
             self.errors.append(header[:400])
 
 
-def record(batch: int, steps: int):
+def record(batch: int, steps: int, compiled: bool):
     """(messages for rank 0, [(phase, index after it)], transformers' model, the batch)."""
     import dtorch
     from dtorch.models import LlamaForCausalLM
@@ -47,7 +51,7 @@ def record(batch: int, steps: int):
 
     from benchmarks.config import QUICK
     from benchmarks.dp_step_cpu import _fields
-    from benchmarks.llama_train import _reference
+    from benchmarks.llama_train import _reference, compiled_step
     reference, ids = _reference(_fields(), QUICK)
     ids = ids[:batch]
     recorded, publish = [], transport.ControllerSockets.publish
@@ -66,6 +70,13 @@ def record(batch: int, steps: int):
         optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
         dtorch.synchronize()
         marks = [("set-up", len(recorded))]
+        if compiled:
+            step, uploaded = compiled_step(model, optimizer), model._upload(ids)
+            for _ in range(steps):
+                step(uploaded)
+                dtorch.synchronize()
+                marks.append((WHOLE_STEP, len(recorded)))
+            return recorded, marks, reference, ids
         for _ in range(steps):
             loss = model(ids, labels=ids).loss
             dtorch.synchronize()
@@ -101,13 +112,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=2, help="rows of benchmark 10's batch of 8")
     parser.add_argument("--steps", type=int, default=16, help="steps recorded (the first 4 warm up)")
+    parser.add_argument("--compiled", action="store_true", help="the dtorch.compile'd step, as one phase")
     args = parser.parse_args()
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")
     import torch
     import zmq
     torch.set_num_threads(1)
-    recorded, marks, reference, ids = record(args.batch, args.steps)
+    recorded, marks, reference, ids = record(args.batch, args.steps, args.compiled)
     worker, replies, _store = in_process_worker(recorded)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     torch.set_grad_enabled(False)   # as in a worker process: only commands that say `grad` record
@@ -129,14 +141,16 @@ def main() -> None:
             optimizer.zero_grad()
         return [forward - started, backward - forward, time.thread_time() - backward]
 
-    ours = {phase: [] for phase in PHASES}
-    theirs = {phase: [] for phase in PHASES}
+    phases = (WHOLE_STEP,) if args.compiled else PHASES
+    ours = {phase: [] for phase in phases}
+    theirs = {phase: [] for phase in phases}
     start = 0
     for index, (phase, end) in enumerate(marks):
         seconds = replay(start, end)
         start = end
-        if phase == PHASES[-1]:   # a whole step replayed: torch's step, in turn
-            for name, value in zip(PHASES, torch_step()):
+        if phase == phases[-1]:   # a whole step replayed: torch's step, in turn
+            times = torch_step()
+            for name, value in zip(phases, [sum(times)] if args.compiled else times):
                 theirs[name].append(value)
         if phase in ours:
             ours[phase].append(seconds)
@@ -144,9 +158,9 @@ def main() -> None:
         raise SystemExit(f"the replayed stream failed on the in-process worker: {replies.errors[0]!r}")
     import dtorch
     print(dtorch.__file__.rsplit("/dtorch/", 1)[0])   # which checkout this measured
-    print(f"batch {args.batch} x {ids.shape[1]} tokens, {len(ours[PHASES[0]]) - WARMUP_STEPS} steps "
+    print(f"batch {args.batch} x {ids.shape[1]} tokens, {len(ours[phases[0]]) - WARMUP_STEPS} steps "
           f"(CPU ms, median / min; {len(recorded)} messages recorded)")
-    for phase in PHASES:
+    for phase in phases:
         mine, torch_ = ours[phase][WARMUP_STEPS:], theirs[phase][WARMUP_STEPS:]
         added = statistics.median(mine) - statistics.median(torch_)
         print(f"  {phase:24s} worker {statistics.median(mine) * 1e3:6.1f} / {min(mine) * 1e3:6.1f}   "

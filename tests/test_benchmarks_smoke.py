@@ -178,16 +178,19 @@ def test_the_standalone_ab_scripts_run_against_a_checkout(script, rows):
 
 
 @pytest.mark.timeout(180)
-def test_the_worker_stream_script_replays_a_recorded_training_step():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_worker_stream_script_replays_a_recorded_training_step(compiled):
     """benchmarks/worker_stream_cpu.py records a 1-worker session's training steps and replays them
     into an in-process worker: it exits non-zero if any replayed command fails there, so a row
-    for each phase means the whole stream ran."""
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "worker_stream_cpu.py"), "--steps", "5"],
+    for each phase means the whole stream ran (compiled: one RunGraph per step, one row)."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "worker_stream_cpu.py"), "--steps", "5",
+                             *(["--compiled"] if compiled else [])],
                             cwd="/", env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                             timeout=170)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert result.stdout.startswith(str(ROOT)), result.stdout
     assert "batch 2 x 64 tokens, 1 steps" in result.stdout, result.stdout
-    for phase in ("forward", "backward", "AdamW step \\+ zero_grad"):
+    phases = ("whole step \\(compiled\\)",) if compiled else ("forward", "backward", "AdamW step \\+ zero_grad")
+    for phase in phases:
         assert re.search(rf"\n  {phase} +worker +[\d.]+ / +[\d.]+ +torch +[\d.]+ / +[\d.]+ +added +[-+][\d.]+ ms",
                          result.stdout), (phase, result.stdout)

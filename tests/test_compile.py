@@ -389,7 +389,10 @@ def test_grads_accumulate_across_compiled_calls_as_in_eager(mesh4):
     assert torch.equal(w.grad.to_torch(), torch.full((4,), 2.0))
 
 
-def test_llama_forward_and_training_step_replay_like_eager(session):
+@pytest.mark.parametrize("shape, names", [((2, 2), ["dp", "tp"]), ((4,), ["fsdp"])], ids=["dp2xtp2", "fsdp4"])
+def test_llama_forward_and_training_step_replay_like_eager(session, shape, names):
+    """On fsdp the forward's rows read gathered parameters, which backward gathers again
+    (kernels.saving_for): in a replay too."""
     transformers = pytest.importorskip("transformers")
     from dtorch.distributed_spec import init_device_mesh
     from dtorch.models import LlamaForCausalLM
@@ -397,7 +400,7 @@ def test_llama_forward_and_training_step_replay_like_eager(session):
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     weights = transformers.LlamaForCausalLM(config).state_dict()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 96, (4, 12), generator=g) for _ in range(4)]
 
@@ -414,7 +417,8 @@ def test_llama_forward_and_training_step_replay_like_eager(session):
             return loss
         if compiled:
             forward, step = dtorch.compile(forward), dtorch.compile(step)
-        uploaded = [dtorch.tensor(b, device_mesh=mesh, placements=[Shard(0), Replicate()]) for b in batches]
+        uploaded = [dtorch.tensor(b, device_mesh=mesh, placements=[Shard(0)] + [Replicate()] * (len(shape) - 1))
+                    for b in batches]
         logits = [forward(ids).to_torch() for ids in uploaded[:2]]
         return logits, [step(ids).item() for ids in uploaded], step
     eager_logits, eager_losses, _ = run(False)

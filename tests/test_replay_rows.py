@@ -198,8 +198,12 @@ def runs(graph) -> list:
     return [step if type(step) is int else (step.rows.start, step.rows.stop) for step in graph.plan]
 
 
+def lone(seq: int, out: int, source: int) -> wire.Redistribute:
+    """out = source, as a row that goes alone (a redistribute without steps)."""
+    return wire.Redistribute(seq, out, source, 0, (2,), "float32", REPLICATE, ())
+
+
 @pytest.mark.parametrize("why, lone, random", [
-    ("it records for backward", run_op(2, CAPTURED + 9, "mul", TensorId(CAPTURED + 2), 2)._replace(grad=True), ()),
     ("it draws random numbers", run_op(2, CAPTURED + 9, "mul", TensorId(CAPTURED + 2), 2), (2,)),
     ("it frees an id the table held before the run", wire.Free(2, (CAPTURED,)), ()),
     ("it is not an op", wire.Redistribute(2, CAPTURED + 9, CAPTURED + 2, 0, (1,), "float32", REPLICATE, ()), ()),
@@ -224,19 +228,17 @@ def test_a_row_that_does_not_qualify_goes_alone_between_two_functions(why, lone,
 
 def test_a_graph_without_two_plain_ops_in_a_row_has_no_plan():
     worker, _ = fresh_worker(torch.zeros(1))
-    rows = (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), 2),
-            run_op(1, CAPTURED + 2, "mul", TensorId(CAPTURED + 1), 2)._replace(grad=True))
+    rows = (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), 2), lone(1, CAPTURED + 2, CAPTURED + 1))
     assert define(worker, tuple(wire.command_row(c) for c in rows), (CAPTURED,), (CAPTURED + 2,)).plan is None
 
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_a_plan_of_two_functions_around_a_lone_row_leaves_what_row_by_row_leaves(fails):
-    """a = x * 2; b = a + 1; c = b * 3 (recorded for backward: alone); del a; d = c - b (or, when
-    `fails`, c.sum(dim=[4])); e = d * d: the same tensors, poison and reports both ways."""
+    """a = x * 2; b = a + 1; c = b (a row that goes alone); del a; d = c + b (or, when `fails`,
+    c.sum(dim=[4])); e = d * d: the same tensors, poison and reports both ways."""
     x, a, b, c, d, e = (TensorId(CAPTURED + i) for i in range(6))
-    rows = (run_op(0, a, "mul", x, 2), run_op(1, b, "add", a, 1), run_op(2, c, "mul", b, 3)._replace(grad=True),
-            wire.Free(3, (a,)),
-            run_op(4, d, "sum", c, kwargs={"dim": [4]}) if fails else run_op(4, d, "sub", c, b),
+    rows = (run_op(0, a, "mul", x, 2), run_op(1, b, "add", a, 1), lone(2, c, b), wire.Free(3, (a,)),
+            run_op(4, d, "sum", c, kwargs={"dim": [4]}) if fails else run_op(4, d, "add", c, b),
             run_op(5, e, "mul", d, d))
     outcomes = []
     for planned in (True, False):
@@ -255,7 +257,7 @@ def test_a_plan_of_two_functions_around_a_lone_row_leaves_what_row_by_row_leaves
         assert poisoned == {20: 4 + 4} and [r[1:] for r in reports] == [("sum", "IndexError")]
     else:
         b_ = torch.tensor([1.0, 2.0]) * 2 + 1
-        assert torch.equal(tensors[20], (b_ * 3 - b_) ** 2) and torch.equal(tensors_[20], tensors[20])
+        assert torch.equal(tensors[20], (b_ + b_) ** 2) and torch.equal(tensors_[20], tensors[20])
         assert set(tensors) == {TABLE, INDEX, 20} and not poisoned
 
 
@@ -306,7 +308,7 @@ def test_while_a_function_runs_the_heartbeat_names_its_first_row(monkeypatch):
     worker, _ = fresh_worker(torch.zeros(1))
     monkeypatch.setitem(KERNELS, "probe", lambda x: (seen.append(worker.busy_seq), x * 1)[1])
     x, a, b, c, d, e = (TensorId(CAPTURED + i) for i in range(6))
-    rows = (run_op(0, a, "mul", x, 2), run_op(1, b, "add", a, 1), run_op(2, c, "mul", b, 3)._replace(grad=True),
+    rows = (run_op(0, a, "mul", x, 2), run_op(1, b, "add", a, 1), lone(2, c, b),
             run_op(3, d, "mul", c, 2), run_op(4, e, "probe", d))
     graph = define(worker, tuple(wire.command_row(r) for r in rows), (x,), (e,), (a, b, c, d))
     assert runs(graph) == [(0, 2), 2, (3, 5)]
@@ -314,7 +316,7 @@ def test_while_a_function_runs_the_heartbeat_names_its_first_row(monkeypatch):
     seq = worker.next_seq
     deliver(worker, lambda s: [wire.RunGraph(s, 8, len(rows), (INDEX,), (20,), 0, 0, (), 1)])
     assert seen == [seq + 3] and worker.busy_seq == -1
-    assert torch.equal(worker.tensors[20], torch.full((2,), 18.0))
+    assert torch.equal(worker.tensors[20], torch.full((2,), 6.0))
 
 
 def test_a_run_python_will_not_compile_goes_row_by_row(monkeypatch):
@@ -331,3 +333,43 @@ def test_a_run_python_will_not_compile_goes_row_by_row(monkeypatch):
     index = torch.tensor([2, 0])
     replay(worker, index, 10)
     assert torch.equal(worker.tensors[10], expected(table, index)) and replies.sent == []
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_rows_recorded_for_backward_run_in_the_function_as_row_by_row_and_as_torch(fails):
+    """a = x * 2 and d = a * c recorded for backward, c = x + 1 between them not (grad mode off),
+    z = x.detach() recorded (its output joined to x, as where a rank's output does not depend on it), out =
+    d.sum() recorded (or, when `fails`, d.sum(dim=[4])): the same tensors, requires_grad flags,
+    poison and reports both ways; torch's gradient of x; grad mode off again after the replay."""
+    x, a, c, d, z, out = (TensorId(CAPTURED + i) for i in range(6))
+    rows = (run_op(0, a, "mul", x, 2)._replace(grad=True), run_op(1, c, "add", x, 1),
+            run_op(2, d, "mul", a, c)._replace(grad=True), run_op(3, z, "detach", x)._replace(grad=True),
+            run_op(4, out, "sum", d, kwargs={"dim": [4]} if fails else {})._replace(grad=True))
+    outcomes = []
+    for planned in (True, False):
+        worker, replies = fresh_worker(torch.zeros(1))
+        graph = define(worker, tuple(wire.command_row(r) for r in rows), (x,), (c, z, out), (a, d))
+        assert runs(graph) == [(0, 5)]
+        assert "t101 = _recorded(k_mul_0, (t100, ), t100, 2)" in graph.plan[0].source
+        assert graph.plan[0].source.count("_grad_mode(") == 4   # on, off for c, on, off at the end
+        if not planned:
+            worker.graphs[8] = graph._replace(plan=None)
+        leaf = torch.tensor([1.0, 2.0], requires_grad=True)
+        worker.tensors[INDEX] = leaf
+        with torch.no_grad():   # as a worker process runs
+            deliver(worker, lambda s: [wire.RunGraph(s, 8, len(rows), (INDEX,), (20, 21, 22), 0, 0, (), 1)])
+            assert not torch.is_grad_enabled()
+        flags = {i: t.requires_grad for i, t in worker.tensors.items()}
+        gradient = None if fails else torch.autograd.grad(worker.tensors[22] + worker.tensors[21].sum(), leaf)[0]
+        outcomes.append((dict(worker.tensors), flags, dict(worker.poisoned),
+                         [(r.seq, r.op, r.exception_type) for r in replies.reports()], gradient))
+    (tensors, flags, poisoned, reports, gradient), (tensors_, flags_, poisoned_, reports_, gradient_) = outcomes
+    assert tensors.keys() == tensors_.keys() and flags == flags_ and poisoned == poisoned_ and reports == reports_
+    assert flags[20] is False and flags[21] is True   # c made with grad mode off; z joined to x
+    if fails:
+        assert poisoned == {22: 4 + 4} and [r[1:] for r in reports] == [("sum", "IndexError")]
+        return
+    leaf = torch.tensor([1.0, 2.0], requires_grad=True)
+    want = torch.autograd.grad((leaf * 2 * (leaf.detach() + 1)).sum(), leaf)[0]
+    assert torch.equal(tensors[22], tensors_[22]) and torch.equal(gradient, want) and torch.equal(gradient_, want)
+    assert not poisoned and not reports

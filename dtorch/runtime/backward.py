@@ -12,8 +12,9 @@ import torch
 
 from . import protocol as wire
 from .grad_buckets import BucketBuffers, BucketReducer
+from .kernels import saving_for
 
-__all__ = ["run_backward", "connect_outputs"]
+__all__ = ["run_backward", "run_recorded", "connect_outputs"]
 
 
 def run_backward(tensors: dict, roots: list, seeds: list, command: wire.Backward, comm, mesh, rank: int,
@@ -54,6 +55,14 @@ class _Connect(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (None,) + tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
+
+
+def run_recorded(kernel, inputs: list, args, kwargs):
+    """A local op of a forward that records for backward (grad mode on): `inputs` are its input
+    tensors that require grad, which its outputs are joined to."""
+    with saving_for(inputs):
+        result = kernel(*args, **kwargs)
+    return connect_outputs(result, inputs)
 
 
 def connect_outputs(result, inputs: list):

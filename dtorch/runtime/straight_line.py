@@ -9,9 +9,16 @@ table first, and the ids still alive at its end are stored back (at the graph's 
 scratch, which the replay drops). The table then holds exactly what running the rows one by one
 leaves in it.
 
+A row recorded for backward (`grad`, every op of a training step's forward) is a line too:
+`t12 = _recorded(k_mul_4, (t11,), t11, 1.0001)` runs the kernel as the per-command path does
+(backward.run_recorded: recorded against its inputs that require grad, saved through fsdp's
+hooks where one is a gathered parameter, outputs joined to those inputs), with grad mode on from the first such row of a
+stretch to the next row that is not one, where the mode the run started in (the worker's: off)
+comes back.
+
 A graph's plan (`build`) is its rows in order, each run of plain rows (`plain_row`: tensors,
-scalars, dtypes and containers of them in, this rank's block where a rule asks for it, no grad,
-no peers, no slicing, nothing random, on a mesh that holds this rank) as one function, and every
+scalars, dtypes and containers of them in, this rank's block where a rule asks for it, no peers,
+no slicing, nothing random, on a mesh that holds this rank) as one function, and every
 other row (a collective, a random or optimizer row, a Free of what the run did not make) as
 itself, for the worker's per-command path. A run takes its function only when no communication
 is in flight and the profiler is off; else its rows go one by one.
@@ -32,6 +39,7 @@ import torch
 
 from ..distributed_spec import ShardRegion
 from . import protocol as wire
+from .backward import run_recorded
 from .protocol import TensorRef
 
 __all__ = ["StraightLine", "build", "plain_row", "LOADING"]
@@ -46,8 +54,8 @@ LOADING = -1   # the row index of the lines that load inputs from the table
 def plain_row(command, peer_kernels) -> bool:
     """A RunOp whose kernel can be called with its inputs as the per-command path would pass them:
     tensors, scalars, dtypes, tuples or lists of those, and this rank's block (a ShardRegion)
-    where the rule put one in the kwargs or inside a container."""
-    return (type(command) is wire.RunOp and not command.grad and not command.input_steps
+    where the rule put one in the kwargs or inside a container. Recorded for backward or not."""
+    return (type(command) is wire.RunOp and not command.input_steps
             and command.kernel not in peer_kernels
             and all(type(a) is not ShardRegion and _plain_value(a) for a in command.args)
             and all(type(key) is str and key.isidentifier() and not keyword.iskeyword(key) and _plain_value(value)
@@ -76,7 +84,9 @@ class StraightLine:
 
     def run(self, tensors: dict) -> tuple[int, Exception, dict] | None:
         """Run the rows; None when all ran. Otherwise (the failing row, its error, the values
-        the rows before it left: id -> tensor), or (LOADING, KeyError, {}) if an input is missing."""
+        the rows before it left: id -> tensor), or (LOADING, KeyError, {}) if an input is missing.
+        Grad mode is as before, whichever row stopped it."""
+        grad_mode = torch.is_grad_enabled()
         try:
             self.function(tensors)
             return None
@@ -86,6 +96,8 @@ class StraightLine:
             made = {} if row == LOADING else {int(name[1:]): value for name, value in frame.f_locals.items()
                                               if name[0] == "t" and name[1:].isdigit()}
             return row, error, made
+        finally:
+            _set_grad_mode(grad_mode)
 
 
 def _generated_frame(traceback, name: str):
@@ -146,7 +158,10 @@ class _Writer:
         self.alive: set = set()    # ids whose local variable holds a value now
         self.made: set = set()     # ids some row assigned
         self.body: list = []       # (row index, line)
-        self.namespace: dict = {"_first": _first, "_outputs": _outputs, "_Tensor": torch.Tensor}
+        self.recording = False     # grad mode is on at this line (the run starts as the worker runs: off)
+        self.namespace: dict = {"_first": _first, "_outputs": _outputs, "_Tensor": torch.Tensor,
+                                "_recorded": _recorded, "_grad_mode": _set_grad_mode,
+                                "_grad_enabled": torch.is_grad_enabled}
 
     def take(self, index: int, command) -> bool:
         """Add the row and say True, or False if it cannot join this run."""
@@ -177,6 +192,13 @@ class _Writer:
         self.namespace[name] = kernel
         arguments = [self._source(a, place) for a in command.args]
         arguments += [f"{key}={self._source(value, place)}" for key, value in command.kwargs.items()]
+        if command.grad:   # the tensors it may record against, depth-first as Worker._grad_inputs finds them
+            inputs = "".join(f"t{i}, " for i in _ids_in((command.args, command.kwargs.values())))
+            arguments[:0] = [name, f"({inputs})"]
+            name = "_recorded"
+        if command.grad != self.recording:   # (the run's own mode: the worker's, off)
+            self.recording = command.grad
+            self.body.append((index, "_grad_mode(True)" if command.grad else "_grad_mode(grad_mode)"))
         call = f"{name}({', '.join(arguments)})"
         outs = [f"t{i}" for i in command.out_ids]
         if len(outs) == 1:   # a kernel's tuple result with one id keeps its first item, as Worker._store does
@@ -223,7 +245,11 @@ class _Writer:
         for tensor_id in self.loads:
             lines.append(f"    t{tensor_id} = tensors[{tensor_id}]")
             row_of_line.append(LOADING)
-        for index, line in self.body:
+        body = self.body + [(self.body[-1][0], "_grad_mode(grad_mode)")] if self.recording else self.body
+        if any(line == "_grad_mode(True)" for _, line in body):
+            lines.append("    grad_mode = _grad_enabled()")
+            row_of_line.append(LOADING)
+        for index, line in body:
             lines.append("    " + line)
             row_of_line.append(index)
         stored = sorted(i for i in self.alive if i in self.made and i not in scratch)
@@ -240,6 +266,14 @@ def _ids_in(value):
     elif isinstance(value, (tuple, list, type({}.values()))):
         for item in value:
             yield from _ids_in(item)
+
+
+def _recorded(kernel, candidates: tuple, /, *args, **kwargs):
+    """A row recorded for backward, as Worker._run_op runs one (grad mode is on)."""
+    return run_recorded(kernel, [tensor for tensor in candidates if tensor.requires_grad], args, kwargs)
+
+
+_set_grad_mode = torch._C._set_grad_enabled
 
 
 def _first(result):

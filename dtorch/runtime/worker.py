@@ -27,9 +27,9 @@ from . import protocol as wire
 from .comm import BackwardAbandoned, Communicator
 from . import graphs, straight_line
 from .file_shards import read_block, read_region, shard_file_name, write_safetensors
-from .backward import connect_outputs, run_backward
+from .backward import run_backward, run_recorded
 from .grad_buckets import BucketBuffers
-from .kernels import apply_steps, make_factory, saving_for
+from .kernels import apply_steps, make_factory
 from .optim_kernels import local_norm_share, optimizer_step, state_names, update_grads
 from .peers import Peers
 from .protocol import TensorRef
@@ -283,10 +283,7 @@ class Worker:
             args = [tensor(a.id) if type(a) is TensorRef else a for a in command.args]
             kwargs = _map_refs(command.kwargs, lambda ref: tensor(ref.id), self._place(mesh)) if command.kwargs else {}
         if command.grad:
-            inputs = _grad_inputs(args, kwargs)
-            with saving_for(inputs):
-                result = KERNELS[command.kernel](*args, **kwargs)
-            result = connect_outputs(result, inputs)
+            result = run_recorded(KERNELS[command.kernel], _grad_inputs(args, kwargs), args, kwargs)
         else:
             result = KERNELS[command.kernel](*args, **kwargs)
         self._store(command.out_ids, result)
