@@ -12,9 +12,9 @@ leaves in it.
 A row recorded for backward (`grad`, every op of a training step's forward) is a line too:
 `t12 = _recorded(k_mul_4, (t11,), t11, 1.0001)` runs the kernel as the per-command path does
 (backward.run_recorded: recorded against its inputs that require grad, saved through fsdp's
-hooks where one is a gathered parameter, outputs joined to those inputs), with grad mode on from the first such row of a
-stretch to the next row that is not one, where the mode the run started in (the worker's: off)
-comes back.
+hooks where one is a gathered parameter, outputs joined to those inputs). Grad mode is on from
+the first such row of a stretch to the next row that is not one, where the mode the run started
+in (the worker's: off) comes back.
 
 A graph's plan (`build`) is its rows in order, each run of plain rows (`plain_row`: tensors,
 scalars, dtypes and containers of them in, this rank's block where a rule asks for it, no peers,
