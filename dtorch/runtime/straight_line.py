@@ -159,6 +159,7 @@ class _Writer:
         self.made: set = set()     # ids some row assigned
         self.body: list = []       # (row index, line)
         self.recording = False     # grad mode is on at this line (the run starts as the worker runs: off)
+        self.recorded_any = False  # some line turns grad mode on: the function saves the mode first
         self.namespace: dict = {"_first": _first, "_outputs": _outputs, "_Tensor": torch.Tensor,
                                 "_recorded": _recorded, "_grad_mode": _set_grad_mode,
                                 "_grad_enabled": torch.is_grad_enabled}
@@ -198,6 +199,7 @@ class _Writer:
             name = "_recorded"
         if command.grad != self.recording:   # (the run's own mode: the worker's, off)
             self.recording = command.grad
+            self.recorded_any |= command.grad
             self.body.append((index, "_grad_mode(True)" if command.grad else "_grad_mode(grad_mode)"))
         call = f"{name}({', '.join(arguments)})"
         outs = [f"t{i}" for i in command.out_ids]
@@ -246,7 +248,7 @@ class _Writer:
             lines.append(f"    t{tensor_id} = tensors[{tensor_id}]")
             row_of_line.append(LOADING)
         body = self.body + [(self.body[-1][0], "_grad_mode(grad_mode)")] if self.recording else self.body
-        if any(line == "_grad_mode(True)" for _, line in body):
+        if self.recorded_any:
             lines.append("    grad_mode = _grad_enabled()")
             row_of_line.append(LOADING)
         for index, line in body:
