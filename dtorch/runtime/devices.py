@@ -11,6 +11,7 @@ making a CudaDevice does, so the CPU path never imports cupy.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import torch
 
@@ -56,13 +57,21 @@ class CpuDevice:
         return HostCopy(tensor.clone(memory_format=torch.contiguous_format))
 
     def small_bytes(self, tensor: torch.Tensor) -> bytes | None:
-        """A small tensor's bytes, copied now, so that a read sends them at once: one numpy copy
-        instead of a clone and a frame view (7 torch calls, ~8 us of a read's worker time hot,
-        several times that on a machine that just woke). None for a large tensor, which leaves
-        zero-copy from a snapshot (to_host), or a dtype numpy lacks (bfloat16)."""
-        if tensor.dtype not in _NUMPY_DTYPES or tensor.numel() * tensor.element_size() > SMALL_READ_BYTES:
+        """A small tensor's bytes, copied now, so that a read sends them at once: one copy instead
+        of a clone and a frame view (7 torch calls, ~8 us of a read's worker time hot, several
+        times that on a machine that just woke). A contiguous tensor's come straight from its
+        address (ctypes.string_at: 1.8 us hot, against 3.2 us through numpy). None for a large
+        tensor, which leaves zero-copy from a snapshot (to_host), or a strided one of a dtype
+        numpy lacks (bfloat16)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > SMALL_READ_BYTES:
             return None
-        return tensor.detach().numpy().tobytes()
+        if tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):   # (lazy bits: not in the bytes)
+            # its bytes where they lie, any dtype: one call, no numpy view
+            return ctypes.string_at(tensor.data_ptr(), nbytes) if nbytes else b""
+        if tensor.dtype not in _NUMPY_DTYPES:
+            return None
+        return tensor.detach().resolve_conj().resolve_neg().numpy().tobytes()
 
     def from_host(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.clone()
