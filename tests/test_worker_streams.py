@@ -141,7 +141,9 @@ class FrameLog:
     (torch.tensor(3, dtype=torch.int64), True),                    # 0-dim
     (torch.arange(12.0).reshape(3, 4).t(), True),                  # not contiguous: bytes in row-major order
     (torch.ones(3, dtype=torch.bool), True),
-    (torch.arange(4.0).to(torch.bfloat16), False),                 # numpy lacks bfloat16
+    (torch.arange(4.0).to(torch.bfloat16), True),                  # contiguous: its bytes, whatever the dtype
+    (torch.arange(8.0).to(torch.bfloat16)[::2], False),            # strided, and numpy lacks bfloat16
+    (torch.arange(-3.0, 3.0)[1:5], True),                          # a view with a storage offset
     (torch.arange(20_000.0), False),                               # 80 KB: a snapshot that leaves zero-copy
 ])
 def test_a_cpu_read_of_a_small_tensor_sends_its_bytes_at_once(tensor, at_once):

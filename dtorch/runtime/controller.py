@@ -282,6 +282,7 @@ class Controller:
         senders = meta.senders()
         read = FetchRead(mesh.ranks, future, meta, senders, tensor._seq)
         self.submit(wire.Fetch, tensor._id, self.define_mesh(mesh), senders, read=read)
+        read.prepare()
         if profiling.active is not None:
             profiling.active.read_issued(future, meta.describe())
         return future
