@@ -8,6 +8,7 @@ because a read completes only when every rank of the mesh has answered.
 from __future__ import annotations
 
 import contextlib
+import time
 
 from . import dtorch_session
 from .timing import Row, failed, interleaved, raising, stopwatch
@@ -59,7 +60,7 @@ def _dtorch_reads(world: int, reads: int):
         source = dtorch.ones(1, device_mesh=mesh, placements=[Replicate()])
     except Exception as error:  # noqa: BLE001 -- that world's row says why
         return raising(error)
-    return lambda: [_read_fresh_tensor(dtorch, source) for _ in range(reads + 1)][1:]
+    return lambda: [read_fresh_tensor(dtorch, source) for _ in range(reads + 1)][1:]
 
 
 def _row(variant: str, turns) -> Row:
@@ -69,9 +70,13 @@ def _row(variant: str, turns) -> Row:
     return Row(NAME, CASE, variant, "read", samples, reference=None if variant == RAW else (CASE, RAW))
 
 
-def _read_fresh_tensor(dtorch, source) -> float:
+def read_fresh_tensor(dtorch, source, pause_s: float = 0.0) -> float:
+    """Seconds to read a fresh copy of `source`, made and synchronized before the timer (then,
+    with `pause_s`, the processes left idle that long: benchmarks/read_idle.py)."""
     ready = source * 1.0
     dtorch.synchronize()
+    if pause_s:
+        time.sleep(pause_s)
     elapsed = stopwatch()
     ready.to_torch()
     return elapsed()

@@ -156,6 +156,20 @@ def test_the_redistribute_ab_script_runs():
         assert re.search(r"S\(0\)->S\(1\) [\d.]+ ms \(\d+\) \| S\(0\)->R [\d.]+ ms \(\d+\)", row), row
 
 
+@pytest.mark.timeout(120)
+def test_the_read_idle_script_runs():
+    """benchmarks.read_idle (docs/benchmarks.md quotes it): the cold-code line, then a dtorch read
+    and the raw round trip after each pause, with their ratio."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.read_idle", "--workers", "1", "--turns", "1",
+                             "--reads", "3", "--pauses-ms", "0", "1"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=110)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert re.search(r"cold code: .* 0 ms: [\d.]+, 1 ms: [\d.]+", result.stdout), result.stdout
+    for pause in ("0", "1"):
+        line = rf"1 worker\(s\), pause {pause} ms: dtorch read median \d+ us .* raw round trip \d+ us .*: [\d.]+x"
+        assert re.search(line, result.stdout), result.stdout
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("script, rows", [
     ("issue_cpu.py", (r"issue, short function: CPU us/op min [\d.]+ median [\d.]+",
