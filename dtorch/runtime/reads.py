@@ -159,8 +159,8 @@ class FetchRead(_Read):
     def prepare(self) -> None:
         """Once the Fetch is published, while the workers answer: make the result now, so that the
         reply only copies its bytes in. A thread that wakes for a reply runs its first torch calls
-        on cold caches: on a 2-core VM, frombuffer + reshape took 5 us hot and 140 us after a 10 ms
-        sleep (benchmarks/read_idle.py), and here that cost overlaps the round trip instead."""
+        on cold caches: on a 2-core VM, frombuffer + reshape took 2-6 us back to back and 32-45 us
+        after a 10 ms sleep (benchmarks/read_idle.py), and here that cost overlaps the round trip."""
         meta = self.meta
         if len(self.senders) == 1 and math.prod(meta.shape) * meta.dtype.itemsize <= PREPARED_READ_BYTES:
             self.prepared = torch.empty(meta.shape, dtype=meta.dtype)
