@@ -15,6 +15,7 @@ __all__ = [
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "UnsupportedMethodError",
     "CompileError", "RemoteError", "DependencyError", "WorkerLostError", "LostTensorError", "ProtocolError", "StartupError", "SessionEndedError",
     "UnreadFailureWarning", "user_site", "user_frame", "user_position", "format_site",
+    "site_location",
 ]
 
 
@@ -151,10 +152,15 @@ def format_site(site: tuple[str, int] | tuple[CodeType, int] | None) -> str:
     """file:line of a user_frame, or of a user_position."""
     if site is None:
         return "<unknown line>"
+    return "%s:%d" % site_location(site)
+
+
+def site_location(site: tuple[str, int] | tuple[CodeType, int]) -> tuple[str, int]:
+    """(file, line) of a user_frame, or of a user_position."""
     where, at = site
     if type(where) is CodeType:
-        return f"{where.co_filename}:{_line_at(where, at)}"
-    return f"{where}:{at}"
+        return where.co_filename, _line_at(where, at)
+    return where, at
 
 
 def user_site() -> str:

@@ -1,5 +1,8 @@
 """Bad input gets a clear error at the user's line; a worker-side failure comes back at the next
 read of a result that depends on it, and everything else keeps working."""
+import inspect
+import warnings
+
 import pytest
 import torch
 
@@ -74,6 +77,40 @@ def test_worker_exception_surfaces_at_the_read_with_rank_and_user_line(mesh4):
     with pytest.raises(DependencyError):
         quotient.redistribute(placements=[Replicate()]).to_torch()
     assert torch.equal((numerator + 1).to_torch(), torch.arange(8) + 1)  # the session goes on
+
+
+def _warnings_of(issue, repeats: int = 1) -> tuple[list, int]:
+    """The warnings shown while `issue` runs `repeats` times and its last result is read (with
+    every warning shown, repeats included), and the line of `issue` that made them."""
+    dtorch.synchronize()   # an earlier test's warnings are shown by now
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(repeats):
+            result = issue()
+        result.to_torch()
+    return caught, inspect.getsourcelines(issue)[1]
+
+
+def test_a_workers_warning_is_shown_once_at_the_users_line_not_once_per_rank(mesh4):
+    z = dtorch.randn(4, 5, device_mesh=mesh4, placements=[Shard(0)])
+    caught, line = _warnings_of(lambda: z.std(1, correction=5))   # every rank: degrees of freedom <= 0
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    shown = caught[0]
+    assert shown.category is UserWarning and shown.filename == __file__ and shown.lineno == line
+    assert str(shown.message).startswith("std (on the workers): ") and "degrees of freedom" in str(shown.message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the same op in plain torch warns alike
+        with pytest.raises(UserWarning, match="degrees of freedom"):
+            torch.randn(4, 5).std(1, correction=5)
+
+
+def test_every_command_that_warns_is_shown_and_the_session_goes_on(mesh4):
+    z = dtorch.randn(4, 5, device_mesh=mesh4, placements=[Shard(0)])
+    caught, line = _warnings_of(lambda: z.std(1, correction=5), repeats=3)
+    assert [w.lineno for w in caught] == [line] * 3   # one per command, whichever ranks raised it
+    quiet, _ = _warnings_of(lambda: z.std(1))
+    assert quiet == []
+    assert torch.equal((z * 0).to_torch(), torch.zeros(4, 5))
 
 
 def test_a_remote_error_names_the_exact_line_even_deep_in_a_long_function(mesh4, tmp_path):

@@ -17,6 +17,7 @@ Commands are numbered; the loop publishes them in order; workers check the numbe
 from __future__ import annotations
 
 import asyncio
+import builtins
 import collections
 import concurrent.futures
 import itertools
@@ -28,7 +29,7 @@ import warnings
 
 from ..distributed_spec import DeviceMesh
 from ..errors import (ProtocolError, SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site,
-                      user_frame, user_position)
+                      site_location, user_frame, user_position)
 from . import profiling
 from . import protocol as wire
 from .admission import Rejections, new_secret, secret_matches
@@ -113,6 +114,8 @@ class Controller:
         self._watchdog_waiting = False   # reading threads leave the socket to the loop's watchdog
         self._waiting_for_failure: dict[int, list] = collections.defaultdict(list)
         self.failures: dict[int, RemoteFailure] = {}
+        self._warning_registries: dict[str, dict] = {}   # file -> warnings' registry (shown once per line)
+        self._warnings_shown: set = set()   # (seq, category, message): one copy per command, of all ranks'
         self.commands_sent = self.batches_sent = 0
         self.redistributes_inserted = 0   # by the frontend, before ops whose placements did not line up
         self.checkpoint_tensors_loaded = 0          # by dtorch.checkpoint
@@ -633,6 +636,35 @@ class Controller:
             read = self._reads.get(waiting)
             if read is not None:
                 self._finish(waiting, read)
+
+    def _on_warning_report(self, identity: bytes, report: wire.WarningReport, data: list) -> None:
+        """A Python warning a command raised on a worker, shown here as a warning at the user's
+        line that issued the command (a compiled call's line for a replay). Every rank that runs
+        the op sends it; Python's registry shows it once per text, category and line, as it does
+        any warning. It is shown before any later read returns: a worker sends its warnings
+        before its replies, on the same socket."""
+        seq, rank, category, message = report
+        worker = self._sender(identity, rank)
+        if not worker.start_seq <= seq <= self._published_upto:
+            raise ProtocolError(f"a warning from rank {rank} for command #{seq}, which it was never sent")
+        if (seq, category, message) in self._warnings_shown:   # another rank's copy of the same one
+            return
+        if len(self._warnings_shown) >= SITE_RING:
+            self._warnings_shown.clear()
+        self._warnings_shown.add((seq, category, message))
+        what, filename, line = self._warning_site(seq)
+        found = getattr(builtins, category, None)   # a class of torch's own shows as UserWarning
+        category_type = found if isinstance(found, type) and issubclass(found, Warning) else UserWarning
+        warnings.warn_explicit(f"{what} (on the workers): {message}", category_type, filename, line,
+                               registry=self._warning_registries.setdefault(filename, {}))
+
+    def _warning_site(self, seq: int) -> tuple[str, str, int]:
+        """(what command `seq` was, the file and line that issued it) for a warning it raised."""
+        kept = self._kept(seq)
+        if kept is None or kept[1] is None:
+            return "a command", "<dtorch worker>", 0
+        what = kept[2] if type(kept[2]) is str else "a compiled call" if kept[2] is wire.RunGraph else kept[2].__name__
+        return (what, *site_location(kept[1]))
 
     def _kept(self, seq: int) -> tuple | None:
         """(seq, site, what) of a command still in the ring, else None."""

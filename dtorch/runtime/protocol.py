@@ -5,7 +5,7 @@ Directions
   controller -> worker   PUB/SUB   [topic R<rank>., Private, data..]  private upload bytes
   controller -> workers  PUB/SUB   [topic P, Probe]                   until every worker registered
   controller -> worker   ROUTER    [Welcome | Refused | Pong]
-  worker -> controller   DEALER    [Register | Reply | ErrorReport | Heartbeat, data...]
+  worker -> controller   DEALER    [Register | Reply | ErrorReport | WarningReport | Heartbeat, data...]
 
 Commands (DefineMesh ... Shutdown) are typed records that travel as rows of a Batch body; every
 other message is a typed record of its own (Batch ... Pong), encoded by `encode` and read back by
@@ -34,14 +34,15 @@ __all__ = [
     "DefineGraph", "RunGraph", "DropGraph", "COMMANDS", "handler_name", "encode_batch", "decode_batch", "span",
     "decode_rows", "command_row",
     # every other message
-    "Batch", "Private", "Probe", "Register", "Welcome", "Refused", "Reply", "ErrorReport", "Heartbeat", "Pong",
+    "Batch", "Private", "Probe", "Register", "Welcome", "Refused", "Reply", "ErrorReport", "WarningReport",
+    "Heartbeat", "Pong",
     "MESSAGES", "FROM_WORKER", "REPLY_STATUSES", "encode", "decode", "decode_from_worker", "read_header",
     # values inside messages
     "TensorRef", "WireRef", "wire_ref", "pack", "unpack", "dtype_name", "dtype_from_name", "encode_placement", "decode_placement",
     "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 12   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+VERSION = 13   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
               # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
               # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention);
               # 6: Regroup (lost ranks were replaced: communication groups of a new generation)
@@ -55,6 +56,8 @@ VERSION = 12   # 2: REGISTER carries the run's secret; 3: RunOp names the user's
               # 11: DefineGraph, RunGraph, DropGraph (dtorch.compile: a captured command list,
               #     replayed by one command that spans one seq per captured command)
               # 12: Backward.buckets (data-parallel gradients all-reduced during the backward)
+              # 13: WarningReport (a Python warning a command raised on a worker, shown once by the
+              #     controller at the user's line instead of printed by every rank)
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -76,6 +79,7 @@ class Kind(enum.IntEnum):
     HEARTBEAT = 14   # worker -> controller, every HEARTBEAT_INTERVAL
     PONG = 15        # controller -> worker, answers a heartbeat
     REFUSED = 16     # controller -> worker: registration rejected, with the reason
+    WARNING = 17     # worker -> controller: a command raised a Python warning; tagged with its seq
 
 
 HEARTBEAT_INTERVAL = 0.5
@@ -648,6 +652,13 @@ class ErrorReport(NamedTuple):  # worker -> controller: a command raised
     traceback: str
 
 
+class WarningReport(NamedTuple):  # worker -> controller: a command raised a Python warning
+    seq: int
+    rank: int
+    category: str               # the warning's class name (UserWarning, RuntimeWarning, ...)
+    message: str
+
+
 class Heartbeat(NamedTuple):    # worker -> controller, every HEARTBEAT_INTERVAL, own socket
     rank: int
     live_tensors: int           # tensors the worker holds now (dtorch.workers() shows it)
@@ -663,16 +674,17 @@ class Pong(NamedTuple):         # controller -> worker: answers a Heartbeat
 REPLY_STATUSES = ("ok", "poisoned", "missing")
 MESSAGES = {Batch: Kind.BATCH, Private: Kind.PRIVATE, Probe: Kind.PROBE, Register: Kind.REGISTER,
             Welcome: Kind.WELCOME, Refused: Kind.REFUSED, Reply: Kind.REPLY, ErrorReport: Kind.ERROR,
-            Heartbeat: Kind.HEARTBEAT, Pong: Kind.PONG}
+            WarningReport: Kind.WARNING, Heartbeat: Kind.HEARTBEAT, Pong: Kind.PONG}
 _MESSAGE_BY_KIND = {int(kind): message_type for message_type, kind in MESSAGES.items()}
 # The type of each field, checked on decode before anything looks at a value (bool is not an int).
 _MESSAGE_FIELDS = {
     Batch: (int, int), Private: (int,), Probe: (), Register: (int, str, int, str, str),
     Welcome: (int, str, NUMBER), Refused: (str,), Reply: (int, int, str, int),
-    ErrorReport: (int, int, str, str, str, str), Heartbeat: (int, int, int, int, NUMBER), Pong: (),
+    ErrorReport: (int, int, str, str, str, str), WarningReport: (int, int, str, str),
+    Heartbeat: (int, int, int, int, NUMBER), Pong: (),
 }
 # What workers may send the controller, and how many data frames may follow each header.
-FROM_WORKER = {Register: 0, Reply: 1, ErrorReport: 0, Heartbeat: 0}
+FROM_WORKER = {Register: 0, Reply: 1, ErrorReport: 0, WarningReport: 0, Heartbeat: 0}
 
 
 def encode(message) -> bytes:

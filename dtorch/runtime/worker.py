@@ -13,7 +13,9 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import threading
 import traceback
+import warnings
 
 import torch
 
@@ -63,6 +65,7 @@ class Worker:
         self.outgoing: list = []                    # (HostCopy, wire.Reply): replies waiting on the device
         self.running = True
         self.busy_seq = -1                          # the command running now (read by the heartbeat)
+        self._loop_thread = self._show_warning = None   # set by run(): warnings go to the controller
         self.profiler: CommandRecorder | None = None   # set while dtorch.profile records (handle_profile)
         self._handlers = {cls: getattr(self, wire.handler_name(cls)) for cls in wire.COMMANDS}
         # fault injection for tests/test_training.py: this rank's first Backward fails at its start
@@ -71,13 +74,29 @@ class Worker:
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
         torch.set_grad_enabled(False)   # only commands that say `grad` record for backward
-        try:
-            self._loop()
-        except ProtocolError as error:
-            # The command stream cannot be trusted any more: say why, then stop for good.
-            self.sockets.send([wire.encode(wire.ErrorReport(self.next_seq, self.rank, wire.PROTOCOL_FAILURE,
-                                                            "ProtocolError", str(error), ""))])
-            raise
+        self._loop_thread = threading.get_ident()
+        with warnings.catch_warnings():   # the filters and showwarning as they were, once the loop ends
+            self._show_warning, warnings.showwarning = warnings.showwarning, self._forward_warning
+            warnings.simplefilter("always")   # the controller's filters judge a repeat, by the user's line
+            warnings.filterwarnings("ignore", category=ResourceWarning)   # this process's own, never an op's
+            try:
+                self._loop()
+            except ProtocolError as error:
+                # The command stream cannot be trusted any more: say why, then stop for good.
+                self.sockets.send([wire.encode(wire.ErrorReport(self.next_seq, self.rank, wire.PROTOCOL_FAILURE,
+                                                                "ProtocolError", str(error), ""))])
+                raise
+
+    def _forward_warning(self, message, category, filename, lineno, file=None, line=None) -> None:
+        """warnings.showwarning while the loop runs. A warning that a command raises goes to the
+        controller, which shows it at the user's line: printed here, it came once per rank and
+        named this file. Every repeat goes too, since only the controller knows the user's line
+        that Python's filters judge repeats by. Any other warning (another thread's, or between
+        commands) prints here."""
+        if self.busy_seq < 0 or threading.get_ident() != self._loop_thread:
+            return self._show_warning(message, category, filename, lineno, file, line)
+        report = wire.WarningReport(self.busy_seq, self.rank, category.__name__, str(message))
+        self.sockets.send([wire.encode(report)])
 
     def _loop(self) -> None:
         while self.running:
