@@ -113,6 +113,28 @@ def test_every_command_that_warns_is_shown_and_the_session_goes_on(mesh4):
     assert torch.equal((z * 0).to_torch(), torch.zeros(4, 5))
 
 
+def test_an_empty_shards_warning_is_not_the_ops(mesh4):
+    """3 rows on 4 ranks: rank 3's shard has none, and std over its columns warns there alone;
+    torch on the whole (3, 5) tensor does not."""
+    values = torch.randn(3, 5)
+    x = dtorch.tensor(values, device_mesh=mesh4, placements=[Shard(0)])
+    caught, _ = _warnings_of(lambda: x.std(1))
+    assert caught == [], [str(w.message) for w in caught]
+    assert torch.allclose(x.std(1).to_torch(), values.std(1))
+
+
+def test_a_warning_inside_a_compiled_function_names_its_line_there(mesh4):
+    def spread(z):
+        return z.std(1, correction=5) + 1   # warns on every rank, in every replay
+
+    compiled = dtorch.compile(spread)
+    z = dtorch.randn(4, 5, device_mesh=mesh4, placements=[Shard(0)])
+    compiled(z)   # the capture runs it eagerly
+    caught, _ = _warnings_of(lambda: compiled(z))
+    assert compiled.captures == 1 and len(caught) == 1, [str(w.message) for w in caught]
+    assert caught[0].filename == __file__ and caught[0].lineno == inspect.getsourcelines(spread)[1] + 1
+
+
 def test_a_remote_error_names_the_exact_line_even_deep_in_a_long_function(mesh4, tmp_path):
     """Each command's place is kept as (code, instruction offset), and its line worked out only
     for an error: the line named is the one that issued the op, 300 lines into a function and

@@ -659,12 +659,19 @@ class Controller:
                                registry=self._warning_registries.setdefault(filename, {}))
 
     def _warning_site(self, seq: int) -> tuple[str, str, int]:
-        """(what command `seq` was, the file and line that issued it) for a warning it raised."""
+        """(what command `seq` was, the file and line that issued it) for a warning it raised: a
+        replayed row's is its line inside the compiled function, as an error's is."""
         kept = self._kept(seq)
+        if kept is None or kept[2] is wire.RunGraph:
+            for first, span, sites in reversed(self._replays):
+                if first <= seq < first + span:
+                    filename, _, line = sites[seq - first].rpartition(":")   # "<freed>": the call's line
+                    if line.isdigit():
+                        return "a compiled call", filename, int(line)
+                    break
         if kept is None or kept[1] is None:
             return "a command", "<dtorch worker>", 0
-        what = kept[2] if type(kept[2]) is str else "a compiled call" if kept[2] is wire.RunGraph else kept[2].__name__
-        return (what, *site_location(kept[1]))
+        return (kept[2] if type(kept[2]) is str else kept[2].__name__, *site_location(kept[1]))
 
     def _kept(self, seq: int) -> tuple | None:
         """(seq, site, what) of a command still in the ring, else None."""

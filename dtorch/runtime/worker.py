@@ -66,6 +66,7 @@ class Worker:
         self.running = True
         self.busy_seq = -1                          # the command running now (read by the heartbeat)
         self._loop_thread = self._show_warning = None   # set by run(): warnings go to the controller
+        self._inputs = ()                           # the local inputs of the op running now (warnings)
         self.profiler: CommandRecorder | None = None   # set while dtorch.profile records (handle_profile)
         self._handlers = {cls: getattr(self, wire.handler_name(cls)) for cls in wire.COMMANDS}
         # fault injection for tests/test_training.py: this rank's first Backward fails at its start
@@ -91,10 +92,13 @@ class Worker:
         """warnings.showwarning while the loop runs. A warning that a command raises goes to the
         controller, which shows it at the user's line: printed here, it came once per rank and
         named this file. Every repeat goes too, since only the controller knows the user's line
-        that Python's filters judge repeats by. Any other warning (another thread's, or between
-        commands) prints here."""
+        that Python's filters judge repeats by. One raised by an op with an empty local input is
+        dropped: where the whole tensor is not empty, it is the shard's, not the op's. Any other
+        warning (another thread's, or between commands) prints here."""
         if self.busy_seq < 0 or threading.get_ident() != self._loop_thread:
             return self._show_warning(message, category, filename, lineno, file, line)
+        if any(type(a) is torch.Tensor and a.numel() == 0 for a in self._inputs):
+            return   # an empty shard's (std over 0 rows): torch on the whole tensor does not warn
         report = wire.WarningReport(self.busy_seq, self.rank, category.__name__, str(message))
         self.sockets.send([wire.encode(report)])
 
@@ -157,13 +161,13 @@ class Worker:
             args = [tensors[a.id] if type(a) is TensorRef else a for a in command.args]
         except KeyError:
             return False
-        self.busy_seq = command.seq
+        self.busy_seq, self._inputs = command.seq, args
         try:
             self._store(command.out_ids, KERNELS[command.kernel](*args, **command.kwargs))
         except Exception as error:  # any failure of one command; the worker goes on
             self._failed(command, error)
         finally:
-            self.busy_seq = -1
+            self.busy_seq, self._inputs = -1, ()
         return True
 
     def _execute(self, command) -> None:
@@ -176,7 +180,7 @@ class Worker:
         except Exception as error:  # any failure of one command; the worker goes on
             self._failed(command, error)
         finally:
-            self.busy_seq = -1
+            self.busy_seq, self._inputs = -1, ()
 
     def _failed(self, command, error: Exception) -> None:
         self._poison(command, command.seq)
@@ -301,6 +305,7 @@ class Worker:
             tensor = self._tensor
             args = [tensor(a.id) if type(a) is TensorRef else a for a in command.args]
             kwargs = _map_refs(command.kwargs, lambda ref: tensor(ref.id), self._place(mesh)) if command.kwargs else {}
+        self._inputs = args
         if command.grad:
             result = run_recorded(KERNELS[command.kernel], _grad_inputs(args, kwargs), args, kwargs)
         else:
