@@ -135,6 +135,27 @@ def test_a_warning_inside_a_compiled_function_names_its_line_there(mesh4):
     assert caught[0].filename == __file__ and caught[0].lineno == inspect.getsourcelines(spread)[1] + 1
 
 
+def test_a_warning_the_filters_make_an_error_fails_the_op_at_its_read(mesh4):
+    """As under `python -W error` in plain torch the op raises, so here its result's read does,
+    and synchronize() raises it if nothing read it; the session goes on."""
+    z = dtorch.randn(4, 5, device_mesh=mesh4, placements=[Shard(0)])
+    dtorch.synchronize()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", category=UserWarning)
+        line = inspect.currentframe().f_lineno + 1
+        spread = z.std(1, correction=5)   # every rank warns: degrees of freedom <= 0
+        with pytest.raises(RemoteError) as info:
+            spread.to_torch()
+        unread = z.std(1, correction=6)
+        with pytest.raises(RemoteError, match="degrees of freedom"):
+            dtorch.synchronize()
+        assert torch.equal((z * 0).to_torch(), torch.zeros(4, 5))   # no warning: reads as usual
+    error = info.value
+    assert error.op == "std" and error.exception_type == "UserWarning" and "degrees of freedom" in str(error)
+    assert error.user_site == f"{__file__}:{line}"
+    del unread
+
+
 def test_a_remote_error_names_the_exact_line_even_deep_in_a_long_function(mesh4, tmp_path):
     """Each command's place is kept as (code, instruction offset), and its line worked out only
     for an error: the line named is the one that issued the op, 300 lines into a function and

@@ -642,7 +642,8 @@ class Controller:
         line that issued the command (a compiled call's line for a replay). Every rank that runs
         the op sends it; Python's registry shows it once per text, category and line, as it does
         any warning. It is shown before any later read returns: a worker sends its warnings
-        before its replies, on the same socket."""
+        before its replies, on the same socket. Where the filters make it an error, it is the
+        command's failure: a read of the command's result raises it, as synchronize() does."""
         seq, rank, category, message = report
         worker = self._sender(identity, rank)
         if not worker.start_seq <= seq <= self._published_upto:
@@ -655,8 +656,14 @@ class Controller:
         what, filename, line = self._warning_site(seq)
         found = getattr(builtins, category, None)   # a class of torch's own shows as UserWarning
         category_type = found if isinstance(found, type) and issubclass(found, Warning) else UserWarning
-        warnings.warn_explicit(f"{what} (on the workers): {message}", category_type, filename, line,
-                               registry=self._warning_registries.setdefault(filename, {}))
+        try:
+            warnings.warn_explicit(f"{what} (on the workers): {message}", category_type, filename, line,
+                                   registry=self._warning_registries.setdefault(filename, {}))
+        except Warning as raised:   # the user's filters make it an error (-W error): the op failed
+            if seq not in self.failures:
+                self.failures[seq] = RemoteFailure(seq, what, self._site_of(seq), type(raised).__name__, str(raised),
+                                                   "(a worker's warning, made an error by the warnings filters)",
+                                                   [rank])
 
     def _warning_site(self, seq: int) -> tuple[str, str, int]:
         """(what command `seq` was, the file and line that issued it) for a warning it raised: a

@@ -184,6 +184,10 @@ class FetchRead(_Read):
                 return False
             self.fail(failure.error(self.produced_seq))
             return True
+        failure = failures.get(self.produced_seq)   # every rank computed it, and then it failed
+        if failure is not None:                     # anyway (a warning the filters made an error)
+            self.fail(failure.error(self.produced_seq))
+            return True
         missing = [r for r, (status, _) in self.statuses.items() if status == "missing"]
         if missing:
             self.fail(DTorchError(f"tensor {self.meta.describe()} is not on rank(s) {missing}: "
