@@ -660,10 +660,13 @@ class Controller:
             warnings.warn_explicit(f"{what} (on the workers): {message}", category_type, filename, line,
                                    registry=self._warning_registries.setdefault(filename, {}))
         except Warning as raised:   # the user's filters make it an error (-W error): the op failed
-            if seq not in self.failures:
-                self.failures[seq] = RemoteFailure(seq, what, self._site_of(seq), type(raised).__name__, str(raised),
-                                                   "(a worker's warning, made an error by the warnings filters)",
-                                                   [rank])
+            self._failed_by_warning(seq, rank, what, raised)
+
+    def _failed_by_warning(self, seq: int, rank: int, what: str, raised: Warning) -> None:
+        """Command `seq` failed as torch's op would under these filters: its result's read raises."""
+        if seq not in self.failures:
+            self.failures[seq] = RemoteFailure(seq, what, self._site_of(seq), type(raised).__name__, str(raised),
+                                               "(a worker's warning, made an error by the warnings filters)", [rank])
 
     def _warning_site(self, seq: int) -> tuple[str, str, int]:
         """(what command `seq` was, the file and line that issued it) for a warning it raised: a
