@@ -89,6 +89,19 @@ def test_nonzero_is_refused_with_what_to_write_instead(mesh4):
             call()
 
 
+def test_ops_whose_shape_depends_on_the_values_say_so_and_what_to_write(mesh4):
+    x = _up(torch.tensor([3.0, 1.0, 3.0, 2.0]), mesh4, [Shard(0)])
+    refusals = {"values": (lambda: torch.unique(x), lambda: x.unique(), lambda: torch.unique_consecutive(x)),
+                "True elements": (lambda: torch.masked_select(x, x > 1), lambda: x.masked_select(x > 1)),
+                "largest value": (lambda: torch.bincount(x.long()),)}
+    for what, calls in refusals.items():
+        for call in calls:
+            with pytest.raises(UnsupportedOpError, match=f"shape is|length is") as info:
+                call()
+            assert what in str(info.value) and "test_api_compat.py" in str(info.value)
+            assert "to_torch()" in str(info.value)
+
+
 # --- DTorch's spellings --------------------------------------------------------------------------
 def test_device_data_and_to_torch_async(mesh4):
     a = torch.randn(6, 2)

@@ -49,6 +49,17 @@ NOTES = {
                     "read them with x.to_torch().nonzero(as_tuple=...) (and upload the indices with "
                     "dtorch.tensor(...) if needed), or keep the shape with a mask: where(mask, x, 0), "
                     "masked_fill, (x != 0).sum()"),
+    # the same for every op whose output's shape depends on the values: no rank knows it alone
+    **dict.fromkeys(("unique", "unique_consecutive"),
+                    "its shape is the number of distinct values, known only after reading them: read "
+                    "them with x.to_torch().unique(...), or keep the shape: dtorch.sort(x) puts equal "
+                    "values side by side, (x == value).sum() counts one of them"),
+    "masked_select": "its shape is the number of True elements in the mask, known only after reading "
+                     "it: keep the shape with dtorch.where(mask, x, 0) or x.masked_fill(~mask, 0), or "
+                     "read first: x.to_torch()[mask.to_torch()]",
+    "bincount": "its length is the largest value plus one, known only after reading the values: read "
+                "them with x.to_torch().bincount(), or count a known range with "
+                "(x.unsqueeze(-1) == dtorch.arange(n, ...)).sum(0)",
     "to_local": "the controller holds no shards: read the whole tensor with x.to_torch() (or await "
                 "x.fetch()); x.local_shape(rank) and x.local_offset(rank) say where each rank's shard sits",
 }
