@@ -672,16 +672,14 @@ class Controller:
         """(what command `seq` was, the file and line that issued it) for a warning it raised: a
         replayed row's is its line inside the compiled function, as an error's is."""
         kept = self._kept(seq)
-        if kept is None or kept[2] is wire.RunGraph:
-            for first, span, sites in reversed(self._replays):
-                if first <= seq < first + span:
-                    filename, _, line = sites[seq - first].rpartition(":")   # "<freed>": the call's line
-                    if line.isdigit():
-                        return "a compiled call", filename, int(line)
-                    break
+        row = self._replayed_row(seq) if kept is None or kept[2] is wire.RunGraph else None
+        if row is not None:
+            filename, _, line = row[1].rpartition(":")
+            if line.isdigit():   # not "<freed>" (then the call's line, below)
+                return "a compiled call", filename, int(line)
         if kept is None or kept[1] is None:
             return "a command", "<dtorch worker>", 0
-        return (kept[2] if type(kept[2]) is str else kept[2].__name__, *site_location(kept[1]))
+        return (_what(kept), *site_location(kept[1]))
 
     def _kept(self, seq: int) -> tuple | None:
         """(seq, site, what) of a command still in the ring, else None."""
@@ -693,13 +691,21 @@ class Controller:
         names sites[i], the line inside the compiled function."""
         self._replays.append((seq, span, sites))
 
-    def _replayed_site(self, seq: int) -> str | None:
+    def _replayed_row(self, seq: int) -> tuple[int, str] | None:
+        """(the replay's RunGraph seq, the row's file:line inside the compiled function) of a
+        command that a replay ran, else None."""
         for first, span, sites in reversed(self._replays):
             if first <= seq < first + span:
-                kept = self._kept(first)
-                call = f", in the compiled call at {format_site(kept[1])}" if kept is not None else ""
-                return f"{sites[seq - first]} (replayed{call})"
+                return first, sites[seq - first]
         return None
+
+    def _replayed_site(self, seq: int) -> str | None:
+        row = self._replayed_row(seq)
+        if row is None:
+            return None
+        kept = self._kept(row[0])
+        call = f", in the compiled call at {format_site(kept[1])}" if kept is not None else ""
+        return f"{row[1]} (replayed{call})"
 
     def _site_of(self, seq: int) -> str:
         kept = self._kept(seq)
@@ -721,8 +727,7 @@ class Controller:
         kept = self._kept(seq)
         if kept is None:
             return f"command #{seq}"
-        what = kept[2] if type(kept[2]) is str else kept[2].__name__   # a RunOp's user op, else the command
-        return f"command #{seq} ({what}, issued at {format_site(kept[1])})"
+        return f"command #{seq} ({_what(kept)}, issued at {format_site(kept[1])})"
 
     async def _watch(self) -> None:
         ticked = time.monotonic()
@@ -781,3 +786,8 @@ def _end(handle) -> None:
         handle.wait(2)
     except Exception:  # an ssh session slow to go: its worker exits on stdin EOF anyway
         pass
+
+
+def _what(kept: tuple) -> str:
+    """What a kept command was: a RunOp's user op (`std`), else the command's name."""
+    return kept[2] if type(kept[2]) is str else kept[2].__name__
