@@ -37,6 +37,10 @@ class OpPlan(NamedTuple):
 
 
 PLAN_CACHE: dict[tuple, OpPlan] = {}
+# Meta inference reads only global shapes, dtypes and the other arguments, never placements: every
+# layout of the same shapes shares one run of torch's meta kernels (python refs, ~1 ms for a
+# norm), so a new placement of known shapes plans at the cost of the rules alone.
+INFERENCE_CACHE: dict[tuple, tuple] = {}
 # Strict: refuse a call whose placements do not line up (today's PlacementError) instead of
 # inserting the cheapest redistributes. Plans differ by mode, so a change clears the cache.
 _strict = os.environ.get("DTORCH_STRICT", "").strip().lower() not in ("", "0", "false", "no")
@@ -171,8 +175,26 @@ def warm_up_inference() -> None:
 
 
 def _infer(op: RegisteredOp, args, kwargs, specs) -> tuple[tuple, bool]:
-    """Output (shape, dtype) pairs from running the torch function on meta tensors, and whether
+    """Output (shape, dtype) pairs from running the torch function on meta tensors, and
     the type of torch's result when it is a sequence (None for a single tensor)."""
+    key = signature(op, *map_tensors((args, kwargs), _ShapeOnly), [])
+    found = INFERENCE_CACHE.get(key)
+    if found is None:
+        found = INFERENCE_CACHE[key] = _run_meta(op, args, kwargs, specs)
+    return found
+
+
+class _ShapeOnly:
+    """A tensor argument as inference's cache sees it: its global shape and dtype, placed on
+    nothing (interned like any meta, so the key stays small)."""
+    __slots__ = ("_meta",)
+
+    def __init__(self, tensor):
+        spec = tensor._meta
+        self._meta = tensor_meta(spec.shape, spec.dtype, spec.mesh, ())
+
+
+def _run_meta(op: RegisteredOp, args, kwargs, specs) -> tuple[tuple, bool]:
     meta = lambda value: value._meta.meta()  # noqa: E731
     try:
         result = op.torch_fn(*map_tensors(args, meta), **map_tensors(kwargs, meta))
