@@ -85,7 +85,7 @@ def test_command_line():
     assert bad.returncode != 0 and "no_such_op" in bad.stderr
 
 
-@pytest.mark.timeout(900)   # plans every placement combination of every op: ~3 min of CPU
+@pytest.mark.timeout(300)   # plans every placement combination of every op: ~20 s (meta inference once per shape)
 def test_docs_ops_md_is_generated_from_the_tables():
     from dtorch.ops.tooling.docs import render
     with open(os.path.join(REPO, "docs", "ops.md")) as f:
