@@ -38,8 +38,8 @@ class OpPlan(NamedTuple):
 
 PLAN_CACHE: dict[tuple, OpPlan] = {}
 # Meta inference reads only global shapes, dtypes and the other arguments, never placements: every
-# layout of the same shapes shares one run of torch's meta kernels (python refs, ~1 ms for a
-# norm), so a new placement of known shapes plans at the cost of the rules alone.
+# layout of the same shapes shares one run of torch's meta kernels (Python refs: ~6 ms for
+# batch_norm_from_moments), so a new placement of known shapes plans at the cost of the rules alone.
 INFERENCE_CACHE: dict[tuple, tuple] = {}
 # Strict: refuse a call whose placements do not line up (today's PlacementError) instead of
 # inserting the cheapest redistributes. Plans differ by mode, so a change clears the cache.
