@@ -434,8 +434,11 @@ def _issue_op(name: str, args: tuple, kwargs: dict):
             raise
         args, kwargs = joined
         plan = cached_plan(name, args, kwargs)
+    moves = ()
     if plan.moves:
-        args, kwargs = _apply_moves(plan.moves, args, kwargs)
+        moves = _fused_moves(plan, args, kwargs)
+        if moves is None:
+            args, kwargs, moves = *_apply_moves(plan.moves, args, kwargs), ()
     out_specs = plan.out_specs
     controller = session.controller()
     wire_args, nodes, nested = _wire_args(controller, args)
@@ -452,14 +455,14 @@ def _issue_op(name: str, args: tuple, kwargs: dict):
     if not plan.sequence:
         out_id = controller.new_id()
         seq = controller.submit(RunOp, (out_id,), mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps,
-                                grad)
+                                grad, moves)
         result = DTensor(out_id, out_specs[0], seq, controller)
         if grad:
             record_op(nodes, (result,), out_specs[0].mesh)
     else:
         out_ids = controller.new_ids(len(out_specs))
         seq = controller.submit(RunOp, out_ids, mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps,
-                                grad)
+                                grad, moves)
         # torch's own result type: torch.return_types.max keeps .values / .indices, as in torch
         result = plan.sequence([DTensor(i, spec, seq, controller) for i, spec in zip(out_ids, out_specs)])
         if grad:
@@ -516,11 +519,32 @@ def _nested_grad_nodes(args: tuple, kwargs: dict) -> list:
 NOT_DIFFERENTIABLE = frozenset({"detach"})
 
 
+def _fused_moves(plan, args: tuple, kwargs: dict) -> tuple | None:
+    """The plan's inserted redistributes (dtorch.set_strict(False), the default) as RunOp.moves:
+    the op's own command runs them first (dtorch/runtime/fused_moves.py), so each moved input
+    lives on the workers only while the op runs and there is no Redistribute command, symbol or
+    Free for it. None where they must be Redistribute commands instead: the kernel exchanges
+    blocks itself (plan.fused_moves is empty), or one tensor is moved twice (cat([x, x]), which
+    a Redistribute moves once)."""
+    if not plan.fused_moves:
+        return None
+    tensors = []
+    map_tensors((args, kwargs), tensors.append)
+    moved = [tensors[index] for index, *_ in plan.fused_moves]
+    if len({tensor._id for tensor in moved}) < len(moved):
+        return None
+    grad_mode, fused = is_grad_enabled(), []
+    for (index, shape, dtype, placements, steps), (_, target), tensor in zip(plan.fused_moves, plan.moves, moved):
+        with profiling.span("redistribute (inserted)", "redistribute", to=format_placements(target), fused=True):
+            fused.append((index, shape, dtype_name(dtype), placements, steps, grad_mode and tensor._node is not None))
+        tensor._controller.count_inserted_redistribute()
+    return tuple(fused)
+
+
 def _apply_moves(moves: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The plan's inserted redistributes (dtorch.set_strict(False), the default), issued as
-    ordinary Redistribute commands before the op: their failure semantics (a poisoned input joins
-    the collectives with zeros) are the tested ones. Tensors are numbered as `signature` numbers
-    them; one tensor passed twice with the same target moves once."""
+    """The plan's inserted redistributes issued as Redistribute commands before the op, where
+    _fused_moves cannot fuse them. Tensors are numbered as `signature` numbers them; one tensor
+    passed twice with the same target moves once."""
     targets, numbers, moved = dict(moves), iter(range(1 << 30)), {}
 
     def move(tensor: DTensor) -> DTensor:

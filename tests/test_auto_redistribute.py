@@ -1,6 +1,6 @@
 """Automatic communication: a call whose input placements the rules refuse gets the cheapest
-redistributes (ops/auto_redistribute.py), issued as Redistribute commands before the op, and
-equals torch; dtorch.set_strict(True) keeps the refusal with its legal alternatives.
+redistributes (ops/auto_redistribute.py), fused into the op's own command (RunOp.moves), and
+equals torch, gradients and dtorch.compile replays included; dtorch.set_strict(True) keeps the refusal with its legal alternatives.
 
 The randomized sweep draws placement combinations (R, S(d), P(sum), P(max) per input and mesh
 dim; P(sum) inputs split element by element over the ranks so that every reduction order is
@@ -107,6 +107,61 @@ def test_one_tensor_passed_twice_moves_once(mesh4):
     z = dtorch.cat([x, x], 0)        # cat along the sharded dim: both inputs move to the same target
     assert dtorch.stats()["redistributes_inserted"] - before == 1
     assert_same(z.to_torch(), torch.cat([a, a], 0))
+
+
+def _commands_sent_by(call) -> int:
+    dtorch.synchronize()
+    before = dtorch.stats()["commands_sent"]
+    result = call()
+    dtorch.synchronize()
+    return dtorch.stats()["commands_sent"] - before - 1, result   # less synchronize's Sync
+
+
+def test_a_move_rides_in_the_op_command(mesh4):
+    """One RunOp, no Redistribute (nor a Free for its output); a tensor passed twice still gets
+    one Redistribute, and a Free for its output once the op has run."""
+    a, b = torch.randn(7, 6), torch.randn(7, 6)
+    x, y = up(a, mesh4, [Shard(0)]), up(b, mesh4, [Shard(1)])
+    sent, z = _commands_sent_by(lambda: x + y)
+    assert sent == 1 and z.placements == (Shard(0),)
+    assert_same(z.to_torch(), a + b)
+    sent, z = _commands_sent_by(lambda: dtorch.cat([y, y], 1))
+    assert sent == 3   # Redistribute, RunOp, Free
+    assert_same(z.to_torch(), torch.cat([b, b], 1))
+
+
+@pytest.mark.parametrize("mesh_name", ["mesh4", "mesh22"])
+def test_gradients_through_fused_moves_equal_torch(request, mesh_name):
+    """Each move is recorded with its dual collective only where its input requires grad: x and
+    w do, y (moved as well) does not."""
+    mesh = request.getfixturevalue(mesh_name)
+    g = torch.Generator().manual_seed(3)
+    a, b, c = torch.randn(7, 6, generator=g), torch.randn(7, 6, generator=g), torch.randn(6, 5, generator=g)
+    x = up(a, mesh, _on(mesh, [Shard(1)])).requires_grad_()
+    y = up(b, mesh, _on(mesh, [Shard(0)]))
+    w = up(c, mesh, _on(mesh, [Shard(1)])).requires_grad_()
+    before = dtorch.stats()["redistributes_inserted"]
+    loss = ((x + y) @ w).tanh().sum()
+    assert dtorch.stats()["redistributes_inserted"] > before
+    loss.backward()
+    ta, tc = a.clone().requires_grad_(), c.clone().requires_grad_()
+    ((ta + b) @ tc).tanh().sum().backward()
+    assert_same(x.grad.to_torch(), ta.grad)
+    assert_same(w.grad.to_torch(), tc.grad)
+    assert x.grad.placements == x.placements and w.grad.placements == w.placements
+
+
+def test_a_compiled_function_replays_its_fused_moves(mesh4):
+    a, b = torch.randn(8, 6), torch.randn(8, 6)
+    x, y = up(a, mesh4, [Shard(0)]), up(b, mesh4, [Shard(1)])
+
+    @dtorch.compile
+    def step(p, q):
+        return (p + q).softmax(0) * q
+
+    expected = (a + b).softmax(0) * b
+    for _ in range(3):   # a capture, then replays
+        assert_same(step(x, y).to_torch(), expected)
 
 
 def test_moves_of_tensors_nested_in_lists_follow_call_numbering(mesh4):

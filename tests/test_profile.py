@@ -125,6 +125,8 @@ def test_collective_bytes_of_a_known_redistribute(mesh4, source, target, kind):
 
 
 def test_an_inserted_redistribute_is_a_controller_span_inside_the_op(mesh4, automatic):
+    """Fused (RunOp.moves): on the workers the move's all-to-all runs inside the add's own
+    command, and no Redistribute command is sent."""
     a = dtorch.randn(8, 8, device_mesh=mesh4, placements=[Shard(0)])
     b = dtorch.randn(8, 8, device_mesh=mesh4, placements=[Shard(1)])
     with dtorch.profile() as prof:
@@ -133,7 +135,13 @@ def test_an_inserted_redistribute_is_a_controller_span_inside_the_op(mesh4, auto
     add = next(e for e in spans if e["name"] == "add")
     inserted = [e for e in spans if e["name"] == "redistribute (inserted)"]
     assert inserted and add["ts"] <= inserted[0]["ts"] and inserted[0]["ts"] + inserted[0]["dur"] <= add["ts"] + add["dur"]
-    assert any(e["name"] == "redistribute" for e in _worker_commands(prof.trace, 0))
+    assert inserted[0]["args"]["fused"] is True
+    commands = _worker_commands(prof.trace, 0)
+    assert not any(e["name"] == "redistribute" for e in commands)
+    worker_add = next(e for e in commands if e["name"] == "add")
+    collectives = [e for e in prof.trace["traceEvents"] if e.get("cat") == "comm" and e["pid"] == 1]
+    assert [c["name"] for c in collectives] == ["all_to_all"]
+    assert worker_add["ts"] <= collectives[0]["ts"] <= worker_add["ts"] + worker_add["dur"]
 
 
 def test_backward_and_optimizer_step_are_spans(mesh4):

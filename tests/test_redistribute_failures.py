@@ -114,3 +114,41 @@ def test_a_move_failing_on_one_rank_poisons_the_result_and_frees_the_peer(monkey
     assert workers[1].poisoned.get(2) == 3                      # the receiver's output: the move's seq
     kind, seq, rank, op, error_type, message = failed.sockets.sent[-1][1:7]
     assert (kind, seq, rank, error_type) == (wire.Kind.ERROR, 3, failing, "MemoryError")
+
+
+# An op whose inserted moves ride in its own command (RunOp.moves, runtime/fused_moves.py): x and
+# y are S(1); both move S(1) -> S(0) (an all-to-all each) before the add.
+TO_ROWS = ((0, Shard(1), Shard(0)),)
+FUSED = [(wire.DefineMesh, 0, "cpu", (2,), (0, 1)),
+         (wire.Factory, 1, 0, "full", (6, 4), "float32", (Shard(1),), (3.0,)),
+         (wire.Factory, 2, 0, "full", (6, 4), "float32", (Shard(1),), (5.0,)),
+         (wire.RunOp, (3,), 0, "add", "add", (wire.TensorRef(1), wire.TensorRef(2)), {}, (), False,
+          ((0, (6, 4), "float32", (Shard(1),), TO_ROWS, False), (1, (6, 4), "float32", (Shard(1),), TO_ROWS, False)))]
+
+
+def test_an_op_with_fused_moves_runs_them_on_every_rank():
+    for worker in run_on_two_ranks(FUSED):
+        assert torch.equal(worker.tensors[3], torch.full((3, 4), 8.0)), worker.rank
+        assert set(worker.tensors) == {1, 2, 3} and not worker.sockets.sent   # no moved copy is kept
+
+
+@pytest.mark.parametrize("where", ["_pad_to", "_join_pieces"], ids=["before its collective", "after it"])
+def test_a_fused_move_failing_on_one_rank_still_joins_every_later_move(monkeypatch, where):
+    """The first move fails on rank 1; the second move's all-to-all must still be joined there,
+    or rank 0 would wait in it. The op's output is poisoned with its seq and the error reported."""
+    fail_on(monkeypatch, kernels, where)
+    healthy, failed = run_on_two_ranks(FUSED)
+    assert not healthy.sockets.sent and 3 in healthy.tensors
+    assert failed.poisoned.get(3) == 3 and 3 not in failed.tensors
+    kind, seq, rank, op, error_type, message = failed.sockets.sent[-1][1:7]
+    assert (kind, seq, rank, op, error_type) == (wire.Kind.ERROR, 3, 1, "add", "MemoryError") and where in message
+
+
+def test_a_poisoned_input_of_a_fused_move_joins_with_zeros_and_poisons_the_op(monkeypatch):
+    """x's factory fails on rank 1 (reported under its own seq): the add's moves still run there,
+    x's with zeros, and the add's output carries x's failure, not a new one."""
+    fail_on(monkeypatch, worker_module, "make_factory")
+    healthy, failed = run_on_two_ranks(FUSED)
+    assert not healthy.sockets.sent and 3 in healthy.tensors
+    assert failed.poisoned.get(1) == 1 and failed.poisoned.get(3) == 1
+    assert [header[2] for header in failed.sockets.sent] == [1]   # one report: the factory's

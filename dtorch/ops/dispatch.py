@@ -15,7 +15,7 @@ from ..distributed_spec import format_placements
 from ..errors import MeshError, PlacementError, ShapeError, user_site
 from ..redistribute import plan_redistribute
 from .auto_redistribute import legal_call, takes_communication
-from .registry import REGISTRY, RegisteredOp
+from .registry import PEER_KERNELS, REGISTRY, RegisteredOp
 from .rules import Call, TensorSlot, expand
 from .tensor_meta import TensorMeta, tensor_meta
 from .suggest import spell_placements_code
@@ -34,6 +34,9 @@ class OpPlan(NamedTuple):
                                    # torch.return_types.max, ...); kept even for one element
     moves: tuple = ()         # ((tensor_index, target placements), ...): redistributes to issue
                               # before the op; out_specs, input_steps and kernel are for the moved inputs
+    fused_moves: tuple = ()   # the same moves as steps the op's own command runs first:
+                              # ((tensor_index, shape, dtype, placements, steps), ...); () where
+                              # the kernel exchanges blocks itself (PEER_KERNELS: moves go first)
 
 
 PLAN_CACHE: dict[tuple, OpPlan] = {}
@@ -135,7 +138,14 @@ def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMet
     kernel, extra = op.local(call, required) if op.local else (op.name, {})
     out_specs = tuple(tensor_meta(shape, dtype, mesh, placements)
                       for (shape, dtype), placements in zip(outputs, out_placements))
-    return OpPlan(kernel, out_specs, input_steps, extra, sequence, moves)
+    fused = () if kernel in PEER_KERNELS else _fused_moves(moves, specs)
+    return OpPlan(kernel, out_specs, input_steps, extra, sequence, moves, fused)
+
+
+def _fused_moves(moves: tuple, specs: list) -> tuple:
+    """Each move as the redistribute steps from the input's own placements to its target."""
+    return tuple((index, specs[index].shape, specs[index].dtype, specs[index].placements,
+                  tuple(plan_redistribute(specs[index].placements, target))) for index, target in moves)
 
 
 def _holds_torch_tensor(args, kwargs) -> bool:

@@ -55,7 +55,7 @@ def plain_row(command, peer_kernels) -> bool:
     """A RunOp whose kernel can be called with its inputs as the per-command path would pass them:
     tensors, scalars, dtypes, tuples or lists of those, and this rank's block (a ShardRegion)
     where the rule put one in the kwargs or inside a container. Recorded for backward or not."""
-    return (type(command) is wire.RunOp and not command.input_steps
+    return (type(command) is wire.RunOp and not command.input_steps and not command.moves
             and command.kernel not in peer_kernels
             and all(type(a) is not ShardRegion and _plain_value(a) for a in command.args)
             and all(type(key) is str and key.isidentifier() and not keyword.iskeyword(key) and _plain_value(value)

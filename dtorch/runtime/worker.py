@@ -31,6 +31,7 @@ from . import graphs, straight_line
 from .file_shards import read_block, read_region, shard_file_name, write_safetensors
 from .backward import run_backward, run_recorded
 from .grad_buckets import BucketBuffers
+from .fused_moves import run_moves
 from .kernels import apply_steps, make_factory
 from .optim_kernels import local_norm_share, optimizer_step, state_names, update_grads
 from .peers import Peers
@@ -151,7 +152,7 @@ class Worker:
         else, including a missing or poisoned input, whose error it words. The caller has entered
         the compute stream (_run_batch; a RunGraph runs inside _execute). A failure here is
         handled as _execute handles one: poisoned outputs and a report under the command's seq."""
-        if (type(command) is not wire.RunOp or command.grad or command.input_steps or self.in_flight
+        if (type(command) is not wire.RunOp or command.grad or command.input_steps or command.moves or self.in_flight
                 or command.kernel in PEER_KERNELS or not _flat(command.args)
                 or (command.kwargs and not _SCALARS.issuperset(map(type, command.kwargs.values())))
                 or self._member(command.mesh_id) is None):
@@ -299,7 +300,7 @@ class Worker:
     def _run_op(self, command: wire.RunOp, mesh: DeviceMesh) -> None:
         if command.kernel in PEER_KERNELS:
             return self._run_with_peers(command, mesh)
-        if command.input_steps or not _flat(command.args):
+        if command.input_steps or command.moves or not _flat(command.args):
             args, kwargs = self._localized_args(command, mesh)
         else:  # the common case: top-level tensors and scalars, nothing to slice
             tensor = self._tensor
@@ -320,18 +321,42 @@ class Worker:
             self.tensors[out_ids[0]] = result
 
     def _localized_args(self, command: wire.RunOp, mesh: DeviceMesh):
-        """Resolve tensors depth-first; slice the Replicate inputs the op needs as shards."""
+        """Resolve tensors depth-first; run the fused moves, then slice the Replicate inputs the
+        op needs as shards."""
         local_steps = {index: rest for index, *rest in command.input_steps}
+        moved = self._moved_inputs(command, mesh) if command.moves else {}
         numbering = itertools.count()
 
         def local(ref: TensorRef) -> torch.Tensor:
-            tensor, index = self._tensor(ref.id), next(numbering)
+            index = next(numbering)
+            tensor = moved[index] if index in moved else self._tensor(ref.id)
             if index in local_steps:
                 shape, placements, steps = local_steps[index]
                 tensor = apply_steps(tensor, shape, mesh, placements, steps, self.rank, self.comm)
             return tensor
         place = self._place(mesh)
         return _map_refs(command.args, local, place), _map_refs(command.kwargs, local, place)
+
+    def _moved_inputs(self, command: wire.RunOp, mesh: DeviceMesh) -> dict:
+        """{tensor_index: input after its move} for RunOp.moves, run on the communication stream
+        before anything here can raise: every move joins its collectives (fused_moves.py), then
+        a poisoned or missing input, or a failed step, raises for the whole op."""
+        refs, sources, failure = _refs_in_order(command), {}, None
+        for index, *_ in command.moves:
+            try:
+                sources[index] = self._held(refs[index].id)
+            except (Poisoned, KeyError) as error:
+                failure = failure or error
+        (moved, failed), done = self.device.communicate(
+            lambda: run_moves(command.moves, sources, mesh, self.rank, self.comm, self.device.torch_device),
+            tuple(sources.values()))
+        failure = failure or failed
+        if failure is not None:
+            raise failure
+        if done is not None:
+            for tensor in moved.values():
+                self.device.wait(done, tensor)
+        return moved
 
     def _place(self, mesh: DeviceMesh):
         """The rank-local value of a ShardRegion (where this rank's block sits: (offset, shape))
@@ -754,6 +779,13 @@ _SCALARS = frozenset((int, float, bool, str, type(None)))   # kwargs values a pl
 
 
 RANK_LOCAL = (ShardRegion, PeerGroup)   # argument types each rank replaces with its own value
+
+
+def _refs_in_order(command: wire.RunOp) -> list:
+    """The command's tensor references, numbered as dispatch numbers them (args, then kwargs)."""
+    found = []
+    _map_refs((command.args, command.kwargs), found.append, lambda value: value)
+    return found
 
 
 def _map_refs(value, fn, place):
