@@ -59,7 +59,7 @@ class DTensor:
     def __del__(self):
         controller = self._controller
         if controller is not None:
-            controller.release(self._id)
+            controller.release(self._id, self._meta.block_bytes)
 
     # --- what the symbol knows -----------------------------------------------------------
     @property

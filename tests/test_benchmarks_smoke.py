@@ -179,9 +179,12 @@ def test_the_read_idle_script_runs():
         "worker, eager", "worker, replayed", "worker, replayed row by row", "worker, eager, general path only",
         "worker, replayed, general path only", "worker, replayed row by row, general path only"))
      + (r"\n  decoding alone +[\d.]+ us/op\n", r"\n  plain torch +[\d.]+ us/op")),
+    ("moved_ops.py", (r"y moved S\(1\) -> S\(0\), \(64, 128\) on 4 workers: issuing CPU us/op min [\d.]+ median [\d.]+; "
+                      r"wall us/op median \d+",
+                      r"12 layers h = \(h @ w\)\.tanh\(\), \(1024, 1024\) float32: peak worker memory above idle [\d.]+ MiB")),
 ])
 def test_the_standalone_ab_scripts_run_against_a_checkout(script, rows):
-    """benchmarks/issue_cpu.py and worker_cpu.py (docs/benchmarks.md quotes them) run as files,
+    """benchmarks/issue_cpu.py, worker_cpu.py and moved_ops.py (docs quote them) run as files,
     importing dtorch from the checkout PYTHONPATH names, as the A/B procedure runs them."""
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--reps", "2"], cwd="/",
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=170)

@@ -152,6 +152,28 @@ def test_dropped_tensors_are_freed_on_workers(mesh4):
     assert growth_mib < 64, f"worker memory grew by {growth_mib:.0f} MiB"
 
 
+def test_a_dropped_large_block_is_freed_before_the_next_command(mesh4):
+    """Small dropped symbols wait for a Free of 16 (or the next flush); one whose block on each
+    worker reaches FREE_AT_ONCE_BYTES goes in a Free before the next command, so a chain of large
+    temporaries does not keep up to 16 dead buffers on every worker."""
+    from dtorch.runtime.controller import FREE_AT_ONCE_BYTES
+    controller = session.controller()
+    rows = FREE_AT_ONCE_BYTES // (4 * 64) * 4   # float32 (rows, 64), S(0): one block per rank
+    small = dtorch.ones(8, device_mesh=mesh4, placements=[Shard(0)])
+    large = dtorch.ones(rows, 64, device_mesh=mesh4, placements=[Shard(0)])
+    dtorch.synchronize()
+    assert large._meta.block_bytes == FREE_AT_ONCE_BYTES and small._meta.block_bytes < FREE_AT_ONCE_BYTES
+    dropped = small._id
+    del small
+    keep = dtorch.ones(1, device_mesh=mesh4, placements=[Shard(0)])
+    assert dropped in controller.released_pending()
+    dropped = large._id
+    del large
+    keep = keep + 1   # (the old `keep`, small, is dropped after this op: it waits)
+    assert dropped not in controller.released_pending()
+    assert torch.equal(keep.to_torch(), torch.full((1,), 2.0))
+
+
 async def test_await_from_a_user_event_loop_does_not_block_it(mesh4):
     ticks = 0
 

@@ -4,6 +4,7 @@ and placements every call. ("spec" now names only distributed_spec, the seed's m
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from typing import NamedTuple
 
@@ -21,6 +22,8 @@ class TensorMeta(NamedTuple):
     mesh: DeviceMesh
     placements: tuple
     key: int          # unique per (shape, dtype, mesh, placements): the plan cache's key for it
+    block_bytes: int  # bytes of one rank's block (the global size over the shard count): what a
+                      # dropped symbol holds on each worker until its Free
 
     def describe(self) -> str:
         return f"{format_placements(self.placements)} shape={tuple(self.shape)} {str(self.dtype)[6:]}"
@@ -55,8 +58,14 @@ def tensor_meta(shape, dtype: torch.dtype, mesh: DeviceMesh, placements) -> Tens
     found = _interned.get(identity)
     if found is None:
         with _lock:
-            found = _interned.setdefault(identity, TensorMeta(shape, dtype, mesh, placements, next(_keys)))
+            found = _interned.setdefault(identity, TensorMeta(shape, dtype, mesh, placements, next(_keys),
+                                                               _block_bytes(shape, dtype, mesh, placements)))
     return found
+
+
+def _block_bytes(shape: tuple, dtype: torch.dtype, mesh: DeviceMesh, placements: tuple) -> int:
+    shards = math.prod(mesh.shape[dim] for dim, p in enumerate(placements) if p.is_shard())
+    return -(-math.prod(shape) * dtype.itemsize // shards)
 
 
 def check_placements(placements, ndim: int, mesh: DeviceMesh) -> tuple:

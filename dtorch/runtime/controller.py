@@ -56,6 +56,10 @@ AGED_FLUSH_S = 0.002
 BUSY_RECHECK_S = 0.001
 BATCH_LIMIT = 4096
 FREE_BATCH = 16
+# ... except a dropped symbol whose block on each worker is this large: its Free goes before the
+# next command, so a chain of large temporaries (an activation per layer) does not keep up to 16
+# dead buffers on every worker.
+FREE_AT_ONCE_BYTES = 1 << 20
 # The issuing line of the last SITE_RING commands is kept for error messages. Each slot also keeps
 # its seq, so an error about an older command says its line is gone instead of naming another's.
 SITE_RING = 1 << 16
@@ -87,6 +91,7 @@ class Controller:
         self._pending: list = []
         self._private: dict[int, list] = {}
         self._released: collections.deque = collections.deque()
+        self._free_now = False   # a large block was dropped: free before the next command
         self._next_seq = 0
         self._published_upto = 0
         self._flush_scheduled = False   # the idle-flush timer is armed (it disarms only when idle)
@@ -154,7 +159,7 @@ class Controller:
             capture.check(command_type, site, read, private)
         now = time.monotonic()
         with self._lock:
-            if len(self._released) >= FREE_BATCH:
+            if self._free_now or len(self._released) >= FREE_BATCH:
                 self._free_released()
             seq = self._next_seq
             self._next_seq = seq + span
@@ -221,7 +226,10 @@ class Controller:
     def _free_released(self) -> None:
         """Lock held: one Free for the symbols dropped since the last command, placed before the
         next command so workers free buffers in program order (not once per batch)."""
+        self._free_now = False
         ids = tuple(self._released.popleft() for _ in range(len(self._released)))
+        if not ids:
+            return
         free = wire.Free(self._next_seq, ids)
         self._pending.append(free)
         self._next_seq += 1
@@ -241,9 +249,13 @@ class Controller:
     def new_ids(count: int) -> tuple:
         return tuple(next(_TENSOR_IDS) for _ in range(count))
 
-    def release(self, tensor_id: int) -> None:
-        """Called from DTensor.__del__ (any thread, any time): a lock-free append."""
+    def release(self, tensor_id: int, block_bytes: int = 0) -> None:
+        """Called from DTensor.__del__ (any thread, any time): a lock-free append. A large block
+        asks for its Free before the next command (the flag is read under the lock in submit;
+        set after the append, so the Free it asks for holds the id)."""
         self._released.append(tensor_id)
+        if block_bytes >= FREE_AT_ONCE_BYTES:
+            self._free_now = True
 
     def define_mesh(self, mesh: DeviceMesh) -> int:
         """The mesh's id; the first call for a mesh also sends DefineMesh (the only way a mesh

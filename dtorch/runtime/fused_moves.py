@@ -2,9 +2,9 @@
 whose placements the op's rule refuses), run by the op's own command instead of a Redistribute
 command each.
 
-Why fused: one command instead of two or more, and a moved input (an all-gathered weight, say)
-lives only while the op runs. As a Redistribute's output it stayed on the workers until the
-controller's next Free, which batches up to 16 dropped symbols.
+Why fused: one command instead of two or more (the issuing thread's CPU per op with a move
+halves: docs/architecture.md, "Enqueue"), and a moved input (an all-gathered weight, say) lives
+only while the op runs, not until the Free of its symbol.
 
 The failure rule is a Redistribute's (Worker._stand_in): every rank joins every collective of
 every move, in order, whatever happened here. An input that is poisoned or missing on this rank
