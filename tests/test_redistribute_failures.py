@@ -1,5 +1,6 @@
-"""A redistribute step or a move between meshes that fails on one rank only must not leave its
-peers in a collective, nor let a receiver keep blocks a failed sender never filled.
+"""A redistribute step, a move fused into an op (RunOp.moves) or a move between meshes that fails
+on one rank only must not leave its peers in a collective, nor let a receiver keep blocks a failed
+sender never filled.
 
 Two real Workers (threads of this process, real Gloo over a TCPStore) run the same commands; an
 injected MemoryError hits one rank's local work before or after a collective, as running out of
