@@ -141,8 +141,9 @@ def test_a_fused_move_failing_on_one_rank_still_joins_every_later_move(monkeypat
     healthy, failed = run_on_two_ranks(FUSED)
     assert not healthy.sockets.sent and 3 in healthy.tensors
     assert failed.poisoned.get(3) == 3 and 3 not in failed.tensors
-    kind, seq, rank, op, error_type, message = failed.sockets.sent[-1][1:7]
+    kind, seq, rank, op, error_type, message, remote_traceback = failed.sockets.sent[-1][1:8]
     assert (kind, seq, rank, op, error_type) == (wire.Kind.ERROR, 3, 1, "add", "MemoryError") and where in message
+    assert "redistribute dtorch inserted before this op: input 0, [S(1)] -> [S(0)]" in remote_traceback
 
 
 def test_a_poisoned_input_of_a_fused_move_joins_with_zeros_and_poisons_the_op(monkeypatch):
