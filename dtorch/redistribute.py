@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .distributed_spec import Partial, Placement, Replicate, Shard, distinct_shard_ranks, local_region
+from .distributed_spec import (Partial, Placement, Replicate, Shard, distinct_shard_ranks, format_placements,
+                               local_region)
 
-__all__ = ["plan_redistribute", "plan_transfer", "LOCAL_ONLY", "step_kind"]
+__all__ = ["plan_redistribute", "plan_transfer", "LOCAL_ONLY", "step_kind", "format_steps"]
 
 R = Replicate()
 
@@ -33,6 +34,15 @@ def step_kind(before: Placement, after: Placement) -> str:
 
 
 LOCAL_ONLY = frozenset({"slice", "partialize"})
+
+
+def format_steps(placements, steps) -> str:
+    """S(0) -> R, one arrow per step: the placements a redistribute goes through."""
+    current, shown = list(placements), [format_placements(placements)]
+    for mesh_dim, _, after in steps:
+        current[mesh_dim] = after
+        shown.append(format_placements(current))
+    return " -> ".join(shown)
 
 
 def plan_redistribute(src: Sequence[Placement], dst: Sequence[Placement]) -> list[tuple[int, Placement, Placement]]:

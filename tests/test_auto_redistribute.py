@@ -1,6 +1,7 @@
 """Automatic communication: a call whose input placements the rules refuse gets the cheapest
 redistributes (ops/auto_redistribute.py), fused into the op's own command (RunOp.moves), and
-equals torch, gradients and dtorch.compile replays included; dtorch.set_strict(True) keeps the refusal with its legal alternatives.
+equals torch, gradients and dtorch.compile replays included; dtorch.set_strict(True) keeps the
+refusal with its legal alternatives.
 
 The randomized sweep draws placement combinations (R, S(d), P(sum), P(max) per input and mesh
 dim; P(sum) inputs split element by element over the ranks so that every reduction order is
@@ -109,7 +110,8 @@ def test_one_tensor_passed_twice_moves_once(mesh4):
     assert_same(z.to_torch(), torch.cat([a, a], 0))
 
 
-def _commands_sent_by(call) -> int:
+def _commands_sent_by(call) -> tuple:
+    """(commands `call` sent, its result)."""
     dtorch.synchronize()
     before = dtorch.stats()["commands_sent"]
     result = call()

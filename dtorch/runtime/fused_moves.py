@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed_spec import DeviceMesh, format_placements, local_region
+from ..distributed_spec import DeviceMesh, local_region
+from ..redistribute import format_steps
 from .comm import Communicator
 from .kernels import apply_steps
 from .protocol import dtype_from_name
@@ -42,14 +43,7 @@ def run_moves(moves: tuple, sources: dict, mesh: DeviceMesh, rank: int, comm: Co
         except Exception as error:  # noqa: BLE001 -- raised by the caller after the other moves
             # the report's traceback then says the op failed in a move the user did not write
             error.add_note(f"in the redistribute dtorch inserted before this op: input {index}, "
-                           f"{format_placements(placements)} -> {format_placements(_after(placements, steps))} "
-                           "(dtorch.set_strict(True) makes every redistribute explicit)")
+                           f"{format_steps(placements, steps)} (dtorch.set_strict(True) makes every "
+                           "redistribute explicit)")
             failure = failure or error
     return moved, failure
-
-
-def _after(placements: tuple, steps: tuple) -> tuple:
-    after = list(placements)
-    for mesh_dim, _, placement in steps:
-        after[mesh_dim] = placement
-    return tuple(after)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 
 from ..distributed_spec import format_placements
+from ..redistribute import format_steps
 from . import protocol as wire
 
 __all__ = ["CommandRecorder", "RecordingComm", "clock_frame", "sent_bytes"]
@@ -78,7 +79,7 @@ def _describe(command) -> tuple[str, str]:
     if kind is wire.RunOp:
         return command.op, "" if command.kernel == command.op else command.kernel
     if kind is wire.Redistribute:
-        return "redistribute", _steps(command.placements, command.steps)
+        return "redistribute", format_steps(command.placements, command.steps)
     if kind is wire.Transfer:
         return "transfer", f"{format_placements(command.src_placements)} -> {format_placements(command.dst_placements)}"
     if kind in (wire.Factory, wire.OptimizerStep, wire.UpdateGrads):
@@ -88,15 +89,6 @@ def _describe(command) -> tuple[str, str]:
     if kind in (wire.LoadShard, wire.LoadChunks):
         return kind.__name__, command.name
     return kind.__name__, ""
-
-
-def _steps(placements, steps) -> str:
-    """S(0) -> R, one arrow per step: the placements the redistribute goes through."""
-    current, shown = list(placements), [format_placements(placements)]
-    for mesh_dim, _, after in steps:
-        current[mesh_dim] = after
-        shown.append(format_placements(current))
-    return " -> ".join(shown)
 
 
 def _outputs(command) -> tuple:
