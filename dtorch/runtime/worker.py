@@ -2,6 +2,8 @@
 local shards, one handler per command type (named after it), and answers only reads.
 
 A worker process starts as `python -m dtorch.runtime.worker_process` (start-up lives there).
+The handlers of training commands (backward, optimizer steps) are in worker_training.py, those
+of checkpoint files in worker_files.py: Worker inherits them.
 
 A command that raises does not stop the worker: its outputs become "poisoned" with the command's
 seq, the error goes back tagged with that seq, and anything computed from a poisoned tensor is
@@ -12,45 +14,36 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import threading
 import traceback
 import warnings
 
 import torch
 
-from ..distributed_spec import (DeviceMesh, PeerGroup, ShardRegion, holds_partial_sum_value, local_region,
-                                narrow_to_box, nest_ranks)
+from ..distributed_spec import DeviceMesh, PeerGroup, ShardRegion, local_region, narrow_to_box, nest_ranks
 from ..errors import ProtocolError
 from ..ops import KERNELS
 from ..ops.registry import PEER_KERNELS
 from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
 from . import protocol as wire
-from .comm import BackwardAbandoned, Communicator
+from .comm import Communicator
 from . import graphs, straight_line
-from .file_shards import read_block, read_region, shard_file_name, write_safetensors
-from .backward import run_backward, run_recorded
+from .backward import run_recorded
 from .grad_buckets import BucketBuffers
 from .fused_moves import run_moves
 from .kernels import apply_steps, make_factory
-from .optim_kernels import local_norm_share, optimizer_step, state_names, update_grads
 from .peers import Peers
+from .poisoned import Poisoned
 from .protocol import TensorRef
 from .transport import WorkerSockets
+from .worker_files import CheckpointCommands
 from .worker_profiling import CommandRecorder, clock_frame
+from .worker_training import TrainingCommands
 
 __all__ = ["Worker", "Poisoned"]
 
 
-class Poisoned(Exception):
-    """An input was produced by a failed command (origin seq attached)."""
-
-    def __init__(self, origin: int):
-        super().__init__(origin)
-        self.origin = origin
-
-
-class Worker:
+class Worker(TrainingCommands, CheckpointCommands):
     def __init__(self, rank: int, sockets: WorkerSockets, comm: Communicator, device, start_seq: int,
                  host_comm: Communicator | None = None):
         self.rank, self.sockets, self.comm, self.device = rank, sockets, comm, device
@@ -258,35 +251,6 @@ class Worker:
         _, shape = local_region(command.shape, mesh, command.placements, mesh.coordinate_of(self.rank))
         data = wire.tensor_from_frame(frames[0].buffer, wire.dtype_from_name(command.dtype), shape)
         self.tensors[command.out_id] = self.device.from_host(data)
-
-    def handle_load_shard(self, command: wire.LoadShard) -> None:
-        """Read this rank's block of a tensor straight from a checkpoint file, cast it, keep it."""
-        stored = wire.dtype_from_name(command.stored_dtype)
-        self._load_block(command, lambda offset, shape, what: read_block(
-            command.path, command.data_offset, stored, command.shape, offset, shape, what))
-
-    def _load_block(self, command, read) -> None:
-        """A checkpoint read's common part (LoadShard, LoadChunks): `read(offset, shape, what)`
-        gives this rank's block as stored; it is cast where the tensor lives (on a GPU after the
-        upload). Under P(sum) only one rank per group holds the value (as an upload would): the
-        others hold zeros and read nothing."""
-        mesh = self._member(command.mesh_id)
-        if mesh is None:
-            return
-        coordinate = mesh.coordinate_of(self.rank)
-        offset, shape = local_region(command.shape, mesh, command.placements, coordinate)
-        dtype = wire.dtype_from_name(command.dtype)
-        if not holds_partial_sum_value(command.placements, coordinate):
-            self.tensors[command.out_id] = torch.zeros(shape, dtype=dtype, device=self.device.torch_device)
-            return
-        try:
-            block = read(offset, shape, f"tensor {command.name!r}, rank {self.rank} on host {socket.gethostname()}")
-        except FileNotFoundError as missing:   # the usual multi-host mistake: say the ways out
-            raise FileNotFoundError(f"{missing}. Every worker reads its own block from the path the controller "
-                                    "gave: put the checkpoint on a shared filesystem every host mounts at that path "
-                                    "(or load with via_controller=True)") from None
-        on_device = block if block.device == self.device.torch_device else self.device.from_host(block)
-        self.tensors[command.out_id] = on_device.to(dtype)
 
     def handle_run_op(self, command: wire.RunOp) -> None:
         mesh = self._member(command.mesh_id)
@@ -604,131 +568,11 @@ class Worker:
             frame = clock_frame([])
         self.sockets.send([wire.encode(wire.Reply(command.seq, self.rank, "ok", -1)), frame])
 
-    def handle_require_grad(self, command: wire.RequireGrad) -> None:
-        for tensor_id in command.ids:
-            tensor = self.tensors.get(tensor_id)
-            if tensor is not None:   # (a rank off the tensor's mesh holds nothing)
-                tensor.requires_grad_(command.flag)
-
-    def handle_set_grads(self, command: wire.SetGrads) -> None:
-        for leaf_id, grad_id in zip(command.leaf_ids, command.grad_ids):
-            leaf = self.tensors.get(leaf_id)
-            if leaf is not None:
-                leaf.grad = None if grad_id < 0 else self._held(grad_id)
-
-    def handle_backward(self, command: wire.Backward) -> None:
-        """torch's autograd over this rank's local graph, from the roots. Every rank of the mesh
-        takes part (the collectives recorded in forward run their duals), so first the ranks
-        agree whether any of them lost a root or seed to an earlier failure: then all skip."""
-        mesh = self._member(command.mesh_id)
-        if mesh is None:
-            return
-        try:
-            roots = [self._tensor(i) for i in command.roots]
-            seeds = [self._tensor(i) for i in command.seeds]
-            origin = -1
-        except Poisoned as poisoned:
-            origin = poisoned.origin
-        agreed = self._agree_on_failure(mesh.ranks, origin)
-        if agreed >= 0:
-            raise Poisoned(agreed)
-        self._backward_together(mesh, command, roots, seeds)
-
-    def _backward_together(self, mesh: DeviceMesh, command: wire.Backward, roots: list, seeds: list) -> None:
-        """A rank whose own backward fails (out of memory, a missing derivative) says so in the
-        store; the others, waiting for it in one of the backward's collectives, stop (comm's
-        abort_key), and all settle the outcome over a group nothing else uses. After a failure,
-        every rank drops the groups the backward ran on, so no half-finished collective stays."""
-        gloo = self.host_comm   # Gloo: the store and the settling group
-        key = f"dtorch/backward-failed/{command.seq}"
-        waiting = [c for c in {id(self.comm): self.comm, id(gloo): gloo}.values() if hasattr(c, "abort_key")]
-        for comm in waiting:    # (NCCL's collectives do not wait on the host: CUDA meshes are not covered)
-            comm.abort_key = key
-        failure = None
-        try:
-            if self._fail_next_backward:   # fault injection, for the tests of this path
-                self._fail_next_backward = False
-                raise RuntimeError(f"injected failure in backward on rank {self.rank}")
-            run_backward(self.tensors, roots, seeds, command, self.comm, mesh, self.rank, self.grad_buffers)
-        except Exception as error:
-            failure = error
-            if not isinstance(error, BackwardAbandoned):
-                gloo.store.set(key, b"1")
-        finally:
-            for comm in waiting:
-                comm.abort_key = None
-        if len(mesh.ranks) > 1 and gloo.settle(mesh.ranks, failure is not None):
-            for comm in waiting:
-                comm.renew(mesh.ranks, command.seq)
-            if failure is None or isinstance(failure, BackwardAbandoned):
-                raise Poisoned(command.seq)   # the rank that failed reports the error; here, only poison
-        if failure is not None:
-            raise failure
-
     def handle_regroup(self, command: wire.Regroup) -> None:
         """Lost ranks were replaced: no group holding one is used again (comm.regroup). Poison
         and tensors of the old processes are the controller's to refuse; nothing here holds them."""
         for comm in {id(self.comm): self.comm, id(self.host_comm): self.host_comm}.values():
             comm.regroup(command.generation, command.replaced)
-
-    def handle_optimizer_step(self, command: wire.OptimizerStep) -> None:
-        """torch.optim's update, in place on this rank's shards (runtime/optim_kernels.py)."""
-        if self._member(command.mesh_id) is None:
-            return
-        params = [self._tensor(i) for i in command.param_ids]
-        grads = [self._tensor(i) for i in command.grad_ids]
-        count = len(state_names(command.kind, command.hyper))
-        ids = [command.state_ids[i * count:(i + 1) * count] for i in range(len(params))]
-        states = [None if new else [self._tensor(i) for i in own] for own, new in zip(ids, command.fresh)]
-        buffers = optimizer_step(command.kind, command.hyper, params, grads, states, command.steps, command.fresh)
-        for own, made in zip(ids, buffers):
-            self.tensors.update(zip(own, made))
-
-    def handle_grad_norm(self, command: wire.GradNorm) -> None:
-        mesh = self._member(command.mesh_id)
-        if mesh is None:
-            return
-        grads = [self._tensor(i) for i in command.grad_ids]
-        dtype = grads[0].dtype if grads else torch.float32
-        self.tensors[command.out_id] = local_norm_share(grads, command.placements, mesh.coordinate_of(self.rank),
-                                                        command.norm_type, dtype)
-
-    def handle_update_grads(self, command: wire.UpdateGrads) -> None:
-        if self._member(command.mesh_id) is None:
-            return
-        factor = self._tensor(command.factor_id) if command.factor_id >= 0 else None
-        update_grads(command.kind, [self._tensor(i) for i in command.grad_ids], factor, command.bound)
-
-
-    def handle_save_shard(self, command: wire.SaveShard) -> None:
-        """Write this rank's blocks of the tensors naming it into one new safetensors file, fsynced
-        (runtime/file_shards.py). A tensor that failed earlier fails the save, naming its key: a
-        checkpoint is never written with a hole."""
-        mine = [(tensor_id, name) for rank, tensor_id, name in command.writes if rank == self.rank]
-        if not mine:
-            return
-        blocks = []
-        for tensor_id, name in mine:
-            try:
-                blocks.append((name, self._tensor(tensor_id).cpu()))
-            except Poisoned as poisoned:   # reported (not only poisoned): this command has no output to carry it
-                raise RuntimeError(f"cannot save {name!r}: it comes from command #{poisoned.origin}, which failed") from None
-        path = os.path.join(command.directory, shard_file_name(self.rank, command.file_index))
-        try:
-            write_safetensors(path, blocks)
-        except FileNotFoundError:   # the usual multi-host mistake: the controller's directory is not here
-            raise FileNotFoundError(f"rank {self.rank} on host {socket.gethostname()} cannot create {path}: its "
-                                    "directory does not exist on this host. Every worker writes into the directory "
-                                    "the controller made: save to a filesystem every host mounts there") from None
-
-    def handle_load_chunks(self, command: wire.LoadChunks) -> None:
-        """Read this rank's block of a tensor saved as chunks (a sharded checkpoint, any layout):
-        only the parts of the chunks that overlap it."""
-        chunks = [(path, data_offset, wire.dtype_from_name(stored), chunk_offset, chunk_shape)
-                  for path, data_offset, stored, chunk_offset, chunk_shape in command.chunks]
-        dtype = wire.dtype_from_name(command.dtype)
-        self._load_block(command, lambda offset, shape, what: read_region(chunks, offset, shape, dtype, what))
-
 
 _ON_COMMAND_SOCKET = (wire.Batch, wire.Private, wire.Probe)   # probes need no answer once registered
 
