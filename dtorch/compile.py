@@ -71,7 +71,7 @@ class _Graph:
         input_ids = tuple(t._id for t in inputs) + tuple(t._id for t in self.state)
         seq = controller.submit(wire.RunGraph, self.graph_id, self.span, input_ids, out_ids,
                                 seed, first - self.random_start, shifts, self.defined_seq, span=self.span)
-        controller.note_replay(seq, self.span, self.sites)
+        controller.sites.note_replay(seq, self.span, self.sites)
         for hook in self.after_replay:
             hook()
         self.replays += 1

@@ -63,7 +63,7 @@ def test_a_failing_kernel_is_reported_under_the_op_the_user_called():
 
 
 def test_an_error_older_than_the_call_site_ring_says_its_line_is_gone():
-    from dtorch.runtime.controller import SITE_RING
+    from dtorch.runtime.command_sites import SITE_RING
     controller = Controller()
 
     def issue():   # submit records the line that called its caller, as dtorch's own calls do
@@ -71,8 +71,8 @@ def test_an_error_older_than_the_call_site_ring_says_its_line_is_gone():
     try:
         for _ in range(SITE_RING + 1):
             last = issue()
-        assert "test_protocol.py" in controller._site_of(last)
-        assert "not kept" in controller._site_of(0)   # its slot now holds command #SITE_RING's line
+        assert "test_protocol.py" in controller.sites.site_of(last)
+        assert "not kept" in controller.sites.site_of(0)   # its slot now holds command #SITE_RING's line
     finally:
         controller.shutdown()
 

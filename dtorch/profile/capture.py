@@ -65,7 +65,7 @@ class profile:
         lost = sorted(set(self.start_readings) - set(workers))
         if lost and problem is None:
             problem = f"rank(s) {lost} were lost during the profile: their commands are not in the trace"
-        self.trace = build_trace(self.recorder, self.start_ns, stop_ns, workers, self.controller.command_site,
+        self.trace = build_trace(self.recorder, self.start_ns, stop_ns, workers, self.controller.sites.command_site,
                                  problem)
         if self.path is not None:
             with open(self.path, "w") as file:

@@ -29,7 +29,7 @@ import warnings
 
 from ..distributed_spec import DeviceMesh
 from ..errors import (ProtocolError, SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site,
-                      site_location, user_frame, user_position)
+                      user_frame, user_position)
 from . import profiling
 from . import protocol as wire
 from .admission import Rejections, new_secret, secret_matches
@@ -37,6 +37,7 @@ from .lost_tensors import LostTensors
 from .reads import FetchRead, Future, RemoteFailure, SyncRead
 from .rendezvous import host_store
 from .cluster import WorkerPool, WorkerRecord
+from .command_sites import SITE_RING, CommandSites
 from .transport import LOCAL, ControllerSockets, CurveKeys
 
 __all__ = ["Controller", "WorkerRecord"]
@@ -60,10 +61,6 @@ FREE_BATCH = 16
 # next command, so a chain of large temporaries (an activation per layer) does not keep up to 16
 # dead buffers on every worker.
 FREE_AT_ONCE_BYTES = 1 << 20
-# The issuing line of the last SITE_RING commands is kept for error messages. Each slot also keeps
-# its seq, so an error about an older command says its line is gone instead of naming another's.
-SITE_RING = 1 << 16
-REPLAYS_KEPT = 4096   # dtorch.compile replays whose rows' lines errors can still name
 WATCH_PERIOD_S = 0.1
 STALL_EXCUSED_S = 0.5   # a watchdog tick this late means the controller itself stalled (see _watch_once)
 STALE_PENDING_S = 0.1   # the watchdog publishes commands pending this long (no timer did: a safety net)
@@ -98,7 +95,8 @@ class Controller:
         self._flush_now = False         # an immediate flush (a full batch) is on its way
         self._pending_since = 0.0       # when the oldest pending command was submitted (monotonic)
         self._last_submit = 0.0         # when the newest command was submitted (monotonic)
-        self._sites: list = [None] * SITE_RING
+        self.sites = CommandSites()     # the user's line that issued each recent command (errors)
+        self._sites = self.sites.ring   # (submit writes the ring directly: every command)
         self._mesh_ids: dict[DeviceMesh, int] = {}
         self._mesh_numbers = itertools.count()
         self._mesh_lock = threading.Lock()
@@ -131,7 +129,6 @@ class Controller:
                                if hang_timeout_s is None else hang_timeout_s)
         self.closed = False
         self.capture = None   # dtorch.compile's capture in progress (record/check), else None
-        self._replays: collections.deque = collections.deque(maxlen=REPLAYS_KEPT)   # (seq, span, sites, site)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dtorch-controller", daemon=True)
         self._thread.start()
@@ -641,7 +638,7 @@ class Controller:
         if failure is not None and rank in failure.ranks:
             raise ProtocolError(f"a second error from rank {rank} for command #{seq}")
         if failure is None:
-            site = self._site_of(seq)
+            site = self.sites.site_of(seq)
             failure = self.failures[seq] = RemoteFailure(seq, op, site, exception_type, message, traceback_text)
         failure.ranks.append(rank)
         for waiting in self._waiting_for_failure.pop(seq, []):
@@ -665,7 +662,7 @@ class Controller:
         if len(self._warnings_shown) >= SITE_RING:
             self._warnings_shown.clear()
         self._warnings_shown.add((seq, category, message))
-        what, filename, line = self._warning_site(seq)
+        what, filename, line = self.sites.warning_site(seq)
         found = getattr(builtins, category, None)   # a class of torch's own shows as UserWarning
         category_type = found if isinstance(found, type) and issubclass(found, Warning) else UserWarning
         try:
@@ -677,69 +674,8 @@ class Controller:
     def _failed_by_warning(self, seq: int, rank: int, what: str, raised: Warning) -> None:
         """Command `seq` failed as torch's op would under these filters: its result's read raises."""
         if seq not in self.failures:
-            self.failures[seq] = RemoteFailure(seq, what, self._site_of(seq), type(raised).__name__, str(raised),
+            self.failures[seq] = RemoteFailure(seq, what, self.sites.site_of(seq), type(raised).__name__, str(raised),
                                                "(a worker's warning, made an error by the warnings filters)", [rank])
-
-    def _warning_site(self, seq: int) -> tuple[str, str, int]:
-        """(what command `seq` was, the file and line that issued it) for a warning it raised: a
-        replayed row's is its line inside the compiled function, as an error's is."""
-        kept = self._kept(seq)
-        row = self._replayed_row(seq) if kept is None or kept[2] is wire.RunGraph else None
-        if row is not None:
-            filename, _, line = row[1].rpartition(":")
-            if line.isdigit():   # not "<freed>" (then the call's line, below)
-                return "a compiled call", filename, int(line)
-        if kept is None or kept[1] is None:
-            return "a command", "<dtorch worker>", 0
-        return (_what(kept), *site_location(kept[1]))
-
-    def _kept(self, seq: int) -> tuple | None:
-        """(seq, site, what) of a command still in the ring, else None."""
-        kept = self._sites[seq % SITE_RING]
-        return kept if kept is not None and kept[0] == seq else None
-
-    def note_replay(self, seq: int, span: int, sites: list) -> None:
-        """RunGraph `seq` replays commands issued at `sites` (dtorch.compile): an error in row i
-        names sites[i], the line inside the compiled function."""
-        self._replays.append((seq, span, sites))
-
-    def _replayed_row(self, seq: int) -> tuple[int, str] | None:
-        """(the replay's RunGraph seq, the row's file:line inside the compiled function) of a
-        command that a replay ran, else None."""
-        for first, span, sites in reversed(self._replays):
-            if first <= seq < first + span:
-                return first, sites[seq - first]
-        return None
-
-    def _replayed_site(self, seq: int) -> str | None:
-        row = self._replayed_row(seq)
-        if row is None:
-            return None
-        kept = self._kept(row[0])
-        call = f", in the compiled call at {format_site(kept[1])}" if kept is not None else ""
-        return f"{row[1]} (replayed{call})"
-
-    def _site_of(self, seq: int) -> str:
-        kept = self._kept(seq)
-        replayed = (self._replayed_site(seq) if self._replays and (kept is None or kept[2] is wire.RunGraph)
-                    else None)
-        if replayed is not None:
-            return replayed
-        if kept is None:
-            return (f"<line not kept: command #{seq} was issued more than {SITE_RING} commands before the "
-                    "newest, and only the newest keep their line>")
-        return format_site(kept[1])
-
-    def command_site(self, seq: int) -> str | None:
-        """file:line that issued command `seq`, if still kept (the newest SITE_RING commands)."""
-        kept = self._kept(seq)
-        return None if kept is None else format_site(kept[1])
-
-    def _describe_command(self, seq: int) -> str:
-        kept = self._kept(seq)
-        if kept is None:
-            return f"command #{seq}"
-        return f"command #{seq} ({_what(kept)}, issued at {format_site(kept[1])})"
 
     async def _watch(self) -> None:
         ticked = time.monotonic()
@@ -770,7 +706,7 @@ class Controller:
                 self._lose(worker, reason)
             if self.hang_timeout_s:
                 for worker in self.pool.stuck(self.hang_timeout_s):
-                    self._lose(worker, f"stuck for {worker.busy_s:.0f}s in {self._describe_command(worker.busy_seq)}, "
+                    self._lose(worker, f"stuck for {worker.busy_s:.0f}s in {self.sites.describe(worker.busy_seq)}, "
                                        f"past the hang timeout of {self.hang_timeout_s:g}s; dtorch ended it")
                     _end(worker.handle)
         stale = self._pending and time.monotonic() - self._pending_since > STALE_PENDING_S
@@ -798,8 +734,3 @@ def _end(handle) -> None:
         handle.wait(2)
     except Exception:  # an ssh session slow to go: its worker exits on stdin EOF anyway
         pass
-
-
-def _what(kept: tuple) -> str:
-    """What a kept command was: a RunOp's user op (`std`), else the command's name."""
-    return kept[2] if type(kept[2]) is str else kept[2].__name__
