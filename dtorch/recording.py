@@ -13,7 +13,7 @@ import weakref
 from contextlib import contextmanager
 
 __all__ = ["is_grad_enabled", "set_grad_enabled", "no_grad", "enable_grad", "Leaf", "OpNode", "HopNode",
-           "record_op"]
+           "RetainedGrad", "record_op"]
 
 class _Mode(threading.local):   # per thread, as in torch: one thread's no_grad is not another's
     enabled = True              # a class default: no thread pays a failed attribute lookup per op
@@ -71,12 +71,23 @@ class Leaf:
         self.grad = None
 
 
+class RetainedGrad:
+    """An op's output whose gradient the user asked to keep (`x.retain_grad()`): like a Leaf's,
+    `grad` is the DTensor the workers accumulate into, in gradient placements until read."""
+    __slots__ = ("tensor", "grad")
+
+    def __init__(self, tensor):
+        self.tensor = weakref.ref(tensor)
+        self.grad = None
+
+
 class OpNode:
-    """An op's output that requires grad: the nodes of its inputs that do, and its mesh."""
-    __slots__ = ("inputs", "mesh", "released", "__weakref__")
+    """An op's output that requires grad: the nodes of its inputs that do, and its mesh.
+    `retained`: None, or {tensor id: RetainedGrad} for outputs whose gradient is kept."""
+    __slots__ = ("inputs", "mesh", "released", "retained", "__weakref__")
 
     def __init__(self, inputs: tuple, mesh):
-        self.inputs, self.mesh, self.released = inputs, mesh, False
+        self.inputs, self.mesh, self.released, self.retained = inputs, mesh, False, None
 
 
 class HopNode:

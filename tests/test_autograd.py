@@ -130,6 +130,64 @@ def test_autograd_grad_returns_without_accumulating(mesh22):
     assert dtorch.autograd.grad(out, [unused], allow_unused=True)[0] is None
 
 
+_RETAINED = {"mesh4": [([Shard(0)], [Replicate()]), ([Replicate()], [Shard(1)]), ([Shard(1)], [Shard(0)]),
+                       ([Replicate()], [Replicate()])],
+             "mesh22": [([Shard(0), Replicate()], [Replicate(), Shard(1)]), ([Shard(0), Shard(1)], [Replicate(), Shard(0)])]}
+
+
+@pytest.mark.parametrize("mesh_name, number", [(m, i) for m, cases in _RETAINED.items() for i in range(len(cases))])
+def test_retain_grad_keeps_an_intermediates_gradient_as_torch_does(mesh_name, number, request):
+    """x @ w is S, R or P(sum) by the inputs' placements; its .grad (and tanh's, and the loss's)
+    equal torch's, accumulate over two backwards, and start again from zero after `.grad = None`."""
+    mesh = request.getfixturevalue(mesh_name)
+    x_placements, w_placements = _RETAINED[mesh_name][number]
+    a, b = torch.randn(8, 6), torch.randn(6, 4)
+    x, w = _up(a, mesh, x_placements, requires_grad=True), _up(b, mesh, w_placements, requires_grad=True)
+    h = x @ w
+    act = h.tanh()
+    loss = (act * act).sum()
+    for kept in (h, act, loss, x):
+        kept.retain_grad()
+    assert h.retains_grad and act.retains_grad and not x.retains_grad and h.grad is None
+    loss.backward(retain_graph=True)
+    (act.sum() * 3).backward(retain_graph=True)
+    rx, rw = a.clone().requires_grad_(), b.clone().requires_grad_()
+    rh = rx @ rw
+    ract = rh.tanh()
+    rloss = (ract * ract).sum()
+    for kept in (rh, ract, rloss):
+        kept.retain_grad()
+    rloss.backward(retain_graph=True)
+    (ract.sum() * 3).backward(retain_graph=True)
+    for mine, theirs in ((h, rh), (act, ract), (loss, rloss), (x, rx), (w, rw)):
+        assert mine.grad.placements == mine.placements
+        torch.testing.assert_close(mine.grad.to_torch(), theirs.grad, rtol=1e-4, atol=1e-5)
+    h.grad = None
+    assert h.grad is None
+    act.sum().backward()
+    torch.testing.assert_close(h.grad.to_torch(), 1 - ract.detach() ** 2, rtol=1e-4, atol=1e-5)
+
+
+def test_retain_grad_is_refused_where_torch_refuses_and_inside_compile(mesh4):
+    plain = _up(torch.randn(4), mesh4, [Shard(0)])
+    with pytest.raises(RuntimeError, match="requires_grad=False"):
+        plain.retain_grad()
+    leaf = _up(torch.randn(4), mesh4, [Shard(0)], requires_grad=True)
+    leaf.retain_grad()   # a leaf keeps its gradient anyway
+    middle = leaf * 2
+    with pytest.raises(RuntimeError, match="can only be cleared"):
+        middle.grad = dtorch.ones(4, device_mesh=mesh4, placements=[Shard(0)])
+
+    @dtorch.compile
+    def step(x):
+        y = x.exp()
+        y.retain_grad()
+        y.sum().backward()
+        return y
+    with pytest.raises(NotImplementedError, match="retain_grad"):
+        step(leaf)
+
+
 def test_a_second_backward_without_retain_graph_is_refused(mesh4):
     x = _up(torch.randn(4), mesh4, [Shard(0)], requires_grad=True)
     y = (x * x).sum()

@@ -1,10 +1,11 @@
 """dtorch.autograd: backward() and grad() over DTensors, grad mode, and the gradient placement
-rules (docs/autograd.md). Installs DTensor.backward and DTensor.grad."""
+rules (docs/autograd.md). Installs DTensor.backward, DTensor.grad and DTensor.retain_grad."""
 from __future__ import annotations
 
 from ..recording import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from ..tensor import DTensor
 from .engine import backward, backward_stages, clear_grads, grad, leaf_grad, no_sync, reduce_gradients, set_leaf_grad
+from .retained import retain_grad, retains_grad
 from .rules import gradient_placements
 
 __all__ = ["backward", "backward_stages", "grad", "reduce_gradients", "no_sync", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
@@ -19,4 +20,7 @@ def _tensor_backward(self, gradient=None, retain_graph=None, create_graph=False,
 
 DTensor.backward = _tensor_backward
 DTensor.grad = property(leaf_grad, set_leaf_grad, doc="The accumulated gradient, in this tensor's placements "
-                        "(None before a backward reaches it); only leaves that require grad keep one.")
+                        "(None before a backward reaches it); leaves that require grad keep one, and "
+                        "intermediates after retain_grad().")
+DTensor.retain_grad = retain_grad
+DTensor.retains_grad = property(retains_grad, doc="True for an intermediate after retain_grad().")

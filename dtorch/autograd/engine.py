@@ -22,6 +22,7 @@ from ..runtime.protocol import Backward, SetGrads
 from ..distributed_spec import Replicate
 from ..tensor import DTensor, call_op
 from ..ops.tensor_meta import tensor_meta
+from .retained import clear_retained, retained_accumulator, retained_grad, retained_in
 from .rules import gradient_placements, reduction_buckets
 
 __all__ = ["backward", "backward_stages", "grad", "leaf_grad", "set_leaf_grad", "clear_grads", "reduce_gradients",
@@ -128,7 +129,9 @@ def leaf_grad(tensor: DTensor):
     gradient accumulates as P(sum) on the workers; the first read reduces it (and rebinds the
     workers' .grad to the reduced tensor)."""
     leaf = tensor._node
-    if type(leaf) is not Leaf or leaf.grad is None:
+    if type(leaf) is not Leaf:
+        return retained_grad(tensor)   # an intermediate's, if retain_grad() kept it (else None)
+    if leaf.grad is None:
         return None
     if leaf.grad.placements != tensor.placements:
         with no_grad():
@@ -167,8 +170,10 @@ def set_leaf_grad(tensor: DTensor, value) -> None:
     leaf = tensor._node
     if type(leaf) is not Leaf:
         if value is None:
+            clear_retained(tensor)
             return
-        raise RuntimeError(f"assigning .grad at {user_site()}: dtorch keeps gradients of leaves that require grad only")
+        raise RuntimeError(f"assigning .grad at {user_site()}: dtorch sets gradients of leaves that require grad "
+                           "only (an intermediate's .grad, kept by retain_grad(), can only be cleared: = None)")
     if value is None:
         clear_grads([tensor])
         return
@@ -282,10 +287,13 @@ def _run_segment(roots, seeds, retain: bool, only, shared: set, drop_hops: bool,
     buckets = reduction_buckets(leaves, mesh.shape) if reduce and not reached.hops else []
     reduced = {i: dims for dims, members in buckets for i in members}
     grads = [_accumulator(leaf, reduced.get(i, ())) for i, leaf in enumerate(leaves)]
+    # intermediates the user called retain_grad() on: after the leaves (the buckets number those)
+    kept = retained_in(reached.nodes) if only is None else []
+    kept_grads = [retained_accumulator(tensor, record) for tensor, record in kept]
     landed_ids = controller.new_ids(len(reached.hops))
     seq = controller.submit(Backward, controller.define_mesh(mesh), _ids(roots), _ids(seeds),
-                            _ids(leaves) + tuple(hop.landed._id for hop in reached.hops),
-                            _ids(grads) + landed_ids, "backward", retain,
+                            _ids(leaves) + _ids(t for t, _ in kept) + tuple(hop.landed._id for hop in reached.hops),
+                            _ids(grads) + _ids(kept_grads) + landed_ids, "backward", retain,
                             tuple((dims, tuple(members)) for dims, members in buckets))
     for i in reduced:   # bound on the workers by the Backward itself
         leaves[i]._node.grad = grads[i]

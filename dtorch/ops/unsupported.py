@@ -40,8 +40,6 @@ def nearest_ops(name: str, count: int = 4) -> list[str]:
 
 # Names whose refusal needs a word on what to do instead, beyond the nearest op names.
 NOTES = {
-    "retain_grad": "dtorch keeps gradients of leaves only; get an intermediate's gradient with "
-                   "dtorch.autograd.grad(outputs, [intermediate])",
     # nonzero: a refusal, not a read: its shape is the count of nonzeros, which no rank knows
     # alone, and returning a DTensor would mean a read plus an upload behind one op's name
     **dict.fromkeys(("nonzero", "argwhere", "nonzero_static"),

@@ -26,6 +26,9 @@ def run_backward(tensors: dict, roots: list, seeds: list, command: wire.Backward
             tensors[out_id] = _dense(grad, tensor)
         return
     inputs = [tensors[i] for i in command.inputs]
+    for tensor in inputs:   # an intermediate the user retains (x.retain_grad()): torch keeps its .grad
+        if tensor.grad_fn is not None:
+            tensor.retain_grad()
     with BucketReducer(comm, mesh, rank, inputs, command.buckets, buffers) as reducer:
         torch.autograd.backward(roots, seeds, retain_graph=command.retain_graph)
         reducer.finish()
