@@ -175,6 +175,8 @@ def test_retain_grad_is_refused_where_torch_refuses_and_inside_compile(mesh4):
     leaf = _up(torch.randn(4), mesh4, [Shard(0)], requires_grad=True)
     leaf.retain_grad()   # a leaf keeps its gradient anyway
     middle = leaf * 2
+    with pytest.raises(NotImplementedError, match=r"P\(max\)"):
+        middle.redistribute(placements=[Partial("max")]).retain_grad()
     with pytest.raises(RuntimeError, match="can only be cleared"):
         middle.grad = dtorch.ones(4, device_mesh=mesh4, placements=[Shard(0)])
 

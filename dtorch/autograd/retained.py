@@ -33,6 +33,7 @@ def retain_grad(tensor: DTensor) -> None:
     if type(node) is HopNode:
         raise NotImplementedError(f"retain_grad at {user_site()}: the gradient of a tensor moved to another mesh "
                                   "(a pipeline stage's input) is not kept; retain the tensor before the move")
+    gradient_placements(tensor.placements)   # a P(max|min) tensor has none: refused here, not in backward
     if node.retained is None:
         node.retained = {}
     node.retained.setdefault(tensor._id, RetainedGrad(tensor))
