@@ -70,8 +70,8 @@ _MESHES = [
 # user's line (dtorch/ops/unsupported.py), never a silent wrong value.
 _NOT_YET = [
     "Not supported yet, and what to use instead:", "",
-    "- **autograd**: no `backward()`, `requires_grad` or `.grad`; compute gradients with torch on",
-    "  `to_torch()` results, or write the backward pass out as ops.",
+    "- **higher-order gradients** (`create_graph=True`): first-order autograd works on every op here",
+    "  (`loss.backward()`, `.grad`, `dtorch.autograd.grad`, `retain_grad()`; docs/autograd.md).",
     "- **in-place ops that change a shape** (`x.transpose_()`, `x.unsqueeze_()`) and in-place forms of ops",
     "  dtorch lacks; the others work (`x.add_(1)`, `x[i] = v`, `F.relu(x, inplace=True)`), views",
     "  included: see [inplace.md](inplace.md).",
