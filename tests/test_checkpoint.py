@@ -139,7 +139,8 @@ def test_the_controller_reads_no_tensor_bytes(mesh4, checkpoint_file):
     loaded = load_tensors(checkpoint_file, targets_for(mesh4, torch.float32, 2))
     dtorch.synchronize()
     after = dtorch.stats()
-    assert after["checkpoint_bytes_via_controller"] == 0
+    # (a delta: the session's counter also holds earlier tests' via_controller loads)
+    assert after["checkpoint_bytes_via_controller"] - before["checkpoint_bytes_via_controller"] == 0
     assert after["checkpoint_tensors_loaded"] - before["checkpoint_tensors_loaded"] == len(SAVED)
     # what the controller sent: commands, no tensor data (the saved tensors hold ~900 bytes)
     assert after["bytes_sent"] - before["bytes_sent"] < 4096
