@@ -24,9 +24,10 @@ from .ops import REGISTRY
 __all__ = ["VIEW_OPS", "Node", "note_view", "node_of", "aliases", "tracking_paused"]
 
 # Ops whose result is a view of their first argument in torch (when torch does not copy:
-# `aliases` decides). getitem here is basic indexing only; tensor indices copy.
+# `aliases` decides). getitem here is basic indexing only; tensor indices copy. detach (and so
+# x.data) shares x's memory without its autograd history: `p.data.mul_(0.5)` changes p.
 VIEW_OPS = frozenset({"getitem", "view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose",
-                      "permute", "expand", "contiguous", "split", "chunk", "unbind", "narrow"})
+                      "permute", "expand", "contiguous", "split", "chunk", "unbind", "narrow", "detach"})
 
 
 class Node:
@@ -115,7 +116,8 @@ def strided(node: Node):
             name, rest, kwargs, index = node.step
             out = REGISTRY[name].torch_fn(base, *rest, **kwargs)
             out = out if index is None else out[index]
-            node._aliases = out is base or out._is_view()
+            # detach shares its input's memory, yet torch does not call its result a view
+            node._aliases = out is base or out._is_view() or name == "detach"
             node._strided = out if node._aliases else node.meta.meta()
     return node._strided
 

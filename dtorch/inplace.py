@@ -200,7 +200,7 @@ def _write_back(base: DTensor, step, value: DTensor) -> DTensor:
         dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest or kwargs["dims"]
         inverse = sorted(range(len(dims)), key=lambda i: dims[i] % len(dims))
         return call_op("permute", (value, tuple(inverse)), {})
-    if name == "contiguous":
+    if name in ("contiguous", "detach"):   # the same elements: the view's value is the base's
         return call_op("clone", (value,), {})
     return call_op("reshape", (value, tuple(base.shape)), {})   # the reshape family keeps element order
 

@@ -63,22 +63,25 @@ def enable_grad():
 class Leaf:
     """A tensor the user asked gradients for (requires_grad=True, a Parameter). Its gradient
     state lives here: `grad` is the DTensor the workers accumulate into, in its gradient
-    placements (autograd/rules.py) until it is read in the tensor's own."""
-    __slots__ = ("tensor", "grad", "__weakref__")
+    placements (autograd/rules.py) until it is read in the tensor's own. `bound`: the id of the
+    DTensor the workers' .grad holds; an in-place op on `grad` (`p.grad.mul_(0.5)`) rebinds it to
+    a new id here only, so the next backward binds the workers' .grad to it first (autograd/engine.py)."""
+    __slots__ = ("tensor", "grad", "bound", "__weakref__")
 
     def __init__(self, tensor):
         self.tensor = weakref.ref(tensor)
-        self.grad = None
+        self.grad = self.bound = None
 
 
 class RetainedGrad:
     """An op's output whose gradient the user asked to keep (`x.retain_grad()`): like a Leaf's,
-    `grad` is the DTensor the workers accumulate into, in gradient placements until read."""
-    __slots__ = ("tensor", "grad")
+    `grad` is the DTensor the workers accumulate into, in gradient placements until read;
+    `bound` as a Leaf's."""
+    __slots__ = ("tensor", "grad", "bound")
 
     def __init__(self, tensor):
         self.tensor = weakref.ref(tensor)
-        self.grad = None
+        self.grad = self.bound = None
 
 
 class OpNode:

@@ -378,9 +378,10 @@ class DTensor:
 
     @property
     def data(self) -> "DTensor":
-        """The tensor itself (not a new symbol with the same id: two symbols would each free the
-        workers' buffer). A DTensor has no autograd history to detach from."""
-        return self
+        """As torch's: the same values without autograd history (`detach()`, an alias on the
+        workers): `p.data.mul_(0.5)` changes `p` without recording it, and no gradient flows
+        back through `p.data`."""
+        return self.detach()
 
     def to_torch_async(self):
         """DTorch's name for fetch(): a future of the whole tensor (await it, or .result())."""

@@ -190,6 +190,47 @@ def test_retain_grad_is_refused_where_torch_refuses_and_inside_compile(mesh4):
         step(leaf)
 
 
+def _change_grads_in_place(p, x, torch_module):
+    """Ways programs change a gradient in place between backward calls (gradient scaling, manual
+    clipping, masking), each followed by another backward that must accumulate onto the change."""
+    (p * x).sum().backward()
+    p.grad.mul_(0.5)
+    (p * x).sum().backward()
+    p.grad.detach().clamp_(-0.3, 0.3)
+    (p * x).sum().backward()
+    with torch_module.no_grad():
+        p.grad[0] = 7.0
+    (p * x * x).sum().backward()
+    return p.grad
+
+
+@pytest.mark.parametrize("mesh_name, placements", [("mesh4", [Shard(0)]), ("mesh4", [Replicate()]),
+                                                   ("mesh4", [Shard(1)]), ("mesh22", [Shard(0), Replicate()])])
+def test_a_gradient_changed_in_place_is_what_the_next_backward_adds_to(mesh_name, placements, request):
+    mesh = request.getfixturevalue(mesh_name)
+    a, b = torch.randn(8, 4), torch.randn(8, 4)
+    expected = _change_grads_in_place(a.clone().requires_grad_(), b, torch)
+    p = _up(a, mesh, placements, requires_grad=True)
+    got = _change_grads_in_place(p, _up(b, mesh, placements), dtorch)
+    torch.testing.assert_close(got.to_torch(), expected)
+    dtorch.optim.SGD([p], lr=0.1).step()
+    torch.testing.assert_close(p.to_torch(), a - 0.1 * expected)
+
+
+def test_data_is_detached_and_shares_memory(mesh4):
+    a, b = torch.randn(8, 4), torch.randn(8, 4)
+    p, x = _up(a, mesh4, [Shard(0)], requires_grad=True), _up(b, mesh4, [Shard(0)])
+    assert not (p.data * x).requires_grad and not p.data.requires_grad
+    (p * x).sum().backward()
+    p.data.mul_(0.5)                                # grad mode on: allowed through .data, as in torch
+    ema = dtorch.zeros(8, 4, device_mesh=mesh4, placements=[Shard(0)])
+    ema.data.mul_(0.9).add_(p.data, alpha=0.1)
+    assert p.is_leaf and p.requires_grad
+    torch.testing.assert_close(p.to_torch(), a * 0.5)
+    torch.testing.assert_close(ema.to_torch(), 0.05 * a)
+    torch.testing.assert_close(p.grad.to_torch(), b)
+
+
 def test_a_second_backward_without_retain_graph_is_refused(mesh4):
     x = _up(torch.randn(4), mesh4, [Shard(0)], requires_grad=True)
     y = (x * x).sum()

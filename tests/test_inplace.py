@@ -280,9 +280,17 @@ def orphan_alone(x):
     return a
 
 
+def detach_and_data_share_memory(x):
+    d = x.detach()
+    x.add_(1)               # d sees it
+    x.data.mul_(2)          # x (and d) see it
+    d[0] = 5.0              # x sees it
+    return x, d
+
+
 ALIASING = [view_sees_base, base_sees_view, sibling_views, transpose_write_back, chain_of_views, chunk_and_unbind,
             narrow_and_split, reshape_views_and_copies, setitem_on_a_view, view_of_permuted_unsqueezed,
-            deepcopy_does_not_alias, expand_write, orphan_with_sibling, orphan_alone]
+            deepcopy_does_not_alias, expand_write, orphan_with_sibling, orphan_alone, detach_and_data_share_memory]
 # Cases where dtorch raises AliasingError instead of torch's values, and why (docs/inplace.md).
 EXPECTED_REFUSALS = {
     "expand_write": "torch refuses it too (RuntimeError)",

@@ -193,7 +193,7 @@ def clear_grads(tensors: list) -> None:
     leaves = [t for t in tensors if type(t._node) is Leaf]
     for tensor in leaves:
         _touch(tensor._node, resets=True)
-        tensor._node.grad = None
+        tensor._node.grad = tensor._node.bound = None
     if leaves:
         leaves[0]._controller.submit(SetGrads, tuple(t._id for t in leaves), (-1,) * len(leaves))
 
@@ -201,7 +201,7 @@ def clear_grads(tensors: list) -> None:
 def _bind(tensor: DTensor, leaf: Leaf, grad: DTensor) -> None:
     _touch(leaf)
     tensor._controller.submit(SetGrads, (tensor._id,), (grad._id,))
-    leaf.grad = grad
+    leaf.grad, leaf.bound = grad, grad._id
 
 
 def _touch(leaf: Leaf, resets: bool = False) -> None:
@@ -298,6 +298,8 @@ def _run_segment(roots, seeds, retain: bool, only, shared: set, drop_hops: bool,
     for i in reduced:   # bound on the workers by the Backward itself
         leaves[i]._node.grad = grads[i]
         grads[i]._seq = seq
+    for holder, grad in zip([leaf._node for leaf in leaves] + [record for _, record in kept], grads + kept_grads):
+        holder.bound = grad._id   # each worker's .grad is now the tensor under that id
     if reached.hops:   # a landed tensor's gradient is taken, not kept accumulating on its leaf
         controller.submit(SetGrads, tuple(hop.landed._id for hop in reached.hops), (-1,) * len(reached.hops))
     continuations = [_hop_back(hop, landed_id, controller) for hop, landed_id in zip(reached.hops, landed_ids)]
@@ -315,6 +317,8 @@ def _accumulator(tensor: DTensor, reduced_dims: tuple = ()) -> DTensor:
     DTensor, Replicate there, that the caller binds after the Backward (the workers bind it there)."""
     leaf, wanted = tensor._node, gradient_placements(tensor.placements)
     _touch(leaf)   # a capture's backward builds on this gradient (or on none): a replay needs the same
+    if leaf.grad is not None and leaf.bound != leaf.grad._id:   # an in-place op on .grad rebound it here
+        _bind(tensor, leaf, leaf.grad)                          # only: the workers' .grad follows first
     if leaf.grad is not None and leaf.grad.placements != wanted:
         with no_grad():
             _bind(tensor, leaf, leaf.grad.redistribute(placements=wanted))

@@ -63,6 +63,8 @@ def retained_accumulator(tensor: DTensor, record: RetainedGrad) -> DTensor:
     """The DTensor the backward accumulates the intermediate's gradient into, in gradient
     placements: the current one (moved back to them first if a read reduced it), or a new one."""
     wanted = gradient_placements(tensor.placements)
+    if record.grad is not None and record.bound != record.grad._id:   # `x.grad.mul_(2)` rebound it here only
+        _bind(tensor, record, record.grad)
     if record.grad is None:
         controller = tensor._controller
         record.grad = DTensor(controller.new_id(), tensor_meta(tensor.shape, tensor.dtype, tensor.device_mesh,
@@ -93,10 +95,10 @@ def clear_retained(tensor: DTensor) -> None:
     record = node.retained.get(tensor._id) if type(node) not in (type(None), Leaf, HopNode) and node.retained \
         else None
     if record is not None and record.grad is not None:
-        record.grad = None
+        record.grad = record.bound = None
         tensor._controller.submit(SetGrads, (tensor._id,), (-1,))
 
 
 def _bind(tensor: DTensor, record: RetainedGrad, grad: DTensor) -> None:
     tensor._controller.submit(SetGrads, (tensor._id,), (grad._id,))
-    record.grad = grad
+    record.grad, record.bound = grad, grad._id
