@@ -47,6 +47,12 @@ def _temporary_refs() -> int:
 _TEMPORARY_REFS = _temporary_refs()
 
 
+# torch functions that reach dtorch as a Python function over ops rather than straight as the
+# registry op of their name (dtorch/nn/functional.py fills it: cross_entropy's mean over a
+# sharded batch is a sharded sum over a count).
+COMPOSITES: dict = {}
+
+
 class DTensor:
     # __weakref__: dtorch/aliasing.py tracks views weakly (a view never keeps its base alive)
     # _node: None, or what autograd knows of this tensor (dtorch/recording.py)
@@ -239,6 +245,9 @@ class DTensor:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
+        composite = COMPOSITES.get(name)
+        if composite is not None:
+            return composite(*args, **(kwargs or {}))
         if name in REGISTRY:
             if kwargs and kwargs.get("inplace"):   # F.relu(x, inplace=True): computed, then x rebound
                 return args[0]._assign(call_op(name, tuple(args), dict(kwargs, inplace=False)), f"{name}(inplace=True)")

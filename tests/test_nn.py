@@ -311,3 +311,81 @@ def test_parallel_styles_on_an_embedding(style, weight, tp2):
     ids = torch.tensor([[1, 9, 4], [0, 0, 7]])
     out = layer(dtorch.tensor(ids, device_mesh=tp2))
     assert_same(out.to_torch(), reference(ids).detach())
+
+
+_LOSS_MODULES = [(torch.nn.MSELoss(), "real"), (torch.nn.L1Loss(), "real"), (torch.nn.SmoothL1Loss(beta=0.5), "real"),
+                 (torch.nn.HuberLoss(delta=0.7), "real"), (torch.nn.BCELoss(), "probability"),
+                 (torch.nn.BCEWithLogitsLoss(pos_weight=None), "probability"),
+                 (torch.nn.KLDivLoss(reduction="batchmean"), "log"), (torch.nn.NLLLoss(reduction="sum"), "class"),
+                 (torch.nn.CrossEntropyLoss(), "class")]
+
+
+@pytest.mark.parametrize("module, kind", _LOSS_MODULES, ids=lambda v: type(v).__name__ if not isinstance(v, str) else v)
+def test_torch_loss_modules_on_a_batch_sharded_input_equal_torch(module, kind, mesh4, automatic):
+    """torch.nn's loss modules reach dtorch's losses through __torch_function__; on a batch split
+    over 4 ranks (uneven: 10 rows) each rank sums its rows and divides by the global count, so
+    the loss and its gradient equal torch's."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(10, 6, generator=g)
+    if kind == "class":
+        value, target = torch.log_softmax(logits, 1), torch.randint(0, 6, (10,), generator=g)
+        value = logits if isinstance(module, torch.nn.CrossEntropyLoss) else value
+    elif kind == "log":
+        value, target = torch.log_softmax(logits, 1), torch.softmax(torch.randn(10, 6, generator=g), 1)
+    elif kind == "probability":
+        value = logits if isinstance(module, torch.nn.BCEWithLogitsLoss) else torch.sigmoid(logits)
+        target = torch.rand(10, 6, generator=g)
+    else:
+        value, target = logits, torch.randn(10, 6, generator=g)
+    reference = value.clone().requires_grad_()
+    expected = module(reference, target)
+    expected.backward()
+    x = dtorch.tensor(value, device_mesh=mesh4, placements=[Shard(0)], requires_grad=True)
+    loss = module(x, dtorch.tensor(target, device_mesh=mesh4, placements=[Shard(0)]))
+    loss.backward()
+    torch.testing.assert_close(loss.to_torch(), expected.detach(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(x.grad.to_torch(), reference.grad, rtol=1e-4, atol=1e-6)
+
+
+_CLASS_LOSS_KWARGS = [{}, {"weight": True}, {"label_smoothing": 0.1}, {"weight": True, "label_smoothing": 0.2},
+                      {"ignore_index": 1}]
+
+
+@pytest.mark.parametrize("name", ["cross_entropy", "nll_loss"])
+@pytest.mark.parametrize("shape", [(10, 6), (9, 5, 3)], ids=["rows", "rows-and-positions"])
+def test_a_class_loss_mean_over_a_sharded_batch_moves_no_input(name, shape, mesh4, mesh22):
+    """cross_entropy / nll_loss with reduction='mean' on a batch sharded over dp: the sum stays
+    sharded and the count of targets that are not ignore_index (weighted by class) is summed
+    beside it, so no input is gathered (no inserted redistribute), in strict mode too; values
+    and gradients equal torch's (uneven shapes, ignored targets, class weights, smoothing)."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(*shape, generator=g)
+    value = logits if name == "cross_entropy" else torch.log_softmax(logits, 1)
+    targets = torch.randint(0, shape[1], (shape[0],) + shape[2:], generator=g)
+    targets.view(-1)[[2, 5]] = -100
+    weight = torch.rand(shape[1], generator=g) + 0.5
+    for kwargs in _CLASS_LOSS_KWARGS:
+        if name == "nll_loss" and "label_smoothing" in kwargs:
+            continue
+        target = targets.clone()
+        target[target == -100] = kwargs.get("ignore_index", -100)
+        given = dict(kwargs, weight=weight) if "weight" in kwargs else kwargs
+        reference = value.clone().requires_grad_()
+        expected = getattr(F, name)(reference, target, **given)
+        expected.backward()
+        for mesh in (mesh4, mesh22):
+            batch = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
+            x = dtorch.tensor(value, device_mesh=mesh, placements=batch, requires_grad=True)
+            placed = dict(kwargs, weight=dtorch.tensor(weight, device_mesh=mesh, placements=[Replicate()] * mesh.ndim)) \
+                if "weight" in kwargs else kwargs
+            before, strict = dtorch.stats()["redistributes_inserted"], dtorch.is_strict()
+            dtorch.set_strict(True)
+            try:
+                loss = getattr(F, name)(x, dtorch.tensor(target, device_mesh=mesh, placements=batch), **placed)
+            finally:
+                dtorch.set_strict(strict)
+            assert dtorch.stats()["redistributes_inserted"] == before, kwargs
+            loss.backward()
+            torch.testing.assert_close(loss.to_torch(), expected.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(x.grad.to_torch(), reference.grad, rtol=1e-4, atol=1e-6)

@@ -1,18 +1,22 @@
 """torch.nn.functional names over dtorch ops. Each is one registry op (rules in dtorch/ops/:
 pointwise, reduction, matrix, nn, vision); `torch.nn.functional.<name>(dtensor)` reaches the same op
-through __torch_function__, except dropout, which needs dtorch's random stream (below), and
-batch_norm in training mode, whose batch statistics dtorch computes across ranks (below)."""
+through __torch_function__, except dropout, which needs dtorch's random stream (below),
+batch_norm in training mode, whose batch statistics dtorch computes across ranks (below), and
+cross_entropy / nll_loss, whose mean over a sharded batch is a sum over a count (at the end)."""
 from __future__ import annotations
 
-from ..distributed_spec import Replicate
+from torch.nn._reduction import legacy_get_string
+
+from ..distributed_spec import Replicate, Shard
 from ..errors import UnsupportedOpError
 from ..runtime import session
 from ..inplace import assign
-from ..tensor import call_op
+from ..tensor import COMPOSITES, call_op
 
 __all__ = ["relu", "gelu", "silu", "sigmoid", "tanh", "leaky_relu", "elu", "softplus", "softmax",
            "log_softmax", "linear", "layer_norm", "rms_norm", "embedding", "dropout", "pad",
-           "scaled_dot_product_attention", "cross_entropy", "mse_loss",
+           "scaled_dot_product_attention", "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
+           "huber_loss", "kl_div", "binary_cross_entropy", "binary_cross_entropy_with_logits",
            "conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "interpolate",
            "group_norm", "batch_norm", "batch_norm_with_running_stats"]
 
@@ -59,7 +63,10 @@ gelu, sigmoid, tanh, softplus = map(_forward, ("gelu", "sigmoid", "tanh", "softp
 softmax, log_softmax, linear = map(_forward, ("softmax", "log_softmax", "linear"))
 layer_norm, rms_norm, embedding, pad = map(_forward, ("layer_norm", "rms_norm", "embedding", "pad"))
 scaled_dot_product_attention = _forward("scaled_dot_product_attention")
-cross_entropy, mse_loss = map(_forward, ("cross_entropy", "mse_loss"))
+mse_loss, l1_loss = map(_forward, ("mse_loss", "l1_loss"))
+smooth_l1_loss, huber_loss, kl_div = map(_forward, ("smooth_l1_loss", "huber_loss", "kl_div"))
+binary_cross_entropy = _forward("binary_cross_entropy")
+binary_cross_entropy_with_logits = _forward("binary_cross_entropy_with_logits")
 conv2d, max_pool2d, avg_pool2d = map(_forward, ("conv2d", "max_pool2d", "avg_pool2d"))
 adaptive_avg_pool2d, adaptive_max_pool2d = map(_forward, ("adaptive_avg_pool2d", "adaptive_max_pool2d"))
 interpolate, group_norm = map(_forward, ("interpolate", "group_norm"))
@@ -103,3 +110,48 @@ def batch_norm_with_running_stats(input, running_mean, running_var, weight=None,
     out, mean, var = call_op("batch_norm_from_moments",
                              (input, moments, running_mean, running_var, weight, bias, momentum, eps), {})
     return out, (None if running_mean is None else mean), (None if running_var is None else var)
+
+
+# --- cross_entropy and nll_loss: a mean over a sharded batch -----------------------------------------
+# Their 'mean' of class targets divides by the count of targets that are not ignore_index (weighted
+# by their class weights): data no rank knows alone, so the op's rule refuses a sharded batch and
+# the planner would gather the whole input (batch x classes) onto every rank. Here the sum stays
+# sharded and the denominator is computed alongside: two scalar all-reduces instead.
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                  reduction="mean", label_smoothing=0.0):
+    """torch.nn.functional.cross_entropy on DTensors (op 'cross_entropy')."""
+    return _class_loss("cross_entropy", input, target, weight, size_average, ignore_index, reduce, reduction,
+                       {"label_smoothing": label_smoothing})
+
+
+def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
+    """torch.nn.functional.nll_loss on DTensors (op 'nll_loss')."""
+    return _class_loss("nll_loss", input, target, weight, size_average, ignore_index, reduce, reduction, {})
+
+
+def _class_loss(name, input, target, weight, size_average, ignore_index, reduce, reduction, extra):
+    if size_average is not None or reduce is not None:   # torch's deprecated spelling
+        reduction = legacy_get_string(size_average, reduce, emit_warning=False)
+    kwargs = dict(extra, ignore_index=ignore_index)
+    if reduction != "mean" or target.dtype.is_floating_point or not _batch_sharded(input, target):
+        return call_op(name, (input, target, weight), dict(kwargs, reduction=reduction))
+    total = call_op(name, (input, target, weight), dict(kwargs, reduction="sum"))
+    return total.reduce_partials() / _targets_weight(input, target, weight, ignore_index).reduce_partials()
+
+
+def _batch_sharded(input, target) -> bool:
+    return any(isinstance(p, Shard) for p in (*input.placements, *target.placements))
+
+
+def _targets_weight(input, target, weight, ignore_index):
+    """The mean's denominator: how many targets are not ignore_index, each counted by its class
+    weight when there is one (torch's nll_loss)."""
+    kept = target != ignore_index
+    if weight is None:
+        return kept.to(input.dtype).sum()
+    classes = call_op("where", (kept, target, 0), {})
+    per_target = call_op("embedding", (classes, weight.unsqueeze(1)), {}).squeeze(-1)
+    return (per_target * kept.to(per_target.dtype)).sum()
+
+
+COMPOSITES.update(cross_entropy=cross_entropy, nll_loss=nll_loss)   # torch.nn.functional's spellings too

@@ -11,14 +11,12 @@ then forbid the letters the op mixes nonlinearly (a softmax's keys, a loss's cla
                           features; q, k, v all sharded on their sequence: ring attention
                           (ops/ring_attention.py, key/value blocks passed around that mesh dim);
                           never on the contracted head dim
-  cross_entropy / mse_loss       shards on batch (and spatial) dims; reduction 'sum' gives P(sum)
+  losses                  in ops/losses.py (registered in this family)
   pad                     padded dims R; Partial passes where the fill value allows
 Kernels that need where their shard sits in the global tensor take a `region` keyword: the rule
 passes a ShardRegion(global shape, placements), and each worker substitutes its (offset, shape).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -29,23 +27,22 @@ from ..errors import UnsupportedOpError
 from .matrix import einsum_decision
 from . import ring_attention  # noqa: F401  (registers the ring kernel that _attention_local selects)
 from .partial_laws import Laws, partial_output
-from .pointwise import shard_decision
 from .registry import OpRow, kernel, register_family
 from .rules import Call, Decision, R, RuleRejected
 
-__all__ = ["NN"]
+__all__ = ["NN", "letters_decision", "no_partial"]
 
 
-def _no_partial(call: Call, placements, legal: str) -> None:
+def no_partial(call: Call, placements, legal: str) -> None:
     for p in placements:
         if isinstance(p, Partial):
             raise RuleRejected(f"{call.op} is not linear in an input that is {p!r}", legal)
 
 
-def _letters_decision(call: Call, placements, equation: str, forbidden: str, legal: str) -> Decision:
+def letters_decision(call: Call, placements, equation: str, forbidden: str, legal: str) -> Decision:
     """einsum_decision with no Partial input and no shard on a `forbidden` letter (one the op
     mixes nonlinearly) or on a letter whose sizes differ between inputs (grouped heads)."""
-    _no_partial(call, placements, legal)
+    no_partial(call, placements, legal)
     terms = equation.split("->")[0].split(",")
     for p, term in zip(placements, terms):
         if not isinstance(p, Shard):
@@ -190,7 +187,7 @@ def _attention_rule(call: Call, placements) -> Decision:
     forbidden = "se" + ("l" if causal else "")
     legal = "S on batch/head dims of q, k, v alike; S on q's sequence dim (not causal) with k, v R; " \
             "S on v's feature dim with q, k R"
-    return _letters_decision(call, placements, ",".join(terms) + "->" + batch + "lf", forbidden, legal)
+    return letters_decision(call, placements, ",".join(terms) + "->" + batch + "lf", forbidden, legal)
 
 
 _BATCH_LETTERS = "ABCDEFGHIJ"
@@ -222,95 +219,6 @@ def _attention_local(call: Call, required):
         return "scaled_dot_product_attention", {}
     layouts = [ShardRegion(spec.shape, placements) for spec, placements in zip(call.inputs[:3], required[:3])]
     return "ring_attention", {"peers": PeerGroup(ring_dims[0], layouts), "dtype": call.inputs[0].dtype}
-
-
-# --- losses -----------------------------------------------------------------------------------------
-_REDUCTION_AT = {"cross_entropy": (3, 5, 6), "mse_loss": (2, 3, 4)}  # size_average, reduce, reduction
-
-
-def _reduction(call: Call) -> str:
-    size_average_at, reduce_at, reduction_at = _REDUCTION_AT[call.op]
-    size_average, reduce = call.param(size_average_at, "size_average"), call.param(reduce_at, "reduce")
-    if size_average is not None or reduce is not None:   # torch's deprecated spelling
-        return torch.nn._reduction.legacy_get_string(size_average, reduce, emit_warning=False)
-    return call.param(reduction_at, "reduction", "mean")
-
-
-def _cross_entropy_laws(call: Call) -> Laws:
-    """The loss is -sum t' w log softmax(x) with t' = (1 - eps) t + eps / C: linear in the weight
-    (unless 'mean' divides by the targets' weights) and affine in probability targets."""
-    class_targets = not call.inputs[1].dtype.is_floating_point
-    weight = () if class_targets and _reduction(call) == "mean" else ((2,),)
-    target = () if class_targets else ((1,),)
-    return Laws(params=("input", "target", "weight"), linear=weight + target,
-                affine=bool(call.param(7, "label_smoothing", 0.0)) and not class_targets)
-
-
-def _cross_entropy_rule(call: Call, placements) -> Decision:
-    if any(isinstance(p, Partial) for p in placements):
-        out = partial_output(call, placements, _cross_entropy_laws(call))
-        if out is None:
-            raise RuleRejected("cross_entropy does not commute with these Partial inputs",
-                               "input R with a P(sum|avg) weight or probability target")
-        return Decision(placements, (out,))
-    x, target = call.inputs[:2]
-    rank = len(x.shape)
-    letters = "c" if rank == 1 else "nc" + "ghijk"[:rank - 2]
-    target_letters = letters if target.dtype.is_floating_point else letters.replace("c", "")
-    terms = [letters, target_letters] + ["c"] * (len(call.inputs) - 2)
-    reduction = _reduction(call)
-    out = letters.replace("c", "") if reduction == "none" else ""
-    legal = "S on the batch or spatial dims of input and target alike (class dim R, weight R); " \
-            "reduction 'none' or 'sum', or 'mean' with probability targets"
-    decision = _letters_decision(call, placements, ",".join(terms) + "->" + out, "c", legal)
-    if reduction == "mean" and decision.outputs[0].is_partial() and not target.dtype.is_floating_point:
-        raise RuleRejected("reduction='mean' over a sharded batch divides by the count of targets that "
-                           "are not ignore_index, which no rank knows alone; use reduction='sum' and divide",
-                           legal)
-    return decision
-
-
-def _mse_rule(call: Call, placements) -> Decision:
-    legal = "input and target sharded alike (or R), no Partial"
-    _no_partial(call, placements, legal)
-    reduction = _reduction(call)
-    if reduction == "none":
-        return shard_decision(call, placements)
-    whole = torch.broadcast_shapes(*(spec.shape for spec in call.inputs))
-    decision = shard_decision(call._replace(outputs=((tuple(whole), call.outputs[0][1]),)), placements)
-    if not isinstance(decision.outputs[0], Shard):
-        return decision
-    if reduction == "mean" and len(call.inputs) > 2:
-        raise RuleRejected("a weighted mean divides by the weights' sum; use reduction='sum'", legal)
-    return Decision(decision.inputs, (Partial("sum"),))
-
-
-def _mean_as_partial_sum(count_of):
-    """A loss's 'mean' over sharded elements: each rank sums and divides by the global count."""
-    def local(call: Call, required):
-        reduction = _reduction(call)
-        if reduction != "mean" or not any(isinstance(p, Shard) for p in required[0]):
-            return call.op, {}
-        return "loss_mean_as_partial_sum", {"loss": call.op, "count": count_of(call)}
-    return local
-
-
-@kernel("loss_mean_as_partial_sum")
-def loss_mean_as_partial_sum(*args, loss, count, **kwargs):
-    kwargs.update(reduction="sum", size_average=None, reduce=None)
-    return _LOSSES[loss](*args, **kwargs) / count
-
-
-_LOSSES = {"cross_entropy": F.cross_entropy, "mse_loss": F.mse_loss}
-
-
-def _cross_entropy_count(call: Call) -> int:
-    shape = call.inputs[0].shape
-    return math.prod(shape) // shape[1 if len(shape) > 1 else 0]
-
-
-def _mse_count(call: Call) -> int:
-    return math.prod(torch.broadcast_shapes(*(spec.shape for spec in call.inputs)))
 
 
 # --- pad --------------------------------------------------------------------------------------------
@@ -349,8 +257,6 @@ NN = {
     "embedding": _row(F.embedding, _embedding_rule, _embedding_local),
     "dropout": _row(dropout, _dropout_rule, _dropout_local, scalars_by_type=True),   # seed, counter vary per call
     "scaled_dot_product_attention": _row(F.scaled_dot_product_attention, _attention_rule, _attention_local),
-    "cross_entropy": _row(F.cross_entropy, _cross_entropy_rule, _mean_as_partial_sum(_cross_entropy_count)),
-    "mse_loss": _row(F.mse_loss, _mse_rule, _mean_as_partial_sum(_mse_count)),
     "pad": _row(_pad, _pad_rule),
 }
 register_family("nn", NN)

@@ -19,7 +19,8 @@ __all__ = ["Laws", "NONE", "partial_output"]
 class Laws(NamedTuple):
     params: tuple = ("input", "other")    # parameter names in order: maps kwargs to positions
     linear: tuple | Callable = ()         # groups of positions f is jointly linear in (or call -> them)
-    affine: bool = False                  # f always adds a constant of its own
+    affine: bool | tuple = False          # f always adds a constant of its own (True), or only in the
+                                          # linear groups that hold one of these positions
     constants: tuple = ()                 # positions of values f adds when nonzero (masked_fill's value)
     monotone: tuple | Callable = ()       # per position +1 / -1 / 0, or call -> that tuple
     monotone_ops: frozenset = frozenset({"max", "min"})   # P(min) only where f has a domain edge
@@ -71,7 +72,8 @@ def _zero(call: Call, laws: Laws, position: int) -> bool:
 
 def _sums_through(call: Call, laws: Laws, group, partial_positions: set) -> bool:
     """P(sum) inputs fill the whole linear group (or zeros do) and nothing else is added."""
-    if laws.affine or not any(p in group for p in partial_positions):
+    affine = laws.affine if type(laws.affine) is bool else any(p in group for p in laws.affine)
+    if affine or not any(p in group for p in partial_positions):
         return False
     filled = all(p in partial_positions or _zero(call, laws, p) for p in group)
     return filled and all(_zero(call, laws, p) for p in laws.constants)

@@ -257,9 +257,37 @@ def _cross_entropy(m: Make):
         Sample((m.x(n, c, d), m.ints(n, d, low=0, high=c)), {"reduction": "none"})]
 
 
-def _mse_loss(m: Make):
-    shape = _matrix(m)
-    return [Sample((m.x(*shape), m.x(*shape)), {"reduction": r}) for r in ("none", "sum", "mean")]
+def _nll_loss(m: Make):
+    n, c, d = m.shape((8, 4, 4), (7, 5, 3))
+    log_probabilities, target = torch.log_softmax(m.x(n, c), 1), m.ints(n, low=0, high=c)
+    ignored = target.clone()
+    ignored[1] = -100
+    return [Sample((log_probabilities, target), {"reduction": reduction}) for reduction in ("none", "sum", "mean")] + [
+        Sample((log_probabilities, ignored, m.x(c, positive=True)), {"reduction": "sum"}),
+        Sample((torch.log_softmax(m.x(n, c, d), 1), m.ints(n, d, low=0, high=c)), {"reduction": "none"})]
+
+
+def _pointwise_loss(*variants, probabilities=False, log_input=False, weight=None,
+                    reductions=("none", "sum", "mean")):
+    """A loss of two same-shape inputs, once per reduction and kwargs variant. probabilities:
+    input and target in (0, 1); log_input: log-probabilities against probabilities (kl_div);
+    weight "full" (shaped like the input, `weight=`) or "row" (its last dim, `pos_weight=`): one
+    more call with it."""
+    def build(m: Make):
+        shape = _matrix(m)
+        if log_input:
+            x, target = torch.log_softmax(m.x(*shape), -1), torch.softmax(m.x(*shape), -1)
+        elif probabilities:
+            x, target = torch.sigmoid(m.x(*shape)), torch.rand(shape, generator=m.g)
+        else:
+            x, target = m.x(*shape), m.x(*shape)
+        out = [Sample((x, target), dict(kw, reduction=r)) for r in reductions for kw in (variants or ({},))]
+        if weight is not None:
+            name = "pos_weight" if weight == "row" else "weight"
+            made = m.x(*(shape if weight == "full" else shape[-1:]), positive=True)
+            out.append(Sample((x, target), {"reduction": "sum", name: made}))
+        return out
+    return build
 
 
 def _pad(m: Make):
@@ -417,7 +445,12 @@ _BUILDERS: dict[str, Callable] = {
     "baddbmm": _baddbmm,
     # nn
     "layer_norm": _layer_norm, "rms_norm": _rms_norm, "embedding": _embedding, "dropout": _dropout,
-    "scaled_dot_product_attention": _attention, "cross_entropy": _cross_entropy, "mse_loss": _mse_loss,
+    "scaled_dot_product_attention": _attention, "cross_entropy": _cross_entropy, "nll_loss": _nll_loss,
+    "mse_loss": _pointwise_loss(weight="full"), "l1_loss": _pointwise_loss(weight="full"),
+    "smooth_l1_loss": _pointwise_loss({}, {"beta": 0.5}), "huber_loss": _pointwise_loss({}, {"delta": 0.7}),
+    "binary_cross_entropy": _pointwise_loss(probabilities=True, weight="full"),
+    "binary_cross_entropy_with_logits": _pointwise_loss(weight="row"),
+    "kl_div": _pointwise_loss(log_input=True, reductions=("none", "sum", "batchmean")),
     "pad": _pad,
     # view (the cases tests/test_ops_view.py swept on its own before)
     "view": _both(_on(_MATRIX, lambda x: _call(x, (x.shape[1], x.shape[0])), lambda x: _call(x, (2, -1, x.shape[1]))),
