@@ -197,6 +197,16 @@ def test_the_standalone_ab_scripts_run_against_a_checkout(script, rows):
 
 
 @pytest.mark.timeout(180)
+def test_the_class_loss_script_runs():
+    """benchmarks.class_loss (quoted in a closing note): both variants, one repetition."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.class_loss", "--batch", "16", "--classes", "8",
+                             "--workers", "2", "--reps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for variant in ("sharded sum / count", "the op alone"):
+        assert re.search(rf"{re.escape(variant)}.* median +[\d.]+ ms per forward \+ backward", result.stdout), result.stdout
+
+
+@pytest.mark.timeout(180)
 def test_a_directly_started_worker_keeps_its_imports_out_of_the_collector():
     """worker_process._freeze_collector, measured by benchmarks/worker_gc.py: after it, a full
     collection no longer walks the ~175,000 objects torch's import left (a 100 ms pause)."""
