@@ -12,8 +12,13 @@ import threading
 import weakref
 from contextlib import contextmanager
 
+import torch
+
 __all__ = ["is_grad_enabled", "set_grad_enabled", "no_grad", "enable_grad", "Leaf", "OpNode", "HopNode",
            "RetainedGrad", "record_op"]
+
+_torch_grad_enabled = torch.is_grad_enabled
+
 
 class _Mode(threading.local):   # per thread, as in torch: one thread's no_grad is not another's
     enabled = True              # a class default: no thread pays a failed attribute lookup per op
@@ -23,7 +28,9 @@ _mode = _Mode()
 
 
 def is_grad_enabled() -> bool:
-    return _mode.enabled
+    """dtorch's grad mode and torch's: code under `torch.no_grad()` (an evaluation loop,
+    torch.nn.init, a hand-written optimizer) records nothing either, as it would in torch."""
+    return _mode.enabled and _torch_grad_enabled()
 
 
 class set_grad_enabled:

@@ -97,6 +97,26 @@ def test_grad_mode_and_leaves(mesh4):
     assert dtorch.is_grad_enabled()
 
 
+def test_torchs_own_no_grad_stops_recording_too(mesh4):
+    """Evaluation loops, torch.nn.init and hand-written optimizers use torch.no_grad(): under it,
+    dtorch records nothing and a leaf may change in place, as in torch."""
+    x = _up(torch.ones(4, 4), mesh4, [Shard(0)], requires_grad=True)
+    with torch.no_grad():
+        y = x * 3
+        x.mul_(2)
+        assert not dtorch.is_grad_enabled()
+    assert not y.requires_grad and x.is_leaf and x.requires_grad and dtorch.is_grad_enabled()
+
+    @torch.no_grad()
+    def evaluate(t):
+        return (t * t).sum()
+    assert not evaluate(x).requires_grad
+    with torch.inference_mode():
+        assert not (x + 1).requires_grad
+    (x * x).sum().backward()
+    torch.testing.assert_close(x.grad.to_torch(), torch.full((4, 4), 4.0))
+
+
 def test_in_place_updates_under_no_grad_keep_the_leaf(mesh4):
     a = torch.randn(4, 3)
     w = _up(a, mesh4, [Replicate()], requires_grad=True)
