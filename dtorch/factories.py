@@ -16,7 +16,7 @@ from .ops.tensor_meta import check_placements, parse_shape, tensor_meta
 from .rng import Generator
 from .runtime import session
 from .runtime.protocol import Factory, Upload, dtype_name, tensor_frame
-from .tensor import DTensor
+from .tensor import COMPOSITES, DTensor
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor", "Tensor",
            "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"]
@@ -169,6 +169,9 @@ def _no_partial(placements):
 
 
 zeros_like, ones_like, empty_like, rand_like, randn_like = map(_like, (zeros, ones, empty, rand, randn))
+for _name, _made in zip(("zeros_like", "ones_like", "empty_like", "rand_like", "randn_like"),
+                        (zeros_like, ones_like, empty_like, rand_like, randn_like)):
+    _made.__name__ = _made.__qualname__ = _name
 
 
 def full_like(other: DTensor, fill_value, *, dtype=None, device_mesh=None, placements=None,
@@ -177,5 +180,22 @@ def full_like(other: DTensor, fill_value, *, dtype=None, device_mesh=None, place
                 device_mesh=device_mesh or other.device_mesh,
                 placements=placements if placements is not None else _no_partial(other.placements),
                 requires_grad=requires_grad)
+
+
+def _torch_spelling(like):
+    """torch.zeros_like(dtensor, ...) and its kin through __torch_function__: torch's keywords a
+    mesh makes moot (layout, memory_format, pin_memory, the mesh's own device) are dropped."""
+    def make(input, *args, dtype=None, layout=None, device=None, requires_grad=False, memory_format=None,
+             pin_memory=False, **extra):
+        if device is not None and torch.device(device).type != input.device_mesh.device_type:
+            raise DTorchError(f"{like.__name__}(..., device={device!r}): the tensor lives on a "
+                              f"{input.device_mesh.device_type} mesh; build on another mesh with device_mesh=")
+        return like(input, *args, dtype=dtype, requires_grad=requires_grad, **extra)
+    make.__name__ = like.__name__
+    return make
+
+
+COMPOSITES.update({like.__name__: _torch_spelling(like) for like in (zeros_like, ones_like, empty_like, rand_like,
+                                                                     randn_like, full_like)})
 
 

@@ -24,7 +24,7 @@ from . import capture as capturing
 from . import aliasing
 from .distributed_spec import Partial, Replicate
 from .errors import DTorchError, ShapeError, user_site
-from .factories import full, tensor as upload
+from .factories import full, rand, randn, tensor as upload
 from .ops import REGISTRY
 from .ops.indexing import WHOLE, AdvancedIndex, canonical_index
 from .recording import Leaf
@@ -312,8 +312,24 @@ def _lerp_(self, end, weight):
     return assign(self, result, "x.lerp_")
 
 
+def _normal_(self, mean=0.0, std=1.0, *, generator=None):
+    """Refilled from dtorch's random stream (factories.randn: the same values on every layout),
+    so torch.nn.init's normal_, xavier_normal_, kaiming_normal_ work on DTensors."""
+    drawn = randn(*self.shape, generator=generator, dtype=self.dtype, device_mesh=self.device_mesh,
+                  placements=_unpartial(self.placements))
+    return assign(self, drawn * std + mean, "x.normal_")
+
+
+def _uniform_(self, a=0.0, b=1.0, *, generator=None):
+    """Refilled from dtorch's random stream (uniform_, xavier_uniform_, kaiming_uniform_, and
+    trunc_normal_ with erfinv_)."""
+    drawn = rand(*self.shape, generator=generator, dtype=self.dtype, device_mesh=self.device_mesh,
+                 placements=_unpartial(self.placements))
+    return assign(self, drawn * (b - a) + a, "x.uniform_")
+
+
 EXTRA_METHODS = {"fill_": _fill_, "zero_": _zero_, "copy_": _copy_, "clamp_min_": _clamp_min_,
-                 "clamp_max_": _clamp_max_, "lerp_": _lerp_}
+                 "clamp_max_": _clamp_max_, "lerp_": _lerp_, "normal_": _normal_, "uniform_": _uniform_}
 
 
 def _derived_names() -> list[str]:

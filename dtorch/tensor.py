@@ -53,6 +53,18 @@ _TEMPORARY_REFS = _temporary_refs()
 COMPOSITES: dict = {}
 
 
+def _run_init(func, args: tuple, kwargs: dict):
+    """torch.nn.init's functions are Python over tensor methods (uniform_, normal_, fill_, copy_,
+    erfinv_, ...), which DTensor has: torch's own body runs on the DTensor, with torch's dispatch
+    back to __torch_function__ off for that call. One that needs a torch function dtorch lacks
+    (orthogonal_'s QR, eye_'s out=) is refused by name."""
+    with torch._C.DisableTorchFunction():
+        try:
+            return func(*args, **kwargs)
+        except (TypeError, AttributeError) as error:
+            raise unsupported_op(func.__name__, f"torch.nn.init.{func.__name__}") from error
+
+
 class DTensor:
     # __weakref__: dtorch/aliasing.py tracks views weakly (a view never keeps its base alive)
     # _node: None, or what autograd knows of this tensor (dtorch/recording.py)
@@ -81,6 +93,9 @@ class DTensor:
 
     def dim(self) -> int:
         return self.ndim
+
+    ndimension = dim
+    is_meta = False   # (torch.nn.init asks)
 
     def numel(self) -> int:
         return self.shape.numel()
@@ -248,6 +263,8 @@ class DTensor:
         composite = COMPOSITES.get(name)
         if composite is not None:
             return composite(*args, **(kwargs or {}))
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return _run_init(func, args, kwargs or {})
         if name in REGISTRY:
             if kwargs and kwargs.get("inplace"):   # F.relu(x, inplace=True): computed, then x rebound
                 return args[0]._assign(call_op(name, tuple(args), dict(kwargs, inplace=False)), f"{name}(inplace=True)")
@@ -273,6 +290,17 @@ class DTensor:
 
     def __deepcopy__(self, memo) -> "DTensor":
         return call_op("clone", (self,), {})
+
+    def new_tensor(self, data, dtype=None, device=None, requires_grad: bool = False):
+        """torch's x.new_tensor: `data` in x's dtype, on x's mesh (Replicate). With device= (a torch
+        device, as in x.to("cpu")) a plain torch tensor in this process: torch.nn.init casts
+        its bounds that way (`x.new_tensor(a, device="cpu").item()`)."""
+        dtype = self.dtype if dtype is None else dtype
+        if device is not None:
+            return torch.tensor(data, dtype=dtype, device=device, requires_grad=requires_grad)
+        from .factories import tensor as upload   # (factories builds DTensors: imported at call time)
+        return upload(data, dtype=dtype, device_mesh=self.device_mesh,
+                      placements=[Replicate()] * self.device_mesh.ndim, requires_grad=requires_grad)
 
     def to(self, *args, **kwargs):
         """x.to(dtype) casts (a new DTensor). x.to("cpu"), x.to("cpu", dtype) and x.to(device="cpu")

@@ -389,3 +389,58 @@ def test_a_class_loss_mean_over_a_sharded_batch_moves_no_input(name, shape, mesh
             loss.backward()
             torch.testing.assert_close(loss.to_torch(), expected.detach(), rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(x.grad.to_torch(), reference.grad, rtol=1e-4, atol=1e-6)
+
+
+_INITS = {"normal_": lambda t: torch.nn.init.normal_(t, 0.5, 2.0), "uniform_": lambda t: torch.nn.init.uniform_(t, -3, 1),
+          "xavier_uniform_": torch.nn.init.xavier_uniform_, "xavier_normal_": torch.nn.init.xavier_normal_,
+          "kaiming_uniform_": lambda t: torch.nn.init.kaiming_uniform_(t, a=5 ** 0.5),
+          "kaiming_normal_": torch.nn.init.kaiming_normal_, "constant_": lambda t: torch.nn.init.constant_(t, 0.3),
+          "trunc_normal_": lambda t: torch.nn.init.trunc_normal_(t, std=0.5, a=-0.4, b=0.9),
+          "trunc_normal_ (narrow)": lambda t: torch.nn.init.trunc_normal_(t, a=2.0, b=3.0)}
+
+
+# exact bounds: fan_in 96, fan_out 256; kaiming_uniform_ with a = sqrt(5) has gain sqrt(1 / 3)
+_BOUNDS = {"uniform_": (-3, 1), "constant_": (0.3, 0.3), "trunc_normal_": (-0.4, 0.9), "trunc_normal_ (narrow)": (2.0, 3.0),
+           "xavier_uniform_": (-(6 / 352) ** 0.5, (6 / 352) ** 0.5), "kaiming_uniform_": (-(1 / 96) ** 0.5, (1 / 96) ** 0.5)}
+
+
+@pytest.mark.parametrize("name", list(_INITS))
+def test_torch_nn_init_refills_a_parameter_the_same_on_every_layout(name, mesh4, mesh22):
+    """torch.nn.init's own code runs on a DTensor parameter (under torch.no_grad, in place): the
+    values come from dtorch's stream, the same for one seed on every layout, and have the
+    distribution torch's would (bounds exact, moments loose); the parameter stays a leaf."""
+    init = _INITS[name]
+    values = []
+    for mesh, placements in ((mesh4, [Shard(0)]), (mesh4, [Replicate()]), (mesh22, [Shard(1), Shard(0)])):
+        dtorch.manual_seed(11)
+        parameter = nn.Parameter(dtorch.zeros(256, 96, device_mesh=mesh, placements=placements))
+        assert init(parameter) is parameter
+        assert parameter.is_leaf and parameter.requires_grad and parameter.placements == placements
+        values.append(parameter.to_torch())
+    assert all(torch.equal(values[0], v) for v in values[1:])
+    reference = torch.zeros(256, 96)
+    init(reference)
+    got = values[0]
+    if name in _BOUNDS:
+        low, high = _BOUNDS[name]
+        assert low - 1e-5 <= got.min() and got.max() <= high + 1e-5
+    torch.testing.assert_close(got.mean(), reference.mean(), atol=0.05 * max(1.0, reference.std().item()), rtol=0)
+    torch.testing.assert_close(got.std(), reference.std(), rtol=0.05, atol=1e-6)
+
+
+def test_torch_spellings_of_like_factories_and_new_tensor(mesh4):
+    x = dtorch.randn(6, 4, device_mesh=mesh4, placements=[Shard(0)])
+    for made, value in ((torch.zeros_like(x), 0.0), (torch.ones_like(x, dtype=torch.float64), 1.0),
+                        (torch.full_like(x, 2.5), 2.5)):
+        assert made.placements == x.placements and made.shape == x.shape
+        assert torch.equal(made.to_torch(), torch.full((6, 4), value, dtype=made.dtype))
+    assert torch.ones_like(x, dtype=torch.float64).dtype == torch.float64
+    assert torch.empty_like(x).shape == x.shape and torch.randn_like(x).placements == x.placements
+    local = x.new_tensor(0.1, device="cpu")
+    assert isinstance(local, torch.Tensor) and local.dtype == torch.float32
+    placed = x.new_tensor([1.0, 2.0])
+    assert placed.placements == (Replicate(),) and torch.equal(placed.to_torch(), torch.tensor([1.0, 2.0]))
+    with pytest.raises(dtorch.DTorchError, match="mesh"):
+        torch.zeros_like(x, device="cuda")
+    with pytest.raises(dtorch.DTorchError, match="not supported"):   # (its QR, not a wrong value)
+        torch.nn.init.orthogonal_(nn.Parameter(dtorch.zeros(4, 4, device_mesh=mesh4, placements=[Shard(0)])))

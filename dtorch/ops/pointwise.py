@@ -179,6 +179,7 @@ POINTWISE = {
     "tanh": _row(torch.tanh, UP),
     "sigmoid": _row(torch.sigmoid, UP),
     "erf": _row(torch.erf, UP),
+    "erfinv": _row(torch.erfinv, NONE),   # only on (-1, 1), which a P(max|min) contribution may leave; trunc_normal_ uses it
     "relu": _row(lambda input, inplace=False: torch.relu(input), UP),
     "gelu": _row(F.gelu, NONE),
     "silu": _row(lambda input, inplace=False: F.silu(input), NONE),

@@ -19,8 +19,8 @@ __all__ = ["unsupported_op", "unsupported_method", "inplace_flag_refused", "refu
 
 # What to write instead of an in-place method whose out-of-place twin is not an op of its own.
 INPLACE_ALTERNATIVES = {
-    "normal_": "x.copy_(dtorch.randn_like(x) * std + mean)",
-    "uniform_": "x = dtorch.rand_like(x) * (high - low) + low",
+    "bernoulli_": "x.copy_((dtorch.rand_like(x) < p).to(x.dtype))",
+    "exponential_": "x.copy_(-(1 - dtorch.rand_like(x)).log() / rate)",
 }
 
 

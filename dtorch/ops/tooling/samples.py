@@ -389,6 +389,7 @@ _BUILDERS: dict[str, Callable] = {
     **{name: _one(exact=True) for name in _EXACT_UNARY},
     **{name: _one() for name in _CLOSE_UNARY},
     **{name: _one(positive=True, exact=name == "sqrt") for name in _POSITIVE},
+    "erfinv": lambda m: [Sample((torch.tanh(m.x(*_matrix(m))) * 0.9,), {})],   # its domain is (-1, 1)
     **{name: _two(broadcast=name in ("maximum", "lt"), exact=True) for name in _COMPARISONS},
     "eq": _two(dtype=torch.int64, high=4, exact=True), "ne": _two(dtype=torch.int64, high=4, exact=True),
     **{name: _two(dtype=torch.bool, exact=True) for name in _BOOLEAN},
