@@ -12,7 +12,7 @@ import torch
 
 from .distributed_spec import (DeviceMesh, Partial, Placement, Placements, Replicate, format_placements,
                                local_offset, local_shape)
-from .errors import MeshError, UnsupportedOpError
+from .errors import MeshError, UnsupportedOpError, user_site
 from .ops.unsupported import NOTES, is_inplace_name, unsupported_method, unsupported_op
 from .ops import REGISTRY, cached_plan
 from .ops.conversions import to_target
@@ -255,6 +255,17 @@ class DTensor:
 
     def __int__(self) -> int:
         return int(self.item())
+
+    def __format__(self, spec: str) -> str:
+        """As torch: a 0-d tensor formats as its value (f"{loss:.4f}", a blocking read like item())."""
+        if self.ndim == 0:
+            return format(self.item(), spec)
+        return object.__format__(self, spec)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"a DTensor cannot be pickled (at {user_site()}): its data lives on the workers, and its "
+                        "symbol means nothing outside this session. Save with dtorch.checkpoint.save(state, "
+                        "directory) (each worker writes its own shards), or pickle x.to_torch()")
 
     # --- torch interop ------------------------------------------------------------------------
     @classmethod

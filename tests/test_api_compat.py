@@ -235,3 +235,18 @@ def test_generator_streams_are_layout_invariant_and_apart_from_the_global_one(me
     assert torch.equal(like.to_torch(), first)
     with pytest.raises(TypeError, match="dtorch.Generator"):
         dtorch.randn(3, generator=torch.Generator(), device_mesh=mesh4)
+
+
+def test_a_scalar_formats_as_its_value_and_pickling_says_how_to_save(mesh4):
+    """Training loops print f"{loss:.4f}" (torch formats a 0-d tensor as its value); torch.save
+    of a state_dict of DTensors says what to use instead of failing on a lock deep in pickle."""
+    import io
+    import pickle
+    a = torch.arange(32.0).reshape(8, 4) / 4   # sums exactly in any order
+    x = _up(a, mesh4, [Shard(0)])
+    assert f"{x.sum():.3f}" == "124.000" and f"{x.sum()}" == "124.0"
+    with pytest.raises(TypeError, match="unsupported format"):
+        f"{x:.3f}"
+    for save in (lambda: pickle.dumps(x), lambda: torch.save({"w": x}, io.BytesIO())):
+        with pytest.raises(TypeError, match="dtorch.checkpoint.save"):
+            save()
