@@ -41,8 +41,14 @@ def retain_grad(tensor: DTensor) -> None:
 
 def retains_grad(tensor: DTensor) -> bool:
     """torch.Tensor.retains_grad: True for an intermediate after retain_grad(), else False."""
+    return _record_of(tensor) is not None
+
+
+def _record_of(tensor: DTensor) -> RetainedGrad | None:
     node = tensor._node
-    return type(node) not in (type(None), Leaf, HopNode) and bool(node.retained) and tensor._id in node.retained
+    if type(node) in (type(None), Leaf, HopNode) or not node.retained:
+        return None
+    return node.retained.get(tensor._id)
 
 
 def retained_in(nodes: list) -> list[tuple[DTensor, RetainedGrad]]:
@@ -78,9 +84,7 @@ def retained_accumulator(tensor: DTensor, record: RetainedGrad) -> DTensor:
 def retained_grad(tensor: DTensor):
     """`x.grad` of an intermediate: None unless retained and reached by a backward; reduced to
     the tensor's own placements on first read (and the workers' .grad rebound to it)."""
-    node = tensor._node
-    record = node.retained.get(tensor._id) if type(node) not in (type(None), Leaf, HopNode) and node.retained \
-        else None
+    record = _record_of(tensor)
     if record is None or record.grad is None:
         return None
     if record.grad.placements != tensor.placements:
@@ -91,9 +95,7 @@ def retained_grad(tensor: DTensor):
 
 def clear_retained(tensor: DTensor) -> None:
     """`x.grad = None` on a retained intermediate: the next backward starts from zero."""
-    node = tensor._node
-    record = node.retained.get(tensor._id) if type(node) not in (type(None), Leaf, HopNode) and node.retained \
-        else None
+    record = _record_of(tensor)
     if record is not None and record.grad is not None:
         record.grad = record.bound = None
         tensor._controller.submit(SetGrads, (tensor._id,), (-1,))
