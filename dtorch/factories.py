@@ -161,6 +161,7 @@ def _like(factory):
         return factory(*((tuple(other.shape),) + args), dtype=dtype or other.dtype,
                        device_mesh=device_mesh or other.device_mesh,
                        placements=placements if placements is not None else _no_partial(other.placements), **extra)
+    make.__name__ = make.__qualname__ = f"{factory.__name__}_like"
     return make
 
 
@@ -169,9 +170,6 @@ def _no_partial(placements):
 
 
 zeros_like, ones_like, empty_like, rand_like, randn_like = map(_like, (zeros, ones, empty, rand, randn))
-for _name, _made in zip(("zeros_like", "ones_like", "empty_like", "rand_like", "randn_like"),
-                        (zeros_like, ones_like, empty_like, rand_like, randn_like)):
-    _made.__name__ = _made.__qualname__ = _name
 
 
 def full_like(other: DTensor, fill_value, *, dtype=None, device_mesh=None, placements=None,

@@ -48,16 +48,16 @@ _TEMPORARY_REFS = _temporary_refs()
 
 
 # torch functions that reach dtorch as a Python function over ops rather than straight as the
-# registry op of their name (dtorch/nn/functional.py fills it: cross_entropy's mean over a
-# sharded batch is a sharded sum over a count).
+# registry op of their name: cross_entropy's mean over a sharded batch is a sharded sum over a
+# count (dtorch/nn/functional.py), torch.zeros_like(x) is a factory (dtorch/factories.py).
 COMPOSITES: dict = {}
 
 
 def _run_init(func, args: tuple, kwargs: dict):
     """torch.nn.init's functions are Python over tensor methods (uniform_, normal_, fill_, copy_,
     erfinv_, ...), which DTensor has: torch's own body runs on the DTensor, with torch's dispatch
-    back to __torch_function__ off for that call. One that needs a torch function dtorch lacks
-    (orthogonal_'s QR, eye_'s out=) is refused by name."""
+    back to __torch_function__ off for that call. One that needs what dtorch lacks (orthogonal_'s
+    QR, eye_'s out=) is refused with an UnsupportedOpError."""
     with torch._C.DisableTorchFunction():
         try:
             return func(*args, **kwargs)
