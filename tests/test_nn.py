@@ -444,3 +444,50 @@ def test_torch_spellings_of_like_factories_and_new_tensor(mesh4):
         torch.zeros_like(x, device="cuda")
     with pytest.raises(dtorch.DTorchError, match="not supported"):   # (its QR, not a wrong value)
         torch.nn.init.orthogonal_(nn.Parameter(dtorch.zeros(4, 4, device_mesh=mesh4, placements=[Shard(0)])))
+
+
+def test_a_loop_written_the_torch_way_trains_as_torch_does(mesh4):
+    """What a torch user writes, on a batch sharded over dp: torch.nn.init through model.apply,
+    torch.nn.CrossEntropyLoss with label smoothing, clipping, AdamW with torch's LR scheduler,
+    an evaluation under torch.no_grad() and f-string logging. Losses, accuracy and parameters
+    equal single-process torch's."""
+    import torch.nn as tnn
+    g = torch.Generator().manual_seed(0)
+    inputs, labels = torch.randn(64, 20, generator=g), torch.randint(0, 5, (64,), generator=g)
+
+    def init(module):
+        if isinstance(module, (tnn.Linear, nn.Linear)):
+            tnn.init.xavier_uniform_(module.weight)
+            tnn.init.zeros_(module.bias)
+    model = nn.Sequential(nn.Linear(20, 32, device_mesh=mesh4), nn.ReLU(), nn.Linear(32, 5, device_mesh=mesh4))
+    model.apply(init)
+    reference = tnn.Sequential(tnn.Linear(20, 32), tnn.ReLU(), tnn.Linear(32, 5))
+    reference.load_state_dict({k: v.to_torch() for k, v in model.state_dict().items()})
+    optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=4) for o in (optimizer, reference_optimizer)]
+    loss_of = tnn.CrossEntropyLoss(label_smoothing=0.1)
+
+    def placed(value):
+        return dtorch.tensor(value, device_mesh=mesh4, placements=[Shard(0)])
+    for _ in range(3):
+        for rows in (slice(0, 32), slice(32, 64)):
+            loss = loss_of(model(placed(inputs[rows])), placed(labels[rows]))
+            loss.backward()
+            expected = loss_of(reference(inputs[rows]), labels[rows])
+            expected.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            tnn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+            for o in (optimizer, reference_optimizer):
+                o.step()
+                o.zero_grad()
+            assert abs(float(f"{loss:.6f}") - expected.item()) < 1e-4   # (the f-string reads it)
+        for schedule in schedules:
+            schedule.step()
+        with torch.no_grad():
+            logits = model(placed(inputs))
+            accuracy = (logits.argmax(1) == placed(labels)).float().mean()
+        assert not logits.requires_grad
+        assert accuracy.item() == (reference(inputs).argmax(1) == labels).float().mean().item()
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.to_torch(), theirs.detach(), rtol=1e-4, atol=1e-5)
