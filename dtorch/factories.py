@@ -197,3 +197,17 @@ COMPOSITES.update({like.__name__: _torch_spelling(like) for like in (zeros_like,
                                                                      randn_like, full_like)})
 
 
+def _new_tensor(self: DTensor, data, dtype=None, device=None, requires_grad: bool = False):
+    """torch's x.new_tensor: `data` in x's dtype, on x's mesh (Replicate). With device= (a torch
+    device, as in x.to("cpu")) a plain torch tensor in this process: torch.nn.init casts its
+    bounds that way (`x.new_tensor(a, device="cpu").item()`)."""
+    dtype = self.dtype if dtype is None else dtype
+    if device is not None:
+        return torch.tensor(data, dtype=dtype, device=device, requires_grad=requires_grad)
+    return tensor(data, dtype=dtype, device_mesh=self.device_mesh, placements=[Replicate()] * self.device_mesh.ndim,
+                  requires_grad=requires_grad)
+
+
+DTensor.new_tensor = _new_tensor   # here, not in tensor.py: it builds with this module's upload
+
+

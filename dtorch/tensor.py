@@ -302,17 +302,6 @@ class DTensor:
     def __deepcopy__(self, memo) -> "DTensor":
         return call_op("clone", (self,), {})
 
-    def new_tensor(self, data, dtype=None, device=None, requires_grad: bool = False):
-        """torch's x.new_tensor: `data` in x's dtype, on x's mesh (Replicate). With device= (a torch
-        device, as in x.to("cpu")) a plain torch tensor in this process: torch.nn.init casts
-        its bounds that way (`x.new_tensor(a, device="cpu").item()`)."""
-        dtype = self.dtype if dtype is None else dtype
-        if device is not None:
-            return torch.tensor(data, dtype=dtype, device=device, requires_grad=requires_grad)
-        from .factories import tensor as upload   # (factories builds DTensors: imported at call time)
-        return upload(data, dtype=dtype, device_mesh=self.device_mesh,
-                      placements=[Replicate()] * self.device_mesh.ndim, requires_grad=requires_grad)
-
     def to(self, *args, **kwargs):
         """x.to(dtype) casts (a new DTensor). x.to("cpu"), x.to("cpu", dtype) and x.to(device="cpu")
         are a blocking read like to_torch(): they return a torch.Tensor (torch's DTensor would
