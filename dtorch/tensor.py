@@ -274,12 +274,12 @@ class DTensor:
         composite = COMPOSITES.get(name)
         if composite is not None:
             return composite(*args, **(kwargs or {}))
-        if getattr(func, "__module__", None) == "torch.nn.init":
-            return _run_init(func, args, kwargs or {})
         if name in REGISTRY:
             if kwargs and kwargs.get("inplace"):   # F.relu(x, inplace=True): computed, then x rebound
                 return args[0]._assign(call_op(name, tuple(args), dict(kwargs, inplace=False)), f"{name}(inplace=True)")
             return call_op(name, tuple(args), kwargs or {})
+        if getattr(func, "__module__", None) == "torch.nn.init":   # (after the ops: no op is named like one)
+            return _run_init(func, args, kwargs or {})
         if is_inplace_name(name) and hasattr(DTensor, name):   # torch.relu_(x), torch.Tensor.add_(x, y)
             return getattr(DTensor, name)(*args, **(kwargs or {}))
         module = "torch.nn.functional" if getattr(func, "__module__", "").startswith("torch.nn") else "torch"

@@ -105,9 +105,11 @@ def _class_count(call: Call) -> int:
 # --- pointwise losses ------------------------------------------------------------------------------
 # Each loss's parameters, and where its `weight` sits: the loss is linear in it, except in a 'mean'
 # that divides by the weights' sum (mse, l1, huber).
-_PARAMS = {name: tuple(inspect.signature(getattr(F, name)).parameters)
-           for name in ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
-                        "binary_cross_entropy_with_logits", "kl_div")}
+_POINTWISE_LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+                     "binary_cross_entropy_with_logits", "kl_div")
+# torch's signatures, read once (the kernel below binds a call's arguments to them on every call)
+_SIGNATURES = {name: inspect.signature(getattr(F, name)) for name in ("cross_entropy", "nll_loss") + _POINTWISE_LOSSES}
+_PARAMS = {name: tuple(_SIGNATURES[name].parameters) for name in _POINTWISE_LOSSES}
 
 
 def _pointwise_loss_laws(call: Call) -> Laws:
@@ -169,12 +171,11 @@ def _mean_as_partial_sum(count_of):
 @kernel("loss_mean_as_partial_sum")
 def loss_mean_as_partial_sum(*args, loss, count, **kwargs):
     """torch's loss with reduction='sum' on this rank's shard, over the global count."""
-    function = LOSSES[loss].torch_fn
-    bound = inspect.signature(function).bind(*args, **kwargs)
+    bound = _SIGNATURES[loss].bind(*args, **kwargs)
     for legacy in ("size_average", "reduce"):
         bound.arguments.pop(legacy, None)
     bound.arguments["reduction"] = "sum"
-    return function(*bound.args, **bound.kwargs) / count
+    return LOSSES[loss].torch_fn(*bound.args, **bound.kwargs) / count
 
 
 def _row(torch_fn, rule, count_of) -> OpRow:
@@ -185,8 +186,6 @@ def _row(torch_fn, rule, count_of) -> OpRow:
 LOSSES = {
     "cross_entropy": _row(F.cross_entropy, _cross_entropy_rule, _class_count),
     "nll_loss": _row(F.nll_loss, _cross_entropy_rule, _class_count),
-    **{name: _row(getattr(F, name), _pointwise_loss_rule, _element_count)
-       for name in ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
-                    "binary_cross_entropy_with_logits", "kl_div")},
+    **{name: _row(getattr(F, name), _pointwise_loss_rule, _element_count) for name in _POINTWISE_LOSSES},
 }
 register_family("nn", LOSSES)
