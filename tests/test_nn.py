@@ -391,6 +391,54 @@ def test_a_class_loss_mean_over_a_sharded_batch_moves_no_input(name, shape, mesh
             torch.testing.assert_close(x.grad.to_torch(), reference.grad, rtol=1e-4, atol=1e-6)
 
 
+
+_CLASS_SHARDED = [((4,), [Shard(1)]), ((2, 2), [Shard(0), Shard(1)]), ((2, 2), [Shard(1), Shard(0)]),
+                  ((2, 2), [Replicate(), Shard(1)])]
+
+
+@pytest.mark.parametrize("name", ["cross_entropy", "nll_loss"])
+@pytest.mark.parametrize("shape", [(10, 7), (9, 5, 3)], ids=["rows", "rows-and-positions"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_a_class_loss_over_sharded_classes_never_gathers_them(name, shape, reduction, mesh4, mesh22):
+    """A vocabulary-parallel head: F.cross_entropy / nll_loss of logits whose class dim is sharded
+    (uneven: 7 and 5 classes over 2 or 4 ranks), batch sharded or not, build the loss from the
+    shards (max, sum of exponentials and the target's logit, each reduced over the class dim), so
+    no input is moved (strict mode passes); values and gradients equal torch's with ignored
+    targets, another ignore_index and label smoothing."""
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(*shape, generator=g)
+    targets = torch.randint(0, shape[1], (shape[0],) + shape[2:], generator=g)
+    targets.view(-1)[[1, 4]] = -100
+    meshes = {(4,): mesh4, (2, 2): mesh22}
+    for kwargs in ({}, {"label_smoothing": 0.2}, {"ignore_index": 2}):
+        if name == "nll_loss" and "label_smoothing" in kwargs:
+            continue
+        target = targets.clone()
+        target[target == -100] = kwargs.get("ignore_index", -100)
+        reference = logits.clone().requires_grad_()
+        value = reference if name == "cross_entropy" else torch.log_softmax(reference, 1)
+        expected = getattr(F, name)(value, target, reduction=reduction, **kwargs)
+        expected.sum().backward()
+        for mesh_shape, placements in _CLASS_SHARDED:
+            mesh = meshes[mesh_shape]
+            x = dtorch.tensor(logits, device_mesh=mesh, placements=placements, requires_grad=True)
+            given = x if name == "cross_entropy" else x - x.detach().exp().sum(1, keepdim=True).log()
+            labels = dtorch.tensor(target, device_mesh=mesh,
+                                   placements=[p if p.is_shard(0) else Replicate() for p in placements])
+            before, strict = dtorch.stats()["redistributes_inserted"], dtorch.is_strict()
+            dtorch.set_strict(True)
+            try:
+                loss = getattr(F, name)(given, labels, reduction=reduction, **kwargs)
+            finally:
+                dtorch.set_strict(strict)
+            assert dtorch.stats()["redistributes_inserted"] == before, (placements, kwargs)
+            loss.sum().backward()
+            where = f"{placements} {kwargs}"
+            torch.testing.assert_close(loss.to_torch(), expected.detach(), rtol=1e-5, atol=1e-5, msg=where)
+            if name == "cross_entropy":   # (nll_loss's input above is not torch's log_softmax graph)
+                torch.testing.assert_close(x.grad.to_torch(), reference.grad, rtol=1e-4, atol=1e-6, msg=where)
+
 _INITS = {"normal_": lambda t: torch.nn.init.normal_(t, 0.5, 2.0), "uniform_": lambda t: torch.nn.init.uniform_(t, -3, 1),
           "xavier_uniform_": torch.nn.init.xavier_uniform_, "xavier_normal_": torch.nn.init.xavier_normal_,
           "kaiming_uniform_": lambda t: torch.nn.init.kaiming_uniform_(t, a=5 ** 0.5),

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from ..distributed_spec import DeviceMesh, Replicate, Shard
-from ..factories import arange, full_like, tensor as upload
+from ..factories import full_like, tensor as upload
 from ..tensor import DTensor, call_op
 from .. import nn
 from ..autograd import no_grad
@@ -495,25 +495,9 @@ def token_losses(logits: DTensor, labels: DTensor, ignore_index: int = -100) -> 
 
 def token_loss_sum(logits: DTensor, labels: DTensor, ignore_index: int = -100) -> DTensor:
     """The sum of the token losses, in float32; a pending sum until it is read."""
-    logits = logits.float()
-    vocab = logits.shape[-1]
-    # the shift cancels out of the loss, so it carries no gradient (torch's logsumexp detaches it too)
-    peak = logits.detach().amax(-1, keepdim=True).reduce_partials()
-    shifted = logits - peak
-    log_total = shifted.exp().sum(-1).reduce_partials().log()
-    classes = arange(vocab, device_mesh=logits.device_mesh, placements=_class_placements(logits))
-    hit = (classes == labels.unsqueeze(-1)).to(shifted.dtype)
-    target = (shifted * hit).sum(-1).reduce_partials()
-    keep = (labels != ignore_index).to(shifted.dtype)
-    return ((log_total - target) * keep).sum()
+    return F.class_sharded_losses(logits.float(), labels, logits.ndim - 1, ignore_index).sum()
 
 
 def token_count(labels: DTensor, ignore_index: int = -100) -> DTensor:
     """The number of counted tokens, all-reduced (a scalar)."""
     return (labels != ignore_index).to(torch.float32).sum().reduce_partials()
-
-
-def _class_placements(logits: DTensor) -> list:
-    """A class index vector laid out like the logits' last dim (sharded where the vocabulary is)."""
-    last = logits.ndim - 1
-    return [Shard(0) if p == Shard(last) else Replicate() for p in logits.placements]

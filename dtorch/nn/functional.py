@@ -2,13 +2,15 @@
 pointwise, reduction, matrix, nn, vision); `torch.nn.functional.<name>(dtensor)` reaches the same op
 through __torch_function__, except dropout, which needs dtorch's random stream (below),
 batch_norm in training mode, whose batch statistics dtorch computes across ranks (below), and
-cross_entropy / nll_loss, whose mean over a sharded batch is a sum over a count (at the end)."""
+cross_entropy / nll_loss, whose mean over a sharded batch is a sum over a count and whose sharded
+class dim is never gathered (at the end)."""
 from __future__ import annotations
 
 from torch.nn._reduction import legacy_get_string
 
 from ..distributed_spec import Replicate, Shard
 from ..errors import UnsupportedOpError
+from ..factories import arange
 from ..runtime import session
 from ..inplace import assign
 from ..tensor import COMPOSITES, call_op
@@ -133,6 +135,9 @@ def _class_loss(name, input, target, weight, size_average, ignore_index, reduce,
     if size_average is not None or reduce is not None:   # torch's deprecated spelling
         reduction = legacy_get_string(size_average, reduce, emit_warning=False)
     kwargs = dict(extra, ignore_index=ignore_index)
+    if _classes_sharded(input, target, weight):
+        losses = class_sharded_losses(input, target, 1, ignore_index, log_probabilities=name == "nll_loss", **extra)
+        return _reduced_losses(losses, target, ignore_index, reduction)
     if reduction != "mean" or target.dtype.is_floating_point or not _batch_sharded(input, target):
         return call_op(name, (input, target, weight), dict(kwargs, reduction=reduction))
     total = call_op(name, (input, target, weight), dict(kwargs, reduction="sum"))
@@ -152,6 +157,56 @@ def _targets_weight(input, target, weight, ignore_index):
     classes = call_op("where", (kept, target, 0), {})
     per_target = call_op("embedding", (classes, weight.unsqueeze(1)), {}).squeeze(-1)
     return (per_target * kept.to(per_target.dtype)).sum()
+
+
+# --- a sharded class dim (a vocabulary-parallel head): never gathered ------------------------------
+# The op's rule needs all classes on a rank (a log_softmax over them), so the planner would gather
+# the class dim: with a tp-sharded vocabulary, all (tokens x vocabulary) logits onto every rank.
+# Built from the shards instead, the max, the sum of exponentials and the target's logit are each
+# a reduction over the class dim, i.e. an all-reduce of one value per target.
+def _classes_sharded(input, target, weight) -> bool:
+    """Class-index targets without class weights, the class dim (1) sharded, nothing pending."""
+    return (input.ndim >= 2 and weight is None and not target.dtype.is_floating_point
+            and any(p.is_shard(1) for p in input.placements)
+            and not any(p.is_partial() for p in (*input.placements, *target.placements)))
+
+
+def class_sharded_losses(input, target, dim: int = 1, ignore_index: int = -100, label_smoothing: float = 0.0,
+                         log_probabilities: bool = False):
+    """Each target's loss (0 where it is ignore_index): torch's cross_entropy of logits `input`
+    over class dim `dim` (nll_loss of log-probabilities if `log_probabilities`), reduction
+    'none', computed on a sharded class dim without gathering it. A target outside the classes
+    is not detected (it would need a read): it counts as a zero logit's loss."""
+    classes = input.shape[dim]
+    index = arange(classes, device_mesh=input.device_mesh, placements=_laid_like_dim(input, dim))
+    if dim < input.ndim - 1:   # laid along `dim`: (classes, 1, ...)
+        index = index.view(classes, *[1] * (input.ndim - 1 - dim))
+    hit = (index == target.unsqueeze(dim)).to(input.dtype)
+    chosen, log_total = input, None
+    if not log_probabilities:
+        # the shift cancels out of the loss, so it carries no gradient (torch's logsumexp detaches it too)
+        chosen = input - input.detach().amax(dim, keepdim=True).reduce_partials()
+        log_total = chosen.exp().sum(dim).reduce_partials().log()
+    # label smoothing: (1 - e) of the target's logit and e of the classes' mean, in one reduction
+    mix = hit if not label_smoothing else hit * (1 - label_smoothing) + label_smoothing / classes
+    picked = (chosen * mix).sum(dim).reduce_partials()
+    kept = (target != ignore_index).to(input.dtype)
+    return (-picked if log_total is None else log_total - picked) * kept
+
+
+def _laid_like_dim(input, dim: int) -> list:
+    """Placements of a (classes,) index vector sharded wherever `input`'s dim `dim` is."""
+    return [Shard(0) if p.is_shard(dim) else Replicate() for p in input.placements]
+
+
+def _reduced_losses(losses, target, ignore_index: int, reduction: str):
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    if reduction != "mean":
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    return losses.sum().reduce_partials() / (target != ignore_index).to(losses.dtype).sum().reduce_partials()
 
 
 COMPOSITES.update(cross_entropy=cross_entropy, nll_loss=nll_loss)   # torch.nn.functional's spellings too
