@@ -14,8 +14,8 @@ from .distributed_spec import DeviceMesh, Partial, Replicate, Shard, init_device
 from .errors import (DependencyError, DTorchError, MeshError, PlacementError, RemoteError, SessionEndedError,
                      ShapeError, StartupError, UnreadFailureWarning, UnsupportedOpError, WorkerLostError)
 from .errors import CompileError, LostTensorError
-from .factories import (arange, empty, empty_like, eye, full, full_like, linspace, ones, ones_like, rand, rand_like,
-                        randint, randn, randn_like, tensor, zeros, zeros_like)
+from .factories import (arange, distribute_tensor, empty, empty_like, eye, full, full_like, linspace, ones, ones_like,
+                        rand, rand_like, randint, randn, randn_like, tensor, zeros, zeros_like)
 from .factories import Tensor
 from .rng import Generator
 from .ops.dispatch import is_strict, set_strict
@@ -85,7 +85,7 @@ __all__ = [
     "DTensor", "DeviceMesh", "Shard", "Replicate", "Partial", "init_device_mesh", "Future",
     "init", "init_async", "shutdown", "workers", "replace_lost_workers", "stats", "synchronize", "manual_seed",
     "set_strict", "is_strict", "autograd", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
-    "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
+    "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor", "distribute_tensor",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "Tensor", "Generator",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",

@@ -124,6 +124,20 @@ def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, 
     return made.requires_grad_() if requires_grad else made
 
 
+def distribute_tensor(data, /, device_mesh: DeviceMesh | None = None, placements=None, *, src_data_rank=0) -> DTensor:
+    """torch.distributed.tensor's spelling of `tensor`: each worker receives only its shard of the
+    controller's tensor. There is one source, the controller, so `src_data_rank` has nothing to
+    choose (it is accepted for torch's signature). As in torch, the result requires grad (a leaf)
+    when `data` does."""
+    if isinstance(data, DTensor):
+        raise DTorchError(f"distribute_tensor: {data} is already distributed; move it with "
+                          "x.redistribute(device_mesh=..., placements=[...])")
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"distribute_tensor takes a torch.Tensor, not {type(data).__name__} (dtorch.tensor "
+                        "takes lists and numbers)")
+    return tensor(data, device_mesh=device_mesh, placements=placements, requires_grad=data.requires_grad)
+
+
 def _mesh_or_one_device(device, device_mesh: DeviceMesh | None) -> DeviceMesh:
     if device is not None and device_mesh is not None:
         raise DTorchError("pass device= or device_mesh=, not both (device= means a one-device mesh)")

@@ -189,6 +189,23 @@ def test_tensor_constructor_and_isinstance(mesh4):
         dtorch.Tensor(a, device="cpu", device_mesh=mesh4)
 
 
+
+def test_distribute_tensor_is_torchs_spelling_of_an_upload(mesh22):
+    """torch.distributed.tensor.distribute_tensor's positional signature: the shards land on the
+    workers (uneven ones too), requires_grad carries over to a leaf, as torch's does."""
+    a = torch.randn(5, 3, requires_grad=True)
+    x = dtorch.distribute_tensor(a, mesh22, [Shard(0), Shard(1)])
+    assert x.placements == [Shard(0), Shard(1)] and x.is_leaf and x.requires_grad
+    assert torch.equal(x.to_torch(), a.detach())
+    (x * 2).sum().backward()
+    assert torch.equal(x.grad.to_torch(), torch.full((5, 3), 2.0))
+    plain = dtorch.distribute_tensor(torch.ones(4), mesh22, src_data_rank=None)
+    assert plain.placements == [Replicate(), Replicate()] and not plain.requires_grad
+    with pytest.raises(dtorch.DTorchError, match="already distributed.*redistribute"):
+        dtorch.distribute_tensor(x, mesh22, [Replicate(), Replicate()])
+    with pytest.raises(TypeError, match="takes a torch.Tensor"):
+        dtorch.distribute_tensor([1.0, 2.0], mesh22)
+
 @pytest.mark.usefixtures("automatic")
 def test_a_one_device_tensor_joins_the_other_mesh(mesh4, mesh22):
     a, bias = torch.randn(8, 3), torch.randn(3)
