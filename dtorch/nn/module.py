@@ -13,7 +13,6 @@ Each module may also move its input and output, as DTorch's modules do: `__call_
 from __future__ import annotations
 
 import os
-import sys
 from collections import OrderedDict
 from typing import Callable, Iterator, Mapping, NamedTuple
 

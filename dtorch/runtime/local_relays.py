@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import secrets
 import shutil
 import subprocess
