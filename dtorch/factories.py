@@ -109,7 +109,7 @@ def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, 
     """Upload a local tensor: each worker receives only its own shard (private frames). Without
     device_mesh it lands on a one-device mesh (one worker of `device`'s type, "cpu" by default),
     which ops with tensors of another mesh treat as a constant (dtorch/ops/one_device.py)."""
-    value = torch.as_tensor(data, dtype=dtype).detach().cpu()
+    value = _owned(torch.as_tensor(data, dtype=dtype).detach().cpu(), data)
     shape = tuple(value.shape)
     device_mesh = _mesh_or_one_device(device, device_mesh)
     placements = _layout(shape, device_mesh, placements)
@@ -122,6 +122,17 @@ def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, 
                        private=private)
     made = DTensor(out_id, spec, seq, controller)
     return made.requires_grad_() if requires_grad else made
+
+
+def _owned(value: torch.Tensor, data) -> torch.Tensor:
+    """`value`, copied if it may share memory with the caller's `data` (a torch tensor, a numpy
+    array): the frames are sent later, by the loop thread, and a caller that refills its buffer
+    in place right after the call (a reused batch buffer) must not change what was uploaded."""
+    if isinstance(data, (list, tuple, int, float, bool, complex)):
+        return value   # as_tensor built a new tensor
+    if isinstance(data, torch.Tensor) and value.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+        return value   # already a copy (another dtype or device)
+    return value.clone()
 
 
 def distribute_tensor(data, /, device_mesh: DeviceMesh | None = None, placements=None, *, src_data_rank=0) -> DTensor:

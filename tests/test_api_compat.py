@@ -190,6 +190,25 @@ def test_tensor_constructor_and_isinstance(mesh4):
 
 
 
+def test_an_upload_is_a_snapshot_of_its_source(mesh22):
+    """dtorch.tensor returns before its frames are sent (the loop thread sends them), so a source
+    changed in place right after the call (a reused batch buffer) must not change the upload:
+    torch tensors (whole, a view, cast on the way), numpy arrays, every placement. Until
+    2026-12-04 the frames were views of the caller's memory and every one of these read 1s."""
+    import numpy
+    for placements in ([Replicate(), Replicate()], [Shard(0), Shard(1)], [Shard(1), Replicate()]):
+        buffer, array = torch.zeros(6, 4), numpy.zeros((6, 4), dtype=numpy.float32)
+        uploads = [dtorch.tensor(buffer, device_mesh=mesh22, placements=placements),
+                   dtorch.tensor(buffer[:, 1:3], device_mesh=mesh22, placements=placements),
+                   dtorch.tensor(buffer, dtype=torch.float64, device_mesh=mesh22, placements=placements),
+                   dtorch.distribute_tensor(buffer, mesh22, placements),
+                   dtorch.tensor(array, device_mesh=mesh22, placements=placements)]
+        buffer.fill_(1.0)
+        array.fill(1.0)
+        for upload in uploads:
+            assert not upload.to_torch().any(), (placements, upload)
+
+
 def test_distribute_tensor_is_torchs_spelling_of_an_upload(mesh22):
     """torch.distributed.tensor.distribute_tensor's positional signature: the shards land on the
     workers (uneven ones too), requires_grad carries over to a leaf, as torch's does."""
