@@ -24,17 +24,15 @@ The exhaustive 1-D check with P(avg|min) and adversarial contributions is
 dtorch.ops.tooling.validate (tests/test_validator.py).
 
 Known gaps (not silently skipped; each is rejected with an error that says so, or noted here):
-  - torch.nn.functional.dropout(dtensor) raises UnsupportedOpError: the per-call random counter
-    cannot pass through __torch_function__ and the plan cache; dtorch.nn.functional.dropout works.
   - no exact Partial form, so Replicate is required on reduced dims: prod, var, std, logsumexp,
     argmax/argmin, max/min with dim, norm with p other than 0, 1, inf, -inf; cumsum and softmax
     need R on their dim; cross_entropy(reduction='mean') with class-index targets needs R on the
     batch (its denominator counts non-ignored targets, data no rank knows alone).
   - vision ops (conv2d, pools, interpolate, group_norm, batch_norm) refuse a shard of H or W:
     their windows would need neighbouring ranks' rows (a halo exchange); only an adaptive pool to
-    one pixel takes one (P(sum) or P(max)). torch.nn.functional.batch_norm(training=True) with
-    running statistics raises UnsupportedOpError (torch updates them in place);
-    dtorch.nn.functional.batch_norm_with_running_stats returns them (tests/test_vision_ops.py).
+    one pixel takes one (P(sum) or P(max)). F.batch_norm(training=True) computes the batch
+    statistics across ranks and updates the running statistics in place
+    (tests/test_vision_ops.py).
   - scaled_dot_product_attention(dropout_p > 0) and embedding(max_norm=...) raise
     UnsupportedOpError (worker-local torch RNG; in-place weight renormalization).
   - Gloo's MAX/MIN all-reduce drops nan coming from other ranks; the runtime now carries a nan
@@ -228,8 +226,11 @@ def test_dropout_is_reproducible_and_does_not_depend_on_placements(mesh4, mesh22
     first, second = DF.dropout(x, 0.3).to_torch(), DF.dropout(x, 0.3).to_torch()
     assert torch.equal(first, results[0]) and not torch.equal(first, second)
     assert torch.equal(DF.dropout(x, 0.3, training=False).to_torch(), a)
-    with pytest.raises(dtorch.UnsupportedOpError, match="dtorch.nn.functional.dropout"):
-        torch.nn.functional.dropout(x, 0.3)
+    dtorch.manual_seed(5)   # torch's spellings (torch.nn.Dropout's) draw from the same stream
+    assert torch.equal(torch.nn.functional.dropout(x, 0.3).to_torch(), results[0])
+    assert torch.equal(torch.nn.Dropout(0.3)(x).to_torch(), second)
+    with pytest.raises(dtorch.UnsupportedOpError, match="torch.nn.functional.dropout"):
+        dtorch.dropout(x, 0.3, True)   # the op itself has no random stream
 
 
 def test_vocabulary_split_embedding_reads_rows_from_every_rank(mesh22):

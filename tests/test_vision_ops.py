@@ -103,8 +103,9 @@ def test_batch_norm_training_across_ranks_matches_torch(request, mesh_name, plac
     assert out.placements == tuple(placements)
     for got, expected in zip((out, new_mean, new_var), want):
         assert_same(got.to_torch(), expected)
-    assert_same(DF.batch_norm(_up(x, mesh, placements), None, None, weight=stats[2], training=True).to_torch(),
-                F.batch_norm(x, None, None, weight, training=True))
+    for spelling in (DF.batch_norm, F.batch_norm):
+        assert_same(spelling(_up(x, mesh, placements), None, None, weight=stats[2], training=True).to_torch(),
+                    F.batch_norm(x, None, None, weight, training=True))
 
 
 def test_batch_norm_eval_mode_is_per_channel(mesh22, strict):
@@ -117,12 +118,36 @@ def test_batch_norm_eval_mode_is_per_channel(mesh22, strict):
         assert_same(F.batch_norm(_up(x, mesh22, placements), *args).to_torch(), F.batch_norm(x, mean, var, weight))
 
 
-def test_batch_norm_training_with_running_stats_through_torch_is_refused(mesh4):
+@pytest.mark.parametrize("spelling", ["torch", "dtorch"])
+def test_batch_norm_training_updates_the_running_stats_in_place_as_torch(mesh22, spelling):
+    """F.batch_norm(training=True) with running statistics, torch's spelling (as torch.nn.BatchNorm2d
+    calls it) or dtorch's: the output and its gradient equal torch's, and running_mean /
+    running_var are changed in place (the same objects, no autograd history), over three steps."""
+    call = F.batch_norm if spelling == "torch" else DF.batch_norm
+    x = _image(6, 5, 4, 3) * 3 + 2
+    mean, var, weight = torch.randn(5), torch.rand(5) + 0.5, torch.randn(5)
+    running = [_up(t, mesh22, [R, R]) for t in (mean, var)]
+    ids = [id(t) for t in running]
+    w = _up(weight, mesh22, [R, R]).requires_grad_()
+    reference_weight = weight.clone().requires_grad_()
+    for step in range(3):
+        x_step = x + step
+        out = call(_up(x_step, mesh22, [Shard(0), Shard(2)]), *running, w, None, True, 0.2, 1e-5)
+        expected = F.batch_norm(x_step, mean, var, reference_weight, None, True, 0.2, 1e-5)
+        assert_same(out.to_torch(), expected.detach())
+        (out * out).sum().backward()
+        (expected * expected).sum().backward()
+    assert [id(t) for t in running] == ids and not any(t.requires_grad for t in running)
+    assert_same(running[0].to_torch(), mean)
+    assert_same(running[1].to_torch(), var)
+    torch.testing.assert_close(w.grad.to_torch(), reference_weight.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_the_batch_norm_op_itself_refuses_running_stats_in_training(mesh4):
     x, mean, var = _up(_image(4, 3, 2, 2), mesh4, [Shard(0)]), _up(torch.zeros(3), mesh4, [R]), \
         _up(torch.ones(3), mesh4, [R])
-    for call in (F.batch_norm, DF.batch_norm):
-        with pytest.raises(UnsupportedOpError, match="batch_norm_with_running_stats"):
-            call(x, mean, var, training=True)
+    with pytest.raises(UnsupportedOpError, match="torch.nn.functional.batch_norm.*batch_norm_with_running_stats"):
+        dtorch.batch_norm(x, mean, var, None, None, True, 0.1, 1e-5)
     with pytest.raises(UnsupportedOpError, match="num_batches_tracked"):
         DF.batch_norm_with_running_stats(x, mean, var, training=True, momentum=None)
 
@@ -170,7 +195,9 @@ SPATIAL_CALLS = {   # op -> call(image, conv weight), the same on torch tensors 
     "adaptive_avg_pool2d": lambda x, w: F.adaptive_avg_pool2d(x, (2, 2)),
     "interpolate": lambda x, w: F.interpolate(x, scale_factor=2),
     "group_norm": lambda x, w: F.group_norm(x, 3),
-    "batch_norm": lambda x, w: F.batch_norm(x, None, None, training=True),
+    # the registry op itself: F.batch_norm computes batch statistics across spatial shards instead
+    "batch_norm": lambda x, w: (dtorch.batch_norm if isinstance(x, dtorch.DTensor) else F.batch_norm)(
+        x, None, None, None, None, True, 0.1, 1e-5),
 }
 
 

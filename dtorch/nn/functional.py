@@ -13,6 +13,7 @@ from ..errors import UnsupportedOpError
 from ..factories import arange
 from ..runtime import session
 from ..inplace import assign
+from ..recording import no_grad
 from ..tensor import COMPOSITES, call_op
 
 __all__ = ["relu", "gelu", "silu", "sigmoid", "tanh", "leaky_relu", "elu", "softplus", "softmax",
@@ -77,17 +78,17 @@ interpolate, group_norm = map(_forward, ("interpolate", "group_norm"))
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training: bool = False,
                momentum: float = 0.1, eps: float = 1e-5):
     """torch's F.batch_norm. In training mode the batch statistics are computed across ranks
-    (an input sharded on its batch costs one all-reduce of 2 x C numbers, not a gather). torch
-    updates running_mean/var in place there; dtorch tensors never change, so training mode with
-    running statistics raises: use batch_norm_with_running_stats, which returns the new ones."""
-    if training and (running_mean is not None or running_var is not None):
-        raise UnsupportedOpError(
-            "batch_norm(training=True) with running_mean/running_var updates them in place in torch, and dtorch "
-            "tensors never change: call dtorch.nn.functional.batch_norm_with_running_stats(...), which returns "
-            "(output, new_running_mean, new_running_var)")
+    (an input sharded on its batch costs one all-reduce of 2 x C numbers, not a gather), and
+    running_mean / running_var are updated in place as torch does (without autograd history;
+    batch_norm_with_running_stats returns the new ones instead)."""
     if not training:
         return call_op("batch_norm", (input, running_mean, running_var, weight, bias, False, momentum, eps), {})
-    return batch_norm_with_running_stats(input, None, None, weight, bias, True, momentum, eps)[0]
+    out, mean, var = batch_norm_with_running_stats(input, running_mean, running_var, weight, bias, True, momentum, eps)
+    with no_grad():
+        for running, new in ((running_mean, mean), (running_var, var)):
+            if running is not None:
+                assign(running, new.detach(), "batch_norm(training=True)")
+    return out
 
 
 def batch_norm_with_running_stats(input, running_mean, running_var, weight=None, bias=None,
@@ -209,4 +210,6 @@ def _reduced_losses(losses, target, ignore_index: int, reduction: str):
     return losses.sum().reduce_partials() / (target != ignore_index).to(losses.dtype).sum().reduce_partials()
 
 
-COMPOSITES.update(cross_entropy=cross_entropy, nll_loss=nll_loss)   # torch.nn.functional's spellings too
+# torch.nn.functional's spellings reach these too: torch.nn.Dropout and torch.nn.BatchNorm2d (a
+# module of the user's own, dtorch.nn.distribute_module) run on DTensors unchanged
+COMPOSITES.update(cross_entropy=cross_entropy, nll_loss=nll_loss, dropout=dropout, batch_norm=batch_norm)

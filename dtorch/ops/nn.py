@@ -156,8 +156,8 @@ def _dropout_block(input, p, training, seed, counter, global_shape, region):
 
 def _dropout_rule(call: Call, placements) -> Decision:
     if call.param(4, "seed") is None:
-        raise UnsupportedOpError("dropout on a DTensor draws from dtorch's random stream: call "
-                                 "dtorch.nn.functional.dropout (torch.nn.functional.dropout cannot pass it)")
+        raise UnsupportedOpError("dropout on a DTensor draws from dtorch's random stream, which the op "
+                                 "itself does not: call torch.nn.functional.dropout (or dtorch.nn.functional's)")
     return Decision(placements, (placements[0],))
 
 

@@ -16,12 +16,12 @@ to a layout the rule accepts (usually a shard of N or C); in strict mode it name
   group_norm        S(N) passes; S(C) when every rank's channels are whole groups (weight, bias
                     S(0)); never a Partial input (a norm is not linear)
   batch_norm        eval mode (running statistics): a per-channel affine map, so S(N|H|W) pass
-                    and S(C) takes the per-channel tensors S(0). Training mode: torch's form
-                    (batch statistics) needs them whole on each rank, so S(N|H|W) is refused;
-                    torch updates running_mean/var in place there, which dtorch refuses (its
-                    tensors are immutable). dtorch.nn.functional.batch_norm_with_running_stats
-                    computes batch statistics across ranks from batch_norm_moments (a P(sum)
-                    over a sharded batch) and returns the new running statistics
+                    and S(C) takes the per-channel tensors S(0). Training mode: the op itself
+                    (batch statistics) needs them whole on each rank, so S(N|H|W) is refused,
+                    and it cannot update running_mean/var in place. F.batch_norm (torch's
+                    spelling or dtorch.nn.functional's) computes batch statistics across ranks
+                    from batch_norm_moments (a P(sum) over a sharded batch) and rebinds the
+                    running statistics in place; batch_norm_with_running_stats returns them
                     (ops/vision_norm.py, which holds the norms' rows).
 """
 from __future__ import annotations

@@ -11,9 +11,10 @@ training mode across ranks:
       statistics the last two outputs are the batch mean and unbiased variance. Needs the
       moments whole (R, or S(1) beside S(C) input): reduce their P(sum) first.
 
-torch's F.batch_norm(training=True) updates running_mean/var in place; dtorch tensors never change,
-so the registry op refuses that form and dtorch.nn.functional.batch_norm_with_running_stats returns
-the new statistics instead.
+torch's F.batch_norm(training=True) updates running_mean/var in place. The registry op has no
+in-place outputs, so it refuses that form: F.batch_norm (torch's or dtorch.nn.functional's) runs
+batch_norm_from_moments and rebinds the running statistics to the new ones (dtorch/inplace.py),
+and dtorch.nn.functional.batch_norm_with_running_stats returns them instead.
 """
 from __future__ import annotations
 
@@ -124,10 +125,11 @@ def _batch_norm_rule(call: Call, placements) -> Decision:
     training, slots = call.param(5, "training", False), _slots(call, _BATCH_PARAMS)
     if training and ("running_mean" in slots or "running_var" in slots):
         raise UnsupportedOpError(
-            "batch_norm(training=True) with running_mean/running_var updates them in place in torch, and dtorch "
-            "tensors never change: call dtorch.nn.functional.batch_norm_with_running_stats(input, running_mean, "
-            "running_var, weight, bias, training=True, momentum=..., eps=...), which returns (output, "
-            "new_running_mean, new_running_var) and computes the batch statistics across ranks")
+            "batch_norm(training=True) with running_mean/running_var updates them in place, which the op "
+            "itself cannot: call torch.nn.functional.batch_norm (or dtorch.nn.functional's), which does, or "
+            "dtorch.nn.functional.batch_norm_with_running_stats(input, running_mean, running_var, weight, bias, "
+            "training=True, momentum=..., eps=...), which returns (output, new_running_mean, new_running_var); "
+            "both compute the batch statistics across ranks")
     if any(isinstance(p, Partial) for p in placements):
         # a P(sum) input or mean would add the bias once per rank
         centred_sum = "bias" in slots and any(placements[slots[name]] == Partial("sum")
