@@ -28,6 +28,7 @@ from . import advanced_indexing as _advanced_indexing  # noqa: F401  (x[t], x[t]
 from . import autograd
 from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from . import nn
+from .nn import distribute_module
 from . import optim
 from . import checkpoint
 from . import models
@@ -85,7 +86,7 @@ __all__ = [
     "DTensor", "DeviceMesh", "Shard", "Replicate", "Partial", "init_device_mesh", "Future",
     "init", "init_async", "shutdown", "workers", "replace_lost_workers", "stats", "synchronize", "manual_seed",
     "set_strict", "is_strict", "autograd", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
-    "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor", "distribute_tensor",
+    "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor", "distribute_tensor", "distribute_module",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "Tensor", "Generator",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",

@@ -95,7 +95,7 @@ class DTensor:
         return self.ndim
 
     ndimension = dim
-    is_meta = False   # (torch.nn.init asks)
+    is_meta = is_nested = is_sparse = is_quantized = False   # (torch.nn.init and torch.nn layers ask)
 
     def numel(self) -> int:
         return self.shape.numel()

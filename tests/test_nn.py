@@ -203,7 +203,7 @@ def test_parallelize_module_refuses_an_unmatched_key_and_a_wrong_module(tp2):
     model = nn.Sequential(nn.Linear(4, 4, device_mesh=tp2), nn.ReLU())
     with pytest.raises(ValueError, match="'2' matches no submodule"):
         nn.parallelize_module(model, tp2, {"2": nn.ColwiseParallel()})
-    with pytest.raises(TypeError, match="ColwiseParallel applies to dtorch.nn Linear or Embedding"):
+    with pytest.raises(TypeError, match="ColwiseParallel applies to Embedding or Linear modules"):
         nn.parallelize_module(model, tp2, {"1": nn.ColwiseParallel()})
 
 

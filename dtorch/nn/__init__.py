@@ -7,6 +7,7 @@ from .activation import (ELU, GELU, Dropout, Flatten, Identity, LeakyReLU, LogSo
 from .batchnorm import BatchNorm2d
 from .containers import ModuleDict, ModuleList, Sequential
 from .conv import Conv2d
+from .distribute import distribute_module
 from .embedding import Embedding, EmbeddingWithReplicateOutput
 from .fsdp import fully_shard
 from .mixed_precision import mixed_precision
@@ -27,4 +28,4 @@ __all__ = ["functional", "utils", "Module", "Parameter", "IncompatibleKeys", "Se
            "GroupNorm", "Dropout", "Identity", "ReLU", "GELU", "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU",
            "Softplus", "Softmax", "LogSoftmax", "Flatten", "Unflatten", "parallelize_module", "ParallelStyle",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
-           "fully_shard", "mixed_precision", "Conv2d", "BatchNorm2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d"]
+           "fully_shard", "distribute_module", "mixed_precision", "Conv2d", "BatchNorm2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d"]

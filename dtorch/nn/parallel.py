@@ -1,5 +1,5 @@
 """parallelize_module and its styles, as torch.distributed.tensor.parallel spells them, for dtorch
-modules. A style works on ONE mesh dim of the module's mesh (the tensor-parallel one): it
+modules (a torch model of the user's own is made one first: dtorch/nn/distribute.py). A style works on ONE mesh dim of the module's mesh (the tensor-parallel one): it
 redistributes the module's parameters there and installs forward hooks that move the inputs and
 outputs there. Other mesh dims (dp, ...) keep their placements.
 
@@ -24,6 +24,7 @@ from ..distributed_spec import DeviceMesh, Placement, Replicate, Shard
 from ..errors import MeshError
 from ..tensor import DTensor
 from ._layout import move_mesh_dim
+from .distribute import distribute_module, holds_local_tensors
 from .embedding import Embedding
 from .linear import Linear
 from .module import Module
@@ -68,8 +69,8 @@ class ParallelStyle:
 
 def _needs(module, kinds: tuple, style: str) -> None:
     if not isinstance(module, kinds):
-        names = " or ".join(k.__name__ for k in kinds)
-        raise TypeError(f"{style} applies to dtorch.nn {names} modules, not {type(module).__name__}")
+        names = " or ".join(sorted({k.__name__ for k in kinds}))
+        raise TypeError(f"{style} applies to {names} modules (dtorch.nn's or torch.nn's), not {type(module).__name__}")
 
 
 class _TensorParallel(ParallelStyle):
@@ -85,8 +86,9 @@ class _TensorParallel(ParallelStyle):
         self.input_layouts, self.output_layouts = input_layouts, output_layouts
 
     def apply(self, module, mesh_dim: int) -> None:
-        _needs(module, (Linear, Embedding), type(self).__name__)
-        kind = Linear if isinstance(module, Linear) else Embedding
+        # torch's own layers too, once distribute_module has made them dtorch modules
+        _needs(module, (Linear, Embedding, torch.nn.Linear, torch.nn.Embedding), type(self).__name__)
+        kind = Linear if isinstance(module, (Linear, torch.nn.Linear)) else Embedding
         for name, placement in (self.LINEAR if kind is Linear else self.EMBEDDING).items():
             _shard_parameter(module, name, mesh_dim, placement)
         self.move_inputs(module, mesh_dim, [self.INPUT[kind]])
@@ -167,6 +169,11 @@ def parallelize_module(module: Module, device_mesh: DeviceMesh | None = None,
     the tensor-parallel mesh dim; returns `module` (parallelized in place, as torch does)."""
     if parallelize_plan is None:
         return module
+    if holds_local_tensors(module):   # a torch model of the user's own: onto the mesh first, Replicate
+        if device_mesh is None:
+            raise MeshError("parallelize_module: the module's weights are torch tensors in this process; pass "
+                            "device_mesh= (the whole mesh, with tp_dim=, to keep the other dims' workers)")
+        distribute_module(module, device_mesh)
     mesh_dim = _resolve_mesh_dim(module, device_mesh, tp_dim)
     if isinstance(parallelize_plan, ParallelStyle):
         parallelize_plan.apply(module, mesh_dim)

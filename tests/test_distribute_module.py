@@ -1,0 +1,150 @@
+"""A torch model of the user's own (torch.nn layers, their own forward) on a mesh: distribute_module
+and parallelize_module make it a dtorch model in place, and it trains as single-process torch does."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as tnn
+import torch.nn.functional as F
+
+import dtorch
+from dtorch import Replicate, Shard
+from dtorch.nn import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module
+
+
+class TinyLM(tnn.Module):
+    """An ordinary torch model: the head tied to the embedding, a norm, an MLP, dropout, a
+    buffer, and a forward written against torch.nn.functional."""
+
+    def __init__(self, vocab: int = 23, hidden: int = 12):
+        super().__init__()
+        self.embed = tnn.Embedding(vocab, hidden)
+        self.norm = tnn.LayerNorm(hidden)
+        self.mlp = tnn.Sequential(tnn.Linear(hidden, 2 * hidden), tnn.GELU(), tnn.Linear(2 * hidden, hidden))
+        self.drop = tnn.Dropout(0.0)
+        self.head = tnn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.drop(self.mlp(self.norm(h))) * self.scale
+        return self.head(F.layer_norm(h, h.shape[-1:]))
+
+
+def _batches(steps: int, vocab: int = 23):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (6, 5), generator=g) for _ in range(steps)]
+
+
+def _train_torch(model, batches):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for ids in batches:
+        loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _train_dtorch(model, batches, mesh, placements):
+    opt = dtorch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for ids in batches:
+        ids = dtorch.distribute_tensor(ids, mesh, placements)
+        loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _check_parameters(model, reference):
+    for (name, got), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(got.to_torch(), expected.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["dp4", "fsdp4", "dp2xtp2"])
+def test_a_torch_model_of_ones_own_trains_as_torch_does(layout, mesh4, mesh22):
+    """The same random-init TinyLM trains 3 AdamW steps on a batch over dp (parameters
+    Replicate), over fsdp (dtorch.nn.fully_shard on the distributed model), and on dp x tp (torch's
+    parallelize_module plan on the torch model itself); every loss and the final parameters equal
+    single-process torch's. The tied head stays one parameter."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    mesh = mesh22 if layout == "dp2xtp2" else mesh4
+    if layout == "dp2xtp2":
+        parallelize_module(model, mesh, {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}, tp_dim="tp")
+        assert model.mlp[0].weight.placements == (Replicate(), Shard(0))
+        assert model.mlp[2].weight.placements == (Replicate(), Shard(1))
+    else:
+        assert dtorch.distribute_module(model, mesh) is model
+        if layout == "fsdp4":
+            fully_shard(model, "dp")
+            assert model.mlp[0].weight.placements == (Shard(0),)
+    assert isinstance(model, dtorch.nn.Module) and isinstance(model, TinyLM)
+    assert isinstance(model.mlp[0], tnn.Linear) and isinstance(model.mlp[0].weight, dtorch.nn.Parameter)
+    assert model.head.weight is model.embed.weight and len(list(model.parameters())) == len(list(reference.parameters()))
+    assert isinstance(model.scale, dtorch.DTensor) and list(model.state_dict()) == list(reference.state_dict())
+    batch = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
+    batches = _batches(3)
+    expected = _train_torch(reference, batches)
+    got = _train_dtorch(model, batches, mesh, batch)
+    torch.testing.assert_close(got, expected, rtol=2e-4, atol=0)
+    _check_parameters(model, reference)
+
+
+def test_partition_fn_input_fn_and_output_fn_as_torch_spells_them(mesh4):
+    """partition_fn places what it wants (here the first Linear column-parallel), the rest is
+    replicated; input_fn uploads the plain torch input, output_fn reads the result back: the
+    module is then called with torch tensors and returns one, equal to torch's."""
+    torch.manual_seed(1)
+    reference = tnn.Sequential(tnn.Linear(8, 16), tnn.ReLU(), tnn.Linear(16, 4))
+    model = copy.deepcopy(reference)
+    seen = []
+
+    def partition(name, module, mesh):
+        seen.append(name)
+        if name == "0":
+            for key, param in list(module.named_parameters()):
+                setattr(module, key, dtorch.nn.Parameter(dtorch.distribute_tensor(param.detach(), mesh, [Shard(0)])))
+
+    dtorch.distribute_module(model, mesh4, partition,
+                             input_fn=lambda mod, inputs, mesh: tuple(dtorch.distribute_tensor(t, mesh, [Replicate()])
+                                                                      for t in inputs),
+                             output_fn=lambda mod, output, mesh: output.to_torch())
+    assert seen == ["", "0", "1", "2"]
+    assert model[0].weight.placements == (Shard(0),) and model[2].weight.placements == (Replicate(),)
+    x = torch.randn(5, 8)
+    out = model(x)
+    assert type(out) is torch.Tensor
+    torch.testing.assert_close(out, reference(x).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_torch_state_dict_loads_into_the_distributed_model(mesh22):
+    torch.manual_seed(2)
+    source, target = TinyLM(), TinyLM()
+    dtorch.distribute_module(target, mesh22)
+    target.load_state_dict(source.state_dict())
+    ids = torch.randint(0, 23, (4, 5))
+    got = target(dtorch.distribute_tensor(ids, mesh22, [Shard(0), Replicate()])).to_torch()
+    torch.testing.assert_close(got, source(ids).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_what_distribute_module_refuses_says_what_to_do(mesh4):
+    with pytest.raises(TypeError, match="needs device_mesh="):
+        dtorch.distribute_module(tnn.Linear(2, 2))
+    with pytest.raises(TypeError, match="takes a torch.nn.Module"):
+        dtorch.distribute_module(torch.zeros(2), mesh4)
+    with pytest.raises(dtorch.MeshError, match="pass device_mesh="):
+        parallelize_module(tnn.Sequential(tnn.Linear(2, 2)), None, {"0": ColwiseParallel()})
+    attention = dtorch.distribute_module(tnn.MultiheadAttention(8, 2, batch_first=True), mesh4)
+    x = dtorch.randn(2, 3, 8, device_mesh=mesh4, placements=[Shard(0)])
+    with pytest.raises(dtorch.UnsupportedOpError, match="multi_head_attention_forward.*test_distribute_module.py"):
+        attention(x, x, x)
