@@ -144,7 +144,86 @@ def test_what_distribute_module_refuses_says_what_to_do(mesh4):
         dtorch.distribute_module(torch.zeros(2), mesh4)
     with pytest.raises(dtorch.MeshError, match="pass device_mesh="):
         parallelize_module(tnn.Sequential(tnn.Linear(2, 2)), None, {"0": ColwiseParallel()})
-    attention = dtorch.distribute_module(tnn.MultiheadAttention(8, 2, batch_first=True), mesh4)
+    recurrent = dtorch.distribute_module(tnn.GRU(8, 8, batch_first=True), mesh4)
     x = dtorch.randn(2, 3, 8, device_mesh=mesh4, placements=[Shard(0)])
-    with pytest.raises(dtorch.UnsupportedOpError, match="multi_head_attention_forward.*test_distribute_module.py"):
-        attention(x, x, x)
+    with pytest.raises(dtorch.UnsupportedOpError, match="torch.gru is not supported.*test_distribute_module.py"):
+        recurrent(x)
+    legacy = dtorch.distribute_module(tnn.MultiheadAttention(8, 2, add_bias_kv=True), mesh4)
+    with pytest.raises(dtorch.UnsupportedOpError, match="add_bias_kv=True"):
+        legacy(x, x, x)
+
+
+_MHA_CALLS = {"weights": {}, "no weights": {"need_weights": False}, "padding": {"key_padding_mask": True},
+              "causal hint": {"causal": True, "need_weights": False, "is_causal": True},
+              "causal mask, weights per head": {"causal": True, "average_attn_weights": False},
+              "padding and causal, no weights": {"causal": True, "key_padding_mask": True, "need_weights": False}}
+
+
+@pytest.mark.usefixtures("strict")   # a batch shard stays one: nothing is gathered
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "sequence_first"])
+@pytest.mark.parametrize("call", list(_MHA_CALLS))
+def test_torch_multihead_attention_equals_torch(call, batch_first, mesh4):
+    """torch.nn.MultiheadAttention's own forward on DTensors (a batch of 8 over 4 ranks) reaches
+    dtorch's multi_head_attention_forward: the output, the attention weights and the gradients of
+    the input and of every parameter equal torch's, with padding and causal masks (bool and
+    float, given as torch tensors), the is_causal hint, and per-head weights."""
+    kwargs = dict(_MHA_CALLS[call])
+    torch.manual_seed(4)
+    reference = tnn.MultiheadAttention(8, 2, batch_first=batch_first)
+    module = dtorch.distribute_module(copy.deepcopy(reference), mesh4)
+    x = torch.randn(8, 5, 8)
+    if kwargs.pop("key_padding_mask", False):
+        padding = torch.zeros(8, 5, dtype=torch.bool)
+        padding[1, 3:] = padding[6, 1:] = True
+        kwargs["key_padding_mask"] = padding
+    if kwargs.pop("causal", False):   # bool beside a bool padding mask (torch warns on a mix), else float
+        causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+        kwargs["attn_mask"] = causal if "key_padding_mask" in kwargs else \
+            tnn.Transformer.generate_square_subsequent_mask(5)
+    reference_input = (x if batch_first else x.transpose(0, 1)).clone().requires_grad_()
+    expected, expected_weights = reference(reference_input, reference_input, reference_input, **kwargs)
+    dx = dtorch.distribute_tensor(x, mesh4, [Shard(0)]).requires_grad_()
+    given = dx if batch_first else dx.transpose(0, 1)
+    output, weights = module(given, given, given, **kwargs)
+    torch.testing.assert_close(output.to_torch(), expected.detach(), rtol=1e-5, atol=1e-6)
+    assert (weights is None) == (expected_weights is None)
+    if weights is not None:
+        torch.testing.assert_close(weights.to_torch(), expected_weights.detach(), rtol=1e-5, atol=1e-6)
+    (expected * expected).sum().backward()
+    (output * output).sum().backward()
+    grad = dx.grad.to_torch()
+    torch.testing.assert_close(grad if batch_first else grad.transpose(0, 1), reference_input.grad, rtol=1e-4, atol=1e-5)
+    for (name, got), (_, want) in zip(module.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(got.grad.to_torch(), want.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_torch_transformer_encoder_layer_trains_as_torch_does(mesh22):
+    """torch.nn.TransformerEncoderLayer (its own forward: MultiheadAttention, norms, feed-forward)
+    on dp x tp with the feed-forward Megatron-split by a torch plan: 3 SGD steps with a padding
+    mask give torch's losses, then its eval-mode output (torch's own runs its fast path there)."""
+    torch.manual_seed(5)
+    reference = tnn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    layer = copy.deepcopy(reference)
+    parallelize_module(layer, mesh22, {"linear1": ColwiseParallel(), "linear2": RowwiseParallel()}, tp_dim="tp")
+    g = torch.Generator().manual_seed(6)
+    batches = [torch.randn(4, 5, 8, generator=g) for _ in range(3)]
+    padding = torch.zeros(4, 5, dtype=torch.bool)
+    padding[2, 4:] = True
+    # SGD, not Adam: the key projection's bias gets a zero gradient in exact arithmetic (softmax
+    # ignores a shift shared by a row's scores), so Adam would turn rounding noise into full steps
+    opt = dtorch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x in batches:
+        loss = layer(dtorch.distribute_tensor(x, mesh22, [Shard(0), Replicate()]),
+                     src_key_padding_mask=padding).pow(2).mean()
+        expected = reference(x, src_key_padding_mask=padding).pow(2).mean()
+        for optimizer, value in ((opt, loss), (reference_opt, expected)):
+            value.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.testing.assert_close(loss.item(), expected.item(), rtol=2e-4, atol=0)
+    layer.eval()
+    reference.eval()
+    x = batches[0]
+    torch.testing.assert_close(layer(dtorch.distribute_tensor(x, mesh22, [Shard(0), Replicate()])).to_torch(),
+                               reference(x).detach(), rtol=1e-4, atol=1e-5)

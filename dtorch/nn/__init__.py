@@ -1,6 +1,7 @@
 """dtorch.nn: modules whose parameters live on a mesh's workers, with torch.nn's and DTorch's
 names, parallel styles (parallelize_module), and functional ops (dtorch.nn.functional)."""
 from . import functional
+from . import multihead  # noqa: F401  (torch.nn.MultiheadAttention's forward on DTensors)
 from . import utils
 from .activation import (ELU, GELU, Dropout, Flatten, Identity, LeakyReLU, LogSoftmax, ReLU, Sigmoid, SiLU,
                          Softmax, Softplus, Tanh, Unflatten)
