@@ -72,8 +72,9 @@ def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_head
         weights = weights.view(bsz, num_heads, tgt_len, src_len)
         weights = (weights.mean(dim=1) if average_attn_weights else weights) if need_weights else None
     else:
-        if attn_mask is not None:
-            attn_mask = attn_mask.unsqueeze(0) if attn_mask.shape[0] == 1 else attn_mask.view(bsz, num_heads, -1, src_len)
+        if attn_mask is not None:   # (1, L, S) -> (1, 1, L, S); (bsz * heads, L, S) -> (bsz, heads, L, S)
+            attn_mask = attn_mask.unsqueeze(0) if attn_mask.shape[0] == 1 else \
+                attn_mask.view(bsz, num_heads, -1, src_len)
         q, k, v = (t.reshape(bsz, num_heads, t.shape[1], head_dim) for t in (q, k, v))
         output = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal)
         output, weights = output.permute(2, 0, 1, 3).flatten(2), None

@@ -1,7 +1,8 @@
 """parallelize_module and its styles, as torch.distributed.tensor.parallel spells them, for dtorch
-modules (a torch model of the user's own is made one first: dtorch/nn/distribute.py). A style works on ONE mesh dim of the module's mesh (the tensor-parallel one): it
-redistributes the module's parameters there and installs forward hooks that move the inputs and
-outputs there. Other mesh dims (dp, ...) keep their placements.
+modules (a torch model of the user's own is made one first: dtorch/nn/distribute.py). A style
+works on ONE mesh dim of the module's mesh (the tensor-parallel one): it redistributes the
+module's parameters there and installs forward hooks that move the inputs and outputs there.
+Other mesh dims (dp, ...) keep their placements.
 
     mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
     parallelize_module(model, mesh, {"layers.*.attn.q_proj": ColwiseParallel(),
