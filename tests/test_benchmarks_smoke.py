@@ -197,12 +197,14 @@ def test_the_standalone_ab_scripts_run_against_a_checkout(script, rows):
 
 
 @pytest.mark.timeout(180)
-def test_the_class_loss_script_runs():
-    """benchmarks.class_loss (quoted in a closing note): both variants, one repetition."""
-    result = subprocess.run([sys.executable, "-m", "benchmarks.class_loss", "--batch", "16", "--classes", "8",
-                             "--workers", "2", "--reps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=170)
+@pytest.mark.parametrize("sharded, form", [("batch", "sharded sum / count"), ("classes", "from the class shards")])
+def test_the_class_loss_script_runs(sharded, form):
+    """benchmarks.class_loss (quoted in closing notes): both variants, one repetition."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.class_loss", "--sharded", sharded, "--batch", "16",
+                             "--classes", "8", "--workers", "2", "--reps", "1"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=170)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    for variant in ("sharded sum / count", "the op alone"):
+    for variant in (form, "the op alone"):
         assert re.search(rf"{re.escape(variant)}.* median +[\d.]+ ms per forward \+ backward", result.stdout), result.stdout
 
 
