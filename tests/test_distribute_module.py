@@ -249,3 +249,33 @@ def test_a_distributed_torch_model_checkpoints_and_reshards(mesh4, mesh22, tmp_p
     fresh = TinyLM()
     fresh.load_state_dict(plain)
     torch.testing.assert_close(fresh(ids), reference(ids), rtol=0, atol=0)
+
+
+def test_a_torch_cnn_with_batch_norm_trains_as_torch_does(mesh4):
+    """torch.nn.Conv2d / BatchNorm2d / MaxPool2d / Linear on a batch over 4 ranks: torch's own
+    BatchNorm2d forward computes the batch statistics across ranks and updates its running
+    statistics in place (num_batches_tracked too); 2 SGD steps give torch's losses, running
+    statistics and eval-mode output."""
+    torch.manual_seed(8)
+    reference = tnn.Sequential(tnn.Conv2d(3, 4, 3, padding=1), tnn.BatchNorm2d(4), tnn.ReLU(), tnn.MaxPool2d(2),
+                               tnn.Flatten(), tnn.Linear(4 * 4 * 4, 5))
+    model = dtorch.distribute_module(copy.deepcopy(reference), mesh4)
+    g = torch.Generator().manual_seed(9)
+    images, labels = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)
+    opt = dtorch.optim.SGD(model.parameters(), lr=0.1)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        loss = F.cross_entropy(model(dtorch.distribute_tensor(images, mesh4, [Shard(0)])),
+                               dtorch.distribute_tensor(labels, mesh4, [Shard(0)]))
+        expected = F.cross_entropy(reference(images), labels)
+        for optimizer, value in ((opt, loss), (reference_opt, expected)):
+            value.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.testing.assert_close(loss.item(), expected.item(), rtol=1e-5, atol=0)
+    for name, buffer in reference[1].named_buffers():
+        torch.testing.assert_close(getattr(model[1], name).to_torch(), buffer, rtol=1e-5, atol=1e-6, msg=name)
+    model.eval()
+    reference.eval()
+    torch.testing.assert_close(model(dtorch.distribute_tensor(images, mesh4, [Shard(0)])).to_torch(),
+                               reference(images).detach(), rtol=1e-4, atol=1e-5)
