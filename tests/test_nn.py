@@ -539,3 +539,56 @@ def test_a_loop_written_the_torch_way_trains_as_torch_does(mesh4):
         assert accuracy.item() == (reference(inputs).argmax(1) == labels).float().mean().item()
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(mine.to_torch(), theirs.detach(), rtol=1e-4, atol=1e-5)
+
+
+_ATTENTION_DROPOUT = {"plain": {}, "causal": {"is_causal": True}, "bool mask": {"mask": "bool"},
+                      "float mask, scale": {"mask": "float", "scale": 0.3}, "grouped heads": {"enable_gqa": True}}
+
+
+@pytest.mark.parametrize("case", list(_ATTENTION_DROPOUT))
+def test_attention_with_dropout_drops_from_dtorchs_stream(case, mesh4, mesh22):
+    """F.scaled_dot_product_attention(dropout_p > 0) (nanoGPT's training call) is torch's math
+    form with dtorch's dropout: it equals softmax(q k^T * scale + mask) times the mask
+    F.dropout draws for the same seed and call, times v, on two layouts (batch and heads
+    sharded), and so do the gradients of q, k and v. The op itself refuses dropout_p."""
+    import torch.nn.functional as F
+    kwargs = dict(_ATTENTION_DROPOUT[case])
+    g = torch.Generator().manual_seed(9)
+    heads, kv_heads = 4, (2 if kwargs.get("enable_gqa") else 4)
+    q = torch.randn(2, heads, 5, 6, generator=g)
+    keys = 7 if "mask" in kwargs else 5   # (a causal mask is square)
+    k, v = torch.randn(2, kv_heads, keys, 6, generator=g), torch.randn(2, kv_heads, keys, 6, generator=g)
+    mask = kwargs.pop("mask", None)
+    if mask is not None:
+        mask = torch.rand(5, keys, generator=g) > 0.3 if mask == "bool" else torch.randn(5, keys, generator=g)
+        if mask.dtype == torch.bool:
+            mask[:, 0] = True   # every query sees a key
+        kwargs["attn_mask"] = mask
+    references = [t.clone().requires_grad_() for t in (q, k, v)]
+    for mesh, placements in ((mesh4, [Shard(0)]), (mesh22, [Shard(0), Shard(1)])):
+        inputs = [dtorch.tensor(t, device_mesh=mesh, placements=placements, requires_grad=True) for t in (q, k, v)]
+        dtorch.manual_seed(21)
+        out = F.scaled_dot_product_attention(*inputs, dropout_p=0.4, **kwargs)
+        dtorch.manual_seed(21)
+        kept = dtorch.nn.functional.dropout(dtorch.ones(2, heads, 5, keys, device_mesh=mesh,
+                                                        placements=placements), 0.4).to_torch()
+        rq, rk, rv = references
+        if kwargs.get("enable_gqa"):
+            rk, rv = rk.repeat_interleave(2, -3), rv.repeat_interleave(2, -3)
+        scores = rq @ rk.transpose(-2, -1) * kwargs.get("scale", 1 / 6 ** 0.5)
+        if kwargs.get("is_causal"):
+            scores = scores.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        expected = (torch.softmax(scores, -1) * kept) @ rv
+        assert 0 < (kept == 0).float().mean() < 1
+        torch.testing.assert_close(out.to_torch(), expected.detach(), rtol=1e-5, atol=1e-6)
+        (out * out).sum().backward()
+        for reference in references:
+            reference.grad = None
+        (expected * expected).sum().backward()
+        for got, reference in zip(inputs, references):
+            torch.testing.assert_close(got.grad.to_torch(), reference.grad, rtol=1e-4, atol=1e-5)
+    if case == "plain":
+        with pytest.raises(dtorch.UnsupportedOpError, match="torch.nn.functional.scaled_dot_product_attention"):
+            dtorch.scaled_dot_product_attention(inputs[0], inputs[1], inputs[2], None, 0.4)

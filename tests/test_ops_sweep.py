@@ -33,8 +33,9 @@ Known gaps (not silently skipped; each is rejected with an error that says so, o
     one pixel takes one (P(sum) or P(max)). F.batch_norm(training=True) computes the batch
     statistics across ranks and updates the running statistics in place
     (tests/test_vision_ops.py).
-  - scaled_dot_product_attention(dropout_p > 0) and embedding(max_norm=...) raise
-    UnsupportedOpError (worker-local torch RNG; in-place weight renormalization).
+  - embedding(max_norm=...) raises UnsupportedOpError (in-place weight renormalization).
+    scaled_dot_product_attention(dropout_p > 0) is F's explicit form with dtorch's dropout
+    (tests/test_nn.py); the op itself refuses it (worker-local torch RNG).
   - Gloo's MAX/MIN all-reduce drops nan coming from other ranks; the runtime now carries a nan
     mask alongside (tests/test_redistribute.py::test_nan_survives_partial_max_and_min), but the
     samples here still keep nan out of max/min reductions.

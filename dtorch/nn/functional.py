@@ -1,16 +1,19 @@
 """torch.nn.functional names over dtorch ops. Each is one registry op (rules in dtorch/ops/:
 pointwise, reduction, matrix, nn, vision); `torch.nn.functional.<name>(dtensor)` reaches the same op
-through __torch_function__, except dropout, which needs dtorch's random stream (below),
-batch_norm in training mode, whose batch statistics dtorch computes across ranks (below), and
+through __torch_function__, except dropout, which needs dtorch's random stream (below, and
+scaled_dot_product_attention with dropout_p > 0 for the same reason), batch_norm in training mode, whose batch statistics dtorch computes across ranks (below), and
 cross_entropy / nll_loss, whose mean over a sharded batch is a sum over a count and whose sharded
 class dim is never gathered (at the end)."""
 from __future__ import annotations
 
+import math
+
+import torch
 from torch.nn._reduction import legacy_get_string
 
 from ..distributed_spec import Replicate, Shard
 from ..errors import UnsupportedOpError
-from ..factories import arange
+from ..factories import arange, tensor as upload
 from ..runtime import session
 from ..inplace import assign
 from ..recording import no_grad
@@ -65,7 +68,6 @@ def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False)
 gelu, sigmoid, tanh, softplus = map(_forward, ("gelu", "sigmoid", "tanh", "softplus"))
 softmax, log_softmax, linear = map(_forward, ("softmax", "log_softmax", "linear"))
 layer_norm, rms_norm, embedding, pad = map(_forward, ("layer_norm", "rms_norm", "embedding", "pad"))
-scaled_dot_product_attention = _forward("scaled_dot_product_attention")
 mse_loss, l1_loss = map(_forward, ("mse_loss", "l1_loss"))
 smooth_l1_loss, huber_loss, kl_div = map(_forward, ("smooth_l1_loss", "huber_loss", "kl_div"))
 binary_cross_entropy = _forward("binary_cross_entropy")
@@ -73,6 +75,45 @@ binary_cross_entropy_with_logits = _forward("binary_cross_entropy_with_logits")
 conv2d, max_pool2d, avg_pool2d = map(_forward, ("conv2d", "max_pool2d", "avg_pool2d"))
 adaptive_avg_pool2d, adaptive_max_pool2d = map(_forward, ("adaptive_avg_pool2d", "adaptive_max_pool2d"))
 interpolate, group_norm = map(_forward, ("interpolate", "group_norm"))
+
+
+def scaled_dot_product_attention(*args, **kwargs):
+    """torch.nn.functional.scaled_dot_product_attention on DTensors (op 'scaled_dot_product_attention').
+    With dropout_p > 0 it is torch's math form written out (softmax(q k^T * scale + mask), dropped,
+    times v), the dropout drawn from dtorch's stream like F.dropout: the op's kernel would draw
+    torch's random numbers on each worker, different on every layout."""
+    dropout_p = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+    if not dropout_p:
+        return call_op("scaled_dot_product_attention", args, kwargs)
+    return _attention_with_dropout(*args, **kwargs)
+
+
+def _attention_with_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                            enable_gqa=False):
+    if enable_gqa:   # each key/value head serves a group of query heads
+        groups = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    scores = call_op("matmul", (query, key.transpose(-2, -1)), {}) * (
+        1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
+    if is_causal:   # query i sees keys 0..i (torch's tril of ones), built on the workers
+        mesh, whole = query.device_mesh, [Replicate()] * query.device_mesh.ndim
+        rows = arange(query.shape[-2], device_mesh=mesh, placements=whole).unsqueeze(-1)
+        scores = scores.masked_fill(rows < arange(key.shape[-2], device_mesh=mesh, placements=whole), float("-inf"))
+    if attn_mask is not None:
+        attn_mask = on_mesh_of(query, attn_mask)
+        scores = scores.masked_fill(attn_mask.logical_not(), float("-inf")) if attn_mask.dtype == torch.bool \
+            else scores + attn_mask
+    weights = dropout(softmax(scores, dim=-1), dropout_p)
+    return call_op("matmul", (weights, value), {})
+
+
+def on_mesh_of(tensor, value):
+    """`value` as a DTensor beside `tensor`: a torch tensor (a mask the controller holds) is
+    uploaded Replicate on tensor's mesh, each call."""
+    if isinstance(value, torch.Tensor):
+        mesh = tensor.device_mesh
+        return upload(value, device_mesh=mesh, placements=[Replicate()] * mesh.ndim)
+    return value
 
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training: bool = False,
@@ -212,4 +253,5 @@ def _reduced_losses(losses, target, ignore_index: int, reduction: str):
 
 # torch.nn.functional's spellings reach these too: torch.nn.Dropout and torch.nn.BatchNorm2d (a
 # module of the user's own, dtorch.nn.distribute_module) run on DTensors unchanged
-COMPOSITES.update(cross_entropy=cross_entropy, nll_loss=nll_loss, dropout=dropout, batch_norm=batch_norm)
+COMPOSITES.update(cross_entropy=cross_entropy, nll_loss=nll_loss, dropout=dropout, batch_norm=batch_norm,
+                  scaled_dot_product_attention=scaled_dot_product_attention)

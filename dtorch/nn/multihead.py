@@ -16,9 +16,7 @@ import math
 
 import torch
 
-from ..distributed_spec import Replicate
 from ..errors import UnsupportedOpError
-from ..factories import tensor as upload
 from ..tensor import COMPOSITES
 from . import functional as F
 
@@ -114,8 +112,7 @@ def _additive(mask, query):
     query's mesh: a torch tensor mask is uploaded Replicate."""
     if mask is None:
         return None
-    if isinstance(mask, torch.Tensor):
-        mask = upload(mask, device_mesh=query.device_mesh, placements=[Replicate()] * query.device_mesh.ndim)
+    mask = F.on_mesh_of(query, mask)
     if mask.dtype == torch.bool:
         return torch.zeros_like(mask, dtype=query.dtype).masked_fill(mask, float("-inf"))
     if not mask.dtype.is_floating_point:

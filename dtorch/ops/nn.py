@@ -171,8 +171,9 @@ def _attention_rule(call: Call, placements) -> Decision:
     """Shards on batch and head dims of q, k, v alike; on q's sequence (not causal) with k, v R; on
     v's features with q, k R; q, k, v all on their sequence: ring attention (causal or not, no mask)."""
     if call.param(4, "dropout_p", 0.0):
-        raise UnsupportedOpError("scaled_dot_product_attention(dropout_p>0) would draw torch's random "
-                                 "numbers on each worker; apply dtorch.nn.functional.dropout instead")
+        raise UnsupportedOpError("scaled_dot_product_attention(dropout_p>0): the op itself would draw torch's "
+                                 "random numbers on each worker; call torch.nn.functional.scaled_dot_product_attention "
+                                 "(or dtorch.nn.functional's), which drops from dtorch's stream")
     ranks = [len(spec.shape) for spec in call.inputs]
     batch = _BATCH_LETTERS[:max(ranks[:3]) - 2]
     terms = [batch[len(batch) - (r - 2):] + tail for r, tail in zip(ranks, ("le", "se", "sf"))]
