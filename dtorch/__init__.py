@@ -13,7 +13,7 @@ from . import distributed_spec
 from .distributed_spec import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
 from .errors import (DependencyError, DTorchError, MeshError, PlacementError, RemoteError, SessionEndedError,
                      ShapeError, StartupError, UnreadFailureWarning, UnsupportedOpError, WorkerLostError)
-from .errors import CompileError, LostTensorError
+from .errors import CompileError, LocalTensorError, LostTensorError
 from .factories import (arange, distribute_tensor, empty, empty_like, eye, full, full_like, linspace, ones, ones_like,
                         rand, rand_like, randint, randn, randn_like, tensor, zeros, zeros_like)
 from .factories import Tensor
@@ -51,6 +51,7 @@ manual_seed = _session.manual_seed
 def stats() -> dict:
     """Counters on the controller: commands_sent, messages_sent, bytes_sent, bytes_received, and
     redistributes_inserted (moves dtorch added before ops whose placements did not line up),
+    local_tensors_uploaded (torch tensors given to an op beside DTensors, uploaded Replicate),
     checkpoint_tensors_loaded and checkpoint_bytes_via_controller (dtorch.checkpoint: tensor bytes
     the controller read itself, 0 unless via_controller=True), checkpoint_tensors_saved and
     checkpoint_bytes_saved (dtorch.checkpoint.save: written by the workers, so
@@ -90,6 +91,6 @@ __all__ = [
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "Tensor", "Generator",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
-    "DependencyError", "WorkerLostError", "LostTensorError", "AliasingError", "StartupError", "SessionEndedError", "UnreadFailureWarning",
+    "DependencyError", "WorkerLostError", "LostTensorError", "LocalTensorError", "AliasingError", "StartupError", "SessionEndedError", "UnreadFailureWarning",
     "nn", "optim", "checkpoint", "models", "profile", "compile", "CompileError",
 ] + sorted(n for n in _REGISTRY if n in globals())

@@ -44,6 +44,11 @@ class UnsupportedMethodError(UnsupportedOpError, AttributeError):
     hasattr(x, name) and getattr(x, name, default) answer as they would for any missing name."""
 
 
+class LocalTensorError(DTorchError, TypeError):
+    """A torch.Tensor of this process among an op's DTensor arguments, in strict mode (outside it,
+    dtorch uploads it Replicate, as a constant)."""
+
+
 class CompileError(DTorchError, RuntimeError):
     """dtorch.compile cannot capture a function: it reads a value, uploads data, or does something
     a replay could not repeat. The message names the line inside the function."""

@@ -124,6 +124,14 @@ def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, 
     return made.requires_grad_() if requires_grad else made
 
 
+def _upload_constant(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """A local torch tensor among an op's DTensor arguments: uploaded Replicate (tensor.py calls it)."""
+    return tensor(local, device_mesh=mesh, placements=[Replicate()] * mesh.ndim)
+
+
+DTensor._upload_constant = staticmethod(_upload_constant)
+
+
 def _owned(value: torch.Tensor, data) -> torch.Tensor:
     """`value`, copied if it may share memory with the caller's `data` (a torch tensor, a numpy
     array): the frames are sent later, by the loop thread, and a caller that refills its buffer

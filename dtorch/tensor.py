@@ -12,7 +12,7 @@ import torch
 
 from .distributed_spec import (DeviceMesh, Partial, Placement, Placements, Replicate, format_placements,
                                local_offset, local_shape)
-from .errors import MeshError, UnsupportedOpError, user_site
+from .errors import LocalTensorError, MeshError, UnsupportedOpError, user_site
 from .ops.unsupported import NOTES, is_inplace_name, unsupported_method, unsupported_op
 from .ops import REGISTRY, cached_plan
 from .ops.conversions import to_target
@@ -466,12 +466,8 @@ def _issue_op(name: str, args: tuple, kwargs: dict):
     given = args   # a view's base is the tensor the user passed, not an inserted move's copy
     try:
         plan = cached_plan(name, args, kwargs)
-    except MeshError:
-        joined = _join_one_device_inputs(args, kwargs)
-        if joined is None:
-            raise
-        args, kwargs = joined
-        plan = cached_plan(name, args, kwargs)
+    except (MeshError, LocalTensorError) as refused:
+        args, kwargs, plan = _replan(name, args, kwargs, refused)
     moves = ()
     if plan.moves:
         moves = _fused_moves(plan, args, kwargs)
@@ -508,6 +504,39 @@ def _issue_op(name: str, args: tuple, kwargs: dict):
     if name in VIEW_OPS:   # views remember their base, for in-place ops (dtorch/aliasing.py)
         note_view(name, given, kwargs, result)
     return result
+
+
+def _replan(name: str, args: tuple, kwargs: dict, refused: Exception) -> tuple:
+    """(args, kwargs, plan) after the two fixes dtorch makes outside strict mode: a local torch
+    tensor argument is uploaded Replicate on the others' mesh (a constant, like a Python scalar),
+    and inputs on a one-device mesh join the mesh the others share. Else `refused` is raised."""
+    if isinstance(refused, LocalTensorError):
+        uploaded = None if is_strict() else _upload_local_tensors(args, kwargs)
+        if uploaded is None:
+            raise refused
+        args, kwargs = uploaded
+        try:
+            return args, kwargs, cached_plan(name, args, kwargs)
+        except MeshError as mismatch:
+            refused = mismatch
+    joined = _join_one_device_inputs(args, kwargs)
+    if joined is None:
+        raise refused
+    return *joined, cached_plan(name, *joined)
+
+
+def _upload_local_tensors(args: tuple, kwargs: dict):
+    metas = []
+    map_tensors((args, kwargs), lambda t: metas.append(t._meta))
+    larger = [meta.mesh for meta in metas if meta.mesh.size() > 1]
+    mesh = larger[0] if larger else metas[0].mesh
+    controller = session.controller()
+
+    def upload(local: torch.Tensor) -> DTensor:
+        controller.count_local_upload()
+        return DTensor._upload_constant(local, mesh)   # factories.py's seam (it imports this module)
+    is_local = lambda value: isinstance(value, torch.Tensor)   # noqa: E731
+    return map_tensors(args, upload, is_local), map_tensors(kwargs, upload, is_local)
 
 
 def _land_for_backward(source: DTensor, landed: DTensor) -> DTensor:

@@ -247,6 +247,36 @@ def test_strict_mode_refuses_the_one_device_join(mesh22):
         x + dtorch.Tensor(torch.randn(3))
 
 
+def test_a_local_torch_tensor_beside_dtensors_is_a_replicated_constant(mesh22):
+    """torch code makes small tensors inside forward (nanoGPT's torch.arange positions, a 0-d
+    scale): beside DTensors one is uploaded Replicate on their mesh, as a Python scalar would be
+    sent, counted in stats(); values and gradients equal torch's. Strict mode refuses it at the
+    line, saying how to upload it."""
+    table, a = torch.randn(10, 4), torch.randn(6, 4)
+    x = dtorch.tensor(a, device_mesh=mesh22, placements=[Shard(0), Replicate()], requires_grad=True)
+    weight = dtorch.tensor(table, device_mesh=mesh22, placements=[Replicate(), Shard(1)], requires_grad=True)
+    before = dtorch.stats()["local_tensors_uploaded"]
+    positions = torch.arange(0, 6, dtype=torch.long)
+    out = x + torch.nn.functional.embedding(positions, weight) * torch.tensor(0.5)
+    out = torch.cat([out, torch.ones(1, 4)])
+    assert dtorch.stats()["local_tensors_uploaded"] - before == 3
+    reference_x, reference_table = a.clone().requires_grad_(), table.clone().requires_grad_()
+    expected = torch.cat([reference_x + torch.nn.functional.embedding(positions, reference_table) * 0.5,
+                          torch.ones(1, 4)])
+    torch.testing.assert_close(out.to_torch(), expected.detach())
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(weight.grad.to_torch(), reference_table.grad)
+    torch.testing.assert_close(x.grad.to_torch(), reference_x.grad)
+    previous = dtorch.is_strict()
+    dtorch.set_strict(True)
+    try:
+        with pytest.raises(dtorch.LocalTensorError, match=r"add: a local torch.Tensor .*test_api_compat.py.*distribute_tensor"):
+            x + torch.ones(4)
+    finally:
+        dtorch.set_strict(previous)
+
+
 # --- dtorch.Generator ----------------------------------------------------------------------------
 def test_generator_streams_are_layout_invariant_and_apart_from_the_global_one(mesh4, mesh22):
     results = []

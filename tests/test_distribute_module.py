@@ -279,3 +279,99 @@ def test_a_torch_cnn_with_batch_norm_trains_as_torch_does(mesh4):
     reference.eval()
     torch.testing.assert_close(model(dtorch.distribute_tensor(images, mesh4, [Shard(0)])).to_torch(),
                                reference(images).detach(), rtol=1e-4, atol=1e-5)
+
+
+class _SelfAttention(tnn.Module):
+    """nanoGPT's CausalSelfAttention, as written there."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float):
+        super().__init__()
+        self.c_attn, self.c_proj = tnn.Linear(n_embd, 3 * n_embd), tnn.Linear(n_embd, n_embd)
+        self.resid_dropout, self.n_head, self.n_embd, self.dropout = tnn.Dropout(dropout), n_head, n_embd, dropout
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0,
+                                           is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class _Block(tnn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = tnn.LayerNorm(n_embd), _SelfAttention(n_embd, n_head, dropout), tnn.LayerNorm(n_embd)
+        self.mlp = tnn.ModuleDict(dict(c_fc=tnn.Linear(n_embd, 4 * n_embd), c_proj=tnn.Linear(4 * n_embd, n_embd)))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))
+
+
+class NanoGPT(tnn.Module):
+    """nanoGPT's GPT, trimmed: positions from torch.arange inside forward, weights initialized by
+    apply() with torch.nn.init, the head tied to the token embedding, the loss with ignore_index."""
+
+    def __init__(self, vocab: int = 32, block: int = 8, n_embd: int = 16, n_head: int = 2, dropout: float = 0.0):
+        super().__init__()
+        self.transformer = tnn.ModuleDict(dict(wte=tnn.Embedding(vocab, n_embd), wpe=tnn.Embedding(block, n_embd),
+                                               drop=tnn.Dropout(dropout),
+                                               h=tnn.ModuleList([_Block(n_embd, n_head, dropout) for _ in range(2)]),
+                                               ln_f=tnn.LayerNorm(n_embd)))
+        self.lm_head = tnn.Linear(n_embd, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, tnn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, tnn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets):
+        device = idx.device
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def test_nanogpt_as_written_trains_as_torch_does(mesh22):
+    """nanoGPT's model code, unchanged but for dtorch.optim: distributed on dp2 x tp2 with its MLPs
+    Megatron-split by a parallelize_module plan, 3 AdamW steps give torch's losses (the positions
+    torch.arange makes inside forward are uploaded as constants). With dropout on, a step runs and
+    draws its masks from dtorch's stream."""
+    torch.manual_seed(10)
+    reference = NanoGPT()
+    model = copy.deepcopy(reference)
+    parallelize_module(model, mesh22, {"transformer.h.*.mlp.c_fc": ColwiseParallel(),
+                                       "transformer.h.*.mlp.c_proj": RowwiseParallel()}, tp_dim="tp")
+    g = torch.Generator().manual_seed(11)
+    batches = [torch.randint(0, 32, (4, 9), generator=g) for _ in range(3)]
+    opt = dtorch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    for batch in batches:
+        x, y = batch[:, :-1], batch[:, 1:].clone()
+        y[0, -1] = -1
+        loss = model(*(dtorch.distribute_tensor(t, mesh22, [Shard(0), Replicate()]) for t in (x, y)))
+        expected = reference(x, y)
+        for optimizer, value in ((opt, loss), (reference_opt, expected)):
+            value.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss.item(), expected.item(), rtol=2e-4, atol=0)
+    _check_parameters(model, reference)
+    noisy = dtorch.distribute_module(NanoGPT(dropout=0.2), mesh22)
+    x = dtorch.distribute_tensor(batches[0][:, :-1], mesh22, [Shard(0), Replicate()])
+    loss = noisy(x, x)
+    loss.backward()
+    assert torch.isfinite(torch.tensor(loss.item())) and noisy.lm_head.weight.grad is not None

@@ -12,7 +12,7 @@ import torch
 from typing import NamedTuple
 
 from ..distributed_spec import format_placements
-from ..errors import MeshError, PlacementError, ShapeError, user_site
+from ..errors import LocalTensorError, MeshError, PlacementError, ShapeError, user_site
 from ..redistribute import plan_redistribute
 from .auto_redistribute import legal_call, takes_communication
 from .registry import PEER_KERNELS, REGISTRY, RegisteredOp
@@ -116,9 +116,10 @@ def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMet
     mode (`strict` None: the global mode) inputs whose placements the rules refuse get moves."""
     if not specs:
         raise ShapeError(f"{op.name}: no dtorch tensor among the arguments")
-    if _holds_torch_tensor(args, kwargs):
-        raise TypeError(f"{op.name}: mixing a local torch.Tensor with DTensors; upload it first with "
-                        "dtorch.tensor(t, device_mesh=..., placements=...)")
+    if _holds_torch_tensor(args, kwargs):   # (the frontend uploads it and plans again, outside strict mode)
+        raise LocalTensorError(f"{op.name}: a local torch.Tensor among DTensor arguments at {user_site()}; in strict "
+                               "mode upload it yourself: dtorch.distribute_tensor(t, mesh, [Replicate()]) (outside "
+                               "it dtorch does that, each call)")
     mesh = specs[0].mesh
     for spec in specs[1:]:
         if spec.mesh != mesh:

@@ -123,6 +123,7 @@ class Controller(WorkerMessages):
         self._warnings_shown: set = set()   # (seq, category, message): one copy per command, of all ranks'
         self.commands_sent = self.batches_sent = 0
         self.redistributes_inserted = 0   # by the frontend, before ops whose placements did not line up
+        self.local_tensors_uploaded = 0   # by the frontend: torch tensors among an op's DTensor arguments
         self.checkpoint_tensors_loaded = 0          # by dtorch.checkpoint
         self.checkpoint_bytes_via_controller = 0    # its via_controller fallback; 0 when workers read files
         self.checkpoint_tensors_saved = self.checkpoint_bytes_saved = 0   # checkpoint.save: workers write them
@@ -190,6 +191,11 @@ class Controller(WorkerMessages):
         because several threads may issue ops."""
         with self._lock:
             self.redistributes_inserted += 1
+
+    def count_local_upload(self) -> None:
+        """One more torch tensor the frontend uploaded as an op's constant argument (stats())."""
+        with self._lock:
+            self.local_tensors_uploaded += 1
 
     def count_checkpoint(self, tensors: int, bytes_via_controller: int) -> None:
         """Tensors dtorch.checkpoint loaded, and the bytes it read here to upload (stats())."""
@@ -323,6 +329,7 @@ class Controller(WorkerMessages):
                 "workers": len(self.workers), "pending_reads": len(self._reads),
                 "messages_rejected": self.rejections.count,
                 "redistributes_inserted": self.redistributes_inserted,
+                "local_tensors_uploaded": self.local_tensors_uploaded,
                 "checkpoint_tensors_loaded": self.checkpoint_tensors_loaded,
                 "checkpoint_bytes_via_controller": self.checkpoint_bytes_via_controller,
                 "checkpoint_tensors_saved": self.checkpoint_tensors_saved,

@@ -64,6 +64,11 @@ _MESHES = [
     "Replicate by the mesh-to-mesh transfer (`x.to(mesh)`), and `redistributes_inserted` counts the",
     "move. The move is made again at every such op: move a tensor used often once, `b = b.to(mesh)`.",
     "Inputs on two larger meshes, and every mixed-mesh call in strict mode, raise MeshError.", "",
+    "**A local torch tensor** among an op's DTensor arguments (torch code makes them inside forward:",
+    "`torch.arange` positions, a 0-d scale) is a constant the same way: it is uploaded Replicate on the",
+    "mesh of the other inputs, at every such call, and `dtorch.stats()[\"local_tensors_uploaded\"]`",
+    "counts it. Strict mode refuses it (LocalTensorError, a TypeError): upload it once,",
+    "`dtorch.distribute_tensor(t, mesh, [Replicate()])`.", "",
 ]
 
 # What no rule table can say: whole features dtorch lacks. Each raises UnsupportedOpError at the
