@@ -277,9 +277,9 @@ def test_losses_and_pad():
         plan("pad", Symbol((8, 5), [Shard(1)]), (1, 1))
 
 
-def test_dropout_through_torch_cannot_draw_dtorch_randomness():
+def test_the_dropout_op_without_its_seed_names_the_functions_that_draw_one():
     from dtorch.errors import UnsupportedOpError
-    with pytest.raises(UnsupportedOpError, match="dtorch.nn.functional.dropout"):
+    with pytest.raises(UnsupportedOpError, match="call torch.nn.functional.dropout"):
         plan("dropout", Symbol((8, 5), [Shard(0)]), 0.5, True)
     seeded = plan("dropout", Symbol((8, 5), [Shard(0)]), 0.5, True, False, 1, 2)
     assert seeded.kernel == "dropout_counter" and seeded.extra_kwargs["global_shape"] == (8, 5)
