@@ -224,16 +224,17 @@ def class_sharded_losses(input, target, dim: int = 1, ignore_index: int = -100, 
     if dim < input.ndim - 1:   # laid along `dim`: (classes, 1, ...)
         index = index.view(classes, *[1] * (input.ndim - 1 - dim))
     hit = (index == target.unsqueeze(dim)).to(input.dtype)
-    chosen, log_total = input, None
+    chosen = input
     if not log_probabilities:
         # the shift cancels out of the loss, so it carries no gradient (torch's logsumexp detaches it too)
         chosen = input - input.detach().amax(dim, keepdim=True).reduce_partials()
-        log_total = chosen.exp().sum(dim).reduce_partials().log()
     # label smoothing: (1 - e) of the target's logit and e of the classes' mean, in one reduction
     mix = hit if not label_smoothing else hit * (1 - label_smoothing) + label_smoothing / classes
-    picked = (chosen * mix).sum(dim).reduce_partials()
+    sums = [(chosen * mix).sum(dim)] + ([] if log_probabilities else [chosen.exp().sum(dim)])
+    # the sums over the class shards, all-reduced together (one collective forward, one backward)
+    reduced = call_op("stack", (sums, -1), {}).reduce_partials().unbind(-1)
     kept = (target != ignore_index).to(input.dtype)
-    return (-picked if log_total is None else log_total - picked) * kept
+    return (-reduced[0] if log_probabilities else reduced[1].log() - reduced[0]) * kept
 
 
 def _laid_like_dim(input, dim: int) -> list:
