@@ -160,7 +160,7 @@ def batch_norm_with_running_stats(input, running_mean, running_var, weight=None,
 # Their 'mean' of class targets divides by the count of targets that are not ignore_index (weighted
 # by their class weights): data no rank knows alone, so the op's rule refuses a sharded batch and
 # the planner would gather the whole input (batch x classes) onto every rank. Here the sum stays
-# sharded and the denominator is computed alongside: two scalar all-reduces instead.
+# sharded and the denominator is computed alongside: one all-reduce of the two scalars instead.
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                   reduction="mean", label_smoothing=0.0):
     """torch.nn.functional.cross_entropy on DTensors (op 'cross_entropy')."""
@@ -183,7 +183,7 @@ def _class_loss(name, input, target, weight, size_average, ignore_index, reduce,
     if reduction != "mean" or target.dtype.is_floating_point or not _batch_sharded(input, target):
         return call_op(name, (input, target, weight), dict(kwargs, reduction=reduction))
     total = call_op(name, (input, target, weight), dict(kwargs, reduction="sum"))
-    return total.reduce_partials() / _targets_weight(input, target, weight, ignore_index).reduce_partials()
+    return _ratio_of_sums(total, _targets_weight(input, target, weight, ignore_index))
 
 
 def _batch_sharded(input, target) -> bool:
@@ -249,7 +249,14 @@ def _reduced_losses(losses, target, ignore_index: int, reduction: str):
         return losses.sum()
     if reduction != "mean":
         raise ValueError(f"{reduction} is not a valid value for reduction")
-    return losses.sum().reduce_partials() / (target != ignore_index).to(losses.dtype).sum().reduce_partials()
+    return _ratio_of_sums(losses.sum(), (target != ignore_index).to(losses.dtype).sum())
+
+
+def _ratio_of_sums(numerator, denominator):
+    """numerator / denominator of two pending sums (0-d, P(sum) where the batch is sharded),
+    all-reduced together: one collective, not two."""
+    both = call_op("stack", ([numerator, denominator.to(numerator.dtype)],), {}).reduce_partials()
+    return both[0] / both[1]
 
 
 # torch.nn.functional's spellings reach these too: torch.nn.Dropout and torch.nn.BatchNorm2d (a
