@@ -39,29 +39,24 @@ def _batches(steps: int, vocab: int = 23):
     return [torch.randint(0, vocab, (6, 5), generator=g) for _ in range(steps)]
 
 
-def _train_torch(model, batches):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+def _train(model, batches, optimizer_class, place=lambda ids: ids):
+    """Each step's loss: 3 steps of next-token cross-entropy with AdamW (torch's or dtorch's);
+    `place` puts each batch where the model is."""
+    opt = optimizer_class(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
-    for ids in batches:
+    for ids in map(place, batches):
         loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        _step((opt, loss))
         losses.append(loss.item())
     return losses
 
 
-def _train_dtorch(model, batches, mesh, placements):
-    opt = dtorch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses = []
-    for ids in batches:
-        ids = dtorch.distribute_tensor(ids, mesh, placements)
-        loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+def _step(*pairs):
+    """backward, step and zero_grad for each (optimizer, loss)."""
+    for optimizer, loss in pairs:
         loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 def _check_parameters(model, reference):
@@ -94,8 +89,8 @@ def test_a_torch_model_of_ones_own_trains_as_torch_does(layout, mesh4, mesh22):
     assert isinstance(model.scale, dtorch.DTensor) and list(model.state_dict()) == list(reference.state_dict())
     batch = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
     batches = _batches(3)
-    expected = _train_torch(reference, batches)
-    got = _train_dtorch(model, batches, mesh, batch)
+    expected = _train(reference, batches, torch.optim.AdamW)
+    got = _train(model, batches, dtorch.optim.AdamW, lambda ids: dtorch.distribute_tensor(ids, mesh, batch))
     torch.testing.assert_close(got, expected, rtol=2e-4, atol=0)
     _check_parameters(model, reference)
 
@@ -217,10 +212,7 @@ def test_a_torch_transformer_encoder_layer_trains_as_torch_does(mesh22):
         loss = layer(dtorch.distribute_tensor(x, mesh22, [Shard(0), Replicate()]),
                      src_key_padding_mask=padding).pow(2).mean()
         expected = reference(x, src_key_padding_mask=padding).pow(2).mean()
-        for optimizer, value in ((opt, loss), (reference_opt, expected)):
-            value.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        _step((opt, loss), (reference_opt, expected))
         torch.testing.assert_close(loss.item(), expected.item(), rtol=2e-4, atol=0)
     layer.eval()
     reference.eval()
@@ -268,10 +260,7 @@ def test_a_torch_cnn_with_batch_norm_trains_as_torch_does(mesh4):
         loss = F.cross_entropy(model(dtorch.distribute_tensor(images, mesh4, [Shard(0)])),
                                dtorch.distribute_tensor(labels, mesh4, [Shard(0)]))
         expected = F.cross_entropy(reference(images), labels)
-        for optimizer, value in ((opt, loss), (reference_opt, expected)):
-            value.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        _step((opt, loss), (reference_opt, expected))
         torch.testing.assert_close(loss.item(), expected.item(), rtol=1e-5, atol=0)
     for name, buffer in reference[1].named_buffers():
         torch.testing.assert_close(getattr(model[1], name).to_torch(), buffer, rtol=1e-5, atol=1e-6, msg=name)
@@ -364,10 +353,7 @@ def test_nanogpt_as_written_trains_as_torch_does(mesh22):
         y[0, -1] = -1
         loss = model(*(dtorch.distribute_tensor(t, mesh22, [Shard(0), Replicate()]) for t in (x, y)))
         expected = reference(x, y)
-        for optimizer, value in ((opt, loss), (reference_opt, expected)):
-            value.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        _step((opt, loss), (reference_opt, expected))
         torch.testing.assert_close(loss.item(), expected.item(), rtol=2e-4, atol=0)
     _check_parameters(model, reference)
     noisy = dtorch.distribute_module(NanoGPT(dropout=0.2), mesh22)
