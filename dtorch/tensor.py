@@ -526,6 +526,8 @@ def _replan(name: str, args: tuple, kwargs: dict, refused: Exception) -> tuple:
 
 
 def _upload_local_tensors(args: tuple, kwargs: dict):
+    """(args, kwargs) with each torch tensor uploaded Replicate on the DTensors' mesh (the larger
+    one where a one-device input will join it)."""
     metas = []
     map_tensors((args, kwargs), lambda t: metas.append(t._meta))
     larger = [meta.mesh for meta in metas if meta.mesh.size() > 1]

@@ -1,9 +1,10 @@
 """torch.nn.functional names over dtorch ops. Each is one registry op (rules in dtorch/ops/:
 pointwise, reduction, matrix, nn, vision); `torch.nn.functional.<name>(dtensor)` reaches the same op
 through __torch_function__, except dropout, which needs dtorch's random stream (below, and
-scaled_dot_product_attention with dropout_p > 0 for the same reason), batch_norm in training mode, whose batch statistics dtorch computes across ranks (below), and
-cross_entropy / nll_loss, whose mean over a sharded batch is a sum over a count and whose sharded
-class dim is never gathered (at the end)."""
+scaled_dot_product_attention with dropout_p > 0 for the same reason), batch_norm in training
+mode, whose batch statistics dtorch computes across ranks (below), and cross_entropy / nll_loss,
+whose mean over a sharded batch is a sum over a count and whose sharded class dim is never
+gathered (at the end)."""
 from __future__ import annotations
 
 import math
@@ -204,8 +205,9 @@ def _targets_weight(input, target, weight, ignore_index):
 # --- a sharded class dim (a vocabulary-parallel head): never gathered ------------------------------
 # The op's rule needs all classes on a rank (a log_softmax over them), so the planner would gather
 # the class dim: with a tp-sharded vocabulary, all (tokens x vocabulary) logits onto every rank.
-# Built from the shards instead, the max, the sum of exponentials and the target's logit are each
-# a reduction over the class dim, i.e. an all-reduce of one value per target.
+# Built from the shards instead, the max, the sum of exponentials and the target's logit are
+# reductions over the class dim: an all-reduce of one value per target for the max, and one of two
+# values per target for the two sums.
 def _classes_sharded(input, target, weight) -> bool:
     """Class-index targets without class weights, the class dim (1) sharded, nothing pending."""
     return (input.ndim >= 2 and weight is None and not target.dtype.is_floating_point
