@@ -334,16 +334,25 @@ class NanoGPT(tnn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
-def test_nanogpt_as_written_trains_as_torch_does(mesh22):
-    """nanoGPT's model code, unchanged but for dtorch.optim: distributed on dp2 x tp2 with its MLPs
-    Megatron-split by a parallelize_module plan, 3 AdamW steps give torch's losses (the positions
-    torch.arange makes inside forward are uploaded as constants). With dropout on, a step runs and
-    draws its masks from dtorch's stream."""
+@pytest.mark.parametrize("layout", ["dp2xtp2", "fsdp2xtp2"])
+def test_nanogpt_as_written_trains_as_torch_does(layout, mesh22):
+    """nanoGPT's model code, unchanged but for dtorch.optim: on dp2 x tp2 with its MLPs
+    Megatron-split by a parallelize_module plan, and on fsdp2 x tp2 with its attention split too
+    (the packed q/k/v projection column-parallel) and every block fully_shard'ed; 3 AdamW steps
+    give torch's losses (the positions torch.arange makes inside forward are uploaded as
+    constants). With dropout on, a step runs and draws its masks from dtorch's stream."""
     torch.manual_seed(10)
     reference = NanoGPT()
     model = copy.deepcopy(reference)
-    parallelize_module(model, mesh22, {"transformer.h.*.mlp.c_fc": ColwiseParallel(),
-                                       "transformer.h.*.mlp.c_proj": RowwiseParallel()}, tp_dim="tp")
+    plan = {"transformer.h.*.mlp.c_fc": ColwiseParallel(), "transformer.h.*.mlp.c_proj": RowwiseParallel()}
+    if layout == "fsdp2xtp2":
+        plan.update({"transformer.h.*.attn.c_attn": ColwiseParallel(), "transformer.h.*.attn.c_proj": RowwiseParallel()})
+    parallelize_module(model, mesh22, plan, tp_dim="tp")
+    if layout == "fsdp2xtp2":
+        for block in model.transformer.h:
+            fully_shard(block, "dp")
+        fully_shard(model, "dp")
+        assert model.transformer.h[0].attn.c_attn.weight.placements == (Shard(1), Shard(0))
     g = torch.Generator().manual_seed(11)
     batches = [torch.randint(0, 32, (4, 9), generator=g) for _ in range(3)]
     opt = dtorch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
