@@ -370,3 +370,27 @@ def test_nanogpt_as_written_trains_as_torch_does(layout, mesh22):
     loss = noisy(x, x)
     loss.backward()
     assert torch.isfinite(torch.tensor(loss.item())) and noisy.lm_head.weight.grad is not None
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_with_dropout_stays_causal(need_weights, mesh4):
+    """In training with dropout, the causal hint (need_weights=False) and a causal mask (True)
+    still hide later positions: changing the last token changes no earlier output, with the same
+    dropout draws (the same dtorch seed); and dropout does change the output."""
+    torch.manual_seed(12)
+    module = dtorch.distribute_module(tnn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True), mesh4)
+    x = torch.randn(4, 6, 8)
+    changed = x.clone()
+    changed[:, -1] = torch.randn(4, 8)
+    causal = tnn.Transformer.generate_square_subsequent_mask(6)
+    outputs = []
+    for value in (x, changed):
+        dtorch.manual_seed(3)
+        given = dtorch.distribute_tensor(value, mesh4, [Shard(0)])
+        outputs.append(module(given, given, given, attn_mask=causal, need_weights=need_weights,
+                              is_causal=not need_weights)[0].to_torch())
+    assert torch.equal(outputs[0][:, :-1], outputs[1][:, :-1]) and not torch.equal(outputs[0][:, -1], outputs[1][:, -1])
+    module.eval()
+    plain = dtorch.distribute_tensor(x, mesh4, [Shard(0)])
+    assert not torch.allclose(module(plain, plain, plain, attn_mask=causal, need_weights=need_weights,
+                                     is_causal=not need_weights)[0].to_torch(), outputs[0])

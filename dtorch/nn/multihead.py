@@ -4,9 +4,10 @@ and TransformerEncoderLayer / TransformerDecoderLayer through it, call) written 
 torch's own function is one Python body behind a __torch_function__ check, so a DTensor reaches
 dtorch with the whole call; this is that body, step for step (the same in-projection, masks,
 scaling and out-projection, so results equal torch's to float rounding). Attention without
-weights is one scaled_dot_product_attention; `need_weights=True` (the module's default) and
-dropout in training compute the weights explicitly, as torch does. Masks given as torch tensors
-are uploaded Replicate on the query's mesh (pass DTensors to upload them once). Dropout draws
+weights is one scaled_dot_product_attention (with dropout in training, dtorch.nn.functional's
+math form); `need_weights=True` (the module's default) computes the weights explicitly, as torch
+does. Masks given as torch tensors are uploaded Replicate on the query's mesh (pass DTensors to
+upload them once). Dropout draws
 from dtorch's stream (dtorch.nn.functional.dropout), so it equals no torch run's mask; the
 options torch keeps for old code (add_bias_kv, add_zero_attn, static_k / static_v) are refused.
 """
@@ -64,7 +65,7 @@ def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_head
             .reshape(bsz * num_heads, 1, src_len)
         attn_mask = padding if attn_mask is None else attn_mask + padding
     dropout_p = dropout_p if training else 0.0
-    if need_weights or dropout_p > 0.0:
+    if need_weights:
         output, weights = _attention_with_weights(q, k, v, attn_mask, dropout_p)
         output = output.transpose(0, 1).reshape(tgt_len, bsz, embed_dim)
         weights = weights.view(bsz, num_heads, tgt_len, src_len)
@@ -74,7 +75,7 @@ def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_head
             attn_mask = attn_mask.unsqueeze(0) if attn_mask.shape[0] == 1 else \
                 attn_mask.view(bsz, num_heads, -1, src_len)
         q, k, v = (t.reshape(bsz, num_heads, t.shape[1], head_dim) for t in (q, k, v))
-        output = F.scaled_dot_product_attention(q, k, v, attn_mask, 0.0, is_causal)
+        output = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)   # (dropout: F's math form)
         output, weights = output.permute(2, 0, 1, 3).flatten(2), None
     # (tgt_len, bsz, embed_dim) throughout, where torch flattens the first two: the same rows, and
     # a batch shard stays one (merging the sequence into it would gather the batch)
