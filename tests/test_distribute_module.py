@@ -394,3 +394,25 @@ def test_multihead_attention_with_dropout_stays_causal(need_weights, mesh4):
     plain = dtorch.distribute_tensor(x, mesh4, [Shard(0)])
     assert not torch.allclose(module(plain, plain, plain, attn_mask=causal, need_weights=need_weights,
                                      is_causal=not need_weights)[0].to_torch(), outputs[0])
+
+
+def test_a_torch_transformer_decoder_layer_equals_torch(mesh4):
+    """torch.nn.TransformerDecoderLayer: causal self-attention, then cross-attention on a memory of
+    another length (query is not key: three in-projections), on a batch over 4 ranks; the output
+    and the gradients of the target, the memory and every parameter equal torch's."""
+    torch.manual_seed(13)
+    reference = tnn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    layer = dtorch.distribute_module(copy.deepcopy(reference), mesh4)
+    target, memory = torch.randn(4, 5, 8), torch.randn(4, 7, 8)
+    causal = tnn.Transformer.generate_square_subsequent_mask(5)
+    references = [t.clone().requires_grad_() for t in (target, memory)]
+    expected = reference(*references, tgt_mask=causal, tgt_is_causal=True)
+    inputs = [dtorch.distribute_tensor(t, mesh4, [Shard(0)]).requires_grad_() for t in (target, memory)]
+    output = layer(*inputs, tgt_mask=causal, tgt_is_causal=True)
+    torch.testing.assert_close(output.to_torch(), expected.detach(), rtol=1e-5, atol=1e-6)
+    (output * output).sum().backward()
+    (expected * expected).sum().backward()
+    for got, want in zip(inputs, references):
+        torch.testing.assert_close(got.grad.to_torch(), want.grad, rtol=1e-4, atol=1e-5)
+    for (name, got), (_, want) in zip(layer.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(got.grad.to_torch(), want.grad, rtol=1e-4, atol=1e-5, msg=name)
