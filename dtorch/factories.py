@@ -124,12 +124,13 @@ def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, 
     return made.requires_grad_() if requires_grad else made
 
 
-def _upload_constant(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    """A local torch tensor among an op's DTensor arguments: uploaded Replicate (tensor.py calls it)."""
+def upload_replicated(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """A local torch tensor uploaded Replicate on every dim of `mesh`: an op's constant argument
+    (tensor.py calls it through the seam below), a mask, a torch module's parameter."""
     return tensor(local, device_mesh=mesh, placements=[Replicate()] * mesh.ndim)
 
 
-DTensor._upload_constant = staticmethod(_upload_constant)
+DTensor._upload_constant = staticmethod(upload_replicated)
 
 
 def _owned(value: torch.Tensor, data) -> torch.Tensor:

@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Replicate
-from ..factories import tensor as upload
+from ..distributed_spec import DeviceMesh
+from ..factories import upload_replicated
 from ..tensor import DTensor
 from .module import Module
 from .parameter import Parameter
@@ -88,4 +88,4 @@ def _parameter(value: torch.Tensor, mesh: DeviceMesh) -> Parameter:
 
 
 def _buffer(value: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    return upload(value.detach(), device_mesh=mesh, placements=[Replicate()] * mesh.ndim)
+    return upload_replicated(value.detach(), mesh)

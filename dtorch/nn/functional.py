@@ -14,7 +14,7 @@ from torch.nn._reduction import legacy_get_string
 
 from ..distributed_spec import Replicate, Shard
 from ..errors import UnsupportedOpError
-from ..factories import arange, tensor as upload
+from ..factories import arange, upload_replicated
 from ..runtime import session
 from ..inplace import assign
 from ..recording import no_grad
@@ -94,6 +94,13 @@ def _attention_with_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is
     if enable_gqa:   # each key/value head serves a group of query heads
         groups = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    weights = attention_weights(query, key, attn_mask, dropout_p, is_causal, scale)
+    return call_op("matmul", (weights, value), {})
+
+
+def attention_weights(query, key, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale=None):
+    """softmax(q k^T * scale + mask), dropped (dtorch's stream) if dropout_p: torch's math form of
+    attention's weights. A bool mask keeps where True, a float one is added."""
     scores = call_op("matmul", (query, key.transpose(-2, -1)), {}) * (
         1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
     if is_causal:   # query i sees keys 0..i (torch's tril of ones), built on the workers
@@ -104,17 +111,14 @@ def _attention_with_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is
         attn_mask = on_mesh_of(query, attn_mask)
         scores = scores.masked_fill(attn_mask.logical_not(), float("-inf")) if attn_mask.dtype == torch.bool \
             else scores + attn_mask
-    weights = dropout(softmax(scores, dim=-1), dropout_p)
-    return call_op("matmul", (weights, value), {})
+    weights = softmax(scores, dim=-1)
+    return dropout(weights, dropout_p) if dropout_p else weights
 
 
 def on_mesh_of(tensor, value):
     """`value` as a DTensor beside `tensor`: a torch tensor (a mask the controller holds) is
     uploaded Replicate on tensor's mesh, each call."""
-    if isinstance(value, torch.Tensor):
-        mesh = tensor.device_mesh
-        return upload(value, device_mesh=mesh, placements=[Replicate()] * mesh.ndim)
-    return value
+    return upload_replicated(value, tensor.device_mesh) if isinstance(value, torch.Tensor) else value
 
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training: bool = False,

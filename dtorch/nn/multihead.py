@@ -7,13 +7,11 @@ scaling and out-projection, so results equal torch's to float rounding). Attenti
 weights is one scaled_dot_product_attention (with dropout in training, dtorch.nn.functional's
 math form); `need_weights=True` (the module's default) computes the weights explicitly, as torch
 does. Masks given as torch tensors are uploaded Replicate on the query's mesh (pass DTensors to
-upload them once). Dropout draws
-from dtorch's stream (dtorch.nn.functional.dropout), so it equals no torch run's mask; the
-options torch keeps for old code (add_bias_kv, add_zero_attn, static_k / static_v) are refused.
+upload them once). Dropout draws from dtorch's stream (dtorch.nn.functional.dropout), so it
+equals no torch run's mask; the options torch keeps for old code (add_bias_kv, add_zero_attn,
+static_k / static_v) are refused.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -66,10 +64,10 @@ def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_head
         attn_mask = padding if attn_mask is None else attn_mask + padding
     dropout_p = dropout_p if training else 0.0
     if need_weights:
-        output, weights = _attention_with_weights(q, k, v, attn_mask, dropout_p)
-        output = output.transpose(0, 1).reshape(tgt_len, bsz, embed_dim)
+        weights = F.attention_weights(q, k, attn_mask, dropout_p)
+        output = torch.bmm(weights, v).transpose(0, 1).reshape(tgt_len, bsz, embed_dim)
         weights = weights.view(bsz, num_heads, tgt_len, src_len)
-        weights = (weights.mean(dim=1) if average_attn_weights else weights) if need_weights else None
+        weights = weights.mean(dim=1) if average_attn_weights else weights
     else:
         if attn_mask is not None:   # (1, L, S) -> (1, 1, L, S); (bsz * heads, L, S) -> (bsz, heads, L, S)
             attn_mask = attn_mask.unsqueeze(0) if attn_mask.shape[0] == 1 else \
@@ -94,18 +92,6 @@ def _in_projection_packed(query, key, value, weight, bias):
     weights = weight.chunk(3)
     biases = (None,) * 3 if bias is None else bias.chunk(3)
     return tuple(F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
-
-
-def _attention_with_weights(q, k, v, attn_mask, dropout_p: float):
-    """softmax(q k^T / sqrt(d) + mask) @ v, keeping the weights (torch's need_weights path)."""
-    scaled = q * math.sqrt(1.0 / float(q.shape[-1]))
-    scores = torch.bmm(scaled, k.transpose(-2, -1))
-    if attn_mask is not None:
-        scores = scores + attn_mask
-    weights = F.softmax(scores, dim=-1)
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, p=dropout_p)
-    return torch.bmm(weights, v), weights
 
 
 def _additive(mask, query):
