@@ -150,6 +150,28 @@ def test_autograd_grad_returns_without_accumulating(mesh22):
     assert dtorch.autograd.grad(out, [unused], allow_unused=True)[0] is None
 
 
+def test_torchs_autograd_grad_and_backward_take_dtensors(mesh4):
+    """torch.autograd.grad / backward reach dtorch through __torch_function__, with torch's own
+    keywords (only_inputs, is_grads_batched) and a dict of inputs."""
+    w, x = torch.randn(6, 3, requires_grad=True), torch.randn(8, 6)
+    dw = _up(w.detach(), mesh4, [Replicate()], requires_grad=True)
+    dx = _up(x, mesh4, [Shard(0)])
+    loss, dloss = (x @ w).square().mean(), (dx @ dw).square().mean()
+    (want,) = torch.autograd.grad(loss, w, retain_graph=True)
+    (got,) = torch.autograd.grad(dloss, dw, retain_graph=True, only_inputs=True)
+    torch.testing.assert_close(got.to_torch(), want)
+    assert torch.autograd.grad(dloss, {"w": dw}, retain_graph=True)["w"].placements == (Replicate(),)
+    with pytest.raises(NotImplementedError, match="is_grads_batched"):
+        torch.autograd.grad(dloss, [dw], retain_graph=True, is_grads_batched=True)
+    torch.autograd.backward(loss)
+    torch.autograd.backward(dloss)
+    torch.testing.assert_close(dw.grad.to_torch(), w.grad)
+    seed = torch.randn(8)
+    torch.autograd.backward([(x @ w).sum(1)], [seed])
+    torch.autograd.backward([(dx @ dw).sum(1)], [_up(seed, mesh4, [Shard(0)])])
+    torch.testing.assert_close(dw.grad.to_torch(), w.grad)
+
+
 _RETAINED = {"mesh4": [([Shard(0)], [Replicate()]), ([Replicate()], [Shard(1)]), ([Shard(1)], [Shard(0)]),
                        ([Replicate()], [Replicate()])],
              "mesh22": [([Shard(0), Replicate()], [Replicate(), Shard(1)]), ([Shard(0), Shard(1)], [Replicate(), Shard(0)])]}

@@ -3,7 +3,7 @@ rules (docs/autograd.md). Installs DTensor.backward, DTensor.grad and DTensor.re
 from __future__ import annotations
 
 from ..recording import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
-from ..tensor import DTensor
+from ..tensor import COMPOSITES, DTensor
 from .engine import backward, backward_stages, clear_grads, grad, leaf_grad, no_sync, reduce_gradients, set_leaf_grad
 from .retained import retain_grad, retains_grad
 from .rules import gradient_placements
@@ -18,7 +18,19 @@ def _tensor_backward(self, gradient=None, retain_graph=None, create_graph=False,
     backward([self], None if gradient is None else [gradient], retain_graph, create_graph, inputs)
 
 
+def _torch_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, only_inputs=True,
+                allow_unused=None, is_grads_batched=False, materialize_grads=False):
+    """torch.autograd.grad called on DTensors: torch hands the call to __torch_function__ with its
+    own keywords (only_inputs is deprecated and ignored, as in torch)."""
+    if is_grads_batched:
+        raise NotImplementedError("torch.autograd.grad(is_grads_batched=True) (vmap over grad_outputs) is not "
+                                  "supported on DTensors; call grad once per grad_outputs")
+    return grad(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused, materialize_grads)
+
+
 DTensor.backward = _tensor_backward
+# torch.autograd.grad / torch.autograd.backward on DTensors (both check __torch_function__)
+COMPOSITES.update(grad=_torch_grad, backward=backward)
 DTensor.grad = property(leaf_grad, set_leaf_grad, doc="The accumulated gradient, in this tensor's placements "
                         "(None before a backward reaches it); leaves that require grad keep one, and "
                         "intermediates after retain_grad().")
