@@ -4,7 +4,10 @@ process, with no sockets, runs batches of the commands benchmark 1's chain sends
 the same chain in plain torch. The difference is what each worker adds per op; on a 2-core
 machine with 4 workers it is what stretches the end-to-end chain (benchmark 2).
 
-    PYTHONPATH=<checkout> python benchmarks/worker_cpu.py [--reps 7]
+    PYTHONPATH=<checkout> python benchmarks/worker_cpu.py [--reps 7] [--grad]
+
+--grad: the chain records for backward, as a training forward's ops do (its input requires grad,
+every RunOp has `grad` set; torch's chain records too). Only the eager rows run then.
 
 Standalone (no relative imports), so that one copy measures either checkout: run it
 alternately with PYTHONPATH on the commit before and after a change. Prints the minimum over
@@ -32,13 +35,13 @@ class _NoReplies:
         pass
 
 
-def chain_commands(wire, first_seq: int, first_id: int) -> tuple[list, int]:
+def chain_commands(wire, first_seq: int, first_id: int, grad: bool = False) -> tuple[list, int]:
     """(the chain's commands from `first_seq`, reading tensor `first_id`; the last id made)."""
     commands, seq, previous, dropped = [], first_seq, first_id, []
     for i in range(OPS):
         op, scalar = ("mul", 1.0001) if i % 2 == 0 else ("add", 1)
         made = previous + 1
-        commands.append(wire.RunOp(seq, (made,), 0, op, op, (wire.TensorRef(previous), scalar), {}, (), False))
+        commands.append(wire.RunOp(seq, (made,), 0, op, op, (wire.TensorRef(previous), scalar), {}, (), grad))
         seq, previous = seq + 1, made
         dropped.append(made - 1)
         if len(dropped) == 16:
@@ -91,6 +94,7 @@ def _time_batch(worker, wire, zmq, commands) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--grad", action="store_true", help="ops that record for backward (eager rows only)")
     args = parser.parse_args()
     import torch
     import zmq
@@ -101,13 +105,14 @@ def main() -> None:
     worker = Worker(0, _NoReplies(), None, CpuDevice(), start_seq=0)
     worker._execute(wire.DefineMesh(0, 0, "cpu", (1,), (0,)))
     worker._execute(wire.Factory(1, 1, 0, "zeros", SHAPE, "float32", (wire.decode_placement(0),), ()))
+    worker.tensors[1].requires_grad_(args.grad)
     worker.next_seq, last_id = 2, 1
     graph = chain_graph(wire, worker.next_seq, 1)
     worker._on_message([zmq.Frame(f) for f in wire.encode_batch(worker.next_seq, [graph])])
     define_seq, last = worker.next_seq - 1, [last_id]
 
     def eager() -> float:
-        commands, last[0] = chain_commands(wire, worker.next_seq, last[0])
+        commands, last[0] = chain_commands(wire, worker.next_seq, last[0], args.grad)
         return _time_batch(worker, wire, zmq, commands)
 
     def replayed() -> float:
@@ -122,14 +127,14 @@ def main() -> None:
         return time.thread_time() - started
 
     def plain_torch() -> float:
-        z = torch.zeros(SHAPE)
+        z = torch.zeros(SHAPE, requires_grad=args.grad)
         started = time.thread_time()
         for _ in range(OPS // 2):
             z = z * 1.0001 + 1
         return time.thread_time() - started
 
-    measures = {"worker, eager": eager, "worker, replayed": replayed}
-    if getattr(worker.graphs[1], "plan", None) is not None:   # the replay as one generated function
+    measures = {"worker, eager": eager} if args.grad else {"worker, eager": eager, "worker, replayed": replayed}
+    if not args.grad and getattr(worker.graphs[1], "plan", None) is not None:   # the replay as one generated function
         measures["worker, replayed row by row"] = _row_by_row(worker, 1, replayed)
     if hasattr(Worker, "_ran_inline"):   # the same worker with every command on the general path
         measures.update({f"{name}, general path only": _general_path_only(worker, measure)

@@ -179,6 +179,8 @@ def test_the_read_idle_script_runs():
         "worker, eager", "worker, replayed", "worker, replayed row by row", "worker, eager, general path only",
         "worker, replayed, general path only", "worker, replayed row by row, general path only"))
      + (r"\n  decoding alone +[\d.]+ us/op\n", r"\n  plain torch +[\d.]+ us/op")),
+    ("worker_cpu.py --grad", tuple(rf"\n  {name} +[\d.]+ us/op +-?[\d.]+ us/op added\n" for name in (
+        "worker, eager", "worker, eager, general path only")) + (r"\n  plain torch +[\d.]+ us/op",)),
     ("moved_ops.py", (r"y moved S\(1\) -> S\(0\), \(64, 128\) on 4 workers: issuing CPU us/op min [\d.]+ median [\d.]+; "
                       r"wall us/op median \d+",
                       r"12 layers h = \(h @ w\)\.tanh\(\), \(1024, 1024\) float32: peak worker memory above idle [\d.]+ MiB")),
@@ -188,7 +190,8 @@ def test_the_read_idle_script_runs():
 def test_the_standalone_ab_scripts_run_against_a_checkout(script, rows):
     """benchmarks/issue_cpu.py, worker_cpu.py, moved_ops.py and worker_gc.py (docs quote them) run
     as files, importing dtorch from the checkout PYTHONPATH names, as the A/B procedure runs them."""
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--reps", "2"], cwd="/",
+    script, *options = script.split()
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *options, "--reps", "2"], cwd="/",
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert result.stdout.startswith(str(ROOT)), result.stdout

@@ -392,7 +392,7 @@ def test_grads_accumulate_across_compiled_calls_as_in_eager(mesh4):
 @pytest.mark.parametrize("shape, names", [((2, 2), ["dp", "tp"]), ((4,), ["fsdp"])], ids=["dp2xtp2", "fsdp4"])
 def test_llama_forward_and_training_step_replay_like_eager(session, shape, names):
     """On fsdp the forward's rows read gathered parameters, which backward gathers again
-    (kernels.saving_for): in a replay too."""
+    (kernels.saves_gathered): in a replay too."""
     transformers = pytest.importorskip("transformers")
     from dtorch.distributed_spec import init_device_mesh
     from dtorch.models import LlamaForCausalLM

@@ -1,5 +1,5 @@
 """The workers' saved-tensor hooks (runtime/kernels.pack_saved / unpack_saved), which a recorded
-op runs under when an input is an fsdp-gathered parameter (kernels.saving_for): plain tensors come
+op runs under when an input is an fsdp-gathered parameter (kernels.saves_gathered): plain tensors come
 back with torch's gradients and leave no reference cycle behind (a retained graph, as pipeline
 stages keep, must go with its tensors), and the gathered parameter is saved as the way to gather
 it again, not as the gathered tensor."""
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
 from dtorch.distributed_spec import Replicate, Shard
-from dtorch.runtime.kernels import DifferentiableStep, _all_gather, _Regather, pack_saved, saving_for, unpack_saved
+from dtorch.runtime.kernels import DifferentiableStep, _all_gather, _Regather, pack_saved, saves_gathered, unpack_saved
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,8 +84,8 @@ def test_a_gathered_parameter_is_saved_as_its_recipe_and_gathered_again_in_backw
 
     with torch.enable_grad():
         whole = DifferentiableStep.apply(shard, anchor, _all_gather, Shard(0), Replicate(), (6, 4), (0,), 0, comm)
-        assert isinstance(saving_for([x, whole.t()]), saved_tensors_hooks)   # a view of it counts too
-        assert not isinstance(saving_for([x, shard]), saved_tensors_hooks)   # torch's own saving
+        assert saves_gathered([x, whole.t()])   # a view of it counts too
+        assert not saves_gathered([x, shard])   # torch's own saving
         with saved_tensors_hooks(pack, unpack_saved):
             out = F.linear(x, whole)   # saves the gathered weight (a view of it, weight.t())
     assert comm.gathers == 1

@@ -12,7 +12,7 @@ import torch
 
 from . import protocol as wire
 from .grad_buckets import BucketBuffers, BucketReducer
-from .kernels import saving_for
+from .kernels import saves_gathered, saving_gathered
 
 __all__ = ["run_backward", "run_recorded", "connect_outputs"]
 
@@ -63,8 +63,15 @@ class _Connect(torch.autograd.Function):
 def run_recorded(kernel, inputs: list, args, kwargs):
     """A local op of a forward that records for backward (grad mode on): `inputs` are its input
     tensors that require grad, which its outputs are joined to."""
-    with saving_for(inputs):
+    if saves_gathered(inputs):
+        with saving_gathered():
+            result = kernel(*args, **kwargs)
+    else:
         result = kernel(*args, **kwargs)
+    if type(result) is torch.Tensor:   # one output: connect_outputs' check, inline
+        if result.requires_grad or not result.is_floating_point():
+            return result
+        return _Connect.apply(result, *inputs)
     return connect_outputs(result, inputs)
 
 

@@ -5,7 +5,6 @@ same pure helpers the controller uses, so both sides agree on every shard bounda
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
@@ -353,13 +352,20 @@ def _selected(ctx, grad: torch.Tensor, place) -> torch.Tensor:
 
 
 # --- fsdp: gathered parameters are not kept for backward ------------------------------------
-def saving_for(inputs: list):
-    """How a recorded op saves tensors for backward: through pack_saved / unpack_saved when one of
-    its inputs is a gathered parameter or a view of one, torch's own way otherwise (a Python hook
-    per saved tensor costs ~2 us, and only fsdp needs one)."""
-    if any(getattr(_root(tensor), "_dtorch_regather", None) is not None for tensor in inputs):
-        return torch.autograd.graph.saved_tensors_hooks(pack_saved, unpack_saved)
-    return contextlib.nullcontext()
+def saves_gathered(inputs: list) -> bool:
+    """Whether a recorded op must save its tensors for backward through pack_saved / unpack_saved:
+    one of its inputs is a gathered parameter or a view of one. Otherwise torch's own way (a
+    Python hook per saved tensor costs ~2 us, and only fsdp needs one). A loop, not any() over a
+    generator: this runs for every recorded op."""
+    for tensor in inputs:
+        if getattr(tensor if tensor._base is None else tensor._base, "_dtorch_regather", None) is not None:
+            return True
+    return False
+
+
+def saving_gathered():
+    """The saved-tensor hooks for an op that saves_gathered."""
+    return torch.autograd.graph.saved_tensors_hooks(pack_saved, unpack_saved)
 
 
 def pack_saved(tensor: torch.Tensor):

@@ -138,14 +138,14 @@ class Worker(TrainingCommands, CheckpointCommands):
     def _ran_inline(self, command) -> bool:
         """Run a plain op here and say True; False leaves the command to the general path.
 
-        Plain means: tensors and scalars in, scalar kwargs, nothing to slice, no grad, no peers,
+        Plain means: tensors and scalars in, scalar kwargs, nothing to slice, no peers,
         no communication in flight, and every input here. Most commands of a small-op program
         are such ops, and _execute's layers (the handler table, handle_run_op, _run_op, a method
         call per input) cost about as much as the op itself. The general path takes everything
         else, including a missing or poisoned input, whose error it words. The caller has entered
         the compute stream (_run_batch; a RunGraph runs inside _execute). A failure here is
         handled as _execute handles one: poisoned outputs and a report under the command's seq."""
-        if (type(command) is not wire.RunOp or command.grad or command.input_steps or command.moves or self.in_flight
+        if (type(command) is not wire.RunOp or command.input_steps or command.moves or self.in_flight
                 or command.kernel in PEER_KERNELS or not _flat(command.args)
                 or (command.kwargs and not _SCALARS.issuperset(map(type, command.kwargs.values())))
                 or self._member(command.mesh_id) is None):
@@ -157,7 +157,10 @@ class Worker(TrainingCommands, CheckpointCommands):
             return False
         self.busy_seq, self._inputs = command.seq, args
         try:
-            self._store(command.out_ids, KERNELS[command.kernel](*args, **command.kwargs))
+            if command.grad:
+                self._store(command.out_ids, _recorded_inline(KERNELS[command.kernel], args, command.kwargs))
+            else:
+                self._store(command.out_ids, KERNELS[command.kernel](*args, **command.kwargs))
         except Exception as error:  # any failure of one command; the worker goes on
             self._failed(command, error)
         finally:
@@ -589,6 +592,22 @@ def _local_only(steps) -> bool:
 
 def _region_of(shape, mesh: DeviceMesh, placements, rank: int):
     return local_region(shape, mesh, placements, mesh.coordinate_of(rank))
+
+
+def _recorded_inline(kernel, args: list, kwargs: dict):
+    """A plain op that records for backward (RunOp.grad): its inputs that require grad are among
+    its top-level arguments, since its kwargs are scalars. Grad mode is switched in C, without
+    torch.enable_grad()'s Python context."""
+    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    previous = _is_grad_enabled()
+    _set_grad_enabled(True)
+    try:
+        return run_recorded(kernel, inputs, args, kwargs)
+    finally:
+        _set_grad_enabled(previous)
+
+
+_set_grad_enabled, _is_grad_enabled = torch._C._set_grad_enabled, torch.is_grad_enabled
 
 
 def _grad_inputs(args, kwargs) -> list:
