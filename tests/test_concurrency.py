@@ -4,6 +4,7 @@ and no message is lost. Results are checked against torch."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import random
@@ -14,6 +15,7 @@ import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
+from dtorch.runtime import session
 
 SOAK_S = float(os.environ.get("DTORCH_SOAK_S", "30"))
 
@@ -92,6 +94,39 @@ def test_awaiting_a_read_leaves_the_event_loop_free(mesh4):
         return value, ticks
     value, ticks = asyncio.run(asyncio.wait_for(read_while_ticking(), 60))
     assert value.shape == (256, 256) and ticks >= 3, ticks
+
+
+def test_a_cancelled_await_cancels_only_itself(mesh4, capfd):
+    """asyncio.wait_for timing out, or a task cancelled, while it awaits a read: that await ends,
+    and the read goes on. The same future then gives the value to the next await and to
+    result(), the controller keeps no pending read, and its reply handler raises nothing (the
+    inner future used to be cancelled with the await: CancelledError for everyone, and a
+    traceback printed when the reply came)."""
+    a = torch.randn(768, 768)
+    x = dtorch.tensor(a, device_mesh=mesh4, placements=[Shard(0)])
+    slow, expected = (x @ x) @ x, (a @ a) @ a
+    read = slow.fetch()
+
+    async def cancel_then_await():
+        waiting = asyncio.ensure_future(_awaited(read))
+        await asyncio.sleep(0)   # the task starts awaiting the read
+        waiting.cancel()
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            pass
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(_awaited(read), 0.0001)
+        return await read
+    torch.testing.assert_close(asyncio.run(asyncio.wait_for(cancel_then_await(), 60)), expected, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(read.result(timeout=30), expected, rtol=1e-4, atol=1e-3)
+    dtorch.synchronize()
+    assert not session.controller()._reads
+    assert "Error" not in capfd.readouterr().err
+
+
+async def _awaited(future):
+    return await future
 
 
 def test_a_read_while_another_thread_is_mid_batch(mesh4):

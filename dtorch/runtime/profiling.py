@@ -132,5 +132,5 @@ class ProfileRead(_Read):
         return super().add(rank, status, origin, frames)
 
     def finish(self, failures) -> bool:
-        self.future._inner.set_result({rank: frames[0].bytes for rank, frames in self.frames.items()})
+        self.succeed({rank: frames[0].bytes for rank, frames in self.frames.items()})
         return True

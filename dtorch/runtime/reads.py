@@ -39,7 +39,7 @@ class Future(collections.abc.Coroutine):
     def __await__(self):
         if self._receiver is not None and not self._inner.done():
             self._receiver.wake_receiver()
-        return asyncio.wrap_future(self._inner).__await__()
+        return _waiter(self._inner).__await__()
 
     # Coroutine protocol, used when a Task drives this object directly (asyncio.run(f)).
     def send(self, value):
@@ -90,6 +90,36 @@ class Future(collections.abc.Coroutine):
         return f"<dtorch.Future {'done' if self.done() else 'pending'}>"
 
 
+def _waiter(inner: concurrent.futures.Future) -> asyncio.Future:
+    """An asyncio future of the running loop that takes `inner`'s outcome. Not asyncio.wrap_future:
+    it cancels the inner future when its waiter is cancelled (asyncio.wait_for timing out, a task
+    cancelled), and then every other waiter, f.result(), and the reply itself met a cancelled
+    read whose value had arrived. Cancelling an await here cancels only that await."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def settle(done: concurrent.futures.Future) -> None:   # on whichever thread resolves `inner`
+        try:
+            loop.call_soon_threadsafe(_copy_outcome, done, waiter)
+        except RuntimeError:   # the loop has closed (asyncio.run returned after a timeout): no one waits
+            pass
+    inner.add_done_callback(settle)
+    return waiter
+
+
+def _copy_outcome(source: concurrent.futures.Future, waiter: asyncio.Future) -> None:
+    if waiter.done():   # this await was cancelled
+        return
+    if source.cancelled():
+        waiter.cancel()
+        return
+    error = source.exception()
+    if error is not None:
+        waiter.set_exception(error)
+    else:
+        waiter.set_result(source.result())
+
+
 @dataclass
 class RemoteFailure:
     """One command that raised on one or more ranks."""
@@ -136,6 +166,10 @@ class _Read:
         if not self.future.done():
             self.future._inner.set_exception(error)
 
+    def succeed(self, value) -> None:
+        if not self.future._inner.done():
+            self.future._inner.set_result(value)
+
     def poisoned_origin(self) -> int | None:
         origins = [origin for status, origin in self.statuses.values() if status == "poisoned"]
         return min(origins) if origins else None
@@ -143,7 +177,7 @@ class _Read:
 
 class SyncRead(_Read):
     def finish(self, failures) -> None:
-        self.future._inner.set_result(None)
+        self.succeed(None)
 
 
 # A read of at most this many bytes from one rank has its result made while the reply is on its way.
@@ -193,7 +227,7 @@ class FetchRead(_Read):
             self.fail(DTorchError(f"tensor {self.meta.describe()} is not on rank(s) {missing}: "
                                   "it was freed or never created there"))
             return True
-        self.future._inner.set_result(self._assemble())
+        self.succeed(self._assemble())
         return True
 
     def _assemble(self) -> torch.Tensor:
