@@ -120,10 +120,11 @@ class CompiledFunction:
 
     def _capture(self, key, inputs: list, args, kwargs):
         controller = session.controller()
+        input_ids = tuple(t._id for t in inputs)   # before fn: an argument changed in place holds a new id after
         with capturing.Capture(controller, self.name) as capture:
             result = self.fn(*args, **kwargs)
             tree, outputs = _output_tree(result, capture.start_id, inputs, self.name)
-            fields = capture.finish(tuple(t._id for t in inputs), tuple(t._id for t in outputs))
+            fields = capture.finish(input_ids, tuple(t._id for t in outputs))
         graph_id = next(_GRAPH_IDS)
         defined_seq = controller.submit(wire.DefineGraph, graph_id, fields["rows"], fields["inputs"], fields["outputs"],
                                         fields["scratch"], fields["random"], fields["steps"])

@@ -167,6 +167,52 @@ def test_in_place_on_an_argument_reaches_the_callers_tensor(mesh4):
         assert torch.equal(x.to_torch(), torch.full((6,), value)) and torch.equal(out.to_torch(), x.to_torch())
 
 
+def test_an_argument_changed_in_place_on_every_call(mesh4):
+    """The same tensor passed on every call: after the capture it holds the id its in-place op
+    made there, which is also the graph's own output id. The replay used to write that id and then
+    move the unchanged input over it: the tensor stayed at 1.0 and each output at 4.0."""
+    @dtorch.compile
+    def bump(x):
+        x.add_(1)
+        return x * 2
+
+    @dtorch.compile
+    def bump_only(x):
+        x.add_(1)
+    x = dtorch.zeros(8, 6, device_mesh=mesh4, placements=[Shard(0)])
+    y = dtorch.zeros(8, 6, device_mesh=mesh4, placements=[Shard(0)])
+    for call in range(1, 5):
+        out = bump(x)
+        bump_only(y)
+        assert torch.equal(x.to_torch(), torch.full((8, 6), float(call)))
+        assert torch.equal(out.to_torch(), torch.full((8, 6), 2.0 * call))
+        assert torch.equal(y.to_torch(), torch.full((8, 6), float(call)))
+
+
+def test_a_replay_takes_the_previous_calls_outputs_as_its_inputs(mesh4):
+    """Loop-carried state, `state = step(state)`: the first replay's inputs are the capture's own
+    outputs, whose ids the graph writes again. It used to return its input unchanged (a step
+    skipped, silently); swapped outputs fed back as swapped inputs too."""
+    @dtorch.compile
+    def step(t):
+        return t * 2 + 1
+
+    @dtorch.compile
+    def swap(a, b):
+        return b * 1, a + 1
+    a0, b0 = torch.randn(7, 5), torch.randn(7, 5)
+    up = lambda value, placements: dtorch.tensor(value, device_mesh=mesh4, placements=placements)  # noqa: E731
+    t, want = up(a0, [Shard(0)]), a0
+    a, b, want_a, want_b = up(a0, [Shard(1)]), up(b0, [Replicate()]), a0, b0
+    for _ in range(5):
+        t, want = step(t), want * 2 + 1
+        a, b = swap(a, b)
+        want_a, want_b = want_b * 1, want_a + 1
+        torch.testing.assert_close(t.to_torch(), want)
+        torch.testing.assert_close(a.to_torch(), want_a)
+        torch.testing.assert_close(b.to_torch(), want_b)
+
+
 def test_returned_arguments_constants_and_structures(mesh4):
     weight = dtorch.ones(4, device_mesh=mesh4, placements=[Replicate()])
     compiled = dtorch.compile(lambda x, scale: {"x": x, "w": weight, "y": [x * scale, None], "n": 3})

@@ -6,7 +6,9 @@ the edges move: before the rows run, each capture input id is bound to the tenso
 after, each capture output id moves to its RunGraph out id, and every id the call made and dropped
 (scratch) is freed. Ids the capture found already bound (the user still holds an input or an
 output of the first call) are set aside for the replay and put back after it, so a replay never
-disturbs a live tensor. Ids the call made and left alive (gradients, optimizer state) are
+disturbs a live tensor. That includes a RunGraph input id that is one of the graph's own (the
+caller passes back what the first call returned, `state = step(state)`): it is bound as its input
+first, then set aside; and the moves at the end take every value out before writing any. Ids the call made and left alive (gradients, optimizer state) are
 "persistent": each replay writes them in place, as the capture did.
 
 What changes from call to call travels in RunGraph: the global random stream's seed and how far
@@ -114,17 +116,24 @@ class Bindings:
         for tensor_id in bound:
             self.set_aside.append((tensor_id, tuple(table.pop(tensor_id, _NONE) for table in self.tables)))
 
-    def copy(self, source: int, target: int) -> None:
+    def copy_all(self, pairs: list) -> None:
+        """table[target] = table[source] for every (source, target) pair at once: every source
+        is read before any target is written, so a target that is another pair's source (a
+        caller's id equal to one of the graph's own) cannot change what that pair copies."""
         for table in self.tables:
-            value = table.get(source, _NONE)
-            if value is not _NONE:
-                table[target] = value
+            if table:
+                values = [(target, table.get(source, _NONE)) for source, target in pairs]
+                table.update((target, value) for target, value in values if value is not _NONE)
 
-    def move(self, source: int, target: int) -> None:
-        for table in self.tables:
-            value = table.pop(source, _NONE)
-            if value is not _NONE:
-                table[target] = value
+    def move_all(self, pairs: list) -> list:
+        """Take each (source, target) pair's entries out of the tables, all sources first; returns
+        them for write(), which puts them at the targets."""
+        return [[(target, table.pop(source, _NONE)) for source, target in pairs] if table else ()
+                for table in self.tables]
+
+    def write(self, taken: list) -> None:
+        for table, values in zip(self.tables, taken):
+            table.update((target, value) for target, value in values if value is not _NONE)
 
     def drop(self, ids) -> None:
         for table in self.tables:
@@ -173,17 +182,21 @@ def replay(graph: Graph, run: wire.RunGraph, tables: tuple, execute, fail, strai
     _check(graph, run)
     bindings = Bindings(tables)
     bindings.set_aside_ids(graph.edges.difference(run.input_ids))
-    for captured, given in zip(graph.inputs, run.input_ids):
-        bindings.copy(given, captured)
+    bindings.copy_all(list(zip(run.input_ids, graph.inputs)))
+    # A caller's id that is also one the graph makes (the caller passes back the tensor an
+    # in-place op of the first call rebound, whose id is the graph's output): bound as its input
+    # now, it steps aside too, so the rows that write that id do not overwrite the caller's tensor.
+    bindings.set_aside_ids(graph.edges.intersection(run.input_ids).difference(graph.inputs))
     if graph.plan is not None:
         _run_plan(graph, run, tables[0], execute, fail, straight)
     else:
         for command in replay_commands(graph, run):
             execute(command)
-    for captured, given in zip(graph.inputs, run.input_ids):
-        if captured != given:   # a row may have rebound an input (an in-place op): the caller's id follows
-            bindings.move(captured, given)
-    for captured, given in zip(graph.outputs, run.out_ids):
-        bindings.move(captured, given)
+    # The caller's input ids follow their captured ids (a row may have written an input in place:
+    # an optimizer step), and the outputs go to their new ids; all taken out first, since a
+    # caller's id can be one of the graph's.
+    taken = bindings.move_all([(captured, given) for captured, given in zip(graph.inputs, run.input_ids)
+                               if captured != given] + list(zip(graph.outputs, run.out_ids)))
     bindings.drop(graph.scratch)
     bindings.put_back()
+    bindings.write(taken)
