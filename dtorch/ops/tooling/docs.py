@@ -102,6 +102,14 @@ _NOT_YET = [
     "- **`mesh[\"dp\"]`** keeps index 0 of the other mesh dims (torch's DeviceMesh gives the calling",
     "  rank's own slice; a single controller has no calling rank): `mesh.unbind(\"tp\")` gives every slice.",
     "",
+    "**Composed from the ops below** (dtorch/torch_methods.py; each follows the rules of the ops it uses,",
+    "tested against torch in tests/test_torch_methods.py): `t`, `H`, `mH`, `adjoint`, `swapaxes` / `swapdims`,",
+    "`movedim` / `moveaxis`, `view_as`, `reshape_as`, `expand_as`, `type_as`, `new_zeros` / `new_ones` /",
+    "`new_full` / `new_empty` (Replicate on the tensor's mesh), `clip`, `x.where(cond, y)`, `tril` / `triu`",
+    "(a mask from two `arange`s and `masked_fill`), `flip` / `fliplr` / `flipud` (`index_select` of a",
+    "reversed `arange`), `roll` (`narrow` and `cat`), `select`, `aminmax`, `count_nonzero`, `var_mean`,",
+    "`std_mean`; as methods and under their `torch.*` names.",
+    "",
 ]
 
 

@@ -1,0 +1,210 @@
+"""torch's tensor methods and functions that are compositions of dtorch's ops: `x.t()`,
+`x.swapaxes(0, 1)`, `x.movedim(0, -1)`, `x.view_as(y)`, `x.new_zeros(4)`, `x.clip(0, 1)`,
+`x.tril()`, `x.flip(0)`, `x.roll(1, 0)`, `x.select(1, 0)`, `x.aminmax()`, `torch.var_mean(x)`...
+
+Each is written with the registry's ops (so placement rules, automatic redistributes, autograd
+and dtorch.compile apply as to the ops it uses) and installed on DTensor; the torch.* spellings
+reach the same code through __torch_function__ (tensor.COMPOSITES). tests/test_torch_methods.py
+checks each against torch on sharded, replicated and uneven inputs."""
+from __future__ import annotations
+
+import torch
+
+from .distributed_spec import Replicate
+from .factories import arange, empty, full, ones, zeros
+from .tensor import COMPOSITES, DTensor, call_op
+
+__all__ = ["t", "movedim", "tril", "triu", "flip", "roll", "select", "aminmax", "count_nonzero", "var_mean", "std_mean"]
+
+
+# --- transposes and dim moves -------------------------------------------------------------------
+def t(input: DTensor) -> DTensor:
+    """torch.t: a matrix transposed; a 0-d or 1-d tensor as it is."""
+    if input.ndim > 2:
+        raise RuntimeError(f"t() expects a tensor with <= 2 dimensions, but self is {input.ndim}D")
+    return input if input.ndim < 2 else call_op("transpose", (input, 0, 1), {})
+
+
+def adjoint(input: DTensor) -> DTensor:
+    """The last two dims swapped (and conjugated: refused for complex tensors, which dtorch's
+    conjugate views do not cover)."""
+    if input.dtype.is_complex:
+        raise TypeError("adjoint() of a complex DTensor is not supported; use x.mT.conj()")
+    return call_op("transpose", (input, -2, -1), {})
+
+
+def _swap(input: DTensor, axis0: int, axis1: int) -> DTensor:
+    return call_op("transpose", (input, axis0, axis1), {})
+
+
+def movedim(input: DTensor, source, destination) -> DTensor:
+    """torch.movedim: the dims `source` (an int or a sequence) go to `destination`; the others
+    keep their order."""
+    sources = [source] if isinstance(source, int) else list(source)
+    targets = [destination] if isinstance(destination, int) else list(destination)
+    if len(sources) != len(targets):
+        raise RuntimeError(f"movedim: Invalid source or destination dims: source ({sources} dims) should "
+                           f"contain the same number of dims as destination ({targets} dims)")
+    ndim = max(input.ndim, 1)
+    sources, targets = [s % ndim for s in sources], [d % ndim for d in targets]
+    order = [None] * input.ndim
+    for s, d in zip(sources, targets):
+        order[d] = s
+    rest = iter(d for d in range(input.ndim) if d not in sources)
+    return call_op("permute", (input, tuple(next(rest) if o is None else o for o in order)), {})
+
+
+# --- shapes and dtypes of another tensor --------------------------------------------------------
+def _view_as(input: DTensor, other) -> DTensor:
+    return input.view(tuple(other.shape))
+
+
+def _reshape_as(input: DTensor, other) -> DTensor:
+    return input.reshape(tuple(other.shape))
+
+
+def _expand_as(input: DTensor, other) -> DTensor:
+    return input.expand(tuple(other.shape))
+
+
+def _type_as(input: DTensor, other) -> DTensor:
+    return input.to(other.dtype)
+
+
+def _new_factory(factory):
+    """x.new_zeros(size) and its kin: x's dtype (unless given), on x's mesh, Replicate (as
+    x.new_tensor)."""
+    def make(self: DTensor, *size, dtype=None, device=None, requires_grad=False, layout=None, pin_memory=False):
+        return factory(*size, dtype=dtype or self.dtype, device_mesh=self.device_mesh,
+                       placements=[Replicate()] * self.device_mesh.ndim, requires_grad=requires_grad)
+    make.__name__ = f"new_{factory.__name__}"
+    return make
+
+
+def _new_full(self: DTensor, size, fill_value, dtype=None, device=None, requires_grad=False, layout=None,
+              pin_memory=False) -> DTensor:
+    size = (size,) if isinstance(size, int) else tuple(size)
+    return full(size, fill_value, dtype=dtype or self.dtype, device_mesh=self.device_mesh,
+                placements=[Replicate()] * self.device_mesh.ndim, requires_grad=requires_grad)
+
+
+# --- triangles, flips, rolls, selections --------------------------------------------------------
+def _triangle(input: DTensor, diagonal: int, lower: bool) -> DTensor:
+    """Zeros above (tril) or below (triu) the `diagonal`-th diagonal of the last two dims: a mask
+    made on the workers from two aranges (no upload), applied with masked_fill."""
+    name = "tril" if lower else "triu"
+    if input.ndim < 2:
+        raise RuntimeError(f"{name}: input tensor must have at least 2 dimensions")
+    rows, cols = input.shape[-2], input.shape[-1]
+    mesh, replicated = input.device_mesh, [Replicate()] * input.device_mesh.ndim
+    offset = (arange(cols, device_mesh=mesh, placements=replicated)
+              - arange(rows, device_mesh=mesh, placements=replicated).unsqueeze(-1))
+    dropped = offset > diagonal if lower else offset < diagonal
+    return input.masked_fill(dropped, 0)
+
+
+def tril(input: DTensor, diagonal: int = 0) -> DTensor:
+    return _triangle(input, diagonal, lower=True)
+
+
+def triu(input: DTensor, diagonal: int = 0) -> DTensor:
+    return _triangle(input, diagonal, lower=False)
+
+
+def flip(input: DTensor, *dims) -> DTensor:
+    """torch.flip(x, dims): each dim read backwards (an index_select of a reversed arange)."""
+    dims = dims[0] if len(dims) == 1 and not isinstance(dims[0], int) else dims
+    replicated = [Replicate()] * input.device_mesh.ndim
+    for dim in dims:
+        size = input.shape[dim]
+        reversed_index = arange(size - 1, -1, -1, device_mesh=input.device_mesh, placements=replicated)
+        input = input.index_select(dim, reversed_index)
+    return input
+
+
+def roll(input: DTensor, shifts, dims=None) -> DTensor:
+    """torch.roll: elements shifted along `dims` (the flattened tensor when None), wrapping
+    around: two narrows joined with cat per dim."""
+    shifts = (shifts,) if isinstance(shifts, int) else tuple(shifts)
+    if dims is None:
+        if len(shifts) != 1:
+            raise RuntimeError(f"roll: shifts must be one int when dims is not given, got {shifts}")
+        return roll(input.flatten(), shifts, 0).view(tuple(input.shape))
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    if len(shifts) != len(dims):
+        raise RuntimeError(f"roll: shifts and dimensions must align. shifts: {len(shifts)}, dims:{len(dims)}")
+    for shift, dim in zip(shifts, dims):
+        size = input.shape[dim]
+        moved = shift % size if size else 0
+        if moved:
+            input = call_op("cat", ([input.narrow(dim, size - moved, moved), input.narrow(dim, 0, size - moved)], dim), {})
+    return input
+
+
+def select(input: DTensor, dim: int, index: int) -> DTensor:
+    """torch.select: the slice at `index` of `dim`, that dim removed (x[:, index] for dim 1)."""
+    dim = dim % input.ndim
+    return input[(slice(None),) * dim + (index,)]
+
+
+# --- reductions -----------------------------------------------------------------------------------
+def aminmax(input: DTensor, *, dim=None, keepdim: bool = False):
+    """torch.aminmax: (min, max) as torch.return_types.aminmax."""
+    if dim is None:
+        low, high = input.amin(), input.amax()
+        if keepdim:
+            low, high = low.view((1,) * input.ndim), high.view((1,) * input.ndim)
+    else:
+        low, high = input.amin(dim, keepdim=keepdim), input.amax(dim, keepdim=keepdim)
+    return torch.return_types.aminmax((low, high))
+
+
+def count_nonzero(input: DTensor, dim=None) -> DTensor:
+    nonzero = input != 0
+    return nonzero.sum() if dim is None else nonzero.sum(dim)
+
+
+def _with_mean(spread: str):
+    """torch.var_mean / std_mean: (spread, mean) over the same dims, as a tuple."""
+    def both(input: DTensor, *args, **kwargs):
+        dim = kwargs.get("dim", args[0] if args else None)
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        mean = input.mean() if dim is None else input.mean(dim, keepdim=keepdim)
+        if dim is None and keepdim:
+            mean = mean.view((1,) * input.ndim)
+        return getattr(input, spread)(*args, **kwargs), mean
+    both.__name__ = f"{spread}_mean"
+    return both
+
+
+var_mean, std_mean = _with_mean("var"), _with_mean("std")
+
+
+def _install() -> None:
+    methods = {
+        "t": t, "adjoint": adjoint, "swapaxes": _swap, "swapdims": _swap, "movedim": movedim, "moveaxis": movedim,
+        "view_as": _view_as, "reshape_as": _reshape_as, "expand_as": _expand_as, "type_as": _type_as,
+        "new_zeros": _new_factory(zeros), "new_ones": _new_factory(ones), "new_empty": _new_factory(empty),
+        "new_full": _new_full,
+        "is_contiguous": lambda self, memory_format=None: True,   # results never share storage visibly
+        "element_size": lambda self: self.dtype.itemsize,
+        "nelement": lambda self: self.numel(),
+        "clip": lambda self, min=None, max=None: self.clamp(min, max),
+        "clip_": lambda self, min=None, max=None: self.clamp_(min, max),
+        "where": lambda self, condition, other: call_op("where", (condition, self, other), {}),
+        "tril": tril, "triu": triu, "flip": flip, "fliplr": lambda self: flip(self, 1),
+        "flipud": lambda self: flip(self, 0), "roll": roll, "select": select, "aminmax": aminmax,
+        "count_nonzero": count_nonzero,
+    }
+    for name, method in methods.items():
+        if not hasattr(DTensor, name):
+            setattr(DTensor, name, method)
+    DTensor.mH = property(adjoint, doc="The last two dims swapped (x.mT for a real tensor).")
+    DTensor.H = property(t, doc="A matrix transposed (real tensors: torch's conjugate transpose).")
+    COMPOSITES.update(t=t, adjoint=adjoint, swapaxes=_swap, swapdims=_swap, movedim=movedim, moveaxis=movedim,
+                      clip=methods["clip"], tril=tril, triu=triu, flip=flip, fliplr=methods["fliplr"],
+                      flipud=methods["flipud"], roll=roll, select=select, aminmax=aminmax,
+                      count_nonzero=count_nonzero, var_mean=var_mean, std_mean=std_mean)
+
+
+_install()

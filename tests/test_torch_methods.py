@@ -1,0 +1,109 @@
+"""torch's tensor methods that dtorch composes from its ops (dtorch/torch_methods.py), each against
+torch on the same values: sharded on either dim, replicated, uneven, on (4,) and (2, 2); the
+torch.* spellings; gradients of the ones that move values."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import Replicate, Shard
+
+pytestmark = pytest.mark.timeout(300)
+
+LAYOUTS = {"mesh4": [[Shard(0)], [Shard(1)], [Replicate()]],
+           "mesh22": [[Shard(0), Shard(1)], [Shard(1), Replicate()]]}
+
+CASES = {   # name -> (the call, on a torch tensor or a DTensor alike)
+    "t": lambda x: x.t(),
+    "torch.t": lambda x: torch.t(x),
+    "H": lambda x: x.H,
+    "mH": lambda x: x.mH,
+    "adjoint": lambda x: x.adjoint(),
+    "swapaxes": lambda x: x.swapaxes(0, 1),
+    "torch.swapdims": lambda x: torch.swapdims(x, 1, 0),
+    "movedim": lambda x: x.unsqueeze(0).movedim(0, -1),
+    "torch.moveaxis": lambda x: torch.moveaxis(x.unsqueeze(-1), (0, 2), (2, 0)),
+    "view_as": lambda x: x.view(-1).view_as(x),
+    "reshape_as": lambda x: x.flatten().reshape_as(x),
+    "expand_as": lambda x: x[:1].expand_as(x),
+    "type_as": lambda x: x.type_as(x.double()),
+    "clip": lambda x: x.clip(-0.5, 0.5),
+    "torch.clip": lambda x: torch.clip(x, min=0.0),
+    "where": lambda x: x.where(x > 0, -1.0),
+    "tril": lambda x: x.tril(),
+    "triu(1)": lambda x: x.triu(1),
+    "torch.tril(-1)": lambda x: torch.tril(x, -1),
+    "tril of a batch": lambda x: x.unsqueeze(0).expand(2, -1, -1).triu(-2),
+    "tril of bools": lambda x: (x > 0).tril(),
+    "flip": lambda x: x.flip(0),
+    "torch.flip both": lambda x: torch.flip(x, (0, 1)),
+    "fliplr": lambda x: x.fliplr(),
+    "flipud": lambda x: x.flipud(),
+    "roll": lambda x: x.roll(2, 0),
+    "roll two dims": lambda x: torch.roll(x, (-1, 3), (0, 1)),
+    "roll flattened": lambda x: x.roll(4),
+    "select": lambda x: x.select(1, 2),
+    "torch.select": lambda x: torch.select(x, 0, -1),
+    "aminmax": lambda x: x.aminmax(),
+    "aminmax dim": lambda x: torch.aminmax(x, dim=1, keepdim=True),
+    "count_nonzero": lambda x: x.clamp(min=0).count_nonzero(),
+    "count_nonzero dim": lambda x: torch.count_nonzero(x.clamp(min=0), dim=0),
+    "var_mean": lambda x: torch.var_mean(x, 1),
+    "std_mean": lambda x: torch.std_mean(x, dim=0, keepdim=True),
+}
+
+
+def _both(got, want):
+    if isinstance(want, (tuple, list)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            _both(g, w)
+        return
+    got = got.to_torch()
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("mesh_name", list(LAYOUTS))
+def test_a_composed_method_equals_torch(name, mesh_name, request):
+    mesh = request.getfixturevalue(mesh_name)
+    for shape in ((6, 5), (7, 3)):   # even, and uneven on both mesh sizes
+        values = torch.randn(*shape)
+        for placements in LAYOUTS[mesh_name]:
+            x = dtorch.tensor(values, device_mesh=mesh, placements=placements)
+            _both(CASES[name](x), CASES[name](values))
+
+
+def test_one_d_and_refusals_say_what_torch_says(mesh4):
+    v = dtorch.tensor(torch.arange(5.0), device_mesh=mesh4, placements=[Shard(0)])
+    assert v.t() is v
+    with pytest.raises(RuntimeError, match="at least 2 dimensions"):
+        v.tril()
+    with pytest.raises(RuntimeError, match="<= 2 dimensions"):
+        v.view(1, 1, 5).t()
+
+
+def test_new_factories_take_the_tensors_dtype_and_mesh(mesh22):
+    x = dtorch.tensor(torch.randn(4, 4, dtype=torch.float64), device_mesh=mesh22, placements=[Shard(0), Shard(1)])
+    assert torch.equal(x.new_zeros(3, 2).to_torch(), torch.zeros(3, 2, dtype=torch.float64))
+    assert torch.equal(x.new_ones((2,)).to_torch(), torch.ones(2, dtype=torch.float64))
+    assert torch.equal(x.new_full((2, 3), 7).to_torch(), torch.full((2, 3), 7.0, dtype=torch.float64))
+    assert x.new_empty(5, dtype=torch.int32).dtype == torch.int32
+    made = x.new_zeros(2)
+    assert made.device_mesh == mesh22 and made.placements == (Replicate(), Replicate())
+    assert x.is_contiguous() and x.element_size() == 8 and x.nelement() == 16
+
+
+@pytest.mark.parametrize("name", ["tril", "flip", "roll two dims", "movedim", "select", "t"])
+def test_gradients_through_composed_methods_equal_torchs(name, mesh4):
+    values = torch.randn(7, 5)
+    reference = values.clone().requires_grad_()
+    (CASES[name](reference) * torch.arange(1.0, 1.0 + CASES[name](values).numel()).view(CASES[name](values).shape)).sum().backward()
+    x = dtorch.tensor(values, device_mesh=mesh4, placements=[Shard(0)], requires_grad=True)
+    out = CASES[name](x)
+    weight = dtorch.tensor(torch.arange(1.0, 1.0 + out.numel()).view(tuple(out.shape)), device_mesh=mesh4,
+                           placements=[Replicate()])
+    (out * weight).sum().backward()
+    torch.testing.assert_close(x.grad.to_torch(), reference.grad)
