@@ -41,6 +41,15 @@ def test_elementwise_with_python_operators_and_scalars(mesh, shape):
         assert_same((x ** 2).to_torch(), a ** 2)
         assert_same((x > y).to_torch(), a > b)
         assert_same(x.relu().to_torch(), a.relu())
+        assert_same((x // y).to_torch(), a // b)
+        assert_same((x % y).to_torch(), a % b)
+        assert_same((7 // y).to_torch(), 7 // b)
+        assert_same((7 % y).to_torch(), 7 % b)
+        assert_same((x // 0.3).to_torch(), a // 0.3)
+        z, c = x * 1, a.clone()
+        z //= 0.5
+        c //= 0.5
+        assert_same(z.to_torch(), c)
 
 
 def test_shard_with_replicate_operand_and_broadcast(mesh4):

@@ -210,12 +210,14 @@ POINTWISE = {
     "isnan": _row(torch.isnan, NONE),
     "isinf": _row(torch.isinf, NONE),
     "isfinite": _row(torch.isfinite, NONE),
-    # reached through 2 - x, 2 / x, 2 ** x: not methods
+    # reached through 2 - x, 2 / x, 2 ** x, 2 // x, 2 % x: not methods
     "rsub": _row(lambda input, other, alpha=1: torch.sub(other, input, alpha=alpha),
                  Laws(linear=((0, 1),), monotone=lambda call: (-_alpha(call), 1), arithmetic=True), method=False),
     "rdiv": _row(lambda input, other: torch.div(other, input), NONE, method=False),
     "rpow": _row(lambda input, other: torch.pow(other, input), Laws(monotone=_rpow_signs, by_value=True),
                  method=False),
+    "rfloor_divide": _row(lambda input, other: torch.floor_divide(other, input), NONE, method=False),   # 7 // x
+    "rremainder": _row(lambda input, other: torch.remainder(other, input), NONE, method=False),        # 7 % x
     "to_dtype": _row(lambda input, dtype: input.to(dtype), Laws(params=("input", "dtype"), linear=_cast_linear,
                                                                 monotone=_cast_signs, by_value=True)),
     **{name: _row(getattr(torch, name), UP) for name in _RISING},

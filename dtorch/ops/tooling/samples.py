@@ -417,6 +417,7 @@ _BUILDERS: dict[str, Callable] = {
     "isclose": _isclose, "lerp": _lerp, "addcmul": _addc, "addcdiv": _addc,
     "clamp_min": _clamp_one_side, "clamp_max": _clamp_one_side, "nan_to_num": _nan_to_num,
     "rsub": _with_scalar(2.0), "rdiv": _with_scalar(2.0, nonzero=True), "rpow": _with_scalar(2.0, exact=False),
+    "rfloor_divide": _with_scalar(7.0, nonzero=True), "rremainder": _with_scalar(7.0, nonzero=True),
     # reductions
     "sum": _both(_reduce(*_ALL_DIMS), _reduce(((1,), {}), ((), {}), kind="ints", exact=True),
                  _reduce(((0,), {"dtype": torch.float64}),)),
