@@ -162,6 +162,7 @@ class Capture:
             "state": state,                           # tensors bound to the inputs after the arguments
             "random_count": random_end - self.random_start,
             "random_start": self.random_start,
+            "older_reads": _older_reads(rows, self.start_id, set(input_ids)),
         }
 
     def _dropped(self) -> set:
@@ -223,3 +224,26 @@ def _draws_random(command, seed: int, counters: range) -> bool:
 
 def _no_shift() -> int:
     return 0
+
+
+def _older_reads(rows: list, start_id: int, inputs: set) -> set:
+    """Ids that ops of the call read and that were made before it, not passed in: tensors the
+    function reads from a closure, a global or a module attribute (its parameters). A replay
+    reads them by these ids, so the graph is stale once one is released (compile._Graph)."""
+    found = set()
+
+    def walk(value) -> None:
+        if type(value) is wire.WireRef:
+            if value.id < start_id and value.id not in inputs:
+                found.add(value.id)
+        elif type(value) in (tuple, list):
+            for item in value:
+                walk(item)
+        elif type(value) is dict:
+            for item in value.values():
+                walk(item)
+    for command in rows:
+        if type(command) is wire.RunOp:
+            walk(command.args)
+            walk(command.kwargs)
+    return found

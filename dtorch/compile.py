@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import weakref
 
 from . import capture as capturing
 from .errors import CompileError
@@ -43,7 +44,7 @@ class _Graph:
     """What the controller keeps of one capture: enough to replay it without the function."""
     __slots__ = ("graph_id", "controller", "span", "sites", "output_metas", "output_tree", "guards",
                  "after_replay", "step_shifts", "random_count", "random_start", "replays", "rebound_arguments",
-                 "state", "state_ids", "defined_seq", "generation")
+                 "state", "state_ids", "defined_seq", "generation", "reads_alive", "__weakref__")
 
     def __init__(self, graph_id, controller, fields: dict, output_metas, output_tree, capture, defined_seq):
         self.graph_id, self.controller, self.defined_seq = graph_id, controller, defined_seq
@@ -57,10 +58,16 @@ class _Graph:
         self.state = fields["state"]
         self.state_ids = [t._id for t in self.state]   # what each holds after the capture, and every replay
         self.replays = 0
+        # A tensor fn read from outside its arguments and that has since been released (a name
+        # bound to a new tensor, the old one dropped): replaying would read a freed id, so the
+        # next call captures again and reads what the name holds now.
+        self.reads_alive = True
+        graph = weakref.ref(self)
+        controller.watch_release(fields["older_reads"], lambda: _mark_stale(graph))
 
     def still_valid(self) -> bool:
         controller = self.controller
-        return (controller is session.controller() and controller.generation == self.generation
+        return (self.reads_alive and controller is session.controller() and controller.generation == self.generation
                 and all(guard() for guard in self.guards))
 
     def replay(self, inputs: list):
@@ -82,6 +89,12 @@ class _Graph:
             if tensor._id != final:   # rebound outside the compiled function since: the replay wrote `final`
                 _take_id(tensor, DTensor(final, tensor._meta, seq, None))
         return _rebuild(self.output_tree, outputs, inputs)
+
+
+def _mark_stale(graph: weakref.ref) -> None:
+    alive = graph()
+    if alive is not None:
+        alive.reads_alive = False
 
 
 def _take_id(tensor: DTensor, source: DTensor) -> None:

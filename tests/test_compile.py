@@ -213,6 +213,34 @@ def test_a_replay_takes_the_previous_calls_outputs_as_its_inputs(mesh4):
         torch.testing.assert_close(b.to_torch(), want_b)
 
 
+def test_a_tensor_read_from_outside_the_arguments_is_read_again_once_released(mesh4):
+    """fn reads holder["w"] (a closure); the name is bound to a new tensor and the old one dropped.
+    The replay read the old id: a freed tensor (an error), or, before its Free arrived, the old
+    values. Now the release makes the graph stale and the next call captures again. A manual
+    update of the weights outside (p -= lr * p.grad, which rebinds p) is the same case."""
+    a, b = torch.randn(8, 6), torch.randn(6, 6)
+    x = dtorch.tensor(a, device_mesh=mesh4, placements=[Shard(0)])
+    holder = {"w": dtorch.tensor(b, device_mesh=mesh4, placements=[Replicate()])}
+    compiled = dtorch.compile(lambda t: t @ holder["w"])
+    compiled(x)
+    holder["w"] = holder["w"] * 2
+    gc.collect()
+    torch.testing.assert_close(compiled(x).to_torch(), a @ (b * 2))
+    torch.testing.assert_close(compiled(x).to_torch(), a @ (b * 2))
+    assert compiled.captures == 2
+
+    w = dtorch.tensor(b, device_mesh=mesh4, placements=[Replicate()], requires_grad=True)
+    forward, reference = dtorch.compile(lambda t: (t @ w).square().mean()), b.clone()
+    for _ in range(3):
+        torch.testing.assert_close(forward(x).to_torch(), (a @ reference).square().mean())
+        (x @ w).square().mean().backward()
+        with torch.no_grad():
+            w -= 0.1 * w.grad
+        w.grad = None
+        reference = reference - 0.1 * torch.func.grad(lambda v: (a @ v).square().mean())(reference)
+    torch.testing.assert_close(w.to_torch(), reference, rtol=1e-5, atol=1e-6)
+
+
 def test_returned_arguments_constants_and_structures(mesh4):
     weight = dtorch.ones(4, device_mesh=mesh4, placements=[Replicate()])
     compiled = dtorch.compile(lambda x, scale: {"x": x, "w": weight, "y": [x * scale, None], "n": 3})

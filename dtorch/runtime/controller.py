@@ -132,6 +132,7 @@ class Controller(WorkerMessages):
                                if hang_timeout_s is None else hang_timeout_s)
         self.closed = False
         self.capture = None   # dtorch.compile's capture in progress (record/check), else None
+        self._release_watch: dict[int, list] = {}   # id -> callbacks of graphs that read it (watch_release)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dtorch-controller", daemon=True)
         self._thread.start()
@@ -261,6 +262,14 @@ class Controller(WorkerMessages):
         self._released.append(tensor_id)
         if block_bytes >= FREE_AT_ONCE_BYTES:
             self._free_now = True
+        if self._release_watch:   # dtorch.compile: a graph that reads this id must capture again
+            for stale in self._release_watch.pop(tensor_id, ()):
+                stale()
+
+    def watch_release(self, ids, callback) -> None:
+        """Call `callback()` once when any of `ids` is released (one dict pop per release)."""
+        for tensor_id in ids:
+            self._release_watch.setdefault(tensor_id, []).append(callback)
 
     def define_mesh(self, mesh: DeviceMesh) -> int:
         """The mesh's id; the first call for a mesh also sends DefineMesh (the only way a mesh

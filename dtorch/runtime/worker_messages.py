@@ -113,6 +113,8 @@ class WorkerMessages:
             raise ProtocolError(f"a second error from rank {rank} for command #{seq}")
         if failure is None:
             site = self.sites.site_of(seq)
+            if "(replayed" in site and "(freed, or never created)" in message:
+                message += _FREED_IN_REPLAY
             failure = self.failures[seq] = RemoteFailure(seq, op, site, exception_type, message, traceback_text)
         failure.ranks.append(rank)
         for waiting in self._waiting_for_failure.pop(seq, []):
@@ -150,3 +152,11 @@ class WorkerMessages:
         if seq not in self.failures:
             self.failures[seq] = RemoteFailure(seq, what, self.sites.site_of(seq), type(raised).__name__, str(raised),
                                                "(a worker's warning, made an error by the warnings filters)", [rank])
+
+
+# A replay reads the tensors its function read from outside its arguments by the ids they had at
+# the capture (docs/compile.md, "What is not replayed"): one freed since is missing on the workers.
+_FREED_IN_REPLAY = ("; in a dtorch.compile replay this is most often a tensor the compiled function reads from "
+                    "outside its arguments (a closure, a global, a module attribute) that was rebound and "
+                    "freed after the first call: the replay reads the tensor the capture saw. Pass such a "
+                    "tensor as an argument")
