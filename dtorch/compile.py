@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-import weakref
 
 from . import capture as capturing
 from .errors import CompileError
@@ -62,8 +61,11 @@ class _Graph:
         # bound to a new tensor, the old one dropped): replaying would read a freed id, so the
         # next call captures again and reads what the name holds now.
         self.reads_alive = True
-        graph = weakref.ref(self)
-        controller.watch_release(fields["older_reads"], lambda: _mark_stale(graph))
+        controller.watch_release(fields["older_reads"], self)
+
+    def released(self) -> None:
+        """A tensor the capture read from outside the arguments is released (Controller.watch_release)."""
+        self.reads_alive = False
 
     def still_valid(self) -> bool:
         controller = self.controller
@@ -89,12 +91,6 @@ class _Graph:
             if tensor._id != final:   # rebound outside the compiled function since: the replay wrote `final`
                 _take_id(tensor, DTensor(final, tensor._meta, seq, None))
         return _rebuild(self.output_tree, outputs, inputs)
-
-
-def _mark_stale(graph: weakref.ref) -> None:
-    alive = graph()
-    if alive is not None:
-        alive.reads_alive = False
 
 
 def _take_id(tensor: DTensor, source: DTensor) -> None:

@@ -27,6 +27,7 @@ import threading
 import time
 import traceback
 import warnings
+import weakref
 
 from ..distributed_spec import DeviceMesh
 from ..errors import (ProtocolError, SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site,
@@ -132,7 +133,7 @@ class Controller(WorkerMessages):
                                if hang_timeout_s is None else hang_timeout_s)
         self.closed = False
         self.capture = None   # dtorch.compile's capture in progress (record/check), else None
-        self._release_watch: dict[int, list] = {}   # id -> callbacks of graphs that read it (watch_release)
+        self._release_watch: dict[int, weakref.WeakSet] = {}   # id -> graphs that read it (watch_release)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dtorch-controller", daemon=True)
         self._thread.start()
@@ -263,13 +264,17 @@ class Controller(WorkerMessages):
         if block_bytes >= FREE_AT_ONCE_BYTES:
             self._free_now = True
         if self._release_watch:   # dtorch.compile: a graph that reads this id must capture again
-            for stale in self._release_watch.pop(tensor_id, ()):
-                stale()
+            for watcher in self._release_watch.pop(tensor_id, ()):
+                watcher.released()
 
-    def watch_release(self, ids, callback) -> None:
-        """Call `callback()` once when any of `ids` is released (one dict pop per release)."""
+    def watch_release(self, ids, watcher) -> None:
+        """Call `watcher.released()` when any of `ids` is released (one dict pop per release).
+        Held weakly: a graph dropped from its cache leaves nothing behind but an empty set per id."""
         for tensor_id in ids:
-            self._release_watch.setdefault(tensor_id, []).append(callback)
+            watchers = self._release_watch.get(tensor_id)
+            if watchers is None:
+                watchers = self._release_watch[tensor_id] = weakref.WeakSet()
+            watchers.add(watcher)
 
     def define_mesh(self, mesh: DeviceMesh) -> int:
         """The mesh's id; the first call for a mesh also sends DefineMesh (the only way a mesh
