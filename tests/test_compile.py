@@ -213,6 +213,55 @@ def test_a_replay_takes_the_previous_calls_outputs_as_its_inputs(mesh4):
         torch.testing.assert_close(b.to_torch(), want_b)
 
 
+def test_a_tensor_from_before_the_call_changed_in_place_keeps_each_replays_value(mesh4):
+    """An EMA kept outside the function (ema.mul_(0.5).add_(t * 0.5)): the replay binds it by the
+    id it holds and writes its new value at that same id; moving the bound input back over it
+    left the EMA at its first value. Also with the input fed back from the last call, and with
+    an argument changed twice in place and returned."""
+    ema = dtorch.tensor(torch.zeros(4, 3), device_mesh=mesh4, placements=[Replicate()])
+    total = dtorch.tensor(torch.zeros(4, 3), device_mesh=mesh4, placements=[Replicate()])
+
+    @dtorch.compile
+    def average(t):
+        ema.mul_(0.5).add_(t * 0.5)
+        total.add_(t)
+        return t + 1
+
+    @dtorch.compile
+    def twice(t):
+        t.add_(1)
+        t.mul_(2)
+        return t
+    x = dtorch.ones(4, 3, device_mesh=mesh4, placements=[Shard(0)])
+    y = dtorch.zeros(4, 3, device_mesh=mesh4, placements=[Shard(0)])
+    want_ema, want_total, want_x, want_y = torch.zeros(4, 3), torch.zeros(4, 3), torch.ones(4, 3), torch.zeros(4, 3)
+    for _ in range(5):
+        want_ema, want_total = want_ema * 0.5 + want_x * 0.5, want_total + want_x
+        x, want_x = average(x), want_x + 1
+        out, want_y = twice(y), (want_y + 1) * 2
+        for got, want in ((ema, want_ema), (total, want_total), (x, want_x), (y, want_y), (out, want_y)):
+            torch.testing.assert_close(got.to_torch(), want)
+
+
+def test_arguments_swapped_between_calls(mesh4):
+    @dtorch.compile
+    def accumulate(p, q):
+        p.add_(q)
+        return p - q
+    a = dtorch.ones(4, 3, device_mesh=mesh4, placements=[Shard(0)])
+    b = dtorch.full((4, 3), 10.0, device_mesh=mesh4, placements=[Shard(0)])
+    want_a, want_b = torch.ones(4, 3), torch.full((4, 3), 10.0)
+    for call in range(4):
+        if call % 2 == 0:
+            out, want_a = accumulate(a, b), want_a + want_b
+            want_out = want_a - want_b
+        else:
+            out, want_b = accumulate(b, a), want_b + want_a
+            want_out = want_b - want_a
+        for got, want in ((a, want_a), (b, want_b), (out, want_out)):
+            torch.testing.assert_close(got.to_torch(), want)
+
+
 def test_a_tensor_read_from_outside_the_arguments_is_read_again_once_released(mesh4):
     """fn reads holder["w"] (a closure); the name is bound to a new tensor and the old one dropped.
     The replay read the old id: a freed tensor (an error), or, before its Free arrived, the old

@@ -8,7 +8,9 @@ after, each capture output id moves to its RunGraph out id, and every id the cal
 output of the first call) are set aside for the replay and put back after it, so a replay never
 disturbs a live tensor. That includes a RunGraph input id that is one of the graph's own (the
 caller passes back what the first call returned, `state = step(state)`): it is bound as its input
-first, then set aside; and the moves at the end take every value out before writing any. Ids the call made and left alive (gradients, optimizer state) are
+first, then set aside; and the moves at the end take every value out before writing any. A tensor
+from before the call that the call changed in place (an EMA) is bound by the id it holds and
+written at that id by the rows: the bound input does not move back over it. Ids the call made and left alive (gradients, optimizer state) are
 "persistent": each replay writes them in place, as the capture did.
 
 What changes from call to call travels in RunGraph: the global random stream's seed and how far
@@ -187,16 +189,21 @@ def replay(graph: Graph, run: wire.RunGraph, tables: tuple, execute, fail, strai
     # in-place op of the first call rebound, whose id is the graph's output): bound as its input
     # now, it steps aside too, so the rows that write that id do not overwrite the caller's tensor.
     bindings.set_aside_ids(graph.edges.intersection(run.input_ids).difference(graph.inputs))
+    tensors = tables[0]
+    held = {given: tensors.get(given) for given in run.input_ids if given not in graph.edges}
     if graph.plan is not None:
         _run_plan(graph, run, tables[0], execute, fail, straight)
     else:
         for command in replay_commands(graph, run):
             execute(command)
     # The caller's input ids follow their captured ids (a row may have written an input in place:
-    # an optimizer step), and the outputs go to their new ids; all taken out first, since a
-    # caller's id can be one of the graph's.
-    taken = bindings.move_all([(captured, given) for captured, given in zip(graph.inputs, run.input_ids)
-                               if captured != given] + list(zip(graph.outputs, run.out_ids)))
+    # an optimizer step), unless the rows wrote the caller's id itself: a tensor from before the
+    # call that the call changed in place (an EMA) is passed as its old id and written at its
+    # persistent one, which is what the caller holds. The outputs go to their new ids; all taken
+    # out first, since a caller's id can be one of the graph's.
+    follows = [(captured, given) for captured, given in zip(graph.inputs, run.input_ids)
+               if captured != given and (given not in held or tensors.get(given) is held[given])]
+    taken = bindings.move_all(follows + list(zip(graph.outputs, run.out_ids)))
     bindings.drop(graph.scratch)
     bindings.put_back()
     bindings.write(taken)
