@@ -1,6 +1,7 @@
 """Random small programs, compiled and replayed, against the same program in torch: arguments,
-tensors from before the call (closures) and temporaries changed in place, outputs returned and
-fed back as the next call's arguments. After every call, each output, argument and closure
+tensors from before the call (closures) and temporaries changed in place, directly, through a
+view (`x[1].add_(...)`) or by assignment (`x[:, 0] = ...`), outputs returned and fed back as the
+next call's arguments. After every call, each output, argument and closure
 tensor must equal torch's. Four replay bugs fixed on 2026-12-04 failed 9 of the first 10 seeds
 (ids bound before the function ran, a caller's id equal to one the graph writes, an EMA's
 new value moved over). DTORCH_COMPILE_PROGRAMS sets how many programs (default 100, seeded)."""
@@ -24,12 +25,17 @@ SHAPE = (4, 3)
 
 def _program(rng: random.Random) -> tuple:
     """(argument count, steps, returned names, whether outputs feed back). A step changes a
-    name in place, `("inplace", target, op, other, k)`, or makes one, `("new", name, op, a, b, k)`."""
+    name in place, `("inplace" | "view" | "setitem", target, op, other, k)`, or makes one,
+    `("new", name, op, a, b, k)`."""
     arguments, steps, made = rng.randint(1, 3), [], []
     names = lambda: [f"a{i}" for i in range(arguments)] + ["c0", "c1"] + made   # noqa: E731
     for _ in range(rng.randint(2, 6)):
         op, k = rng.choice(["add", "mul", "sub"]), round(rng.uniform(0.5, 1.5), 2)
-        kind = rng.choice(["argument", "closure", "temporary", "new", "new"])
+        kind = rng.choice(["argument", "closure", "temporary", "new", "new", "view", "setitem"])
+        if kind in ("view", "setitem"):
+            target = rng.choice(names())
+            steps.append((kind, target, op, rng.choice(names()), k))
+            continue
         if kind == "new" or (kind == "temporary" and not made):
             steps.append(("new", f"t{len(made)}", op, rng.choice(names()), rng.choice(names()), k))
             made.append(f"t{len(made)}")
@@ -43,6 +49,14 @@ def _program(rng: random.Random) -> tuple:
 
 def _run(steps, env: dict, returned) -> tuple:
     for step in steps:
+        if step[0] == "view":
+            _, target, op, other, k = step
+            getattr(env[target][1], op + "_")(env[other][2] * k)
+            continue
+        if step[0] == "setitem":
+            _, target, op, other, k = step
+            env[target][:, 0] = getattr(env[other][:, 1], op)(k)
+            continue
         if step[0] == "inplace":
             _, target, op, other, k = step
             getattr(env[target], op + "_")(env[other] * k)
