@@ -8,10 +8,11 @@ after, each capture output id moves to its RunGraph out id, and every id the cal
 output of the first call) are set aside for the replay and put back after it, so a replay never
 disturbs a live tensor. That includes a RunGraph input id that is one of the graph's own (the
 caller passes back what the first call returned, `state = step(state)`): it is bound as its input
-first, then set aside; and the moves at the end take every value out before writing any. A tensor
-from before the call that the call changed in place (an EMA) is bound by the id it holds and
-written at that id by the rows: the bound input does not move back over it. Ids the call made and left alive (gradients, optimizer state) are
-"persistent": each replay writes them in place, as the capture did.
+first, then set aside; and the moves at the end take every value out before writing any. Ids the
+call made and left alive (gradients, optimizer state) are "persistent": each replay writes them
+in place, as the capture did. A tensor from before the call that the call changed in place (an
+EMA) is bound by the id it holds, which is such a persistent id: the rows write it, and the bound
+input does not move back over it.
 
 What changes from call to call travels in RunGraph: the global random stream's seed and how far
 its counter moved (random rows draw fresh numbers, equal to eager's), and each optimizer row's
@@ -192,7 +193,7 @@ def replay(graph: Graph, run: wire.RunGraph, tables: tuple, execute, fail, strai
     tensors = tables[0]
     held = {given: tensors.get(given) for given in run.input_ids if given not in graph.edges}
     if graph.plan is not None:
-        _run_plan(graph, run, tables[0], execute, fail, straight)
+        _run_plan(graph, run, tensors, execute, fail, straight)
     else:
         for command in replay_commands(graph, run):
             execute(command)

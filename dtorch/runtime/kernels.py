@@ -5,7 +5,6 @@ same pure helpers the controller uses, so both sides agree on every shard bounda
 """
 from __future__ import annotations
 
-
 import torch
 
 from .. import rng
