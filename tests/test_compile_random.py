@@ -4,7 +4,9 @@ view (`x[1].add_(...)`) or by assignment (`x[:, 0] = ...`), outputs returned and
 next call's arguments. After every call, each output, argument and closure
 tensor must equal torch's. Four replay bugs fixed on 2026-12-04 failed 9 of the first 10 seeds
 (ids bound before the function ran, a caller's id equal to one the graph writes, an EMA's
-new value moved over). DTORCH_COMPILE_PROGRAMS sets how many programs (default 100, seeded)."""
+new value moved over). DTORCH_COMPILE_PROGRAMS sets how many programs (default 100, seeded).
+Then random training steps (backward and in-place updates inside the compiled function) on a
+2-D mesh: DTORCH_COMPILE_TRAINING_PROGRAMS (default 24)."""
 from __future__ import annotations
 
 import os
@@ -88,3 +90,50 @@ def test_a_random_program_replays_as_torch_runs_it(seed, mesh4):
         if feed_back:
             for i in range(min(arguments, len(got))):
                 got_args[i], want_args[i] = got[i], want[i]
+
+
+TRAINING_PROGRAMS = int(os.environ.get("DTORCH_COMPILE_TRAINING_PROGRAMS", "24"))
+UNARY = ("tanh", "sigmoid", "relu", "neg", "sin", "square")
+LAYOUTS = ([Shard(0), Shard(1)], [Replicate(), Shard(0)], [Shard(1), Replicate()], [Replicate(), Replicate()])
+
+
+@pytest.mark.parametrize("seed", range(TRAINING_PROGRAMS))
+def test_a_random_training_step_replays_as_torch_runs_it(seed, mesh22):
+    """A compiled step of random ops over parameters that require grad (closures) and an input:
+    backward inside, gradients set to None first or accumulated, parameters updated in place
+    under no_grad or not. Each call's loss, every parameter and every gradient equal torch's."""
+    rng = random.Random(seed)
+    count = rng.randint(1, 3)
+    program = [(rng.choice(("unary", "binary", "binary")), rng.randrange(count + 1), rng.randrange(count),
+                rng.choice(UNARY), rng.choice(("add", "mul", "sub"))) for _ in range(rng.randint(2, 5))]
+    zero_first, update = rng.random() < 0.5, rng.random() < 0.6
+    values = [torch.randn(4, 6, generator=torch.Generator().manual_seed(seed * 8 + i)) for i in range(count + 1)]
+    want = [v.clone().requires_grad_() for v in values[:count]]
+    got = [dtorch.tensor(v, device_mesh=mesh22, placements=rng.choice(LAYOUTS), requires_grad=True) for v in values[:count]]
+    x = dtorch.tensor(values[count], device_mesh=mesh22, placements=rng.choice(LAYOUTS))
+
+    def step(parameters, x, no_grad):
+        if zero_first:
+            for p in parameters:
+                p.grad = None
+        made = list(parameters) + [x]
+        for kind, a, b, unary, op in program:   # a binary op's right operand is a parameter
+            made.append(getattr(made[a], unary)() if kind == "unary" else getattr(made[a], op)(made[b]))
+        loss = sum((v * (i + 1)).sum() for i, v in enumerate(made[count + 1:])) * 0.01 + parameters[0].sum() * 0
+        loss.backward()
+        if update:
+            with no_grad():
+                for p in parameters:
+                    if p.grad is not None:
+                        p.sub_(p.grad * 0.05)
+        return loss
+    compiled = dtorch.compile(lambda x: step(got, x, dtorch.no_grad))
+    for call in range(CALLS):
+        where = f"program {program}, zero_first={zero_first}, update={update}, call {call}"
+        loss, want_loss = compiled(x), step(want, values[count], torch.no_grad)
+        torch.testing.assert_close(loss.to_torch(), want_loss.detach(), rtol=1e-4, atol=1e-4, msg=lambda m: f"{m} ({where})")
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.to_torch(), w.detach(), rtol=1e-4, atol=1e-4, msg=lambda m: f"{m} ({where})")
+            assert (g.grad is None) == (w.grad is None), where
+            if w.grad is not None:
+                torch.testing.assert_close(g.grad.to_torch(), w.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"{m} ({where})")
