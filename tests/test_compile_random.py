@@ -1,10 +1,10 @@
 """Random small programs, compiled and replayed, against the same program in torch: arguments,
 tensors from before the call (closures) and temporaries changed in place, directly, through a
 view (`x[1].add_(...)`) or by assignment (`x[:, 0] = ...`), outputs returned and fed back as the
-next call's arguments. After every call, each output, argument and closure
-tensor must equal torch's. Four replay bugs fixed on 2026-12-04 failed 9 of the first 10 seeds
-(ids bound before the function ran, a caller's id equal to one the graph writes, an EMA's
-new value moved over). DTORCH_COMPILE_PROGRAMS sets how many programs (default 100, seeded).
+next call's arguments. After every call, each output, argument and closure tensor must equal
+torch's. Before three replay fixes of 2026-12-04 (argument ids read after the function ran, a
+caller's id equal to one the graph writes, an EMA's new value moved over), 54 of the first 60
+programs failed. DTORCH_COMPILE_PROGRAMS sets how many programs (default 100, seeded).
 Then random training steps (backward and in-place updates inside the compiled function) on a
 2-D mesh: DTORCH_COMPILE_TRAINING_PROGRAMS (default 24)."""
 from __future__ import annotations
