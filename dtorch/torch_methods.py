@@ -33,10 +33,6 @@ def adjoint(input: DTensor) -> DTensor:
     return call_op("transpose", (input, -2, -1), {})
 
 
-def _swap(input: DTensor, axis0: int, axis1: int) -> DTensor:
-    return call_op("transpose", (input, axis0, axis1), {})
-
-
 def movedim(input: DTensor, source, destination) -> DTensor:
     """torch.movedim: the dims `source` (an int or a sequence) go to `destination`; the others
     keep their order."""
@@ -71,12 +67,16 @@ def _type_as(input: DTensor, other) -> DTensor:
     return input.to(other.dtype)
 
 
+def _replicated(mesh) -> list:
+    return [Replicate()] * mesh.ndim
+
+
 def _new_factory(factory):
     """x.new_zeros(size) and its kin: x's dtype (unless given), on x's mesh, Replicate (as
     x.new_tensor)."""
     def make(self: DTensor, *size, dtype=None, device=None, requires_grad=False, layout=None, pin_memory=False):
         return factory(*size, dtype=dtype or self.dtype, device_mesh=self.device_mesh,
-                       placements=[Replicate()] * self.device_mesh.ndim, requires_grad=requires_grad)
+                       placements=_replicated(self.device_mesh), requires_grad=requires_grad)
     make.__name__ = f"new_{factory.__name__}"
     return make
 
@@ -85,7 +85,7 @@ def _new_full(self: DTensor, size, fill_value, dtype=None, device=None, requires
               pin_memory=False) -> DTensor:
     size = (size,) if isinstance(size, int) else tuple(size)
     return full(size, fill_value, dtype=dtype or self.dtype, device_mesh=self.device_mesh,
-                placements=[Replicate()] * self.device_mesh.ndim, requires_grad=requires_grad)
+                placements=_replicated(self.device_mesh), requires_grad=requires_grad)
 
 
 # --- triangles, flips, rolls, selections --------------------------------------------------------
@@ -96,9 +96,9 @@ def _triangle(input: DTensor, diagonal: int, lower: bool) -> DTensor:
     if input.ndim < 2:
         raise RuntimeError(f"{name}: input tensor must have at least 2 dimensions")
     rows, cols = input.shape[-2], input.shape[-1]
-    mesh, replicated = input.device_mesh, [Replicate()] * input.device_mesh.ndim
-    offset = (arange(cols, device_mesh=mesh, placements=replicated)
-              - arange(rows, device_mesh=mesh, placements=replicated).unsqueeze(-1))
+    mesh = input.device_mesh
+    offset = (arange(cols, device_mesh=mesh, placements=_replicated(mesh))
+              - arange(rows, device_mesh=mesh, placements=_replicated(mesh)).unsqueeze(-1))
     dropped = offset > diagonal if lower else offset < diagonal
     return input.masked_fill(dropped, 0)
 
@@ -111,13 +111,16 @@ def triu(input: DTensor, diagonal: int = 0) -> DTensor:
     return _triangle(input, diagonal, lower=False)
 
 
-def flip(input: DTensor, *dims) -> DTensor:
-    """torch.flip(x, dims): each dim read backwards (an index_select of a reversed arange)."""
-    dims = dims[0] if len(dims) == 1 and not isinstance(dims[0], int) else dims
-    replicated = [Replicate()] * input.device_mesh.ndim
-    for dim in dims:
+def flip(input: DTensor, *dims, **keyword) -> DTensor:
+    """torch.flip(x, dims), x.flip(0, 1), x.flip(dims=(0,)): each dim read backwards (an
+    index_select of a reversed arange)."""
+    dims = keyword.pop("dims", dims[0] if len(dims) == 1 and not isinstance(dims[0], int) else dims)
+    if keyword:
+        raise TypeError(f"flip() got unexpected keyword arguments {sorted(keyword)}")
+    mesh = input.device_mesh
+    for dim in (dims,) if isinstance(dims, int) else dims:
         size = input.shape[dim]
-        reversed_index = arange(size - 1, -1, -1, device_mesh=input.device_mesh, placements=replicated)
+        reversed_index = arange(size - 1, -1, -1, device_mesh=mesh, placements=_replicated(mesh))
         input = input.index_select(dim, reversed_index)
     return input
 
@@ -137,7 +140,8 @@ def roll(input: DTensor, shifts, dims=None) -> DTensor:
         size = input.shape[dim]
         moved = shift % size if size else 0
         if moved:
-            input = call_op("cat", ([input.narrow(dim, size - moved, moved), input.narrow(dim, 0, size - moved)], dim), {})
+            pieces = [input.narrow(dim, size - moved, moved), input.narrow(dim, 0, size - moved)]
+            input = call_op("cat", (pieces, dim), {})
     return input
 
 
@@ -182,15 +186,15 @@ var_mean, std_mean = _with_mean("var"), _with_mean("std")
 
 def _install() -> None:
     methods = {
-        "t": t, "adjoint": adjoint, "swapaxes": _swap, "swapdims": _swap, "movedim": movedim, "moveaxis": movedim,
+        "t": t, "adjoint": adjoint, "swapaxes": DTensor.transpose, "swapdims": DTensor.transpose, "movedim": movedim,
+        "moveaxis": movedim,
         "view_as": _view_as, "reshape_as": _reshape_as, "expand_as": _expand_as, "type_as": _type_as,
         "new_zeros": _new_factory(zeros), "new_ones": _new_factory(ones), "new_empty": _new_factory(empty),
         "new_full": _new_full,
         "is_contiguous": lambda self, memory_format=None: True,   # results never share storage visibly
         "element_size": lambda self: self.dtype.itemsize,
         "nelement": lambda self: self.numel(),
-        "clip": lambda self, min=None, max=None: self.clamp(min, max),
-        "clip_": lambda self, min=None, max=None: self.clamp_(min, max),
+        "clip": DTensor.clamp, "clip_": DTensor.clamp_,
         "where": lambda self, condition, other: call_op("where", (condition, self, other), {}),
         "tril": tril, "triu": triu, "flip": flip, "fliplr": lambda self: flip(self, 1),
         "flipud": lambda self: flip(self, 0), "roll": roll, "select": select, "aminmax": aminmax,
@@ -201,8 +205,8 @@ def _install() -> None:
             setattr(DTensor, name, method)
     DTensor.mH = property(adjoint, doc="The last two dims swapped (x.mT for a real tensor).")
     DTensor.H = property(t, doc="A matrix transposed (real tensors: torch's conjugate transpose).")
-    COMPOSITES.update(t=t, adjoint=adjoint, swapaxes=_swap, swapdims=_swap, movedim=movedim, moveaxis=movedim,
-                      clip=methods["clip"], tril=tril, triu=triu, flip=flip, fliplr=methods["fliplr"],
+    COMPOSITES.update(t=t, adjoint=adjoint, swapaxes=DTensor.transpose, swapdims=DTensor.transpose, movedim=movedim,
+                      moveaxis=movedim, clip=DTensor.clamp, tril=tril, triu=triu, flip=flip, fliplr=methods["fliplr"],
                       flipud=methods["flipud"], roll=roll, select=select, aminmax=aminmax,
                       count_nonzero=count_nonzero, var_mean=var_mean, std_mean=std_mean)
 

@@ -38,6 +38,7 @@ CASES = {   # name -> (the call, on a torch tensor or a DTensor alike)
     "tril of bools": lambda x: (x > 0).tril(),
     "flip": lambda x: x.flip(0),
     "torch.flip both": lambda x: torch.flip(x, (0, 1)),
+    "flip dims=": lambda x: torch.flip(x, dims=[1]),
     "fliplr": lambda x: x.fliplr(),
     "flipud": lambda x: x.flipud(),
     "roll": lambda x: x.roll(2, 0),
