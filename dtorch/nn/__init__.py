@@ -2,6 +2,7 @@
 names, parallel styles (parallelize_module), and functional ops (dtorch.nn.functional)."""
 from . import functional
 from . import multihead  # noqa: F401  (torch.nn.MultiheadAttention's forward on DTensors)
+from . import recurrent  # noqa: F401  (torch.nn.RNN / GRU / LSTM and their cells on DTensors)
 from . import utils
 from .activation import (ELU, GELU, Dropout, Flatten, Identity, LeakyReLU, LogSoftmax, ReLU, Sigmoid, SiLU,
                          Softmax, Softplus, Tanh, Unflatten)
