@@ -139,13 +139,22 @@ def test_what_distribute_module_refuses_says_what_to_do(mesh4):
         dtorch.distribute_module(torch.zeros(2), mesh4)
     with pytest.raises(dtorch.MeshError, match="pass device_mesh="):
         parallelize_module(tnn.Sequential(tnn.Linear(2, 2)), None, {"0": ColwiseParallel()})
-    recurrent = dtorch.distribute_module(tnn.GRU(8, 8, batch_first=True), mesh4)
     x = dtorch.randn(2, 3, 8, device_mesh=mesh4, placements=[Shard(0)])
-    with pytest.raises(dtorch.UnsupportedOpError, match="torch.gru is not supported.*test_distribute_module.py"):
-        recurrent(x)
     legacy = dtorch.distribute_module(tnn.MultiheadAttention(8, 2, add_bias_kv=True), mesh4)
     with pytest.raises(dtorch.UnsupportedOpError, match="add_bias_kv=True"):
         legacy(x, x, x)
+
+
+def test_a_torch_gru_equals_torch(mesh4):
+    """torch.nn.GRU, once refused (torch.gru), runs as dtorch ops (dtorch/nn/recurrent.py; every
+    recurrent layer and option is in tests/test_recurrent.py): output and final state equal torch's."""
+    torch.manual_seed(3)
+    reference = tnn.GRU(8, 8, batch_first=True)
+    recurrent = dtorch.distribute_module(copy.deepcopy(reference), mesh4)
+    x = torch.randn(2, 3, 8)
+    output, final = recurrent(dtorch.distribute_tensor(x, mesh4, [Shard(0)]))
+    for got, want in zip((output, final), reference(x)):
+        torch.testing.assert_close(got.to_torch(), want.detach(), rtol=1e-5, atol=1e-6)
 
 
 _MHA_CALLS = {"weights": {}, "no weights": {"need_weights": False}, "padding": {"key_padding_mask": True},
