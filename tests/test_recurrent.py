@@ -132,6 +132,19 @@ def test_cells_unrolled_equal_torch(cls, mesh4):
     _check_gradients(cell, reference, [given], [expected_input])
 
 
+def test_unbatched_input_equals_torch(mesh4):
+    """A 2-D input (torch's forward adds the batch dim of 1 and removes it after), replicated:
+    a 2-layer GRU's output and final state, and an LSTMCell's (h, c), equal torch's."""
+    torch.manual_seed(24)
+    layer, cell = tnn.GRU(INPUT_SIZE, HIDDEN_SIZE, num_layers=2), tnn.LSTMCell(INPUT_SIZE, HIDDEN_SIZE)
+    x = torch.randn(STEPS, INPUT_SIZE)
+    given = dtorch.distribute_tensor(x, mesh4, [Replicate()])
+    for reference, value, expected in ((layer, given, layer(x)), (cell, given[0], cell(x[0]))):
+        got = dtorch.distribute_module(copy.deepcopy(reference), mesh4)(value)
+        for result, want in zip(got, expected):
+            torch.testing.assert_close(result.to_torch(), want.detach(), rtol=1e-5, atol=1e-6)
+
+
 class _Tagger(tnn.Module):
     """A torch sequence model: embedding, a 2-layer LSTM, a linear head per step."""
 
