@@ -64,6 +64,41 @@ def test_reduction_results_read_back_exactly_for_integers(mesh22):
     assert_same(s.redistribute(placements=[Shard(0), R]).to_torch(), value.sum(0), exact=True)
 
 
+# Gloo carries none of int16, uint16/32 or float8 (moves go as bytes, reductions in a wider type),
+# and a local sum of int32 pieces is int64 in torch: each dtype through each kind of move.
+_MOVED_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.float16,
+                 torch.bfloat16, torch.uint16, torch.uint32, torch.float8_e4m3fn]
+_SUMMED_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16]
+
+
+def _values(dtype, shape):
+    if dtype is torch.bool:
+        return torch.rand(shape) > 0.5
+    return torch.randint(0, 7, shape).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", _MOVED_DTYPES, ids=str)
+def test_every_dtype_moves_bit_for_bit(mesh22, dtype):
+    value = _values(dtype, (7, 5))
+    for src, dst in [([Shard(0), Shard(1)], [R, R]), ([Shard(0), R], [Shard(1), R]), ([R, R], [Shard(1), Shard(0)])]:
+        moved = dtorch.tensor(value, device_mesh=mesh22, placements=src).redistribute(placements=dst).to_torch()
+        assert moved.dtype == dtype and torch.equal(moved.view(torch.uint8), value.view(torch.uint8)), (src, dst)
+
+
+@pytest.mark.parametrize("dtype", _SUMMED_DTYPES, ids=str)
+def test_every_dtype_sums_in_its_own_dtype(mesh22, dtype):
+    """P(sum) -> R (an all-reduce) and -> S (a reduce-scatter): the dtype stays the tensor's, and
+    a sum that overflows it wraps as torch's does (int8: 4 x 100)."""
+    parts = [_values(dtype, (7, 5)) for _ in range(4)]
+    if dtype is torch.int8:
+        parts = [torch.full((7, 5), 100, dtype=dtype)] * 4
+    expected = parts[0] + parts[1] + parts[2] + parts[3]
+    stacked = dtorch.tensor(torch.stack(parts), device_mesh=mesh22, placements=[Shard(0), Shard(0)])
+    summed = stacked.sum(0, dtype=dtype)
+    for dst in ([R, R], [Shard(0), R], [Shard(1), Shard(0)]):
+        assert_same(summed.redistribute(placements=dst).to_torch(), expected, exact=True)
+
+
 def test_nested_sharding_of_one_dim_over_two_mesh_dims(mesh22):
     value = torch.randn(11, 3)
     x = dtorch.tensor(value, device_mesh=mesh22, placements=[Shard(0), Shard(0)])

@@ -131,8 +131,33 @@ PEER_CHECK_S = 0.25
 LOSS_NOTICE_S = 1.0
 
 GLOO_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-# reduce_scatter's local reduction over the pieces all_to_all brought (member order, deterministic)
-_GLOO_STACK_REDUCTIONS = {"sum": lambda t: t.sum(0), "max": lambda t: t.amax(0), "min": lambda t: t.amin(0)}
+# reduce_scatter's local reduction over the pieces all_to_all brought (member order, deterministic);
+# the sum keeps the pieces' dtype (torch sums integers and bools into int64)
+_GLOO_STACK_REDUCTIONS = {"sum": lambda t: t.sum(0, dtype=t.dtype), "max": lambda t: t.amax(0),
+                          "min": lambda t: t.amin(0)}
+# The dtypes Gloo carries; others (int16, uint16/32/64, float8) raise "Invalid scalar type". Moves
+# carry those as their bytes (uint8, bit for bit), and reductions run in a type that holds every
+# value, cast back after: an int16 sum then wraps as torch's own int16 arithmetic does.
+_GLOO_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                          torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128})
+_GLOO_REDUCES_IN = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64,
+                    **{dtype: torch.float32 for dtype in (torch.float8_e4m3fn, torch.float8_e5m2,
+                                                         torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)}}
+
+
+def _gloo_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat view of `tensor` (contiguous); for a dtype Gloo lacks, of its bytes, as uint8."""
+    flat = tensor.view(-1)
+    return flat if tensor.dtype in _GLOO_DTYPES else flat.view(torch.uint8)
+
+
+def _gloo_reduction_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype in _GLOO_DTYPES:
+        return dtype
+    if dtype not in _GLOO_REDUCES_IN:
+        raise TypeError(f"Gloo cannot reduce {dtype} tensors (a Partial -> R or S move, or a Partial "
+                        f"result); convert with .to(torch.int64) or .to(torch.float64) first")
+    return _GLOO_REDUCES_IN[dtype]
 
 
 class GlooCommunicator:
@@ -254,6 +279,9 @@ class GlooCommunicator:
 
     # --- collectives over one group; every member calls the same one -------------------------
     def all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        wider = _gloo_reduction_dtype(tensor.dtype)
+        if wider is not tensor.dtype:
+            return tensor.copy_(self.all_reduce(ranks, tensor.to(wider), reduce_op))
         self._run(ranks, self.group(ranks).allreduce([tensor], _allreduce_options(reduce_op)))
         return finish_reduction(tensor, reduce_op, ranks)
 
@@ -265,6 +293,10 @@ class GlooCommunicator:
     def start_all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str):
         """On a group of `ranks` that carries only these, so they meet in their own order
         whatever the caller's other collectives do meanwhile (Gloo's threads run them)."""
+        wider = _gloo_reduction_dtype(tensor.dtype)
+        if wider is not tensor.dtype:
+            finish_wider = self.start_all_reduce(ranks, tensor.to(wider), reduce_op)
+            return lambda: tensor.copy_(finish_wider())
         work = self.group(ranks, "background").allreduce([tensor], _allreduce_options(reduce_op))
 
         def finish() -> torch.Tensor:
@@ -276,8 +308,8 @@ class GlooCommunicator:
         """Every member's `tensor` (same shape everywhere), stacked on a new dim 0 in one buffer."""
         tensor = tensor.contiguous()
         gathered = tensor.new_empty((len(ranks),) + tuple(tensor.shape))
-        # Gloo splits the output along dim 0 into one input-shaped piece per member: flat views.
-        self._run(ranks, self.group(ranks)._allgather_base(gathered.view(-1), tensor.view(-1)))
+        # Gloo splits the output into one input-sized piece per member: flat views.
+        self._run(ranks, self.group(ranks)._allgather_base(_gloo_bytes(gathered), _gloo_bytes(tensor)))
         return gathered
 
     def reduce_scatter(self, ranks: tuple, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
@@ -291,16 +323,19 @@ class GlooCommunicator:
 
     def all_to_all(self, ranks: tuple, send: torch.Tensor) -> torch.Tensor:
         """`send` stacks one equal-size piece per member on dim 0; returns the pieces received."""
+        send = send.contiguous()
         receive = torch.empty_like(send)
-        self._run(ranks, self.group(ranks).alltoall_base(receive, send, [], [], dist.AllToAllOptions()))
+        # equal pieces of the flat buffers are the pieces on dim 0, so a byte view splits alike
+        self._run(ranks, self.group(ranks).alltoall_base(_gloo_bytes(receive), _gloo_bytes(send), [], [],
+                                                         dist.AllToAllOptions()))
         return receive
 
     def exchange(self, ranks: tuple, sends: list, receives: list) -> None:
         """Point-to-point within the group `ranks`: sends/receives are (peer rank, tensor) pairs;
         all are posted before any is waited on, so no ordering between peers can deadlock."""
         pg = self.group(ranks)
-        works = [pg.send([tensor], ranks.index(peer), 0) for peer, tensor in sends]
-        works += [pg.recv([tensor], ranks.index(peer), 0) for peer, tensor in receives]
+        works = [pg.send([_gloo_bytes(tensor)], ranks.index(peer), 0) for peer, tensor in sends]
+        works += [pg.recv([_gloo_bytes(tensor)], ranks.index(peer), 0) for peer, tensor in receives]
         for work in works:
             self._finish_point_to_point(ranks, work)
 
