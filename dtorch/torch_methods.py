@@ -1,6 +1,6 @@
 """torch's tensor methods and functions that are compositions of dtorch's ops: `x.t()`,
 `x.swapaxes(0, 1)`, `x.movedim(0, -1)`, `x.view_as(y)`, `x.new_zeros(4)`, `x.clip(0, 1)`,
-`x.tril()`, `x.flip(0)`, `x.roll(1, 0)`, `x.select(1, 0)`, `x.aminmax()`, `torch.var_mean(x)`...
+`x.tril()`, `x.flip(0)`, `x.rot90()`, `x.roll(1, 0)`, `x.select(1, 0)`, `x.aminmax()`, `torch.var_mean(x)`...
 
 Each is written with the registry's ops (so placement rules, automatic redistributes, autograd
 and dtorch.compile apply as to the ops it uses) and installed on DTensor; the torch.* spellings
@@ -12,9 +12,11 @@ import torch
 
 from .distributed_spec import Replicate
 from .factories import arange, empty, full, ones, zeros
+from .ops.unsupported import unsupported_op
 from .tensor import COMPOSITES, DTensor, call_op
 
-__all__ = ["t", "movedim", "tril", "triu", "flip", "roll", "select", "aminmax", "count_nonzero", "var_mean", "std_mean"]
+__all__ = ["t", "movedim", "tril", "triu", "flip", "rot90", "roll", "select", "aminmax", "count_nonzero", "var_mean",
+           "std_mean"]
 
 
 # --- transposes and dim moves -------------------------------------------------------------------
@@ -125,6 +127,38 @@ def flip(input: DTensor, *dims, **keyword) -> DTensor:
     return input
 
 
+def rot90(input: DTensor, k: int = 1, dims=(0, 1)) -> DTensor:
+    """torch.rot90: a quarter turn k times in the plane of `dims`, from dims[0] towards dims[1];
+    torch's own composition (flips and a transpose). Refusals in torch's words."""
+    dims = tuple(dims)
+    if len(dims) != 2:
+        raise RuntimeError(f"expected total rotation dims == 2, but got dims = {len(dims)}")
+    if input.ndim < 2:
+        raise RuntimeError(f"expected total dims >= 2, but got total dims = {input.ndim}")
+    for dim in dims:
+        if not -input.ndim <= dim < input.ndim:
+            raise IndexError(f"Dimension out of range (expected to be in range of [{-input.ndim}, "
+                             f"{input.ndim - 1}], but got {dim})")
+    first, second = (d % input.ndim for d in dims)
+    if first == second:
+        raise RuntimeError(f"expected rotation dims to be different, but got dim0 = {dims[0]} and dim1 = {dims[1]}")
+    turns = k % 4
+    if turns == 0:
+        return call_op("clone", (input,), {})
+    if turns == 2:
+        return flip(input, (first, second))
+    flipped = flip(input, second if turns == 1 else first)
+    return call_op("transpose", (flipped, first, second), {})
+
+
+def _unfold_spelled(input, *args, **kwargs) -> DTensor:
+    """torch's functions named unfold that reach __torch_function__: F.unfold (im2col: it always
+    passes dilation=, padding=, stride=) is refused, never run as the registry's Tensor.unfold."""
+    if {"dilation", "padding", "stride"} & kwargs.keys():
+        raise unsupported_op("unfold", "torch.nn.functional.unfold")
+    return call_op("unfold", (input,) + args, kwargs)
+
+
 def roll(input: DTensor, shifts, dims=None) -> DTensor:
     """torch.roll: elements shifted along `dims` (the flattened tensor when None), wrapping
     around: two narrows joined with cat per dim."""
@@ -197,7 +231,7 @@ def _install() -> None:
         "clip": DTensor.clamp, "clip_": DTensor.clamp_,
         "where": lambda self, condition, other: call_op("where", (condition, self, other), {}),
         "tril": tril, "triu": triu, "flip": flip, "fliplr": lambda self: flip(self, 1),
-        "flipud": lambda self: flip(self, 0), "roll": roll, "select": select, "aminmax": aminmax,
+        "flipud": lambda self: flip(self, 0), "rot90": rot90, "roll": roll, "select": select, "aminmax": aminmax,
         "count_nonzero": count_nonzero,
     }
     for name, method in methods.items():
@@ -207,7 +241,7 @@ def _install() -> None:
     DTensor.H = property(t, doc="A matrix transposed (real tensors: torch's conjugate transpose).")
     COMPOSITES.update(t=t, adjoint=adjoint, swapaxes=DTensor.transpose, swapdims=DTensor.transpose, movedim=movedim,
                       moveaxis=movedim, clip=DTensor.clamp, tril=tril, triu=triu, flip=flip, fliplr=methods["fliplr"],
-                      flipud=methods["flipud"], roll=roll, select=select, aminmax=aminmax,
+                      flipud=methods["flipud"], rot90=rot90, unfold=_unfold_spelled, roll=roll, select=select, aminmax=aminmax,
                       count_nonzero=count_nonzero, var_mean=var_mean, std_mean=std_mean)
 
 

@@ -67,7 +67,7 @@ def test_inplace_false_still_works(mesh4):
     (lambda x: x.transpose_(0, 1), "x = x.transpose("),
     (lambda x: x.unsqueeze_(0), "x = x.unsqueeze("),
     (lambda x: x.bernoulli_(0.5), "rand_like"),
-    (lambda x: x.cumprod_(0), "no cumprod op"),
+    (lambda x: x.logit_(), "no logit op"),
 ])
 def test_inplace_methods_without_a_form_are_refused_with_the_alternative(mesh4, call, alternative):
     values, x = sharded(mesh4, 8, 3)
@@ -101,20 +101,28 @@ def test_remote_errors_through_torch_functions_name_the_users_line(mesh4):
 def test_unsupported_function_names_line_and_neighbours(mesh4):
     _, x = sharded(mesh4, 8, 3)
     with pytest.raises(UnsupportedOpError) as info:
-        torch.cumprod(x, 1)
+        torch.cumulative_trapezoid(x, dim=1)
     message = str(info.value)
-    assert "cumprod" in message and "not supported" in message and HERE in message, message
-    assert "cumsum" in message and "prod" in message and len(message) < 600, message
+    assert "cumulative_trapezoid" in message and "not supported" in message and HERE in message, message
+    assert "cumsum" in message and "cumprod" in message and len(message) < 600, message
+
+
+def test_cumprod_once_refused_equals_torch(mesh4):
+    values, x = sharded(mesh4, 8, 3)
+    torch.testing.assert_close(torch.cumprod(x, 1).to_torch(), torch.cumprod(values, 1))
+    torch.testing.assert_close(x.cumprod(0).to_torch(), values.cumprod(0))   # along the sharded dim: gathered
+    x.cumprod_(1)
+    torch.testing.assert_close(x.to_torch(), values.cumprod(1))
 
 
 def test_unsupported_method_is_an_unsupported_op_and_an_attribute_error(mesh4):
     _, x = sharded(mesh4, 8, 3)
     with pytest.raises(UnsupportedOpError) as info:
-        x.cumprod(1)
+        x.nansum(1)
     assert isinstance(info.value, AttributeError)
-    assert "cumprod" in str(info.value) and "cumsum" in str(info.value) and HERE in str(info.value)
-    assert not hasattr(x, "cumprod") and not hasattr(x, "no_such_thing")
-    assert getattr(x, "cumprod", None) is None
+    assert "nansum" in str(info.value) and "sum" in str(info.value) and HERE in str(info.value)
+    assert not hasattr(x, "nansum") and not hasattr(x, "no_such_thing")
+    assert getattr(x, "nansum", None) is None
     with pytest.raises(AttributeError) as info:
         x.no_such_thing
     assert not isinstance(info.value, UnsupportedOpError)   # not a torch.Tensor name either

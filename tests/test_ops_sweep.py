@@ -25,9 +25,11 @@ dtorch.ops.tooling.validate (tests/test_validator.py).
 
 Known gaps (not silently skipped; each is rejected with an error that says so, or noted here):
   - no exact Partial form, so Replicate is required on reduced dims: prod, var, std, logsumexp,
-    argmax/argmin, max/min with dim, norm with p other than 0, 1, inf, -inf; cumsum and softmax
-    need R on their dim; cross_entropy(reduction='mean') with class-index targets needs R on the
-    batch (its denominator counts non-ignored targets, data no rank knows alone).
+    argmax/argmin, max/min with dim, norm with p other than 0, 1, inf, -inf; cumsum, cumprod,
+    cummax, cummin, logcumsumexp and softmax need R on their dim (only cumsum takes a Partial);
+    median / nanmedian without a dim need R everywhere (every element is compared);
+    cross_entropy(reduction='mean') with class-index targets needs R on the batch (its
+    denominator counts non-ignored targets, data no rank knows alone).
   - vision ops (conv2d, pools, interpolate, group_norm, batch_norm) refuse a shard of H or W:
     their windows would need neighbouring ranks' rows (a halo exchange); only an adaptive pool to
     one pixel takes one (P(sum) or P(max)). F.batch_norm(training=True) computes the batch
@@ -45,10 +47,12 @@ Known gaps (not silently skipped; each is rejected with an error that says so, o
     tests/test_ops_view.py::test_known_gaps_still_refuse pins a sample): reshape/view of a shard
     whose blocks do not fall on whole rows of the result ((7,6) S(0) -> (42,) on 4 ranks) or of an
     empty tensor; slicing (x[1:3], narrow) or int-indexing a sharded dim (a whole slice `:` is
-    accepted); cat along the sharded dim; split, chunk, unbind, topk, sort along the sharded dim;
-    index_select, gather along the sharded dim of the source; scatter along a sharded dim;
-    gather/scatter whose tensors differ in size on the sharded dim; a Partial mixed with Replicate
-    in cat/stack; scatter's Partial forms other than input and src of the same Partial.
+    accepted); cat along the sharded dim; split, chunk, unbind, topk, sort, kthvalue, median, mode
+    and unfold along the sharded dim; diagonal of a sharded dim1 / dim2, diag_embed of a sharded
+    last dim, diag of any sharded dim; index_select, gather along the sharded dim of the source;
+    scatter along a sharded dim; gather/scatter whose tensors differ in size on the sharded dim; a
+    Partial mixed with Replicate in cat/stack; scatter's Partial forms other than input and src of
+    the same Partial.
 """
 import itertools
 import random

@@ -41,6 +41,11 @@ CASES = {   # name -> (the call, on a torch tensor or a DTensor alike)
     "flip dims=": lambda x: torch.flip(x, dims=[1]),
     "fliplr": lambda x: x.fliplr(),
     "flipud": lambda x: x.flipud(),
+    "rot90": lambda x: x.rot90(),
+    "torch.rot90 twice": lambda x: torch.rot90(x, 2),
+    "rot90 backwards": lambda x: x.rot90(-1, (1, 0)),
+    "rot90 four times": lambda x: x.rot90(4),
+    "rot90 of a batch": lambda x: x.unsqueeze(0).expand(2, -1, -1).rot90(3, (-1, 0)),
     "roll": lambda x: x.roll(2, 0),
     "roll two dims": lambda x: torch.roll(x, (-1, 3), (0, 1)),
     "roll flattened": lambda x: x.roll(4),
@@ -84,6 +89,19 @@ def test_one_d_and_refusals_say_what_torch_says(mesh4):
         v.tril()
     with pytest.raises(RuntimeError, match="<= 2 dimensions"):
         v.view(1, 1, 5).t()
+    with pytest.raises(RuntimeError, match="total dims >= 2"):
+        v.rot90()
+    with pytest.raises(RuntimeError, match="rotation dims to be different"):
+        v.view(1, 5).rot90(1, (1, -1))
+    with pytest.raises(IndexError, match="Dimension out of range"):
+        v.view(1, 5).rot90(1, (0, 2))
+
+
+def test_nn_functional_unfold_is_refused_not_run_as_the_tensor_method(mesh4):
+    # both are named unfold: F.unfold (im2col) must not reach x.unfold(dimension, size, step)
+    x = dtorch.tensor(torch.randn(1, 1, 6, 5), device_mesh=mesh4, placements=[Shard(2)])
+    with pytest.raises(dtorch.UnsupportedOpError, match="x.unfold\\(dimension, size, step\\)"):
+        torch.nn.functional.unfold(x, 2, 1, 1)
 
 
 def test_new_factories_take_the_tensors_dtype_and_mesh(mesh22):
@@ -97,7 +115,7 @@ def test_new_factories_take_the_tensors_dtype_and_mesh(mesh22):
     assert x.is_contiguous() and x.element_size() == 8 and x.nelement() == 16
 
 
-@pytest.mark.parametrize("name", ["tril", "flip", "roll two dims", "movedim", "select", "t"])
+@pytest.mark.parametrize("name", ["tril", "flip", "rot90", "roll two dims", "movedim", "select", "t"])
 def test_gradients_through_composed_methods_equal_torchs(name, mesh4):
     values = torch.randn(7, 5)
     reference = values.clone().requires_grad_()

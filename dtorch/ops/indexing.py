@@ -11,6 +11,10 @@ selecting along a sharded dim, where the wanted values live on other ranks.
   scatter        every tensor sharded alike off dim (R sliced to match); Partial input and src
                  of the same kind with R index -> that Partial (each rank writes its share)
   topk, sort     S(d) off the op's dim; no Partial (they compare values)
+  kthvalue, median, nanmedian, mode
+                 the same along their dim (gone from the result unless keepdim); median(x) and
+                 nanmedian(x) without a dim compare every element: Replicate only (outside strict
+                 mode dtorch gathers a sharded input first)
 """
 from __future__ import annotations
 
@@ -180,6 +184,31 @@ _COMPARE_LEGAL = "S(d) off the op's dim, R"
 _WHY = "it compares values other ranks hold"
 
 
+def _compared_away(position: int):
+    """out_dim_of for kthvalue, median, mode: topk's rule, but their dim leaves the result
+    unless keepdim, so later shards shift down."""
+    def out_dim_of(call: Call, dim: int) -> int:
+        drops = len(call.out_shape) < len(call.inputs[0].shape)
+        return off_dim(position, -1, _WHY, drops=drops, legal=_COMPARE_LEGAL)(call, dim)
+    return out_dim_of
+
+
+_WHOLE_LEGAL = "R (without a dim it compares every element)"
+_ALONG_DIM_AT_1 = follow_rule(_compared_away(1), _COMPARE_LEGAL, partial_ok=False)   # median(x, dim), mode
+
+
+def _every_element_or_along_dim(call: Call, placements) -> Decision:
+    """median(x) / nanmedian(x): one value of every element, which no rank holds alone, so the
+    input must be Replicate; median(x, dim) compares along its dim as kthvalue does."""
+    if call.param(1, "dim") is not None:
+        return _ALONG_DIM_AT_1(call, placements)
+    (p,) = placements
+    if not p.is_replicate():
+        raise RuleRejected(f"{call.op} without a dim compares every element, and a {p!r} input holds "
+                           f"them on several ranks: {unshard_fix(call, p)}", _WHOLE_LEGAL)
+    return Decision(placements, (R,) * len(call.outputs))
+
+
 # --- the table ---------------------------------------------------------------------------------------
 INDEXING = {
     "getitem": OpRow(getitem, follow_rule(_getitem_out_dim, "a whole slice `:` on sharded dims"), method=False,
@@ -193,5 +222,12 @@ INDEXING = {
                                           partial_ok=False)),
     "sort": OpRow(torch.sort, follow_rule(off_dim(1, -1, _WHY, legal=_COMPARE_LEGAL), _COMPARE_LEGAL,
                                           partial_ok=False)),
+    "kthvalue": OpRow(torch.kthvalue, follow_rule(_compared_away(2), _COMPARE_LEGAL, partial_ok=False),
+                      doc="S(d) off the op's dim, R; no Partial"),
+    "median": OpRow(torch.median, _every_element_or_along_dim,
+                    doc="median(x, dim): S(d) off dim, R, no Partial; median(x): R only (every element)"),
+    "nanmedian": OpRow(torch.nanmedian, _every_element_or_along_dim,
+                       doc="nanmedian(x, dim): S(d) off dim, R, no Partial; nanmedian(x): R only (every element)"),
+    "mode": OpRow(torch.mode, _ALONG_DIM_AT_1, doc="S(d) off the op's dim, R; no Partial"),
 }
 register_family("indexing", INDEXING)

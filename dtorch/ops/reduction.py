@@ -7,8 +7,11 @@ Partial (sum -> P(sum), amax -> P(max), any -> P(max) on bool, which Gloo reduce
 reduction finishes when the user reads or redistributes. Ops with no exact partial form (prod,
 var, logsumexp, argmax, max with indices) need Replicate on reduced dims.
 
-ALONG_DIM: op -> its row, built from (torch function, Partial inputs passed). cumsum, softmax and log_softmax need
-every value of their dim on one rank: Replicate there; Shard on any other dim passes through.
+ALONG_DIM: op -> its row, built from (torch function, Partial inputs passed). cumsum, cumprod,
+cummax, cummin, logcumsumexp, softmax and log_softmax need every value of their dim on one rank:
+Replicate there; Shard on any other dim passes through. Only cumsum is linear, so only it passes
+P(sum) and P(avg); the others take no Partial (a product, a running max's indices, a log of a sum
+of exps do not commute with summing or maxing the contributions).
 """
 from __future__ import annotations
 
@@ -238,7 +241,7 @@ def along_dim_rule(partial_inputs: frozenset):
         if isinstance(p, Shard) and p.dim == _along_dim(call):
             raise RuleRejected(f"{call.op} runs along dim {p.dim}, which is sharded",
                                f"R on dim {p.dim}, S(d) on another dim")
-        return Decision(placements, (p,))
+        return Decision(placements, (p,) * len(call.outputs))   # cummax, cummin: values and indices alike
     return rule
 
 
@@ -249,6 +252,10 @@ def _along(torch_fn, partial_inputs: frozenset) -> OpRow:
 
 ALONG_DIM = {
     "cumsum": _along(torch.cumsum, frozenset({"sum", "avg"})),
+    "cumprod": _along(torch.cumprod, frozenset()),
+    "cummax": _along(torch.cummax, frozenset()),
+    "cummin": _along(torch.cummin, frozenset()),
+    "logcumsumexp": _along(torch.logcumsumexp, frozenset()),
     "softmax": _along(F.softmax, frozenset()),
     "log_softmax": _along(F.log_softmax, frozenset()),
 }

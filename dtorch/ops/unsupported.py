@@ -58,6 +58,9 @@ NOTES = {
     "bincount": "its length is the largest value plus one, known only after reading the values: read "
                 "them with x.to_torch().bincount(), or count a known range with "
                 "(x.unsqueeze(-1) == dtorch.arange(n, ...)).sum(0)",
+    # reached only from torch.nn.functional.unfold: the tensor method x.unfold is an op (ops/view.py)
+    "unfold": "it extracts sliding blocks of an image batch (im2col), which dtorch has no op for; "
+              "x.unfold(dimension, size, step), torch.Tensor's sliding windows along one dim, is supported",
     "to_local": "the controller holds no shards: read the whole tensor with x.to_torch() (or await "
                 "x.fetch()); x.local_shape(rank) and x.local_offset(rank) say where each rank's shard sits",
 }

@@ -16,6 +16,12 @@ reduction over ranks commutes with any rearrangement of elements).
   joins            cat: S(d) off the cat dim (R inputs sliced to match), all-R, or all the same
                    Partial; stack: the same, S(d) shifted past the new dim.
   splits           split, chunk, unbind: S(d) off the split dim; one placement for every piece.
+  diagonals        diagonal: S(d) off dim1 and dim2, renumbered (the two go, the diagonal comes
+                   last); diag_embed: S(d) off the last dim, renumbered around the new dim1, dim2;
+                   diag: R or Partial (each of its dims is a diagonal's). A sharded dim1 / dim2
+                   would put a row's diagonal element on another rank.
+  windows          unfold (x.unfold(dimension, size, step)): S(d) off `dimension` (the windows'
+                   trailing dim is new); a sharded `dimension` would cut windows at shard edges.
 """
 from __future__ import annotations
 
@@ -257,6 +263,42 @@ def _split(tensor, split_size_or_sections=None, dim=0, *, split_size=None):
     return torch.split(tensor, split_size if split_size_or_sections is None else split_size_or_sections, dim)
 
 
+# --- diagonals and windows -----------------------------------------------------------------------
+_DIAGONAL_LEGAL = "S(d) off dim1 and dim2, R, Partial"
+_EMBED_LEGAL = "S(d) off the last dim, R, Partial"
+_WHY_DIAGONAL = "a diagonal pairs row i with column i + offset, which a shard splits across ranks"
+
+
+def _diagonal_out_dim(call: Call, dim: int) -> int:
+    ndim = len(call.inputs[0].shape)
+    pair = [normalize_dim(call.param(k, name, default), ndim) for k, name, default in ((2, "dim1", 0), (3, "dim2", 1))]
+    if dim in pair:
+        raise RuleRejected(f"diagonal of sharded dim {dim}: {_WHY_DIAGONAL}; {unshard_fix(call, Shard(dim))}",
+                           _DIAGONAL_LEGAL)
+    return dim - sum(d < dim for d in pair)   # dim1 and dim2 leave; the diagonal goes last
+
+
+def _diag_embed_out_dim(call: Call, dim: int) -> int:
+    ndim = len(call.inputs[0].shape)
+    if dim == ndim - 1:
+        raise RuleRejected(f"diag_embed spreads sharded dim {dim} over two dims: {_WHY_DIAGONAL}; "
+                           f"{unshard_fix(call, Shard(dim))}", _EMBED_LEGAL)
+    pair = [normalize_dim(call.param(k, name, default), ndim + 1) for k, name, default in ((2, "dim1", -2), (3, "dim2", -1))]
+    return [d for d in range(ndim + 1) if d not in pair][dim]
+
+
+def _diag_out_dim(call: Call, dim: int) -> int:
+    raise RuleRejected(f"diag of sharded dim {dim}: {_WHY_DIAGONAL}; {unshard_fix(call, Shard(dim))}", "R, Partial")
+
+
+def _unfold_out_dim(call: Call, dim: int) -> int:
+    along = normalize_dim(call.param(1, "dimension"), len(call.inputs[0].shape))
+    if dim == along:
+        raise RuleRejected(f"unfold along sharded dim {dim}: windows would cross shard edges; "
+                           f"{unshard_fix(call, Shard(dim))}", "S(d) off the unfolded dim, R, Partial")
+    return dim   # the windows' dim is appended after every other
+
+
 # --- the table ---------------------------------------------------------------------------------------
 _SAME = lambda call, dim: dim  # noqa: E731
 _SPLIT_LEGAL = "S(d) off the split dim, R, Partial"
@@ -279,5 +321,12 @@ VIEW = {
     "split": OpRow(_split, follow_rule(off_dim(2), _SPLIT_LEGAL)),
     "chunk": OpRow(torch.chunk, follow_rule(off_dim(2), _SPLIT_LEGAL)),
     "unbind": OpRow(torch.unbind, follow_rule(off_dim(1, drops=True), _SPLIT_LEGAL)),
+    "diagonal": OpRow(torch.diagonal, follow_rule(_diagonal_out_dim, _DIAGONAL_LEGAL),
+                      doc="S(d) off dim1 and dim2 (renumbered: the diagonal is the last dim), R, Partial"),
+    "diag_embed": OpRow(torch.diag_embed, follow_rule(_diag_embed_out_dim, _EMBED_LEGAL),
+                        doc="S(d) off the last dim (renumbered around dim1, dim2), R, Partial"),
+    "diag": OpRow(torch.diag, follow_rule(_diag_out_dim, "R, Partial"), doc="R, Partial (both dims are the diagonal's)"),
+    "unfold": OpRow(torch.Tensor.unfold, follow_rule(_unfold_out_dim, "S(d) off the unfolded dim, R, Partial"),
+                    doc="x.unfold(dimension, size, step): S(d) off dimension, R, Partial"),
 }
 register_family("view", VIEW)

@@ -107,8 +107,9 @@ _NOT_YET = [
     "`movedim` / `moveaxis`, `view_as`, `reshape_as`, `expand_as`, `type_as`, `new_zeros` / `new_ones` /",
     "`new_full` / `new_empty` (Replicate on the tensor's mesh), `clip`, `x.where(cond, y)`, `tril` / `triu`",
     "(a mask from two `arange`s and `masked_fill`), `flip` / `fliplr` / `flipud` (`index_select` of a",
-    "reversed `arange`), `roll` (`narrow` and `cat`), `select`, `aminmax`, `count_nonzero`, `var_mean`,",
-    "`std_mean`; as methods and under their `torch.*` names.",
+    "reversed `arange`), `rot90` (flips and a transpose, as torch composes it), `roll` (`narrow` and `cat`),",
+    "`select`, `aminmax`, `count_nonzero`, `var_mean`, `std_mean`; as methods and under their `torch.*` names.",
+    "(`x.unfold(dimension, size, step)` is an op, below; `torch.nn.functional.unfold`, im2col, is refused.)",
     "",
 ]
 

@@ -371,6 +371,25 @@ def _masked_scatter(m: Make):
             Sample((m.x(*shape), m.bools(shape[1]), m.x(shape[0] * shape[1] + 3)), {}, True)]
 
 
+def _with_nans(*sizes, calls=()):
+    """nanmedian: distinct values with a nan in some rows (never a whole row), so that skipping
+    them matters."""
+    def build(m: Make):
+        x = m.distinct(*m.shape(*sizes))
+        x.view(-1)[::7] = math.nan
+        return [Sample(*call(x)) for call in calls]
+    return build
+
+
+def _repeated(*calls):
+    """mode: a few small values repeated along each row, so that the most frequent one is not
+    every value alike."""
+    def build(m: Make):
+        x = m.ints(*m.shape(*_MATRIX), low=0, high=3).to(torch.float32)
+        return [Sample(*call(x), True) for call in calls]
+    return build
+
+
 _ALL = slice(None)
 
 
@@ -440,6 +459,10 @@ _BUILDERS: dict[str, Callable] = {
                  _reduce(((), {}), (((0, 1),), {}), kind="all", exact=True)),
     "max": _max_like, "min": _max_like,
     "cumsum": _both(_reduce(((0,), {}), ((1,), {})), _reduce(((1,), {}), kind="ints", exact=True)),
+    "cumprod": _both(_reduce(((0,), {}), ((1,), {})), _reduce(((1,), {}), kind="ints", exact=True)),
+    **{name: _both(_on(_MATRIX, lambda x: _call(x, 0), lambda x: _call(x, dim=1)), _on(_CUBE, lambda x: _call(x, -1)))
+       for name in ("cummax", "cummin")},
+    "logcumsumexp": _reduce(((0,), {}), ((-1,), {})),
     "softmax": _reduce(((1,), {}), ((0,), {}), ((-1,), {"dtype": torch.float64})),
     "log_softmax": _reduce(((-1,), {}), ((0,), {})),
     # matrix
@@ -489,6 +512,15 @@ _BUILDERS: dict[str, Callable] = {
                  lambda x: _call(x, 2, dim=1)),
     "chunk": _on(_MATRIX, lambda x: _call(x, 2, 1)),
     "unbind": _on(_MATRIX, lambda x: _call(x, 0), lambda x: _call(x, 1)),
+    "diagonal": _both(_on(_MATRIX, lambda x: _call(x), lambda x: _call(x, 1)),
+                      _on(_CUBE, lambda x: _call(x, 0, 1, 2), lambda x: _call(x, -1, 0, 2),
+                          lambda x: _call(x, offset=1, dim1=2, dim2=0))),
+    "diag_embed": _both(_on(_MATRIX, lambda x: _call(x), lambda x: _call(x, 1, 0, 2)),
+                        _on(_CUBE, lambda x: _call(x, dim1=0, dim2=-1))),
+    "diag": _both(_on(_VECTOR, lambda x: _call(x), lambda x: _call(x, 1)),
+                  _on(_MATRIX, lambda x: _call(x), lambda x: _call(x, -1))),
+    "unfold": _both(_on(_MATRIX, lambda x: _call(x, 0, 2, 1), lambda x: _call(x, 1, 2, 2)),
+                    _on(_CUBE, lambda x: _call(x, -1, 2, 1))),
     # indexing
     "getitem": _both(_index(1, (_ALL, 1), slice(1, 3), (_ALL, slice(None, None, 2)), (None, ..., None), (..., -1),
                             (_ALL, _ALL), (slice(None, None, 2), None), (-1, slice(1, None))),
@@ -513,6 +545,14 @@ _BUILDERS: dict[str, Callable] = {
     "topk": _on(_MATRIX, lambda x: _call(x, 2, dim=1), lambda x: _call(x, 1, 0, largest=False)),
     "sort": _both(_on(_MATRIX, lambda x: _call(x, 0), lambda x: _call(x, descending=True)),
                   _on(_CUBE, lambda x: _call(x, 1))),
+    "kthvalue": _both(_on(_MATRIX, lambda x: _call(x, 2), lambda x: _call(x, 1, 0, True), lambda x: _call(x, 3, dim=-1)),
+                      _on(_CUBE, lambda x: _call(x, 2, 1))),
+    # median without a dim (the last calls) takes R only: every element is compared
+    "median": _both(_on(_MATRIX, lambda x: _call(x, 0), lambda x: _call(x, 1, True), lambda x: _call(x)),
+                    _on(_CUBE, lambda x: _call(x, dim=-1))),
+    "nanmedian": _with_nans(*_MATRIX, calls=(lambda x: _call(x, 1), lambda x: _call(x, 0, keepdim=True),
+                                              lambda x: _call(x))),
+    "mode": _repeated(lambda x: _call(x), lambda x: _call(x, 0, True)),
     "index": _tensor_index, "index_put": _index_put, "masked_scatter": _masked_scatter,
     **VISION,
 }
