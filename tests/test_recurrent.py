@@ -181,6 +181,35 @@ def test_an_lstm_model_trains_as_torch_does(mesh22):
         torch.testing.assert_close(got.to_torch(), want.detach(), rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_compiled_lstm_step_equals_torch(mesh4):
+    """dtorch.compile captures a whole step (the LSTM's dozens of per-step ops, its backward and
+    AdamW; from the third call one command): 4 steps' losses equal torch's."""
+    torch.manual_seed(25)
+    reference = tnn.LSTM(INPUT_SIZE, HIDDEN_SIZE, num_layers=2, batch_first=True)
+    module = dtorch.distribute_module(copy.deepcopy(reference), mesh4)
+    opt = dtorch.optim.AdamW(module.parameters(), lr=1e-2)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+
+    @dtorch.compile
+    def step(x):
+        loss = module(x)[0].pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x = torch.randn(6, STEPS, INPUT_SIZE)
+    given = dtorch.distribute_tensor(x, mesh4, [Shard(0)])
+    for _ in range(4):
+        loss = step(given)
+        expected = reference(x)[0].pow(2).mean()
+        expected.backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+        torch.testing.assert_close(loss.item(), expected.item(), rtol=2e-4, atol=0)
+    assert step.captures == 2   # the first call made AdamW's state; replays from then on
+
+
 def test_dropout_between_layers_only_in_training(mesh4):
     """With dropout=0.5 between the LSTM's layers: in training the output changes with the
     draws and repeats with dtorch's seed; in eval it equals torch's eval output."""
