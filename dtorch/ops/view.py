@@ -22,6 +22,10 @@ reduction over ranks commutes with any rearrangement of elements).
                    would put a row's diagonal element on another rank.
   windows          unfold (x.unfold(dimension, size, step)): S(d) off `dimension` (the windows'
                    trailing dim is new); a sharded `dimension` would cut windows at shard edges.
+  Known gap: torch's diagonal and unfold return views; here their results are copies (they are
+  not in dtorch/aliasing.py's VIEW_OPS), so an in-place write to `x.diagonal()` or `x.unfold(...)`
+  does not reach x. Write x itself instead: x = x.masked_fill(mask, 0) zeroes the diagonal with
+  mask = dtorch.eye(n, dtype=torch.bool, device_mesh=x.device_mesh, placements=x.placements).
 """
 from __future__ import annotations
 
@@ -322,11 +326,12 @@ VIEW = {
     "chunk": OpRow(torch.chunk, follow_rule(off_dim(2), _SPLIT_LEGAL)),
     "unbind": OpRow(torch.unbind, follow_rule(off_dim(1, drops=True), _SPLIT_LEGAL)),
     "diagonal": OpRow(torch.diagonal, follow_rule(_diagonal_out_dim, _DIAGONAL_LEGAL),
-                      doc="S(d) off dim1 and dim2 (renumbered: the diagonal is the last dim), R, Partial"),
+                      doc="S(d) off dim1 and dim2 (renumbered: the diagonal is the last dim), R, Partial; "
+                          "a copy, not a view (see above)"),
     "diag_embed": OpRow(torch.diag_embed, follow_rule(_diag_embed_out_dim, _EMBED_LEGAL),
                         doc="S(d) off the last dim (renumbered around dim1, dim2), R, Partial"),
     "diag": OpRow(torch.diag, follow_rule(_diag_out_dim, "R, Partial"), doc="R, Partial (both dims are the diagonal's)"),
     "unfold": OpRow(torch.Tensor.unfold, follow_rule(_unfold_out_dim, "S(d) off the unfolded dim, R, Partial"),
-                    doc="x.unfold(dimension, size, step): S(d) off dimension, R, Partial"),
+                    doc="x.unfold(dimension, size, step): S(d) off dimension, R, Partial; a copy, not a view"),
 }
 register_family("view", VIEW)
