@@ -76,8 +76,7 @@ def _rebind(target: DTensor, result: DTensor) -> None:
         return
     leaf = target._node if type(target._node) is Leaf else None
     if leaf is not None and result._node is not None:
-        raise RuntimeError(f"at {user_site()}: a leaf Variable that requires grad is being used in an in-place "
-                           "operation (change it under dtorch.no_grad(), as in torch)")
+        raise _leaf_changed("a leaf Variable")
     old, controller = target._id, target._controller
     capture = capturing.active()
     if capture is not None:   # dtorch.compile: a replay rebinds (or rebinds from) this tensor too
@@ -93,12 +92,19 @@ def _rebind(target: DTensor, result: DTensor) -> None:
         controller.submit(SetGrads, (target._id,), (leaf.grad._id,))
 
 
+def _leaf_changed(what: str) -> RuntimeError:
+    return RuntimeError(f"at {user_site()}: {what} that requires grad is being used in an in-place operation "
+                        "(change it under dtorch.no_grad(), as in torch)")
+
+
 DTensor._assign = lambda self, result, op: assign(self, result, op)   # tensor.py's inplace=True seam
 
 
 # --- aliasing: write up to the storage root, then re-derive its views ------------------------------
 def _write(node: aliasing.Node, result: DTensor, op: str) -> None:
     path = _storage_path(node, op)
+    if result._node is not None and any(type(getattr(n.obj(), "_node", None)) is Leaf for n in path[1:]):
+        raise _leaf_changed("a view of a leaf Variable")   # before the view changes alone
     with aliasing.tracking_paused():
         values = _current_values(path)
         values[node] = result

@@ -97,6 +97,26 @@ def test_grad_mode_and_leaves(mesh4):
     assert dtorch.is_grad_enabled()
 
 
+@pytest.mark.parametrize("placements", [[Replicate()], [Shard(0)], [Shard(1)]], ids=str)
+def test_a_refused_write_through_a_view_of_a_leaf_changes_nothing(mesh4, placements):
+    """torch refuses an in-place op on a view of a leaf that requires grad; dtorch refused it
+    only at the leaf, after the view had taken the new value (the base kept the old one)."""
+    value = torch.randn(4, 6)
+    x = _up(value, mesh4, placements, requires_grad=True)
+    views = {"t()": (x.t(), value.t()), "[1:]": (x[1:], value[1:]), "view(-1)": (x.view(-1), value.view(-1))}
+    for name, (view, expected) in views.items():
+        with pytest.raises(RuntimeError, match="a view of a leaf Variable that requires grad"):
+            view.add_(1)
+        with pytest.raises(RuntimeError, match="a view of a leaf Variable that requires grad"):
+            view[0] = 5.0
+        assert torch.equal(view.to_torch(), expected), name
+    assert torch.equal(x.to_torch(), value)
+    with dtorch.no_grad():      # allowed there, as in torch: the base follows
+        x[1:].mul_(2)
+    value[1:] *= 2
+    assert torch.equal(x.to_torch(), value) and x.is_leaf and x.requires_grad
+
+
 def test_torchs_own_no_grad_stops_recording_too(mesh4):
     """Evaluation loops, torch.nn.init and hand-written optimizers use torch.no_grad(): under it,
     dtorch records nothing and a leaf may change in place, as in torch."""
