@@ -241,8 +241,8 @@ def _install() -> None:
     DTensor.H = property(t, doc="A matrix transposed (real tensors: torch's conjugate transpose).")
     COMPOSITES.update(t=t, adjoint=adjoint, swapaxes=DTensor.transpose, swapdims=DTensor.transpose, movedim=movedim,
                       moveaxis=movedim, clip=DTensor.clamp, tril=tril, triu=triu, flip=flip, fliplr=methods["fliplr"],
-                      flipud=methods["flipud"], rot90=rot90, unfold=_unfold_spelled, roll=roll, select=select, aminmax=aminmax,
-                      count_nonzero=count_nonzero, var_mean=var_mean, std_mean=std_mean)
+                      flipud=methods["flipud"], rot90=rot90, unfold=_unfold_spelled, roll=roll, select=select,
+                      aminmax=aminmax, count_nonzero=count_nonzero, var_mean=var_mean, std_mean=std_mean)
 
 
 _install()

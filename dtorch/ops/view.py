@@ -273,9 +273,13 @@ _EMBED_LEGAL = "S(d) off the last dim, R, Partial"
 _WHY_DIAGONAL = "a diagonal pairs row i with column i + offset, which a shard splits across ranks"
 
 
+def _dim_pair(call: Call, defaults: tuple, ndim: int) -> list:
+    """diagonal's and diag_embed's dim1 and dim2 (arguments 2 and 3), in range(ndim)."""
+    return [normalize_dim(call.param(k, name, d), ndim) for k, name, d in zip((2, 3), ("dim1", "dim2"), defaults)]
+
+
 def _diagonal_out_dim(call: Call, dim: int) -> int:
-    ndim = len(call.inputs[0].shape)
-    pair = [normalize_dim(call.param(k, name, default), ndim) for k, name, default in ((2, "dim1", 0), (3, "dim2", 1))]
+    pair = _dim_pair(call, (0, 1), len(call.inputs[0].shape))
     if dim in pair:
         raise RuleRejected(f"diagonal of sharded dim {dim}: {_WHY_DIAGONAL}; {unshard_fix(call, Shard(dim))}",
                            _DIAGONAL_LEGAL)
@@ -287,7 +291,7 @@ def _diag_embed_out_dim(call: Call, dim: int) -> int:
     if dim == ndim - 1:
         raise RuleRejected(f"diag_embed spreads sharded dim {dim} over two dims: {_WHY_DIAGONAL}; "
                            f"{unshard_fix(call, Shard(dim))}", _EMBED_LEGAL)
-    pair = [normalize_dim(call.param(k, name, default), ndim + 1) for k, name, default in ((2, "dim1", -2), (3, "dim2", -1))]
+    pair = _dim_pair(call, (-2, -1), ndim + 1)
     return [d for d in range(ndim + 1) if d not in pair][dim]
 
 
@@ -330,7 +334,8 @@ VIEW = {
                           "a copy, not a view (see above)"),
     "diag_embed": OpRow(torch.diag_embed, follow_rule(_diag_embed_out_dim, _EMBED_LEGAL),
                         doc="S(d) off the last dim (renumbered around dim1, dim2), R, Partial"),
-    "diag": OpRow(torch.diag, follow_rule(_diag_out_dim, "R, Partial"), doc="R, Partial (both dims are the diagonal's)"),
+    "diag": OpRow(torch.diag, follow_rule(_diag_out_dim, "R, Partial"),
+                  doc="R, Partial (both dims are the diagonal's)"),
     "unfold": OpRow(torch.Tensor.unfold, follow_rule(_unfold_out_dim, "S(d) off the unfolded dim, R, Partial"),
                     doc="x.unfold(dimension, size, step): S(d) off dimension, R, Partial; a copy, not a view"),
 }

@@ -545,7 +545,8 @@ _BUILDERS: dict[str, Callable] = {
     "topk": _on(_MATRIX, lambda x: _call(x, 2, dim=1), lambda x: _call(x, 1, 0, largest=False)),
     "sort": _both(_on(_MATRIX, lambda x: _call(x, 0), lambda x: _call(x, descending=True)),
                   _on(_CUBE, lambda x: _call(x, 1))),
-    "kthvalue": _both(_on(_MATRIX, lambda x: _call(x, 2), lambda x: _call(x, 1, 0, True), lambda x: _call(x, 3, dim=-1)),
+    "kthvalue": _both(_on(_MATRIX, lambda x: _call(x, 2), lambda x: _call(x, 1, 0, True),
+                          lambda x: _call(x, 3, dim=-1)),
                       _on(_CUBE, lambda x: _call(x, 2, 1))),
     # median without a dim (the last calls) takes R only: every element is compared
     "median": _both(_on(_MATRIX, lambda x: _call(x, 0), lambda x: _call(x, 1, True), lambda x: _call(x)),
