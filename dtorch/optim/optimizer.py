@@ -12,22 +12,24 @@ import torch
 
 from .. import capture as capturing
 from ..autograd import clear_grads, reduce_gradients
-from ..ops.tensor_meta import tensor_meta
 from ..runtime import profiling, session
 from ..runtime.optim_kernels import state_names
 from ..runtime.protocol import OptimizerStep
 from ..tensor import DTensor
 from .grads import by_mesh, update_grads
-from .state import pack_state, unpack_state
+from .state import buffer_meta, pack_state, unpack_state
 
 __all__ = ["Optimizer"]
 
 
 class Optimizer(torch.optim.Optimizer):
-    """Subclasses set `kind` (the worker's update: SGD, Adam, AdamW) and `hyper(group)`, the
-    group's hyperparameters as plain numbers. A subclass of torch's Optimizer, so that
-    torch.optim.lr_scheduler accepts it; a changed group["lr"] is used from the next step."""
+    """Subclasses set `kind` (the worker's update: a torch.optim class name, optim_kernels.STATE_NAMES)
+    and the group's hyperparameters as plain numbers: `hyper_names` (the keywords of torch's
+    functional update that a group gives as they are), or their own `hyper(group)`. A subclass of
+    torch's Optimizer, so that torch.optim.lr_scheduler accepts it; a changed group["lr"] is used
+    from the next step."""
     kind = ""
+    hyper_names: tuple = ()
 
     def __init__(self, params, defaults: dict):
         name = f"dtorch.optim.{type(self).__name__}"
@@ -40,7 +42,7 @@ class Optimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def hyper(self, group: dict) -> dict:
-        raise NotImplementedError
+        return {name: _plain(group[name]) for name in self.hyper_names} | self.path(group)
 
     @staticmethod
     def path(group: dict) -> dict:
@@ -108,9 +110,8 @@ class Optimizer(torch.optim.Optimizer):
         if capture is not None:
             self._capture_step(capture, seq, states, names)
         for p, grad, state, ids, new in zip(params, grads, states, buffer_ids, fresh):
-            if new:   # torch's lazy state: SGD clones the grad, Adam takes zeros_like(param)
-                meta = tensor_meta(p.shape, (grad if self.kind == "SGD" else p).dtype, p.device_mesh, p.placements)
-                state.update({name: DTensor(i, meta, seq, controller) for name, i in zip(names, ids)})
+            if new:   # torch's lazy state, made by the step (optim_kernels.initial_fill)
+                state.update({name: DTensor(i, buffer_meta(name, p), seq, controller) for name, i in zip(names, ids)})
             for written in [p] + [state[name] for name in names]:
                 written._seq = seq   # a read after a failed step raises that step's RemoteError
             self._record_step(state)
@@ -191,6 +192,16 @@ def _grad_like(p: DTensor, what: str) -> DTensor:
     if grad.device_mesh != p.device_mesh or grad.placements != p.placements:
         grad = grad.redistribute(p.device_mesh, p.placements)
     return grad
+
+
+def _plain(value):
+    """A hyperparameter as the wire carries it: a bool stays one, betas a tuple of floats, any other
+    number (a 1-element tensor lr too) a float."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(float(v) for v in value)
+    return float(value)
 
 
 def _check_fused(name: str, params: list) -> None:
