@@ -27,7 +27,8 @@ __all__ = ["VIEW_OPS", "Node", "note_view", "node_of", "aliases", "tracking_paus
 # `aliases` decides). getitem here is basic indexing only; tensor indices copy. detach (and so
 # x.data) shares x's memory without its autograd history: `p.data.mul_(0.5)` changes p.
 VIEW_OPS = frozenset({"getitem", "view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "transpose",
-                      "permute", "expand", "contiguous", "split", "chunk", "unbind", "narrow", "detach"})
+                      "permute", "expand", "contiguous", "split", "chunk", "unbind", "narrow", "detach", "diagonal",
+                      "unfold"})
 
 
 class Node:

@@ -125,6 +125,9 @@ def _storage_path(node: aliasing.Node, op: str) -> list:
         if path[-1].step[0] == "expand":
             raise AliasingError(f"{op} at {user_site()} writes through an expand: several elements share one "
                                 "memory location in torch (torch refuses it too); clone() the expanded tensor first")
+        if path[-1].step[0] == "unfold":   # (overlapping windows share elements, and torch refuses those)
+            raise AliasingError(f"{op} at {user_site()} writes through x.unfold(...)'s windows, which dtorch does not "
+                                "write back into x; clone() the windows first, or change x itself")
         path.append(path[-1].parent)
     top = path[-1]
     if top.obj() is None:   # the root is gone: fine unless another view of it still lives
@@ -206,6 +209,9 @@ def _write_back(base: DTensor, step, value: DTensor) -> DTensor:
         dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest or kwargs["dims"]
         inverse = sorted(range(len(dims)), key=lambda i: dims[i] % len(dims))
         return call_op("permute", (value, tuple(inverse)), {})
+    if name == "diagonal":
+        offset, dim1, dim2 = _params(rest, kwargs, ("offset", "dim1", "dim2"), (0, 0, 1))
+        return call_op("diagonal_scatter", (base, value, offset, dim1, dim2), {})
     if name in ("contiguous", "detach"):   # the same elements: the view's value is the base's
         return call_op("clone", (value,), {})
     return call_op("reshape", (value, tuple(base.shape)), {})   # the reshape family keeps element order

@@ -117,6 +117,21 @@ def test_a_refused_write_through_a_view_of_a_leaf_changes_nothing(mesh4, placeme
     assert torch.equal(x.to_torch(), value) and x.is_leaf and x.requires_grad
 
 
+@pytest.mark.parametrize("placements", [[Replicate()], [Shard(0)]], ids=str)
+def test_a_write_through_a_diagonal_has_torchs_gradients(mesh4, placements):
+    a, d = torch.randn(6, 6), torch.randn(6)
+    ta, td = a.clone().requires_grad_(True), d.clone().requires_grad_(True)
+    y = ta * 2
+    y.diagonal().mul_(td)
+    (y.tanh() * torch.arange(36.0).view(6, 6)).sum().backward()
+    x, w = _up(a, mesh4, placements, requires_grad=True), _up(d, mesh4, [Replicate()], requires_grad=True)
+    z = x * 2
+    z.diagonal().mul_(w)
+    (z.tanh() * _up(torch.arange(36.0).view(6, 6), mesh4, [Replicate()])).sum().backward()
+    torch.testing.assert_close(x.grad.to_torch(), ta.grad)
+    torch.testing.assert_close(w.grad.to_torch(), td.grad)
+
+
 def test_torchs_own_no_grad_stops_recording_too(mesh4):
     """Evaluation loops, torch.nn.init and hand-written optimizers use torch.no_grad(): under it,
     dtorch records nothing and a leaf may change in place, as in torch."""

@@ -288,13 +288,37 @@ def detach_and_data_share_memory(x):
     return x, d
 
 
+def diagonal_views(x):
+    """`A.diagonal().add_(eps)` is how torch code adds to a diagonal: it must reach A (it did not
+    while diagonal was a copy here); offsets, a transposed base and setitem through it too."""
+    main, upper, lower = x.diagonal(), x.diagonal(1), x.T.diagonal(-1)
+    main.add_(10)
+    x.mul_(2)               # every diagonal re-derived
+    upper[1] = -7.0
+    lower.fill_(3)
+    return x, main, upper, lower
+
+
+def unfold_views(x):
+    windows = x.unfold(1, 2, 1)
+    x.add_(1)               # the windows see it
+    return x, windows
+
+
+def unfold_write(x):
+    x.unfold(1, 2, 2).mul_(3)   # torch: changes x; dtorch: AliasingError
+    return x
+
+
 ALIASING = [view_sees_base, base_sees_view, sibling_views, transpose_write_back, chain_of_views, chunk_and_unbind,
             narrow_and_split, reshape_views_and_copies, setitem_on_a_view, view_of_permuted_unsqueezed,
-            deepcopy_does_not_alias, expand_write, orphan_with_sibling, orphan_alone, detach_and_data_share_memory]
+            deepcopy_does_not_alias, expand_write, orphan_with_sibling, orphan_alone, detach_and_data_share_memory,
+            diagonal_views, unfold_views, unfold_write]
 # Cases where dtorch raises AliasingError instead of torch's values, and why (docs/inplace.md).
 EXPECTED_REFUSALS = {
     "expand_write": "torch refuses it too (RuntimeError)",
     "orphan_with_sibling": "the base is gone while two views of it live: dtorch cannot update the other",
+    "unfold_write": "windows are not written back (overlapping ones share elements: torch refuses those)",
 }
 
 
@@ -308,6 +332,7 @@ def test_aliasing_matches_torch_or_refuses(case, mesh1, mesh2, mesh22):
         got, error = _run(lambda: case(x))
         if case.__name__ in EXPECTED_REFUSALS:
             assert isinstance(error, AliasingError), error
+            assert torch.equal(x.to_torch(), t)     # refused before anything changed
             assert "test_inplace.py" in str(error)   # names the user's line
             continue
         assert error is None and torch_error is None, (error, torch_error)

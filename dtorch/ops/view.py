@@ -22,10 +22,9 @@ reduction over ranks commutes with any rearrangement of elements).
                    would put a row's diagonal element on another rank.
   windows          unfold (x.unfold(dimension, size, step)): S(d) off `dimension` (the windows'
                    trailing dim is new); a sharded `dimension` would cut windows at shard edges.
-  Known gap: torch's diagonal and unfold return views; here their results are copies (they are
-  not in dtorch/aliasing.py's VIEW_OPS), so an in-place write to `x.diagonal()` or `x.unfold(...)`
-  does not reach x. Write x itself instead: x = x.masked_fill(mask, 0) zeroes the diagonal with
-  mask = dtorch.eye(n, dtype=torch.bool, device_mesh=x.device_mesh, placements=x.placements).
+  Both are views, as in torch (dtorch/aliasing.py): a write to `x.diagonal()` reaches x through
+  diagonal_scatter (input S(d) off dim1 and dim2 with src sharded on d's diagonal dim, R, a Partial
+  pair); a write through `x.unfold(...)` is refused (docs/inplace.md).
 """
 from __future__ import annotations
 
@@ -273,13 +272,14 @@ _EMBED_LEGAL = "S(d) off the last dim, R, Partial"
 _WHY_DIAGONAL = "a diagonal pairs row i with column i + offset, which a shard splits across ranks"
 
 
-def _dim_pair(call: Call, defaults: tuple, ndim: int) -> list:
-    """diagonal's and diag_embed's dim1 and dim2 (arguments 2 and 3), in range(ndim)."""
-    return [normalize_dim(call.param(k, name, d), ndim) for k, name, d in zip((2, 3), ("dim1", "dim2"), defaults)]
+def _dim_pair(call: Call, defaults: tuple, ndim: int, positions: tuple = (2, 3)) -> list:
+    """diagonal's and diag_embed's dim1 and dim2 (arguments 2 and 3; diagonal_scatter's 3 and 4),
+    in range(ndim)."""
+    return [normalize_dim(call.param(k, name, d), ndim) for k, name, d in zip(positions, ("dim1", "dim2"), defaults)]
 
 
-def _diagonal_out_dim(call: Call, dim: int) -> int:
-    pair = _dim_pair(call, (0, 1), len(call.inputs[0].shape))
+def _diagonal_out_dim(call: Call, dim: int, positions: tuple = (2, 3)) -> int:
+    pair = _dim_pair(call, (0, 1), len(call.inputs[0].shape), positions)
     if dim in pair:
         raise RuleRejected(f"diagonal of sharded dim {dim}: {_WHY_DIAGONAL}; {unshard_fix(call, Shard(dim))}",
                            _DIAGONAL_LEGAL)
@@ -307,6 +307,36 @@ def _unfold_out_dim(call: Call, dim: int) -> int:
     return dim   # the windows' dim is appended after every other
 
 
+_SCATTER_DIMS = (3, 4)   # diagonal_scatter(input, src, offset, dim1, dim2)
+_SCATTER_DIAGONAL_LEGAL = ("input S(d) off dim1 and dim2 with src S(d's dim in the diagonal), R sliced to match; "
+                           "all R; input and src the same Partial, or R beside P(avg/max/min)")
+
+
+def _diagonal_scatter_rule(call: Call, placements) -> Decision:
+    """torch.diagonal_scatter(input, src, offset, dim1, dim2): input with its diagonal replaced by
+    src (dtorch/inplace.py writes `x.diagonal()`'s in-place changes back with it). A shard of a
+    kept dim holds its rows of both; a Partial pair adds up to the whole when both are the same."""
+    p, q = placements
+    ndim = len(call.inputs[0].shape)
+    kept = [d for d in range(ndim) if d not in _dim_pair(call, (0, 1), ndim, _SCATTER_DIMS)]
+    if isinstance(p, Partial) or isinstance(q, Partial):
+        partial = p if isinstance(p, Partial) else q
+        # beside R, a mean, max or min of equal copies is the copy; a sum would count it per rank
+        if p != q and not ((p.is_replicate() or q.is_replicate()) and partial.reduce_op != "sum"):
+            raise RuleRejected(f"diagonal_scatter of a {p!r} input and a {q!r} src: a Partial passes beside the "
+                               f"same Partial, or beside R unless it is P(sum)", _SCATTER_DIAGONAL_LEGAL)
+        return Decision(placements, (partial,))
+    if isinstance(q, Shard) and p.is_replicate():
+        if q.dim >= len(kept):
+            raise RuleRejected(f"diagonal_scatter of a src sharded on its diagonal (dim {q.dim}): {_WHY_DIAGONAL}",
+                               _SCATTER_DIAGONAL_LEGAL)
+        p = Shard(kept[q.dim])
+    if isinstance(p, Shard):
+        shard = Shard(_diagonal_out_dim(call, p.dim, _SCATTER_DIMS))
+        return Decision((p, shard), (p,))
+    return Decision(placements, (R,))
+
+
 # --- the table ---------------------------------------------------------------------------------------
 _SAME = lambda call, dim: dim  # noqa: E731
 _SPLIT_LEGAL = "S(d) off the split dim, R, Partial"
@@ -331,12 +361,14 @@ VIEW = {
     "unbind": OpRow(torch.unbind, follow_rule(off_dim(1, drops=True), _SPLIT_LEGAL)),
     "diagonal": OpRow(torch.diagonal, follow_rule(_diagonal_out_dim, _DIAGONAL_LEGAL),
                       doc="S(d) off dim1 and dim2 (renumbered: the diagonal is the last dim), R, Partial; "
-                          "a copy, not a view (see above)"),
+                          "a view, as in torch"),
+    "diagonal_scatter": OpRow(torch.diagonal_scatter, _diagonal_scatter_rule, doc=_SCATTER_DIAGONAL_LEGAL),
     "diag_embed": OpRow(torch.diag_embed, follow_rule(_diag_embed_out_dim, _EMBED_LEGAL),
                         doc="S(d) off the last dim (renumbered around dim1, dim2), R, Partial"),
     "diag": OpRow(torch.diag, follow_rule(_diag_out_dim, "R, Partial"),
                   doc="R, Partial (both dims are the diagonal's)"),
     "unfold": OpRow(torch.Tensor.unfold, follow_rule(_unfold_out_dim, "S(d) off the unfolded dim, R, Partial"),
-                    doc="x.unfold(dimension, size, step): S(d) off dimension, R, Partial; a copy, not a view"),
+                    doc="x.unfold(dimension, size, step): S(d) off dimension, R, Partial; a view (writes through it "
+                        "are refused)"),
 }
 register_family("view", VIEW)
