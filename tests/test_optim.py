@@ -1,9 +1,10 @@
 """dtorch.optim and dtorch.nn.utils clipping against torch.optim and torch.nn.utils on the same full
-tensors: every option of SGD, Adam and AdamW over several steps on meshes (1,), (2,), (4,), (2,2)
-and placements R, S(0), S(1) with uneven shapes; the updates are elementwise, so parameters and
-state must be bit-equal (within rounding for torch's fused kernels). Also lr schedulers,
-state_dict round trips across layouts, zero_grad, the number of commands per step, and a worker
-failure in a step."""
+tensors: the main options of SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, NAdam and RAdam
+over several steps on meshes (1,), (2,), (4,), (2,2) and placements R, S(0), S(1) with uneven
+shapes; the updates are elementwise, so parameters and state must be bit-equal (within rounding
+for torch's fused kernels). Also argument checks, lr schedulers, state_dict round trips across
+layouts and from torch, init_state, a compiled step, zero_grad, the number of commands per step,
+and a worker failure in a step."""
 from __future__ import annotations
 
 import gc
@@ -134,7 +135,11 @@ def test_steps_equal_torch(any_mesh, name, options):
     assert_same_state(opt, ours, topt, theirs, exact=not options.get("fused"))
 
 
-def test_param_groups_and_commands_per_step(mesh2, mesh4):
+ALL_KINDS = ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam"]
+
+
+@pytest.mark.parametrize("name", ALL_KINDS)
+def test_param_groups_and_commands_per_step(mesh2, mesh4, name):
     """One OptimizerStep per param group and mesh; a group spanning two meshes (pipeline stages:
     here mesh2 and the ranks 2, 3) sends one per mesh."""
     stage2 = DeviceMesh("cpu", [2, 3])
@@ -142,8 +147,8 @@ def test_param_groups_and_commands_per_step(mesh2, mesh4):
     extra = dtorch.nn.Parameter(dtorch.tensor(theirs[2].detach().clone(), device_mesh=stage2, placements=[S(0)]))
     extra_t = theirs[2].detach().clone().requires_grad_()
     groups = lambda a, b, c, d: [{"params": [a, b]}, {"params": [c, d], "lr": 0.5}]
-    opt = dtorch.optim.AdamW(groups(ours[0], ours[1], ours[2], extra), lr=0.1)
-    topt = torch.optim.AdamW(groups(theirs[0], theirs[1], theirs[2], extra_t), lr=0.1)
+    opt = getattr(dtorch.optim, name)(groups(ours[0], ours[1], ours[2], extra), lr=0.1)
+    topt = getattr(torch.optim, name)(groups(theirs[0], theirs[1], theirs[2], extra_t), lr=0.1)
     for step in range(2):
         set_grads(ours + [extra], theirs + [extra_t], step)
         dtorch.synchronize()
@@ -156,14 +161,16 @@ def test_param_groups_and_commands_per_step(mesh2, mesh4):
     assert opt.param_groups[1]["lr"] == 0.5
 
 
+@pytest.mark.parametrize("name,options", [("SGD", {"lr": 0.1, "momentum": 0.9}), ("RMSprop", {"lr": 0.1}),
+                                          ("NAdam", {"lr": 0.1}), ("Adagrad", {"lr": 0.1})])
 @pytest.mark.parametrize("scheduler,arguments", [
     ("StepLR", {"step_size": 2, "gamma": 0.5}),
     ("LambdaLR", {"lr_lambda": lambda epoch: 1.0 / (epoch + 1)}),
     ("CosineAnnealingLR", {"T_max": 3}),
 ])
-def test_lr_schedulers_drive_lr(mesh4, scheduler, arguments):
+def test_lr_schedulers_drive_lr(mesh4, scheduler, arguments, name, options):
     ours, theirs = make_pair(mesh4, layouts(mesh4))
-    opt, topt = dtorch.optim.SGD(ours, lr=0.1, momentum=0.9), torch.optim.SGD(theirs, lr=0.1, momentum=0.9)
+    opt, topt = getattr(dtorch.optim, name)(ours, **options), getattr(torch.optim, name)(theirs, **options)
     schedule = getattr(torch.optim.lr_scheduler, scheduler)
     ours_s, theirs_s = schedule(opt, **arguments), schedule(topt, **arguments)
     for step in range(5):
@@ -176,11 +183,23 @@ def test_lr_schedulers_drive_lr(mesh4, scheduler, arguments):
     assert_same_state(opt, ours, topt, theirs)
 
 
-def test_state_dict_layout_and_round_trip_onto_another_layout(mesh2, mesh22):
+EVERY_BUFFER = [   # options under which each kind keeps all of its buffers
+    ("Adam", {"lr": 0.05, "amsgrad": True}),
+    ("RMSprop", {"lr": 0.05, "momentum": 0.9, "centered": True}),
+    ("Adagrad", {"lr": 0.05, "initial_accumulator_value": 0.2}),
+    ("Adadelta", {"lr": 0.5}),
+    ("Adamax", {"lr": 0.05}),
+    ("NAdam", {"lr": 0.05}),
+    ("RAdam", {"lr": 0.05}),
+]
+
+
+@pytest.mark.parametrize("name,options", EVERY_BUFFER, ids=[name for name, _ in EVERY_BUFFER])
+def test_state_dict_layout_and_round_trip_onto_another_layout(mesh2, mesh22, name, options):
     """Saved on mesh (2,), loaded into an optimizer whose parameters live on (2,2) with other
     placements: training goes on exactly as torch's does."""
     ours, theirs = make_pair(mesh2, [[S(0)], [S(1)], [R()]])
-    opt, topt = dtorch.optim.Adam(ours, lr=0.05, amsgrad=True), torch.optim.Adam(theirs, lr=0.05, amsgrad=True)
+    opt, topt = getattr(dtorch.optim, name)(ours, **options), getattr(torch.optim, name)(theirs, **options)
     for step in range(2):
         set_grads(ours, theirs, step)
         opt.step()
@@ -193,10 +212,11 @@ def test_state_dict_layout_and_round_trip_onto_another_layout(mesh2, mesh22):
 
     moved = [dtorch.nn.Parameter(dtorch.tensor(t.detach().clone(), device_mesh=mesh22, placements=p))
              for t, p in zip(theirs, layouts(mesh22))]
-    reloaded = dtorch.optim.Adam(moved, lr=1.0)
+    reloaded = getattr(dtorch.optim, name)(moved, lr=1.0)
     reloaded.load_state_dict(saved)
-    assert reloaded.param_groups[0]["lr"] == 0.05
-    assert reloaded.state[moved[0]]["exp_avg"].placements == moved[0].placements
+    assert reloaded.param_groups[0]["lr"] == options["lr"]
+    buffers = [key for key in saved["state"][0] if key != "step"]
+    assert all(reloaded.state[moved[0]][key].placements == expected_placements(key, moved[0]) for key in buffers)
     for step in range(2, 4):
         set_grads(moved, theirs, step)
         reloaded.step()
@@ -204,21 +224,31 @@ def test_state_dict_layout_and_round_trip_onto_another_layout(mesh2, mesh22):
     assert_same_state(reloaded, moved, topt, theirs)
     # the saved optimizer's buffers were copied, never updated in place by the new one
     assert opt.state[ours[0]]["step"] == 2
-    assert torch.equal(opt.state[ours[0]]["exp_avg"].to_torch(), saved["state"][0]["exp_avg"].to_torch())
+    assert all(torch.equal(opt.state[ours[0]][key].to_torch(), saved["state"][0][key].to_torch()) for key in buffers)
 
 
-def test_a_torch_state_dict_loads(mesh4):
+@pytest.mark.parametrize("name,options,steps", [
+    ("SGD", {"lr": 0.1, "momentum": 0.9}, 1),
+    ("NAdam", {"lr": 0.05}, 2),   # mu_product: a 0-d tensor, uploaded Replicate
+    ("Adagrad", {"lr": 0.05, "initial_accumulator_value": 0.5}, 1),
+    ("RMSprop", {"lr": 0.05, "momentum": 0.5, "centered": True}, 1),
+    # torch steps 6 times: from step 7 RAdam takes its rectified branch (rho_t > 5 with beta2 0.8)
+    ("RAdam", {"lr": 0.05, "betas": (0.9, 0.8)}, 6),
+])
+def test_a_torch_state_dict_loads(mesh4, name, options, steps):
     ours, theirs = make_pair(mesh4, layouts(mesh4))
-    topt = torch.optim.SGD(theirs, lr=0.1, momentum=0.9)
-    set_grads(ours, theirs, 0)
-    topt.step()
+    topt = getattr(torch.optim, name)(theirs, **options)
+    for step in range(steps):
+        set_grads(ours, theirs, step)
+        topt.step()
     ours = [dtorch.nn.Parameter(dtorch.tensor(t.detach().clone(), device_mesh=mesh4, placements=p.placements))
             for t, p in zip(theirs, ours)]
-    opt = dtorch.optim.SGD(ours, lr=0.3)
+    opt = getattr(dtorch.optim, name)(ours, lr=0.3)
     opt.load_state_dict(topt.state_dict())
-    set_grads(ours, theirs, 1)
-    opt.step()
-    topt.step()
+    for step in range(steps, steps + 2):
+        set_grads(ours, theirs, step)
+        opt.step()
+        topt.step()
     assert_same_state(opt, ours, topt, theirs)
 
 
@@ -359,6 +389,81 @@ def test_bad_arguments_fail_at_the_call(mesh2):
         p.grad = dtorch.ones(5, device_mesh=mesh2, placements=[S(0)])
     with pytest.raises(RuntimeError, match="different type"):
         p.grad = dtorch.ones(4, dtype=torch.float64, device_mesh=mesh2, placements=[S(0)])
+
+
+BAD_ARGUMENTS = [
+    ("RMSprop", {"alpha": -0.5}), ("RMSprop", {"momentum": -1}), ("RMSprop", {"lr": torch.ones(2)}),
+    ("Adagrad", {"lr_decay": -1}), ("Adagrad", {"initial_accumulator_value": -1}), ("Adagrad", {"eps": -1}),
+    ("Adadelta", {"rho": 1.5}), ("Adadelta", {"weight_decay": -1}),
+    ("Adamax", {"betas": (0.9, 1.0)}), ("Adamax", {"lr": -1, "eps": -1}),
+    ("NAdam", {"momentum_decay": -1}), ("NAdam", {"betas": (-0.1, 0.9)}),
+    ("RAdam", {"eps": -1, "weight_decay": -1}), ("RAdam", {"fused": True}), ("Adamax", {"nesterov": True}),
+]
+
+
+@pytest.mark.parametrize("name,options", BAD_ARGUMENTS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BAD_ARGUMENTS)])
+def test_bad_arguments_fail_as_in_torch(mesh2, name, options):
+    """The same exception, with torch's words: the first bad argument torch checks is the one named."""
+    p = dtorch.nn.Parameter(dtorch.ones(4, device_mesh=mesh2, placements=[S(0)]))
+    with pytest.raises((ValueError, TypeError)) as theirs:
+        getattr(torch.optim, name)([torch.ones(4, requires_grad=True)], **options)
+    with pytest.raises(type(theirs.value)) as ours:
+        getattr(dtorch.optim, name)([p], **options)
+    assert str(ours.value).replace("dtorch.optim.", "").replace("Optimizer.", "") == \
+        str(theirs.value).replace("torch.optim.", "").replace("Optimizer.", "")
+
+
+@pytest.mark.parametrize("name,flag", [("RMSprop", "capturable"), ("NAdam", "differentiable"),
+                                       ("Adagrad", "differentiable"), ("RAdam", "capturable")])
+def test_unsupported_options_are_refused(mesh2, name, flag):
+    p = dtorch.nn.Parameter(dtorch.ones(4, device_mesh=mesh2, placements=[S(0)]))
+    with pytest.raises(ValueError, match=f"dtorch.optim.{name}: {flag}=True is not supported"):
+        getattr(dtorch.optim, name)([p], **{flag: True})
+
+
+def test_adagrad_makes_its_state_at_construction_as_torch(mesh22):
+    ours, theirs = make_pair(mesh22, layouts(mesh22))
+    opt = dtorch.optim.Adagrad(ours, initial_accumulator_value=0.25)
+    topt = torch.optim.Adagrad(theirs, initial_accumulator_value=0.25)
+    assert_same_state(opt, ours, topt, theirs)   # before any step: step 0, sum at 0.25
+    assert list(opt.state_dict()["state"][0]) == list(topt.state_dict()["state"][0]) == ["step", "sum"]
+
+
+@pytest.mark.parametrize("name,options", EVERY_BUFFER, ids=[name for name, _ in EVERY_BUFFER])
+def test_init_state_is_torch_first_state(mesh4, name, options):
+    """init_state's buffers hold what torch's first step starts from (NAdam's mu_product 1, Adagrad's
+    sum initial_accumulator_value): a step from them equals torch's first step."""
+    ours, theirs = make_pair(mesh4, layouts(mesh4))
+    opt = dtorch.optim.init_state(getattr(dtorch.optim, name)(ours, **options))
+    topt = getattr(torch.optim, name)(theirs, **options)
+    assert all(opt.state[p]["step"] == 0 for p in ours)
+    set_grads(ours, theirs, 0)
+    opt.step()
+    topt.step()
+    assert_same_state(opt, ours, topt, theirs)
+
+
+@pytest.mark.parametrize("name", ["NAdam", "Adagrad", "RMSprop"])
+def test_a_compiled_step_equals_torch(mesh4, name):
+    """dtorch.compile replays the step with its step counts moved on; NAdam's mu_product moves on
+    with each replay on the workers."""
+    ours, theirs = make_pair(mesh4, layouts(mesh4))
+    opt, topt = getattr(dtorch.optim, name)(ours, lr=0.05), getattr(torch.optim, name)(theirs, lr=0.05)
+
+    def train(optimizer, params, weights):
+        optimizer.zero_grad()
+        loss = sum(((p * p) * w).sum() for p, w in zip(params, weights))
+        loss.backward()
+        optimizer.step()
+        return loss
+    compiled = dtorch.compile(lambda *weights: train(opt, ours, weights))
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        weights = [torch.randn(t.shape, generator=g) for t in theirs]
+        loss = compiled(*[dtorch.tensor(w, device_mesh=mesh4, placements=p.placements) for w, p in zip(weights, ours)])
+        torch.testing.assert_close(loss.to_torch(), train(topt, theirs, weights))
+    assert_same_state(opt, ours, topt, theirs)
+    assert compiled.captures <= 2   # a fresh optimizer's first call makes its state: the second captures again
 
 
 def test_a_grad_on_other_placements_is_moved_first(mesh4):
