@@ -109,7 +109,7 @@ class Optimizer(torch.optim.Optimizer):
         capture = capturing.active()
         if capture is not None:
             self._capture_step(capture, seq, states, names)
-        for p, grad, state, ids, new in zip(params, grads, states, buffer_ids, fresh):
+        for p, state, ids, new in zip(params, states, buffer_ids, fresh):
             if new:   # torch's lazy state, made by the step (optim_kernels.initial_fill)
                 state.update({name: DTensor(i, buffer_meta(name, p), seq, controller) for name, i in zip(names, ids)})
             for written in [p] + [state[name] for name in names]:

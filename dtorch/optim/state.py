@@ -66,16 +66,16 @@ def _placed_like(value, param: DTensor, name: str, what: str) -> DTensor:
     return placed.to(dtype) if placed.dtype != dtype else call_op("clone", (placed,), {})
 
 
-def init_state(optimizer, groups=None):
-    """Give each parameter without state (of `groups`, all by default) the buffers its first step
-    would make (torch's initial values: zeros, Adagrad's initial_accumulator_value, NAdam's
-    mu_product 1; on the parameter's mesh and placements) and step 0, without a step. A fresh
+def init_state(optimizer):
+    """Give each parameter without state the buffers its first step would make (torch's initial
+    values: zeros, Adagrad's initial_accumulator_value, NAdam's mu_product 1; on the parameter's
+    mesh and placements) and step 0, without a step. A fresh
     optimizer's state_dict() then names every buffer a saved one has, so it is a target
     dtorch.checkpoint.load can fill (torch.distributed.checkpoint takes a step with lr 0 for this).
     The state then equals a fresh one exactly, but SGD's momentum_buffer: it starts at zeros, so
     with dampening a first step without a load in between differs from torch's (which copies the
     grad). Returns `optimizer`."""
-    for group in optimizer.param_groups if groups is None else groups:
+    for group in optimizer.param_groups:
         hyper = optimizer.hyper(group)
         names = state_names(optimizer.kind, hyper)
         for param in group["params"]:
