@@ -3,6 +3,8 @@ each redistribute's dual, failures, and Llama's gradients against transformers o
 (tests/test_grad_sweep.py sweeps every op's gradient over placements.)"""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -71,6 +73,22 @@ def test_each_redistribute_has_its_dual(pair, mesh4):
     moved = x.redistribute(placements=[names[pair[1]]])
     (moved * _up(weights, mesh4, [Replicate()])).sum().backward()
     torch.testing.assert_close(x.grad.to_torch(), weights)
+
+
+@pytest.mark.timeout(300)
+def test_every_redistribute_between_2d_layouts_has_its_dual(mesh22):
+    """A gathered leaf's buffer is gathered again in backward instead of kept (fsdp), but only
+    where every rank of the gather's group saves it alike: [R, S(0)] -> [S(0), P(sum)] gathers,
+    slices and partializes, which leaves a view of the buffer on some ranks and zeros on others,
+    and their backwards waited for each other in different collectives (a hang)."""
+    value, weights = torch.randn(5, 3), torch.randn(5, 3)
+    w = _up(weights, mesh22, [Replicate(), Replicate()])
+    layouts = list(itertools.product([Replicate(), Shard(0), Shard(1), Partial()], repeat=2))
+    for src in layouts:
+        x = _up(value, mesh22, list(src), requires_grad=True)
+        loss = sum((x.redistribute(placements=list(dst)) * w).sum() for dst in layouts)
+        loss.backward()
+        torch.testing.assert_close(x.grad.to_torch(), len(layouts) * weights, msg=str(src))
 
 
 def test_grad_mode_and_leaves(mesh4):

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import gc
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
-from dtorch.distributed_spec import Replicate, Shard
+from dtorch.distributed_spec import Partial, Replicate, Shard
 from dtorch.runtime.kernels import DifferentiableStep, _all_gather, _Regather, pack_saved, saves_gathered, unpack_saved
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,6 +72,18 @@ class _OneRankComm:
         return stacked[0].clone()
 
 
+def test_only_a_redistribute_of_gathers_alone_is_gathered_again_in_backward():
+    """apply_steps lets backward gather a leaf's buffer again only when every step is a gather:
+    a slice or a partialize after it leaves the buffer's views on some ranks only (a hang)."""
+    from dtorch.runtime.kernels import _only_gathers
+    mesh = SimpleNamespace(shape=(2, 2))
+    assert _only_gathers([(0, Shard(0), Replicate())], mesh)
+    assert _only_gathers([(0, Shard(0), Replicate()), (1, Shard(1), Replicate())], mesh)
+    assert not _only_gathers([(1, Shard(0), Replicate()), (0, Replicate(), Shard(0))], mesh)
+    assert not _only_gathers([(0, Shard(0), Replicate()), (1, Replicate(), Partial())], mesh)
+    assert _only_gathers([(0, Shard(0), Replicate()), (1, Replicate(), Partial())], SimpleNamespace(shape=(2, 1)))   # no-op step
+
+
 def test_a_gathered_parameter_is_saved_as_its_recipe_and_gathered_again_in_backward():
     comm = _OneRankComm()
     shard = torch.randn(6, 4, requires_grad=True)   # a parameter's shard: a leaf
@@ -83,7 +96,8 @@ def test_a_gathered_parameter_is_saved_as_its_recipe_and_gathered_again_in_backw
         return packed[-1]
 
     with torch.enable_grad():
-        whole = DifferentiableStep.apply(shard, anchor, _all_gather, Shard(0), Replicate(), (6, 4), (0,), 0, comm)
+        whole = DifferentiableStep.apply(shard, anchor, _all_gather, Shard(0), Replicate(), (6, 4), (0,), 0, comm,
+                                         True)   # (apply_steps: True when every step is a gather)
         assert saves_gathered([x, whole.t()])   # a view of it counts too
         assert not saves_gathered([x, shard])   # torch's own saving
         with saved_tensors_hooks(pack, unpack_saved):

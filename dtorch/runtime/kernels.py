@@ -95,6 +95,7 @@ def apply_steps(tensor: torch.Tensor, shape, mesh: DeviceMesh, placements, steps
     coordinate = mesh.coordinate_of(rank)
     placements = list(placements)
     source, donated = tensor, donated and _alone_in_storage(tensor)
+    regathers = _only_gathers(steps, mesh)
     failure = None
     for mesh_dim, before, after in steps:
         if mesh.shape[mesh_dim] == 1:   # one rank: every placement holds the same local data
@@ -109,7 +110,8 @@ def apply_steps(tensor: torch.Tensor, shape, mesh: DeviceMesh, placements, steps
             counted = _CountingComm(comm)
             try:
                 if torch.is_grad_enabled():   # a recorded redistribute: the step with its dual
-                    tensor = DifferentiableStep.apply(tensor, _ANCHOR, step, before, after, *arguments[2:], counted)
+                    tensor = DifferentiableStep.apply(tensor, _ANCHOR, step, before, after, *arguments[2:], counted,
+                                                      regathers)
                 else:
                     tensor = step(tensor, *arguments, counted)
             except Exception as error:
@@ -289,15 +291,25 @@ _SUM = Partial("sum")
 _ANCHOR = torch.zeros((), requires_grad=True)
 
 
+def _only_gathers(steps, mesh: DeviceMesh) -> bool:
+    """Whether every step that moves data is an all-gather: then each rank of a gather's group
+    holds the same tensor after it, makes the same views of it and saves them in the same ops,
+    so backward may gather it again (a collective) instead of keeping it. A slice or a
+    partialize after the gather leaves views on some ranks and copies or zeros on others
+    (R -> P(sum) keeps the value on one rank only): a rank that gathered again would wait for
+    peers that saved a copy."""
+    return all(step_kind(before, after) == "all_gather" for mesh_dim, before, after in steps if mesh.shape[mesh_dim] > 1)
+
+
 class DifferentiableStep(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, anchor, step, before, after, extents, group, index, comm):
+    def forward(ctx, tensor, anchor, step, before, after, extents, group, index, comm, regathers=False):
         ctx.step, ctx.before, ctx.after, ctx.extents, ctx.group, ctx.index = step, before, after, extents, group, index
         ctx.comm, ctx.shape = comm.comm if isinstance(comm, _CountingComm) else comm, tensor.shape
         out = step(tensor, before, after, extents, group, index, comm)
         if _selects(before):   # max/min: which ranks held the winner is read from the values
             ctx.save_for_backward(tensor, out)
-        if step is _all_gather and tensor.is_leaf and tensor.requires_grad:
+        if regathers and step is _all_gather and tensor.is_leaf and tensor.requires_grad:
             # a parameter's shard gathered (fsdp): backward gathers it again rather than keep it.
             # Marked on the storage's root tensor: ops save views of it (linear saves weight.t())
             _root(out)._dtorch_regather = (tensor, before, after, extents, group, index, ctx.comm)
@@ -305,7 +317,7 @@ class DifferentiableStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (_dual(ctx, grad),) + (None,) * 8
+        return (_dual(ctx, grad),) + (None,) * 9
 
 
 def _dual(ctx, grad: torch.Tensor) -> torch.Tensor:
