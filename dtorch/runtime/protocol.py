@@ -232,7 +232,7 @@ class OptimizerStep(NamedTuple):
     the local shards, IN PLACE (a parameter is an autograd leaf on the workers: same tensor, same id)."""
     seq: int
     mesh_id: int
-    kind: str            # SGD, Adam, AdamW: which torch.optim update the workers run
+    kind: str            # a torch.optim class name (optim_kernels.STATE_NAMES): the update the workers run
     hyper: dict          # the group's hyperparameters (lr, momentum, betas, ...) as plain numbers
     param_ids: tuple     # updated in place
     grad_ids: tuple      # one per param, with its placements
