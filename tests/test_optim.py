@@ -293,6 +293,29 @@ def test_clip_grad_norm_equals_torch(mesh2, mesh22, norm_type):
     assert all(p.grad is g for p, g in zip(ours, grads))
 
 
+def test_torchs_own_clip_grad_spellings_take_dtensors(mesh2, mesh22):
+    """torch.nn.utils.clip_grad_norm_(model.parameters(), ...) as training loops write it (a
+    generator, a keyword, the clip_grad module's name): DTensors go to dtorch's, torch tensors to
+    torch's own, unchanged. Before, torch's C++ grouping helper raised "incompatible function
+    arguments"."""
+    from torch.nn.utils import clip_grad
+    ours, theirs = make_pair(mesh22, layouts(mesh22))
+    set_grads(ours, theirs, 0)
+    total = torch.nn.utils.clip_grad_norm_((p for p in ours), 0.5)
+    expected = torch.nn.utils.clip_grad_norm_((p for p in theirs), 0.5)
+    assert isinstance(total, dtorch.DTensor) and type(expected) is torch.Tensor
+    torch.testing.assert_close(total.to_torch(), expected, rtol=1e-6, atol=0)
+    for p, t in zip(ours, theirs):
+        torch.testing.assert_close(p.grad.to_torch(), t.grad, rtol=1e-6, atol=1e-7)
+    clip_grad.clip_grad_value_(parameters=ours, clip_value=0.01)
+    torch.nn.utils.clip_grad_value_(theirs, 0.01)
+    for p, t in zip(ours, theirs):
+        torch.testing.assert_close(p.grad.to_torch(), t.grad)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in ours], 3.0)
+    torch.testing.assert_close(norm.to_torch(), torch.nn.utils.get_total_norm([t.grad for t in theirs], 3.0),
+                               rtol=1e-6, atol=0)
+
+
 def test_clip_grad_norm_commands_and_no_clip(mesh4, monkeypatch):
     ours, theirs = make_pair(mesh4, layouts(mesh4))
     set_grads(ours, theirs, 0)

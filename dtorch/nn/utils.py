@@ -1,8 +1,16 @@
 """dtorch.nn.utils: gradient clipping over DTensor parameters, torch.nn.utils' names and results.
 The norm is global (every shard of every parameter, a Replicate copy counted once): one GradNorm
-command and one small all-reduce per mesh, then one UpdateGrads per mesh scales in place."""
+command and one small all-reduce per mesh, then one UpdateGrads per mesh scales in place.
+
+torch's own `torch.nn.utils.clip_grad_norm_` (nanoGPT's and most training loops' spelling) hands
+the grads to a C++ helper that no __torch_function__ reaches, so it cannot take DTensors. Importing
+dtorch wraps torch's three functions (`_hand_dtensors_to_dtorch`): DTensor parameters go to the
+functions here, anything else to torch's own, unchanged.
+"""
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import torch
@@ -52,3 +60,36 @@ def clip_grad_value_(parameters, clip_value: float, foreach=None) -> None:
     grads = _grads(parameters)
     if grads:
         update_grads("clip_grad_value_", grads, bound=float(clip_value))
+
+
+# --- torch.nn.utils' spellings ----------------------------------------------------------------------
+def _hand_dtensors_to_dtorch(torch_function, ours):
+    """torch_function, except that parameters (or tensors) holding a DTensor go to `ours`."""
+    first = next(iter(inspect.signature(torch_function).parameters))
+
+    @functools.wraps(torch_function)
+    def either(*args, **kwargs):
+        given = args[0] if args else kwargs.get(first)
+        if isinstance(given, (torch.Tensor, DTensor)) or given is None:
+            items = given
+        else:   # an iterable, maybe a generator: read once, handed on as a list
+            items = list(given)
+            args, kwargs = ((items,) + args[1:], kwargs) if args else (args, {**kwargs, first: items})
+        if isinstance(items, DTensor) or (isinstance(items, list) and any(isinstance(t, DTensor) for t in items)):
+            return ours(*args, **kwargs)
+        return torch_function(*args, **kwargs)
+    either.__wrapped_by_dtorch__ = True
+    return either
+
+
+def _install_torch_spellings() -> None:
+    from torch.nn.utils import clip_grad
+    for name, ours in (("clip_grad_norm_", clip_grad_norm_), ("clip_grad_value_", clip_grad_value_),
+                       ("get_total_norm", get_total_norm)):
+        for module in (torch.nn.utils, clip_grad):
+            theirs = getattr(module, name, None)
+            if theirs is not None and not getattr(theirs, "__wrapped_by_dtorch__", False):
+                setattr(module, name, _hand_dtensors_to_dtorch(theirs, ours))
+
+
+_install_torch_spellings()
