@@ -21,7 +21,7 @@ import weakref
 
 from .ops import REGISTRY
 
-__all__ = ["VIEW_OPS", "Node", "note_view", "node_of", "aliases", "tracking_paused"]
+__all__ = ["VIEW_OPS", "Node", "note_view", "node_of", "aliases", "tracking_paused", "forget"]
 
 # Ops whose result is a view of their first argument in torch (when torch does not copy:
 # `aliases` decides). getitem here is basic indexing only; tensor indices copy. detach (and so
@@ -105,6 +105,19 @@ def detach(node: Node) -> None:
     if parent is not None:
         parent.children.pop(node.key, None)
         prune(parent)
+
+
+def forget(obj) -> None:
+    """`obj` takes other memory (`p.data = t`): its node stays in the tree as a ghost, so the
+    views made of it keep its old values (torch's keep the old storage), and `obj` starts afresh."""
+    node = _NODES.pop(id(obj), None)
+    if node is not None:
+        node.ref = _gone
+        prune(node)
+
+
+def _gone():
+    return None
 
 
 def strided(node: Node):

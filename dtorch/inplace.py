@@ -100,6 +100,32 @@ def _leaf_changed(what: str) -> RuntimeError:
 DTensor._assign = lambda self, result, op: assign(self, result, op)   # tensor.py's inplace=True seam
 
 
+def _set_data(self: DTensor, value) -> None:
+    """`p.data = t`, torch's: p takes t's values, shape, dtype and layout, shared with t as torch
+    shares t's storage (p becomes a view of t: a change to either reaches the other, through
+    dtorch/aliasing.py), and keeps its identity: a leaf stays that leaf, with requires_grad and
+    .grad (dropped if t's dtype or shape no longer fits it). Views made of p before keep p's old
+    values, as torch's keep the old storage."""
+    if not isinstance(value, DTensor):
+        raise TypeError(f"Variable data has to be a tensor, but got {type(value).__name__}")
+    if not self.is_leaf:
+        raise RuntimeError(f"at {user_site()}: p.data = t on a tensor with autograd history is not supported by "
+                           "dtorch; set it on a leaf, or on p.detach()")
+    if value is self:
+        return
+    with aliasing.tracking_paused():
+        alias = call_op("detach", (value,), {})
+    leaf = self._node
+    if leaf is not None and leaf.grad is not None and (leaf.grad.dtype, leaf.grad.shape) != (alias.dtype, alias.shape):
+        leaf.grad = leaf.bound = None   # torch keeps a .grad that no longer fits; the workers cannot hold one
+    aliasing.forget(self)
+    _rebind(self, alias)
+    aliasing.note_view("detach", (value,), {}, self)
+
+
+DTensor.data = DTensor.data.setter(_set_data)
+
+
 # --- aliasing: write up to the storage root, then re-derive its views ------------------------------
 def _write(node: aliasing.Node, result: DTensor, op: str) -> None:
     path = _storage_path(node, op)

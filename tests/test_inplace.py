@@ -373,3 +373,27 @@ def test_augmented_assignment_is_in_place_like_torch(mesh4):
         counts /= 2             # torch: true division into an integer tensor is refused
     counts //= 2
     assert torch.equal(counts.to_torch(), torch.arange(4) // 2)
+
+
+def test_setting_data_shares_the_new_values_and_keeps_the_leaf(mesh2):
+    """`p.data = t` as torch: p takes t's shape, dtype and layout and aliases t; a view made of p
+    before keeps p's old values; p stays the same leaf (requires_grad, gradients, optimizers)."""
+    a, b, x = torch.randn(6, 3), torch.randn(4, 6), torch.randn(6, 5)
+    p, reference = dtorch.nn.Parameter(dtorch.tensor(a, device_mesh=mesh2, placements=[Shard(0)])), a.clone()
+    row = p[0]
+    t = dtorch.tensor(b, device_mesh=mesh2, placements=[R])
+    p.data = t
+    assert p.shape == (4, 6) and p.placements == (R,) and p.is_leaf and p.requires_grad
+    assert torch.equal(p.to_torch(), b) and torch.equal(row.to_torch(), reference[0])
+    t.add_(1)                   # p sees t's change ...
+    with dtorch.no_grad():
+        p.mul_(2)               # ... and t sees p's
+    p.data.sub_(0.5)            # and p.data's
+    expected = (b + 1) * 2 - 0.5
+    assert torch.equal(p.to_torch(), expected) and torch.equal(t.to_torch(), expected)
+    (p @ dtorch.tensor(x, device_mesh=mesh2, placements=[R])).sum().backward()
+    torch.testing.assert_close(p.grad.to_torch(), torch.ones(4, 5) @ x.T)
+    p.data = p.data.to(torch.float64)   # mixed-precision code's spelling; the float32 .grad no longer fits
+    assert p.dtype == torch.float64 and p.grad is None and torch.equal(p.to_torch(), expected.double())
+    with pytest.raises(TypeError, match="Variable data has to be a tensor, but got int"):
+        p.data = 3
