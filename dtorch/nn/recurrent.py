@@ -61,32 +61,22 @@ def _lstm_step(gates_in, state, weight_hh, bias_hh, projection=None):
 
 
 # --- whole sequences: torch.rnn_tanh / rnn_relu / gru / lstm --------------------------------------
-def rnn_tanh(input, hx, weights, has_biases, num_layers, dropout, training, bidirectional, batch_first=False):
-    """torch.rnn_tanh on DTensors (torch.nn.RNN's kernel): (output, h_n)."""
-    _refuse_packed("rnn_tanh", has_biases)
-    return _layers(_tanh_step, input, (hx,), weights, has_biases, num_layers, dropout, training, bidirectional,
-                   batch_first)
+def _sequence_kernel(name: str, step, states_of, module: str):
+    """torch.<name> (torch.nn.<module>'s kernel) on DTensors: (output, *final states).
+    states_of turns hx into the tuple of initial state stacks (LSTM's is (h0, c0))."""
+    def kernel(input, hx, weights, has_biases, num_layers, dropout, training, bidirectional, batch_first=False):
+        _refuse_packed(name, has_biases)
+        return _layers(step, input, states_of(hx), weights, has_biases, num_layers, dropout, training,
+                       bidirectional, batch_first)
+    kernel.__name__ = kernel.__qualname__ = name
+    kernel.__doc__ = f"torch.{name} on DTensors (torch.nn.{module}'s kernel)."
+    return kernel
 
 
-def rnn_relu(input, hx, weights, has_biases, num_layers, dropout, training, bidirectional, batch_first=False):
-    """torch.rnn_relu on DTensors (torch.nn.RNN(nonlinearity="relu")'s kernel): (output, h_n)."""
-    _refuse_packed("rnn_relu", has_biases)
-    return _layers(_relu_step, input, (hx,), weights, has_biases, num_layers, dropout, training, bidirectional,
-                   batch_first)
-
-
-def gru(input, hx, weights, has_biases, num_layers, dropout, training, bidirectional, batch_first=False):
-    """torch.gru on DTensors (torch.nn.GRU's kernel): (output, h_n)."""
-    _refuse_packed("gru", has_biases)
-    return _layers(_gru_step, input, (hx,), weights, has_biases, num_layers, dropout, training, bidirectional,
-                   batch_first)
-
-
-def lstm(input, hx, weights, has_biases, num_layers, dropout, training, bidirectional, batch_first=False):
-    """torch.lstm on DTensors (torch.nn.LSTM's kernel, proj_size included): (output, h_n, c_n)."""
-    _refuse_packed("lstm", has_biases)
-    return _layers(_lstm_step, input, tuple(hx), weights, has_biases, num_layers, dropout, training, bidirectional,
-                   batch_first)
+rnn_tanh = _sequence_kernel("rnn_tanh", _tanh_step, lambda hx: (hx,), "RNN")
+rnn_relu = _sequence_kernel("rnn_relu", _relu_step, lambda hx: (hx,), 'RNN(nonlinearity="relu")')
+gru = _sequence_kernel("gru", _gru_step, lambda hx: (hx,), "GRU")
+lstm = _sequence_kernel("lstm", _lstm_step, tuple, "LSTM, proj_size included")
 
 
 def _layers(step, input, states, weights, has_biases, num_layers, dropout, training, bidirectional, batch_first):
