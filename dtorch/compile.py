@@ -6,7 +6,7 @@
         return (x @ w + y).relu().sum(dim=0)
 
 The first call with a signature (each DTensor argument's shape, dtype, mesh, placements and
-requires_grad; every other argument's value; grad mode) runs `step` as eager code would, and
+requires_grad; every other argument's value; grad mode; torch.autocast's state) runs `step` as eager code would, and
 records the commands it issues (dtorch/capture.py). Later calls with that signature send ONE
 RunGraph command: the workers run the recorded commands on the new arguments, and the controller
 builds the outputs' DTensors without running `step`'s Python at all.
@@ -18,6 +18,7 @@ import functools
 import itertools
 
 from . import capture as capturing
+from .autocast import autocast_state
 from .errors import CompileError
 from .recording import is_grad_enabled
 from .runtime import protocol as wire
@@ -116,6 +117,7 @@ class CompiledFunction:
         inputs, key = [], []
         _flatten((args, kwargs), inputs, key, {})
         key.append(is_grad_enabled())
+        key.append(autocast_state())
         key = tuple(key)
         graph = self._graphs.get(key)
         if graph is not None and graph.still_valid():

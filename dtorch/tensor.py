@@ -21,6 +21,7 @@ from .ops.one_device import join_target
 from .ops.operators import BINARY_OPERATORS, UNARY_OPERATORS
 from .ops.tensor_meta import TensorMeta, check_placements, shape_argument, tensor_meta
 from .aliasing import VIEW_OPS, note_view
+from .autocast import AUTOCAST_OPS, autocast_args
 from .redistribute import plan_redistribute, step_kind
 from .runtime import profiling, session
 from .recording import HopNode, Leaf, OpNode, is_grad_enabled, record_op
@@ -273,6 +274,8 @@ class DTensor:
         name = getattr(func, "__name__", str(func))
         composite = COMPOSITES.get(name)
         if composite is not None:
+            if name in AUTOCAST_OPS:   # F.cross_entropy under torch.autocast: float32, as torch's
+                args, kwargs = autocast_args(name, tuple(args), kwargs or {})
             return composite(*args, **(kwargs or {}))
         if name in REGISTRY:
             if kwargs and kwargs.get("inplace"):   # F.relu(x, inplace=True): computed, then x rebound
@@ -455,6 +458,8 @@ class DTensor:
 def call_op(name: str, args: tuple, kwargs: dict):
     """Plan (cached), issue the plan's inserted redistributes if any, enqueue one RunOp command,
     return the output symbol(s). Never waits."""
+    if name in AUTOCAST_OPS:   # torch.autocast's casts, which the workers never see (dtorch/autocast.py)
+        args, kwargs = autocast_args(name, args, kwargs)
     recorder = profiling.active
     if recorder is not None:   # dtorch.profile: the whole issue (plan, moves, submit) as one span
         with recorder.user_span(name, "op"):
