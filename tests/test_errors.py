@@ -235,3 +235,16 @@ def test_an_error_report_that_overtakes_the_publish_call_still_reaches_the_read(
     monkeypatch.undo()
     controller._flush_scheduled = False   # the timer this test kept from running is not armed
     assert dtorch.stats()["messages_rejected"] == rejected
+
+
+def test_a_result_whose_dtype_torchs_meta_kernel_gets_wrong_names_the_op_at_the_read(mesh4):
+    """torch 2.13's meta kernel says bool ** True is int64, its CPU kernel gives bool: the read
+    cannot fit the bytes, and the error names the op and line that made the tensor, not only a
+    byte count. The session goes on."""
+    probe = torch.tensor([True])
+    if (probe.to("meta") ** True).dtype == (probe ** True).dtype:
+        pytest.skip("this torch's meta and CPU kernels agree on bool ** True")
+    x = dtorch.tensor(torch.tensor([True, False, True, True]), device_mesh=mesh4, placements=[Shard(0)])
+    with pytest.raises(dtorch.errors.ProtocolError, match=r"made by command #\d+ \(pow, issued at .*test_errors.py"):
+        (x ** True).to_torch()
+    assert torch.equal((x.float() + 1).to_torch(), torch.tensor([2.0, 1.0, 2.0, 2.0]))

@@ -89,10 +89,19 @@ class WorkerMessages:
         problem = read.check(rank, status, frames)
         if problem is not None:   # from the registered worker itself: the read cannot be trusted
             self._reads.pop(seq, None)
-            read.fail(ProtocolError(f"rank {rank} answered command #{seq} with {problem}"))
+            read.fail(ProtocolError(f"rank {rank} answered command #{seq} with {problem}{self._made_by(read)}"))
             raise ProtocolError(problem)
         if read.add(rank, status, origin, frames):
             self._finish(seq, read)
+
+    def _made_by(self, read) -> str:
+        """Which command made the tensor a read's bytes do not fit, and the likely cause: torch's
+        meta kernel (dtorch's inference) and its real one disagree on that op's result."""
+        made = getattr(read, "produced_seq", -1)
+        if made < 0:
+            return ""
+        return (f": the tensor ({read.meta.describe()}) was made by {self.sites.describe(made)}, and the worker's "
+                "result has another dtype or shape than dtorch inferred from torch's meta kernel for it")
 
     def _finish(self, seq: int, read) -> None:
         if read.finish(self.failures) is False:
