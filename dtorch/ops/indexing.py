@@ -10,6 +10,13 @@ selecting along a sharded dim, where the wanted values live on other ranks.
                  source R with index S(dim) -> S(dim); Partial source with R index -> Partial
   scatter        every tensor sharded alike off dim (R sliced to match); Partial input and src
                  of the same kind with R index -> that Partial (each rank writes its share)
+  writes         index_add, index_copy, index_fill, scatter_add, scatter_reduce, select_scatter,
+                 slice_scatter: the input and the written values sharded alike off dim (R sliced to
+                 match; a 1-D index or a 0-d value stays R); a Partial only where each rank writing
+                 its share is right, by how the written values meet the old ones (`_WRITE_LAWS`):
+                 a copy passes the same Partial on both (beside an R, any but P(sum), which would
+                 count the R once per rank), an addition P(sum|avg) (beside an R, P(avg)), amax
+                 P(max) and amin P(min) (beside an R too), a product none; positions stay R
   topk, sort     S(d) off the op's dim; no Partial (they compare values)
   kthvalue, median, nanmedian, mode
                  the same along their dim (gone from the result unless keepdim); median(x) and
@@ -19,6 +26,7 @@ selecting along a sharded dim, where the wanted values live on other ranks.
 from __future__ import annotations
 
 import operator
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -179,6 +187,176 @@ def _scatter_rule(call: Call, placements) -> Decision:
     return _aligned(call, placements, dim, _SCATTER_LEGAL)
 
 
+# --- writes: values put at positions of a copy of the input -------------------------------------
+class WriteLaw(NamedTuple):
+    """How the written values meet what is there decides which Partial passes (on one mesh dim):
+    the reductions that commute with the write when input and values hold the same Partial, when
+    only the input does (the values R: a sum would count them once per rank) and when only the
+    values do. `split`: the Partial the result is when positions and values are split alike along
+    the write's dim, each rank combining its share into its copy of the input (which it must hold
+    as that Partial, or R for a max or min: seeing the input again changes neither)."""
+    both: frozenset
+    input_only: frozenset
+    values_only: frozenset
+    split: str | None = None
+
+
+_ALL_REDUCTIONS = frozenset({"sum", "avg", "max", "min"})
+_SHIFTS = frozenset({"avg", "max", "min"})    # keep a value every rank holds alike
+_WRITE_LAWS = {
+    "copy": WriteLaw(_ALL_REDUCTIONS, _SHIFTS, _SHIFTS),
+    # positions may repeat, so values add up per rank: a max of sums is not a sum of maxes
+    "add": WriteLaw(frozenset({"sum", "avg"}), _SHIFTS, frozenset({"avg"}), split="sum"),
+    "add without self": WriteLaw(frozenset({"sum", "avg"}), _SHIFTS, frozenset({"avg"})),
+    "mean": WriteLaw(frozenset({"sum", "avg"}), _SHIFTS, frozenset({"avg"})),
+    # max(x, v) distributes over a min of x's contributions too
+    "max": WriteLaw(frozenset({"max"}), frozenset({"max", "min"}), frozenset({"max"}), split="max"),
+    "min": WriteLaw(frozenset({"min"}), frozenset({"max", "min"}), frozenset({"min"}), split="min"),
+    # without self, written places take the values alone: the input's other places any shift
+    "max without self": WriteLaw(frozenset({"max"}), _SHIFTS, frozenset({"max"})),
+    "min without self": WriteLaw(frozenset({"min"}), _SHIFTS, frozenset({"min"})),
+    "prod": WriteLaw(frozenset(), frozenset({"sum", "avg"}), frozenset()),   # linear in the input alone
+    "prod without self": WriteLaw(frozenset(), _SHIFTS, frozenset()),
+}
+_WRITE_LEGAL = ("input and values S(d) off dim (R sliced to match, sizes on d equal; a 1-D index or 0-d value R); "
+                "all R; a Partial the write commutes with (see the op's row), positions R")
+
+
+class _Write(NamedTuple):
+    """One write op: its dim's position, the inputs that hold positions, the law by which values
+    meet the input, and the values' dims in the input's (target's) dims."""
+    dim_at: int
+    positions: tuple                     # input indices of index tensors
+    law: Callable[[Call], str]
+    dims_in_target: Callable = None      # (call, input index, dim along) -> its dims as target dims
+    partials: str = ""                   # the Partial forms, in words (docs/ops.md)
+
+
+def _same_dims(call: Call, index: int, along: int):
+    """An input shaped like the target (scatter's index and src, index_add's source): dims as is;
+    a 1-D index along `along` (index_add's) or a 0-d value: no dim lines up."""
+    ndim = len(call.inputs[index].shape)
+    return tuple(range(ndim)) if ndim == len(call.inputs[0].shape) else None
+
+
+def _without_dim(call: Call, index: int, along: int):
+    """select_scatter's src: the target's dims less `along`."""
+    return tuple(d for d in range(len(call.inputs[0].shape)) if d != along)
+
+
+def _write_partial(call: Call, placements, write: _Write):
+    """The Partial a write yields (None when it yields none: no input is Partial or split)."""
+    target, law = placements[0], _WRITE_LAWS[write.law(call)]
+    if law.split and _split_alike(call, placements, write):
+        split = Partial(law.split)
+        if target == split or (target.is_replicate() and law.split in ("max", "min")):
+            return split
+    if not any(isinstance(p, Partial) for p in placements):
+        return None
+    given = ", ".join(map(repr, placements))
+    if any(not placements[i].is_replicate() for i in write.positions):
+        raise RuleRejected(f"{call.op} takes positions R beside a Partial, given ({given})", _WRITE_LEGAL)
+    values = [p for i, p in enumerate(placements) if i and i not in write.positions]
+    value = values[0] if values else R    # a number written is the same on every rank
+    if isinstance(target, Partial) and value == target:
+        allowed, partial = law.both, target
+    elif isinstance(target, Partial) and value.is_replicate():
+        allowed, partial = law.input_only, target
+    elif target.is_replicate() and isinstance(value, Partial):
+        allowed, partial = law.values_only, value
+    else:
+        allowed, partial = frozenset(), None
+    if partial is None or partial.reduce_op not in allowed:
+        raise RuleRejected(f"{call.op} ({write.law(call)} of the values) does not commute with the reductions "
+                           f"of ({given})", _WRITE_LEGAL)
+    return partial
+
+
+def _split_alike(call: Call, placements, write: _Write) -> bool:
+    """Positions and values sharded so that each rank holds matching pieces of both: an index and
+    src shaped alike on the same dim, or index_add's 1-D index S(0) with its source S(dim)."""
+    (index,) = write.positions
+    rest = [i for i in range(1, len(placements)) if i != index]
+    if len(rest) != 1 or not all(isinstance(placements[i], Shard) for i in (index, rest[0])):
+        return False
+    values, index_spec, values_spec = placements[rest[0]], call.inputs[index], call.inputs[rest[0]]
+    along = normalize_dim(call.param(write.dim_at, "dim"), len(call.inputs[0].shape))
+    if values.dim != along:   # off it, a rank's local coordinates would address the wrong rows
+        return False
+    if len(index_spec.shape) == 1:
+        return True
+    return placements[index] == values and index_spec.shape[along] == values_spec.shape[along]
+
+
+def _write_rule(write: _Write):
+    def rule(call: Call, placements) -> Decision:
+        partial = _write_partial(call, placements, write)
+        if partial is not None:
+            return Decision(placements, (partial,))
+        along = normalize_dim(call.param(write.dim_at, "dim", 0), len(call.inputs[0].shape))
+        lined_up = [(write.dims_in_target or _same_dims)(call, i, along) if i else tuple(range(len(spec.shape)))
+                    for i, spec in enumerate(call.inputs)]
+        return _written_shards(call, placements, along, lined_up)
+    return rule
+
+
+def _written_shards(call: Call, placements, along: int, lined_up) -> Decision:
+    targets = set()
+    for p, dims in zip(placements, lined_up):
+        if isinstance(p, Shard):
+            if dims is None:
+                raise RuleRejected(f"{call.op}'s positions or value are {p!r}: each rank needs all of them",
+                                   _WRITE_LEGAL)
+            targets.add(dims[p.dim])
+    if not targets:
+        return Decision(placements, (R,))
+    if len(targets) > 1:
+        raise RuleRejected(f"{call.op}'s inputs are sharded on different dims {sorted(targets)}", _WRITE_LEGAL)
+    d = targets.pop()
+    if d == along:
+        raise RuleRejected(f"{call.op} along sharded dim {d} writes positions other ranks hold; "
+                           f"{unshard_fix(call, Shard(d))}", _WRITE_LEGAL)
+    size = call.inputs[0].shape[d]
+    required = []
+    for spec, p, dims in zip(call.inputs, placements, lined_up):
+        if dims is None:
+            required.append(p)
+            continue
+        own = dims.index(d)
+        if spec.shape[own] != size:
+            raise RuleRejected(f"{call.op}'s tensors differ in size on sharded dim {d} ({spec.shape[own]} and "
+                               f"{size}), so their shards would not line up", _WRITE_LEGAL)
+        required.append(Shard(own))
+    return Decision(tuple(required), (Shard(d),))
+
+
+def _law(name: str):
+    return lambda call: name
+
+
+def _scatter_reduce_law(call: Call) -> str:
+    reduce, include_self = call.param(4, "reduce"), call.param(5, "include_self", True)
+    law = {"sum": "add", "mean": "mean", "amax": "max", "amin": "min", "prod": "prod"}[reduce]
+    return law if include_self or law == "mean" else f"{law} without self"
+
+
+_INDEX_WRITE = dict(dim_at=1, positions=(1,))
+_COPY = "input and values the same Partial; P(avg|max|min) on either beside R"
+_ADD = ("input and source P(sum|avg); input P(avg|max|min) or source P(avg) beside R; input P(sum) with "
+        "index and source split alike")
+WRITES = {
+    "index_add": _Write(law=_law("add"), partials=_ADD, **_INDEX_WRITE),
+    "index_copy": _Write(law=_law("copy"), partials=_COPY, **_INDEX_WRITE),
+    "index_fill": _Write(law=_law("copy"), partials=_COPY + " (a number value is R)", **_INDEX_WRITE),
+    "scatter_add": _Write(law=_law("add"), partials=_ADD, **_INDEX_WRITE),
+    "scatter_reduce": _Write(law=_scatter_reduce_law, partials="by reduce, as `_WRITE_LAWS` in ops/indexing.py: "
+                             "sum as scatter_add, mean alike but never split, amax P(max) (input also P(min)), "
+                             "amin the mirror, prod a Partial input beside R values only", **_INDEX_WRITE),
+    "select_scatter": _Write(dim_at=2, positions=(), law=_law("copy"), dims_in_target=_without_dim, partials=_COPY),
+    "slice_scatter": _Write(dim_at=2, positions=(), law=_law("copy"), partials=_COPY),
+}
+
+
 # --- comparisons along one dim -------------------------------------------------------------------
 _COMPARE_LEGAL = "S(d) off the op's dim, R"
 _WHY = "it compares values other ranks hold"
@@ -229,5 +407,7 @@ INDEXING = {
     "nanmedian": OpRow(torch.nanmedian, _every_element_or_along_dim,
                        doc="nanmedian(x, dim): S(d) off dim, R, no Partial; nanmedian(x): R only (every element)"),
     "mode": OpRow(torch.mode, _ALONG_DIM_AT_1, doc="S(d) off the op's dim, R; no Partial"),
+    **{name: OpRow(getattr(torch, name), _write_rule(write), doc=f"shards: {_WRITE_LEGAL}; Partial: {write.partials}")
+       for name, write in WRITES.items()},
 }
 register_family("indexing", INDEXING)

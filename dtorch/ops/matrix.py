@@ -7,6 +7,11 @@ On one mesh dim, with the equation's letters:
                                    inputs without L stay R; L kept in the output -> S(L's position),
                                    L contracted away -> P(sum)
 "mk,kn->mn" thus gives S(0)xR -> S(0), RxS(1) -> S(1), S(1)xS(0) -> P(sum).
+A repeated letter (trace's "ii->", einsum's diagonals) must not be sharded: a shard holds rows
+[a, b) of one dim but columns [c, d) of the other, so its diagonal is not the global one.
+
+cross (3-vectors along `dim`) is bilinear like a product: one P(sum|avg) input beside R passes,
+and shards of any other dim pass as a pointwise op's do (R sliced, broadcast dims R).
 
 Ops that add a term to a product (linear's bias, baddbmm's input) place it like the product's
 result: R with R, S on the matching dim (or R when broadcast), P(sum) with P(sum); a P(avg)
@@ -20,6 +25,7 @@ import string
 import torch
 
 from ..distributed_spec import Partial, Shard
+from .pointwise import shard_decision
 from .registry import OpRow, register_family
 from .rules import Call, Decision, R, RuleRejected
 
@@ -124,11 +130,88 @@ def _einsum_rule(call: Call, placements) -> Decision:
     terms = terms.split(",")
     if len(terms) == 1 and set(terms[0]) <= set(out) and isinstance(placements[0], Partial):
         return Decision(placements, placements)   # a transpose or diagonal copies: any Partial passes
+    _refuse_sharded_repeats(placements, terms)
+    return einsum_decision(call, placements, equation)
+
+
+def _refuse_sharded_repeats(placements, terms) -> None:
     for p, term in zip(placements, terms):
         if isinstance(p, Shard) and term.count(term[p.dim]) > 1:
             raise RuleRejected(f"letter {term[p.dim]!r} repeats in {term!r} (a diagonal) and is sharded",
                                "R on repeated letters; " + _LEGAL)
-    return einsum_decision(call, placements, equation)
+
+
+def _trace_rule(call: Call, placements) -> Decision:
+    _refuse_sharded_repeats(placements, ["ii"])
+    return einsum_decision(call, placements, "ii->")
+
+
+# --- equations that depend on the inputs' ranks or arguments ---------------------------------------
+_FREE = string.ascii_lowercase[:25]   # "z" is the contracted letter below
+
+
+def _inner_equation(call: Call) -> str:
+    """torch.inner: the last dims contract; a 0-d operand multiplies every element."""
+    a, b = (len(spec.shape) for spec in call.inputs)
+    if a == 0 or b == 0:
+        left, right = _FREE[:a], _FREE[a:a + b]
+        return f"{left},{right}->{left}{right}"
+    left, right = _FREE[:a - 1], _FREE[a - 1:a + b - 2]
+    return f"{left}z,{right}z->{left}{right}"
+
+
+def _tensordot_equation(call: Call) -> str:
+    """torch.tensordot(a, b, dims): dims=n contracts a's last n dims with b's first n; dims=(da, db)
+    contracts da[i] of a with db[i] of b. The result: a's free dims, then b's."""
+    a, b = (len(spec.shape) for spec in call.inputs)
+    dims = call.param(2, "dims", 2)
+    if isinstance(dims, int):
+        pairs = [(a - dims + i, i) for i in range(dims)]
+    else:
+        first, second = ([d] if isinstance(d, int) else list(d) for d in dims)
+        pairs = [(i % max(a, 1), j % max(b, 1)) for i, j in zip(first, second)]
+    left = list(_FREE[:a])
+    right = list(_FREE[a:a + b])
+    for i, j in pairs:
+        right[j] = left[i]
+    contracted = {left[i] for i, _ in pairs}
+    out = [c for c in left if c not in contracted] + [c for c in right if c not in contracted]
+    return f"{''.join(left)},{''.join(right)}->{''.join(out)}"
+
+
+def _cross_dim(call: Call) -> int:
+    """torch.cross's dim (the first of size 3 when not given, as torch), in the result's dims."""
+    ndim = len(call.out_shape)
+    dim = call.param(2, "dim")
+    if dim is None:
+        dim = -1 if call.op == "linalg_cross" else list(call.out_shape).index(3)
+    return dim % ndim
+
+
+_CROSS_LEGAL = "S(d) off dim on either input (R sliced, broadcast dims R); one P(sum|avg) input with the other R"
+
+
+def _cross_rule(call: Call, placements) -> Decision:
+    partials = [p for p in placements if isinstance(p, Partial)]
+    if partials:
+        if len(partials) == 1 and partials[0].reduce_op in ("sum", "avg") and \
+                all(p.is_replicate() for p in placements if p is not partials[0]):
+            return Decision(placements, (partials[0],))   # bilinear: linear in each operand
+        raise RuleRejected(f"cross is linear in each operand alone, not in ({', '.join(map(repr, placements))})",
+                           _CROSS_LEGAL)
+    decision = shard_decision(call, placements)
+    (out,) = decision.outputs
+    if isinstance(out, Shard) and out.dim == _cross_dim(call):
+        raise RuleRejected(f"cross along sharded dim {out.dim}: each 3-vector's components live on different "
+                           "ranks", _CROSS_LEGAL)
+    return decision
+
+
+def _cross_local(call: Call, required):
+    """Without a dim torch picks the first of size 3, which on a shard may be another: name it."""
+    if len(call.args) > 2 or call.kwargs.get("dim") is not None:
+        return call.op, {}
+    return call.op, {"dim": _cross_dim(call)}
 
 
 # --- a product plus a term: linear's bias, baddbmm's input -----------------------------------------
@@ -195,5 +278,23 @@ MATRIX = {
                     doc="...k,nk->...n plus bias placed like the result"),
     "baddbmm": OpRow(torch.baddbmm, _product_plus_term(lambda call: "bxy,byz->bxz", 0),
                      doc="bxy,byz->bxz plus input placed like the result"),
+    # beta * input + alpha * product: the term placed like the product, as baddbmm's
+    "addmm": OpRow(torch.addmm, _product_plus_term(lambda call: "xy,yz->xz", 0),
+                   doc="xy,yz->xz plus input placed like the result"),
+    "addmv": OpRow(torch.addmv, _product_plus_term(lambda call: "xy,y->x", 0),
+                   doc="xy,y->x plus input placed like the result"),
+    "addr": OpRow(torch.addr, _product_plus_term(lambda call: "x,y->xy", 0),
+                  doc="x,y->xy plus input placed like the result"),
+    "addbmm": OpRow(torch.addbmm, _product_plus_term(lambda call: "bxy,byz->xz", 0),
+                    doc="bxy,byz->xz (the batch sums away) plus input placed like the result"),
+    "mv": OpRow(torch.mv, einsum_rule(lambda call: "xy,y->x"), doc="xy,y->x"),
+    "dot": OpRow(torch.dot, einsum_rule(lambda call: "y,y->"), doc="y,y->"),
+    "vdot": OpRow(torch.vdot, einsum_rule(lambda call: "y,y->"), doc="y,y-> (the first conjugated)"),
+    "inner": OpRow(torch.inner, einsum_rule(_inner_equation), doc="...z,...z->......: the last dims contract"),
+    "tensordot": OpRow(torch.tensordot, einsum_rule(_tensordot_equation), method=False,
+                       doc="the contracted dims as shared einsum letters"),
+    "trace": OpRow(torch.trace, _trace_rule, doc="ii->: R or P(sum|avg) (a sharded diagonal is refused)"),
+    "cross": OpRow(torch.cross, _cross_rule, local=_cross_local, doc=_CROSS_LEGAL),
+    "linalg_cross": OpRow(torch.linalg.cross, _cross_rule, method=False, doc=_CROSS_LEGAL + " (dim=-1 by default)"),
 }
 register_family("matrix", MATRIX)

@@ -216,6 +216,65 @@ def _baddbmm(m: Make):
             Sample((m.x(b), m.x(n, a, k), m.x(n, k, b)), {})]
 
 
+def _addmm(m: Make):
+    a, k, b = m.shape((8, 4, 4), (7, 5, 3))
+    return [Sample((m.x(a, b), m.x(a, k), m.x(k, b)), {"beta": 0.5, "alpha": 2.0}),
+            Sample((m.x(b), m.x(a, k), m.x(k, b)), {})]
+
+
+def _addmv(m: Make):
+    a, k = m.shape((8, 4), (7, 5))
+    return [Sample((m.x(a), m.x(a, k), m.x(k)), {"beta": 0.5, "alpha": 2.0}), Sample((m.x(1), m.x(a, k), m.x(k)), {})]
+
+
+def _addr(m: Make):
+    a, b = m.shape((8, 4), (7, 5))
+    return [Sample((m.x(a, b), m.x(a), m.x(b)), {"beta": 0.5, "alpha": 2.0}), Sample((m.x(b), m.x(a), m.x(b)), {})]
+
+
+def _addbmm(m: Make):
+    n, a, k, b = m.shape((4, 4, 8, 4), (3, 5, 2, 7))
+    return [Sample((m.x(a, b), m.x(n, a, k), m.x(n, k, b)), {"beta": 0.5, "alpha": 2.0}),
+            Sample((m.x(b), m.x(n, a, k), m.x(n, k, b)), {})]
+
+
+def _mv(m: Make):
+    a, k = m.shape((8, 4), (7, 5))
+    return [Sample((m.x(a, k), m.x(k)), {})]
+
+
+def _dot(m: Make):
+    (k,) = m.shape((8,), (7,))
+    return [Sample((m.x(k), m.x(k)), {})]
+
+
+def _inner(m: Make):
+    n, a, k = m.shape((4, 8, 4), (3, 5, 7))
+    return [Sample((m.x(k), m.x(k)), {}), Sample((m.x(n, k), m.x(a, k)), {}), Sample((m.x(n, a, k), m.x(k)), {})]
+
+
+def _tensordot(m: Make):
+    n, a, k = m.shape((4, 8, 4), (3, 5, 7))
+    return [Sample((m.x(n, a, k), m.x(a, k, n)), {"dims": 2}), Sample((m.x(n, k), m.x(k, a)), {"dims": 1}),
+            Sample((m.x(n, a, k), m.x(k, n)), {"dims": ([2, 0], [0, 1])})]
+
+
+def _trace(m: Make):
+    (a,) = m.shape((8,), (7,))
+    return [Sample((m.x(a, a),), {})]
+
+
+def _cross(m: Make):
+    n, a = m.shape((8, 4), (7, 5))
+    return [Sample((m.x(n, 3), m.x(n, 3)), {"dim": 1}), Sample((m.x(3, n, a), m.x(3, 1, a)), {"dim": 0}),
+            Sample((m.x(n, 3, a), m.x(n, 3, a)), {})]
+
+
+def _linalg_cross(m: Make):
+    n, a = m.shape((8, 4), (7, 5))
+    return [Sample((m.x(n, a, 3), m.x(n, a, 3)), {}), Sample((m.x(3, n), m.x(3, n)), {"dim": 0})]
+
+
 # --- nn.functional ----------------------------------------------------------------------------------
 def _layer_norm(m: Make):
     n, a, d = m.shape((4, 4, 8), (3, 5, 6))
@@ -330,6 +389,33 @@ def _with_positions(*calls):
 def _index_select(m: Make):
     x, index = m.distinct(*m.shape(*_MATRIX)), torch.tensor([3, 0, 2, 2, 1])
     return [Sample((x, dim, index), {}, True) for dim in (0, 1, -1)]
+
+
+def _index_writes(*calls):
+    """index_add / index_copy / index_fill: calls(x, dim, index, values shaped for them) on distinct
+    values, along each dim, never every row (overwriting all would hide a wrong R / Partial mix)."""
+    def build(m: Make):
+        x = m.distinct(*m.shape(*_MATRIX))
+        out = []
+        for dim, index in ((0, torch.tensor([3, 0, 2])), (1, torch.tensor([2, 0]))):
+            values = m.x(*(len(index) if d == dim else size for d, size in enumerate(x.shape)))
+            out += [Sample(*call(x, dim, index, values)) for call in calls]
+        return out
+    return build
+
+
+_SCATTER_REDUCTIONS = (("sum", True), ("prod", True), ("mean", False), ("mean", True), ("amax", True),
+                       ("amin", False))
+
+
+def _scatter_reduce(m: Make):
+    """Positions repeated within a row (i % 2), so that each reduction combines several values."""
+    shape = m.shape((4, 4), (6, 5))
+    x, positions = m.distinct(*shape), m.permutations(*shape)[:, :3] % 2
+    values = lambda *size: m.x(*size) * 6 + 8   # noqa: E731  (among x's: neither always wins a max)
+    return [Sample((x, 1, positions, values(shape[0], 3)), {"reduce": reduce, "include_self": include_self})
+            for reduce, include_self in _SCATTER_REDUCTIONS] + \
+        [Sample((x.T.contiguous(), 0, positions.T.contiguous(), values(3, shape[0])), {"reduce": "amax"})]
 
 
 def _pair(*calls):
@@ -468,6 +554,8 @@ _BUILDERS: dict[str, Callable] = {
     # matrix
     "matmul": _matmul, "mm": _mm, "bmm": _bmm, "linear": _linear, "einsum": _einsum, "outer": _outer,
     "baddbmm": _baddbmm,
+    "addmm": _addmm, "addmv": _addmv, "addr": _addr, "addbmm": _addbmm, "mv": _mv, "dot": _dot, "vdot": _dot,
+    "inner": _inner, "tensordot": _tensordot, "trace": _trace, "cross": _cross, "linalg_cross": _linalg_cross,
     # nn
     "layer_norm": _layer_norm, "rms_norm": _rms_norm, "embedding": _embedding, "dropout": _dropout,
     "scaled_dot_product_attention": _attention, "cross_entropy": _cross_entropy, "nll_loss": _nll_loss,
@@ -545,6 +633,22 @@ _BUILDERS: dict[str, Callable] = {
                                lambda x, i: _call(x.T.contiguous(), 0, i[:, :3].T.contiguous(), x[:, :3].T * -3),
                                lambda x, i: _call(x, 1, i[:, :3], -1.0),
                                lambda x, i: _call(x, 1, i[:, :3], i[:, :3].to(torch.float32))),
+    # positions repeat (an addition may add two values at one place): a P(max) source must not pass
+    "index_add": _index_writes(lambda x, d, i, v: _call(x, d, i.index_fill(0, torch.tensor([0]), i[-1]), v),
+                               lambda x, d, i, v: _call(x, d, torch.tensor([1, 1, 0])[:len(i)], v, alpha=2.0)),
+    "index_copy": _index_writes(lambda x, d, i, v: _call(x, d, i, v)),
+    # values between x's: no P(min) by chance
+    "index_fill": _index_writes(lambda x, d, i, v: _call(x, d, i, 5.5), lambda x, d, i, v: _call(x, d, i, v[0, 0] + 7)),
+    # positions repeat within a row (i % 2) and values of both signs are added: see index_add
+    "scatter_add": _with_positions(lambda x, i: _call(x, 1, i[:, :3] % 2, x[:, :3] - 5),
+                                   lambda x, i: _call(x.T.contiguous(), 0, (i[:, :3] % 2).T.contiguous(),
+                                                      x[:, :3].T - 5)),
+    "scatter_reduce": _scatter_reduce,
+    "select_scatter": _both(_on(_MATRIX, lambda x: _call(x, x[:, 1] * -3, 1, 1), lambda x: _call(x, x[2] * -3, 0, 2)),
+                            _on(_CUBE, lambda x: _call(x, x[:, :, -1] * -3, -1, -1))),
+    "slice_scatter": _both(_on(_MATRIX, lambda x: _call(x, x[1:3] * -3, 0, 1, 3),
+                               lambda x: _call(x, x[:, 0:4:3] * -3, dim=1, end=4, step=3)),
+                           _on(_CUBE, lambda x: _call(x, x[:, 1:] * -3, 1, 1))),
     "topk": _on(_MATRIX, lambda x: _call(x, 2, dim=1), lambda x: _call(x, 1, 0, largest=False)),
     "sort": _both(_on(_MATRIX, lambda x: _call(x, 0), lambda x: _call(x, descending=True)),
                   _on(_CUBE, lambda x: _call(x, 1))),
