@@ -1,6 +1,7 @@
 """torch's tensor methods and functions that are compositions of dtorch's ops: `x.t()`,
 `x.swapaxes(0, 1)`, `x.movedim(0, -1)`, `x.view_as(y)`, `x.new_zeros(4)`, `x.clip(0, 1)`,
-`x.tril()`, `x.flip(0)`, `x.rot90()`, `x.roll(1, 0)`, `x.select(1, 0)`, `x.aminmax()`, `torch.var_mean(x)`...
+`x.tril()`, `x.flip(0)`, `x.rot90()`, `x.roll(1, 0)`, `x.select(1, 0)`, `x.aminmax()`, `torch.var_mean(x)`,
+torch's aliases (`torch.arccos`, `x.divide`), `F.rrelu(x, training=True)`...
 
 Each is written with the registry's ops (so placement rules, automatic redistributes, autograd
 and dtorch.compile apply as to the ops it uses) and installed on DTensor; the torch.* spellings
@@ -11,12 +12,13 @@ from __future__ import annotations
 import torch
 
 from .distributed_spec import Replicate
-from .factories import arange, empty, full, ones, zeros
+from .factories import arange, empty, full, ones, rand_like, zeros
+from .inplace import assign
 from .ops.unsupported import unsupported_op
 from .tensor import COMPOSITES, DTensor, call_op
 
 __all__ = ["t", "movedim", "tril", "triu", "flip", "rot90", "roll", "select", "aminmax", "count_nonzero", "var_mean",
-           "std_mean"]
+           "std_mean", "ALIASES", "positive", "polygamma", "threshold", "rrelu"]
 
 
 # --- transposes and dim moves -------------------------------------------------------------------
@@ -218,6 +220,61 @@ def _with_mean(spread: str):
 var_mean, std_mean = _with_mean("var"), _with_mean("std")
 
 
+# --- torch's other names for registry ops -----------------------------------------------------------
+# alias -> the op it names (as clip is clamp): x.arccos(), torch.arccos(x) and x.arccos_() run acos
+ALIASES = {"arccos": "acos", "arcsin": "asin", "arctan": "atan", "arctan2": "atan2", "arccosh": "acosh",
+           "arcsinh": "asinh", "arctanh": "atanh", "absolute": "abs", "negative": "neg", "fix": "trunc",
+           "multiply": "mul", "divide": "div", "true_divide": "div", "subtract": "sub"}
+# torch.nn.functional functions whose __name__ is not the op's name
+FUNCTIONAL_NAMES = {"log_sigmoid": "logsigmoid"}   # F.logsigmoid is torch._C._nn.log_sigmoid
+
+
+def _alias(op: str):
+    def function(input, *args, **kwargs):
+        return call_op(op, (input,) + tuple(args), kwargs)
+    function.__name__ = op
+    return function
+
+
+def positive(input: DTensor) -> DTensor:
+    """torch.positive: the input itself (torch refuses bool tensors, in its words)."""
+    if input.dtype == torch.bool:
+        raise TypeError("The `+` operator, on a bool tensor is not supported.")
+    return input
+
+
+def polygamma(n: int, input: DTensor) -> DTensor:
+    return call_op("polygamma", (n, input), {})
+
+
+def _polygamma_method(self: DTensor, n: int) -> DTensor:
+    """x.polygamma(n): torch's method takes the order after the tensor; the op takes it first."""
+    return polygamma(n, self)
+
+
+def _polygamma_(self: DTensor, n: int) -> DTensor:
+    return assign(self, polygamma(n, self), "polygamma_")
+
+
+def threshold(input: DTensor, threshold, value, inplace: bool = False) -> DTensor:
+    """F.threshold (its __name__ is _threshold) and torch.threshold: the op, inplace rebinding x."""
+    result = call_op("threshold", (input, threshold, value), {})
+    return assign(input, result, "threshold(inplace=True)") if inplace else result
+
+
+def rrelu(input: DTensor, lower: float = 1.0 / 8, upper: float = 1.0 / 3, training: bool = False, generator=None,
+          inplace: bool = False) -> DTensor:
+    """F.rrelu / torch.rrelu. Evaluation is the rrelu op (leaky_relu with the mean slope); training
+    draws each element's negative slope from U(lower, upper) with dtorch's random stream (rand_like,
+    the same on every layout), as torch draws from its own."""
+    if not training:
+        result = call_op("rrelu", (input, lower, upper), {})
+    else:
+        slopes = rand_like(input, generator=generator) * (upper - lower) + lower
+        result = call_op("where", (input >= 0, input, input * slopes), {})
+    return assign(input, result, "rrelu(inplace=True)") if inplace else result
+
+
 def _install() -> None:
     methods = {
         "t": t, "adjoint": adjoint, "swapaxes": DTensor.transpose, "swapdims": DTensor.transpose, "movedim": movedim,
@@ -234,6 +291,10 @@ def _install() -> None:
         "flipud": lambda self: flip(self, 0), "rot90": rot90, "roll": roll, "select": select, "aminmax": aminmax,
         "count_nonzero": count_nonzero,
     }
+    methods.update({alias: _alias(op) for alias, op in ALIASES.items()}, positive=positive,
+                   polygamma=_polygamma_method, polygamma_=_polygamma_)
+    methods.update({alias + "_": getattr(DTensor, op + "_") for alias, op in ALIASES.items()
+                    if hasattr(DTensor, op + "_") and hasattr(torch.Tensor, alias + "_")})
     for name, method in methods.items():
         if not hasattr(DTensor, name):
             setattr(DTensor, name, method)
@@ -242,7 +303,9 @@ def _install() -> None:
     COMPOSITES.update(t=t, adjoint=adjoint, swapaxes=DTensor.transpose, swapdims=DTensor.transpose, movedim=movedim,
                       moveaxis=movedim, clip=DTensor.clamp, tril=tril, triu=triu, flip=flip, fliplr=methods["fliplr"],
                       flipud=methods["flipud"], rot90=rot90, unfold=_unfold_spelled, roll=roll, select=select,
-                      aminmax=aminmax, count_nonzero=count_nonzero, var_mean=var_mean, std_mean=std_mean)
+                      aminmax=aminmax, count_nonzero=count_nonzero, var_mean=var_mean, std_mean=std_mean,
+                      positive=positive, polygamma=polygamma, threshold=threshold, _threshold=threshold, rrelu=rrelu)
+    COMPOSITES.update({alias: _alias(op) for alias, op in {**ALIASES, **FUNCTIONAL_NAMES}.items()})
 
 
 _install()

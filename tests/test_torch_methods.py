@@ -57,6 +57,49 @@ CASES = {   # name -> (the call, on a torch tensor or a DTensor alike)
     "count_nonzero dim": lambda x: torch.count_nonzero(x.clamp(min=0), dim=0),
     "var_mean": lambda x: torch.var_mean(x, 1),
     "std_mean": lambda x: torch.std_mean(x, dim=0, keepdim=True),
+    # torch's aliases of registry ops (dtorch/torch_methods.py ALIASES)
+    "arccos": lambda x: x.tanh().arccos(),
+    "torch.arcsin": lambda x: torch.arcsin(x.tanh()),
+    "arctan": lambda x: x.arctan(),
+    "torch.arctan2": lambda x: torch.arctan2(x, x.flip(0)),
+    "arccosh": lambda x: (x.abs() + 1).arccosh(),
+    "torch.arcsinh": lambda x: torch.arcsinh(x),
+    "arctanh": lambda x: (x.tanh() * 0.9).arctanh(),
+    "absolute": lambda x: torch.absolute(x),
+    "negative": lambda x: x.negative(),
+    "positive": lambda x: torch.positive(x),
+    "fix": lambda x: (x * 3).fix(),
+    "multiply": lambda x: torch.multiply(x, 2.5),
+    "divide": lambda x: x.divide(x.abs() + 1, rounding_mode="floor"),
+    "true_divide": lambda x: torch.true_divide(x, 4.0),
+    "subtract": lambda x: x.subtract(x.flip(1), alpha=2),
+    "arccos_": lambda x: (x.tanh() * 0.5).arccos_(),
+    # composites of registry ops whose torch spelling differs from the op's
+    "polygamma method": lambda x: x.polygamma(1),
+    "torch.polygamma": lambda x: torch.polygamma(2, x),
+    "F.threshold": lambda x: torch.nn.functional.threshold(x, 0.1, 20.0),
+    "torch.threshold": lambda x: torch.threshold(x, 0.5, -1.0),
+    "nn.Threshold": lambda x: torch.nn.Threshold(0.1, 20.0)(x),
+    "F.logsigmoid": lambda x: torch.nn.functional.logsigmoid(x),
+    "nn.LogSigmoid": lambda x: torch.nn.LogSigmoid()(x),
+    "F.rrelu eval": lambda x: torch.nn.functional.rrelu(x, 0.1, 0.3),
+    "nn.RReLU eval": lambda x: torch.nn.RReLU().eval()(x),
+    "nn.Hardtanh": lambda x: torch.nn.Hardtanh(-0.5, 2.0)(x),
+    "F.hardtanh": lambda x: torch.nn.functional.hardtanh(x),
+    "nn.ReLU6": lambda x: torch.nn.ReLU6()(x * 4),
+    "nn.Hardswish": lambda x: torch.nn.Hardswish()(x * 4),
+    "nn.Mish": lambda x: torch.nn.Mish()(x),
+    "torch.selu": lambda x: torch.selu(x),
+    "nn.CELU": lambda x: torch.nn.CELU(0.5)(x),
+    "nn.Softsign": lambda x: torch.nn.Softsign()(x),
+    "nn.Hardshrink": lambda x: torch.nn.Hardshrink(0.3)(x),
+    "x.hardshrink": lambda x: x.hardshrink(0.3),
+    "nn.Softshrink": lambda x: torch.nn.Softshrink(0.3)(x),
+    "nn.Tanhshrink": lambda x: torch.nn.Tanhshrink()(x),
+    "nn.Softmin": lambda x: torch.nn.Softmin(dim=1)(x),
+    "nn.GLU": lambda x: torch.nn.GLU(dim=0)(torch.cat([x, x.flip(0)], 0)),
+    "torch.nansum": lambda x: torch.nansum(x.where(x > -1, torch.nan)),
+    "x.nanmean": lambda x: x.where(x > -1, torch.nan).nanmean(1),
 }
 
 
@@ -126,3 +169,37 @@ def test_gradients_through_composed_methods_equal_torchs(name, mesh4):
                            placements=[Replicate()])
     (out * weight).sum().backward()
     torch.testing.assert_close(x.grad.to_torch(), reference.grad)
+
+
+def test_in_place_activation_flags_rebind_the_input(mesh4):
+    values = torch.randn(7, 5)
+    for call in (lambda x: torch.nn.functional.hardtanh(x, inplace=True), lambda x: torch.nn.ReLU6(inplace=True)(x),
+                 lambda x: torch.nn.functional.threshold(x, 0.1, 20.0, inplace=True),
+                 lambda x: torch.nn.functional.rrelu(x, inplace=True)):
+        x = dtorch.tensor(values, device_mesh=mesh4, placements=[Shard(0)])
+        expected = values.clone()
+        call(expected)
+        call(x)
+        torch.testing.assert_close(x.to_torch(), expected)
+
+
+def test_rrelu_in_training_draws_slopes_from_dtorchs_stream(mesh4):
+    """torch.nn.RReLU in training: each negative element scaled by its own slope in [lower, upper],
+    the same on every layout for the same seed (torch's own draws cannot be matched: compared by law)."""
+    values = torch.randn(7, 5)
+    results = []
+    for placements in ([Shard(0)], [Shard(1)], [Replicate()]):
+        dtorch.manual_seed(3)
+        x = dtorch.tensor(values, device_mesh=mesh4, placements=placements)
+        results.append(torch.nn.RReLU(0.1, 0.3)(x).to_torch())
+    negative = values < 0
+    slopes = results[0][negative] / values[negative]
+    assert torch.equal(results[0][~negative], values[~negative])
+    assert bool(((slopes >= 0.1 - 1e-6) & (slopes <= 0.3 + 1e-6)).all()) and slopes.std() > 0
+    assert all(torch.equal(results[0], other) for other in results[1:])
+
+
+def test_rrelu_op_refuses_training_without_dtorchs_stream(mesh4):
+    x = dtorch.tensor(torch.randn(4, 4), device_mesh=mesh4, placements=[Shard(0)])
+    with pytest.raises(dtorch.UnsupportedOpError, match="rrelu.*training=True.*dtorch's stream"):
+        dtorch.rrelu(x, 0.1, 0.3, True)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed_spec import Partial, Shard
+from ..errors import UnsupportedOpError
 from .partial_laws import NONE, Laws, partial_output
 from .registry import OpRow, register_family
 from .rules import Call, Decision, R, RuleRejected
@@ -122,7 +123,44 @@ def _param_sign(position: int, name: str, default):
     return lambda call: (1 if call.param(position, name, default) >= 0 else 0,)
 
 
+def _logit_signs(call: Call) -> tuple:
+    """With eps, logit clamps into [eps, 1 - eps] first and rises on the whole line; without it only
+    on [0, 1], which a max's (or a min's) other contributions may leave."""
+    return (1,) if call.param(1, "eps", None) is not None else (0,)
+
+
+def _threshold_signs(call: Call) -> tuple:
+    """x where x > threshold, else value: rising when value <= threshold (no step down)."""
+    return (1 if call.param(2, "value") <= call.param(1, "threshold") else 0,)
+
+
+def _rrelu_signs(call: Call) -> tuple:
+    """Evaluation mode is leaky_relu with slope (lower + upper) / 2: rising for a slope >= 0."""
+    return (1 if call.param(1, "lower", 1 / 8) + call.param(2, "upper", 1 / 3) >= 0 else 0,)
+
+
+def _rrelu_rule(call: Call, placements) -> Decision:
+    """leaky_relu with slope (lower + upper) / 2; training=True only through F.rrelu, which draws
+    the slopes from dtorch's random stream (torch_methods.py)"""
+    if call.param(3, "training", False):
+        raise UnsupportedOpError("dtorch.rrelu(..., training=True): the op itself would draw torch's random "
+                                 "slopes on each worker; call torch.nn.functional.rrelu(x, training=True) "
+                                 "(or torch.rrelu), which draws them from dtorch's stream")
+    return _RRELU(call, placements)
+
+
+def _isreal_rule(call: Call, placements) -> Decision:
+    """True everywhere for real dtypes: no reduction of the input's contributions changes it,
+    so a Partial input gives R."""
+    if call.inputs[0].dtype.is_complex or not any(isinstance(p, Partial) for p in placements):
+        return pointwise_rule(NONE)(call, placements)
+    return Decision(placements, (R,))
+
+
 UP = Laws(monotone=(1,))
+DOWN = Laws(monotone=(-1,))
+# x * a constant (deg2rad, rad2deg): linear, and rising
+SCALING = Laws(linear=((0,),), monotone=(1,))
 # Rising only on part of the line: all contributions of a P(min) are >= its value, so they stay
 # inside the domain whenever the value does (an empty shard holds +inf, also inside).
 UP_ON_DOMAIN = Laws(monotone=(1,), monotone_ops=frozenset({"min"}))
@@ -138,12 +176,38 @@ OR = Laws(monotone=(1, 1), lattice={"max": (0, 1)}, when=_booleans)
 
 
 # Non-decreasing on the whole extended line (+-inf included), so one P(max|min) passes.
-_RISING = ("floor", "ceil", "trunc", "round", "atan", "sinh", "asinh", "exp2", "expm1", "sign")
+_RISING = ("floor", "ceil", "trunc", "round", "atan", "sinh", "asinh", "exp2", "expm1", "sign",
+           "isposinf")   # on bools: inf is the top of the order, so isposinf(max) = any(isposinf)
+# Non-increasing on the whole extended line: a P(max) becomes a P(min) and back.
+_FALLING = ("erfc", "isneginf", "signbit")
+# Rising activations of torch.nn.functional (their values at +-inf are finite or +-inf, never nan:
+# softsign's inf / inf is, so it is not here). hardshrink steps up at +-lambd, still rising.
+_RISING_ACTIVATIONS = ("hardtanh", "relu6", "hardsigmoid", "selu", "celu", "logsigmoid", "tanhshrink",
+                       "hardshrink", "softshrink")
+_ACTIVATIONS_NO_LAWS = ("hardswish", "mish", "softsign")   # hardswish and mish dip below 0 before rising
 # asin, atanh: rising, but on [-1, 1]: a max's or a min's other contributions may lie outside.
 # reciprocal falls on each half-line but jumps at 0; fmod, remainder, floor_divide and hypot are
 # not monotone in the divisor (and plans key scalars by type, so not in a scalar's sign either).
 _NO_LAWS = ("frac", "asin", "acos", "atanh", "cosh", "atan2", "reciprocal", "fmod", "remainder", "floor_divide",
-            "hypot", "isclose")
+            "hypot", "isclose",
+            # periodic, or with poles and turning points
+            "tan", "lgamma", "digamma", "i0", "sinc", "polygamma", "mvlgamma",
+            # pow's kin; gcd and lcm are not monotone; copysign rises in its sign operand only in the
+            # sign bit's order (-0.0 < +0.0), which a reduction of signed zeros or nan may not keep
+            "float_power", "gcd", "copysign",
+            # x * log(y) is 0 where x is 0 even at y = 0, but a nonzero contribution there gives inf
+            "xlogy")
+
+
+_RRELU_LAWS = Laws(params=("input", "lower", "upper"), monotone=_rrelu_signs, by_value=True)
+_RRELU = pointwise_rule(_RRELU_LAWS)
+
+
+def _lcm(input, other):
+    """torch.lcm, without its trap: lcm(int min, int max) divides int min by -1, which kills the
+    process (SIGFPE). |int min| has no representation, so no lcm with it has either: 0 there."""
+    lowest = torch.iinfo(torch.result_type(input, other)).min
+    return torch.lcm(torch.where((input == lowest) | (other == lowest), 0, input), other)
 
 
 def _leaky_relu(input, negative_slope=0.01, inplace=False):
@@ -222,11 +286,32 @@ POINTWISE = {
                                                                 monotone=_cast_signs, by_value=True)),
     **{name: _row(getattr(torch, name), UP) for name in _RISING},
     **{name: _row(getattr(torch, name), UP_ON_DOMAIN) for name in ("log2", "log10", "acosh")},
-    **{name: _row(getattr(torch, name), NONE) for name in _NO_LAWS},
+    **{name: _row(getattr(torch, name), NONE, method=name != "polygamma") for name in _NO_LAWS},
+    **{name: _row(getattr(torch, name), DOWN) for name in _FALLING},
+    # torch.nn.functional's activations: method only where torch.Tensor has one (x.hardshrink())
+    **{name: _row(getattr(F, name), UP, method=hasattr(torch.Tensor, name)) for name in _RISING_ACTIVATIONS},
+    **{name: _row(getattr(F, name), NONE, method=False) for name in _ACTIVATIONS_NO_LAWS},
+    "threshold": _row(F.threshold, Laws(monotone=_threshold_signs, by_value=True), method=False),
+    "rrelu": OpRow(F.rrelu, _rrelu_rule, method=False, doc=_RRELU_LAWS.describe() + "; training=True via F.rrelu"),
     "sgn": _row(torch.sgn, UP),    # sign, for real inputs
     "clamp_min": _row(torch.clamp_min, Laws(params=("input", "min"), monotone=(1, 1), lattice={"max": (0, 1)})),
     "clamp_max": _row(torch.clamp_max, Laws(params=("input", "max"), monotone=(1, 1), lattice={"min": (0, 1)})),
     "logaddexp": _row(torch.logaddexp, Laws(monotone=(1, 1))),
+    "logaddexp2": _row(torch.logaddexp2, Laws(monotone=(1, 1))),
+    # the next float after a towards b: non-decreasing in each (it never passes b)
+    "nextafter": _row(torch.nextafter, Laws(monotone=(1, 1))),
+    "ldexp": _row(torch.ldexp, Laws(linear=((0,),), monotone=(1, 0))),     # input * 2 ** other
+    # 0 below 0, 1 above, `values` at 0: rising in values (the rest are the same on every rank)
+    "heaviside": _row(torch.heaviside, Laws(params=("input", "values"), linear=((1,),), affine=True,
+                                            monotone=(0, 1))),
+    # fmax(nan, b) is b, no more than any other contribution's fmax(c, b) = max(c, b): a min over
+    # ranks keeps it, a max does not (a P(max) carrying nan reads nan, whose fmax is b)
+    "fmax": _row(torch.fmax, Laws(monotone=(1, 1), monotone_ops=frozenset({"min"}))),
+    "fmin": _row(torch.fmin, Laws(monotone=(1, 1), monotone_ops=frozenset({"max"}))),
+    "lcm": _row(_lcm, NONE),
+    "logit": _row(torch.logit, Laws(monotone=_logit_signs)),
+    **{name: _row(getattr(torch, name), SCALING) for name in ("deg2rad", "rad2deg")},
+    "isreal": OpRow(torch.isreal, _isreal_rule, doc=" ".join(_isreal_rule.__doc__.split())),
     # rising on numbers, but a max (min) that carries nan is nan and nan_to_num sends it to 0
     "nan_to_num": _row(torch.nan_to_num, NONE),
     "lerp": _row(torch.lerp, Laws(params=("input", "end", "weight"), linear=((0, 1),))),

@@ -5,11 +5,12 @@ dim yields, the Partial inputs it passes through, where its `dim` argument sits,
 Reducing over a sharded dim communicates nothing: each rank reduces its shard and the result is
 Partial (sum -> P(sum), amax -> P(max), any -> P(max) on bool, which Gloo reduces natively); the
 reduction finishes when the user reads or redistributes. Ops with no exact partial form (prod,
-var, logsumexp, argmax, max with indices) need Replicate on reduced dims.
+var, logsumexp, argmax, max with indices, nanmean: its count of non-nan elements) need Replicate
+on reduced dims.
 
 ALONG_DIM: op -> its row, built from (torch function, Partial inputs passed). cumsum, cumprod,
-cummax, cummin, logcumsumexp, softmax and log_softmax need every value of their dim on one rank:
-Replicate there; Shard on any other dim passes through. Only cumsum is linear, so only it passes
+cummax, cummin, logcumsumexp, softmax, log_softmax, softmin and glu need every value of their
+dim on one rank: Replicate there; Shard on any other dim passes through. Only cumsum is linear, so only it passes
 P(sum) and P(avg); the others take no Partial (a product, a running max's indices, a log of a sum
 of exps do not commute with summing or maxing the contributions).
 """
@@ -205,6 +206,11 @@ def _max_row(kind: str) -> OpRow:
 
 REDUCTIONS = {
     "sum": _reduction(torch.sum, "sum", frozenset({"sum", "avg"})),
+    # nan counts as 0, so a shard's nansum is its share of the whole's; but no Partial input passes:
+    # contributions inf and -inf reduce to nan, which the whole's nansum skips and theirs do not
+    "nansum": _reduction(torch.nansum, "sum", frozenset()),
+    # the divisor is the count of non-nan elements, which no rank knows alone: R on reduced dims
+    "nanmean": _reduction(torch.nanmean, None, frozenset()),
     "mean": _reduction(torch.mean, "sum", frozenset({"sum", "avg"}), local=_mean_local),
     "amax": _reduction(torch.amax, "max", frozenset({"max"}), local=lambda call, p: ("amax_safe", {})),
     "amin": _reduction(torch.amin, "min", frozenset({"min"}), local=lambda call, p: ("amin_safe", {})),
@@ -224,30 +230,32 @@ register_family("reduction", REDUCTIONS)
 
 
 # --- ops along one dim --------------------------------------------------------------------------
-def _along_dim(call: Call) -> int:
+def _along_dim(call: Call, default_dim=None) -> int:
     ndim = len(call.inputs[0].shape)
-    dim = call.param(1, "dim", None)
+    dim = call.param(1, "dim", default_dim)
     if dim is None:   # torch's implicit softmax dim (deprecated there, kept for parity)
         dim = 0 if ndim in (0, 1, 3) else 1
     return dim % max(ndim, 1)
 
 
-def along_dim_rule(partial_inputs: frozenset):
+def along_dim_rule(partial_inputs: frozenset, default_dim=None):
+    """`default_dim`: the op's dim when the call names none (None: softmax's implicit dim)."""
     def rule(call: Call, placements) -> Decision:
         (p,) = placements[:1]
         if isinstance(p, Partial) and p.reduce_op not in partial_inputs:
             raise RuleRejected(f"{call.op} does not commute with the reduction of a {p!r} input",
                                "R or S(d) off the op's dim" + "".join(f", P({o})" for o in sorted(partial_inputs)))
-        if isinstance(p, Shard) and p.dim == _along_dim(call):
+        if isinstance(p, Shard) and p.dim == _along_dim(call, default_dim):
             raise RuleRejected(f"{call.op} runs along dim {p.dim}, which is sharded",
                                f"R on dim {p.dim}, S(d) on another dim")
         return Decision(placements, (p,) * len(call.outputs))   # cummax, cummin: values and indices alike
     return rule
 
 
-def _along(torch_fn, partial_inputs: frozenset) -> OpRow:
+def _along(torch_fn, partial_inputs: frozenset, default_dim=None) -> OpRow:
     passes = "".join(f"; P({op}) passes" for op in sorted(partial_inputs))
-    return OpRow(torch_fn, along_dim_rule(partial_inputs), doc="R on the op's dim; S elsewhere passes" + passes)
+    return OpRow(torch_fn, along_dim_rule(partial_inputs, default_dim),
+                 doc="R on the op's dim; S elsewhere passes" + passes)
 
 
 ALONG_DIM = {
@@ -258,5 +266,8 @@ ALONG_DIM = {
     "logcumsumexp": _along(torch.logcumsumexp, frozenset()),
     "softmax": _along(F.softmax, frozenset()),
     "log_softmax": _along(F.log_softmax, frozenset()),
+    "softmin": _along(F.softmin, frozenset()),
+    # its dim splits in halves a * sigmoid(b): a shard of it would pair the wrong halves
+    "glu": _along(F.glu, frozenset(), default_dim=-1),
 }
 register_family("reduction", ALONG_DIM)

@@ -147,6 +147,64 @@ def _nan_to_num(m: Make):
             Sample((x, 0.0, None, -3.0), {}, True)]
 
 
+def _infinities(m: Make):
+    """isposinf, isneginf: +-inf among finite values (no nan: a max carrying nan is nan)."""
+    x = m.x(*_matrix(m))
+    x[0, 0], x[-1, -1], x[1, 0], x[-1, 0] = math.inf, math.inf, -math.inf, -math.inf
+    return [Sample((x,), {}, True)]
+
+
+def _with_nan_values(m: Make):
+    """fmax, fmin: nan in either operand (fmax(nan, b) is b, which no Partial law keeps)."""
+    shape = _matrix(m)
+    x, y, row = m.x(*shape), m.x(*shape), m.x(shape[-1])
+    x.view(-1)[::5], y.view(-1)[2::5], row[1] = math.nan, math.nan, math.nan   # never both: nan out compares unequal
+    return [Sample((x, y), {}, True), Sample((x.index_fill(1, torch.tensor([1]), 0.5), row), {}, True)]
+
+
+def _nextafter(m: Make):
+    """From 0, so that the one-ulp step is the whole result (from other values it is lost in
+    any tolerance, and nextafter would look like the identity)."""
+    shape = _matrix(m)
+    return [Sample((torch.zeros(shape), m.x(*shape)), {}, True), Sample((torch.zeros(shape), m.x(shape[-1])), {}, True)]
+
+
+def _polygamma(m: Make):
+    return [Sample((n, m.x(*_matrix(m))), {}) for n in (1, 2)]
+
+
+def _mvlgamma(m: Make):
+    """mvlgamma(x, p) is defined for x > (p - 1) / 2."""
+    return [Sample((m.x(*_matrix(m), positive=True) + 1.0, p), {}) for p in (1, 3)]
+
+
+def _heaviside(m: Make):
+    """Exact zeros in the input, where `values` is taken."""
+    shape = _matrix(m)
+    return [Sample((m.x(*shape, zeros=True), m.x(*shape)), {}, True),
+            Sample((m.x(*shape, zeros=True), m.x(shape[-1])), {}, True)]
+
+
+def _ldexp(m: Make):
+    shape = _matrix(m)
+    return [Sample((m.x(*shape), m.ints(*shape, low=-3, high=4)), {}, True),
+            Sample((m.x(*shape), m.ints(shape[-1], low=-3, high=4)), {}, True)]
+
+
+def _xlogy(m: Make):
+    """Zeros in x where y < 0 (x log y is 0 there, a nonzero contribution's is nan). No zeros in
+    y: d/dy = x / y would be inf, and a rank's zero share of the output gradient times inf is nan."""
+    shape = _matrix(m)
+    return [Sample((m.x(*shape, zeros=True), m.x(*shape, nonzero=True)), {}),
+            Sample((m.x(*shape, zeros=True), 2.0), {})]
+
+
+def _threshold(m: Make):
+    """value above the threshold (a step down: no order law) and below it."""
+    x = m.x(*_matrix(m))
+    return [Sample((x, 0.1, 20.0), {}, True), Sample((x, 0.5, -1.0), {}, True)]
+
+
 # --- reductions -------------------------------------------------------------------------------------
 def _reduce(*variants, kind="x", exact=False):
     """(args after the input, kwargs) variants over one 2-D input of `kind` x / ints / bools."""
@@ -523,6 +581,21 @@ _BUILDERS: dict[str, Callable] = {
     "clamp_min": _clamp_one_side, "clamp_max": _clamp_one_side, "nan_to_num": _nan_to_num,
     "rsub": _with_scalar(2.0), "rdiv": _with_scalar(2.0, nonzero=True), "rpow": _with_scalar(2.0, exact=False),
     "rfloor_divide": _with_scalar(7.0, nonzero=True), "rremainder": _with_scalar(7.0, nonzero=True),
+    "tan": _unary(torch.tanh), "erfc": _one(), "lgamma": _one(), "digamma": _one(), "i0": _one(), "sinc": _one(),
+    "signbit": _one(exact=True), "deg2rad": _one(), "rad2deg": _one(), "isreal": _one(exact=True),
+    "logit": _unary(torch.sigmoid, kwargs=({}, {"eps": 0.1})),
+    "isposinf": _infinities, "isneginf": _infinities, "polygamma": _polygamma, "mvlgamma": _mvlgamma,
+    "copysign": _two(broadcast=True, exact=True), "float_power": _power, "nextafter": _nextafter,
+    "fmax": _with_nan_values, "fmin": _with_nan_values, "logaddexp2": _two(broadcast=True),
+    "gcd": _two(dtype=torch.int64, broadcast=True, exact=True), "lcm": _two(dtype=torch.int64, exact=True),
+    "heaviside": _heaviside, "ldexp": _ldexp, "xlogy": _xlogy,
+    # torch.nn.functional's activations
+    "hardtanh": _one({}, {"min_val": -0.5, "max_val": 2.0}, exact=True),
+    "relu6": _unary(lambda x: x * 4, exact=True), "hardsigmoid": _unary(lambda x: x * 4),
+    "hardswish": _unary(lambda x: x * 4), "mish": _one(), "selu": _one(), "celu": _one({}, {"alpha": 0.5}),
+    "logsigmoid": _one(), "softsign": _one(), "tanhshrink": _one(), "threshold": _threshold,
+    "hardshrink": _one({}, {"lambd": 0.3}, exact=True), "softshrink": _one({}, {"lambd": 0.3}, exact=True),
+    "rrelu": _one({}, {"lower": 0.1, "upper": 0.3}, exact=True),
     # reductions
     "sum": _both(_reduce(*_ALL_DIMS), _reduce(((1,), {}), ((), {}), kind="ints", exact=True),
                  _reduce(((0,), {"dtype": torch.float64}),)),
@@ -551,6 +624,11 @@ _BUILDERS: dict[str, Callable] = {
     "logcumsumexp": _reduce(((0,), {}), ((-1,), {})),
     "softmax": _reduce(((1,), {}), ((0,), {}), ((-1,), {"dtype": torch.float64})),
     "log_softmax": _reduce(((-1,), {}), ((0,), {})),
+    "softmin": _reduce(((1,), {}), ((0,), {}), ((-1,), {"dtype": torch.float64})),
+    "glu": lambda m: [Sample((m.x(*m.shape((8, 4), (6, 10))),) + args, {}) for args in ((), (0,), (-1,))],
+    "nansum": _with_nans(*_MATRIX, calls=(lambda x: _call(x), lambda x: _call(x, 0), lambda x: _call(x, 1, True),
+                                          lambda x: _call(x, (0, 1)))),
+    "nanmean": _with_nans(*_MATRIX, calls=(lambda x: _call(x), lambda x: _call(x, 0), lambda x: _call(x, -1, True))),
     # matrix
     "matmul": _matmul, "mm": _mm, "bmm": _bmm, "linear": _linear, "einsum": _einsum, "outer": _outer,
     "baddbmm": _baddbmm,

@@ -79,6 +79,18 @@ DECLINED.update({
     **{("isclose", combo): "a contribution other than the max (min) may be close where the max (min) is not"
        for combo in ("[R], [P(max)]", "[R], [P(min)]", "[P(max)], [R]", "[P(min)], [R]")},
 })
+_OVERFLOW = "finite contributions can overflow to inf when summed (and inf + -inf is nan)"
+_SCALAR_LOG = "x log c is linear in x (and monotone) for c > 0 only, and plans key a scalar c by type"
+_NAN_IGNORED = ("a P(max) (fmin: P(min)) carrying nan reads nan, whose fmax is the other operand, while a finite "
+                "contribution's may exceed it (this tool only draws nan or -inf beside a nan)")
+_SIGN_BIT = "rising in the sign bit's order only: a reduction of signed zeros or nan need not keep -0.0 < +0.0"
+DECLINED.update({
+    **{(op, combo): _OVERFLOW for op in ("isposinf", "isneginf") for combo in ("[P(sum)]", "[P(avg)]")},
+    **{("xlogy", combo): _SCALAR_LOG for combo in ("[P(sum)]", "[P(avg)]", "[P(max)]", "[P(min)]")},
+    **{("copysign", combo): _SIGN_BIT for combo in ("[R], [P(max)]", "[R], [P(min)]")},
+    **{(op, combo): _NAN_IGNORED for op, partial in (("fmax", "[P(max)]"), ("fmin", "[P(min)]"))
+       for combo in (f"[R], {partial}", f"{partial}, [R]", f"{partial}, {partial}")},
+})
 DECLINED[("index_put", "[P(sum)], [S(0)], [S(0)]")] = (
     "accumulate with positions and values split alike into a P(sum) target is exact, not derived yet")
 # scatter passes a Partial only as input and src alike (R index); the other forms below are exact
