@@ -9,9 +9,10 @@ gets them cast to float32 (float64 is never cast, as in torch). The casts are or
 `to` ops, so backward casts each gradient back, as autocast's do. Ops on neither list run in their
 inputs' dtypes; torch's promote list needs nothing here (cat, stack and the pointwise ops promote).
 
-The lists are torch's (aten/src/ATen/autocast_mode.cpp, torch 2.13) restricted to the ops dtorch
-has; the cost on the op path is one set lookup per op (`AUTOCAST_OPS`), and the autocast query
-only for the ops listed.
+The lists are torch's (aten/src/ATen/autocast_mode.cpp, torch 2.13), under the names the ops
+reach dtorch with (F.cross_entropy, not aten's cross_entropy_loss); a name dtorch has no op
+for never comes here. The cost on the op path is one set lookup per op (`AUTOCAST_OPS`), and
+the autocast query only for the ops listed.
 """
 from __future__ import annotations
 
@@ -20,17 +21,23 @@ import torch
 __all__ = ["AUTOCAST_OPS", "autocast_args", "autocast_state"]
 
 _LOWER = {
-    "cpu": frozenset({"matmul", "mm", "bmm", "baddbmm", "linear", "conv2d", "scaled_dot_product_attention"}),
-    "cuda": frozenset({"matmul", "mm", "bmm", "baddbmm", "linear", "conv2d", "einsum", "scaled_dot_product_attention",
-                       "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"}),
+    "cpu": frozenset("""conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm addbmm linear matmul conv_tbc
+        conv_transpose1d conv_transpose2d conv_transpose3d prelu scaled_dot_product_attention""".split()),
+    "cuda": frozenset("""conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d conv_transpose3d prelu addmm
+        addmv addr matmul einsum mm mv linalg_vecdot linear addbmm baddbmm bmm chain_matmul linalg_multi_dot
+        lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell scaled_dot_product_attention""".split()),
 }
 _FLOAT32 = {
-    "cpu": frozenset({"cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
-                      "binary_cross_entropy", "binary_cross_entropy_with_logits", "prod"}),
-    "cuda": frozenset({"acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",
-                       "rsqrt", "sinh", "pow", "softplus", "layer_norm", "group_norm", "nll_loss", "kl_div", "l1_loss",
-                       "smooth_l1_loss", "huber_loss", "mse_loss", "binary_cross_entropy_with_logits", "logsumexp",
-                       "sum", "prod", "cumprod", "cumsum", "norm", "softmax", "log_softmax", "cross_entropy"}),
+    "cpu": frozenset("""avg_pool3d binary_cross_entropy grid_sampler polar prod quantile nanquantile stft cdist trace
+        view_as_complex cholesky inverse pinverse max_pool3d mse_loss cosine_embedding_loss nll_loss
+        hinge_embedding_loss poisson_nll_loss smooth_l1_loss cross_entropy l1_loss huber_loss margin_ranking_loss
+        soft_margin_loss triplet_margin_loss multi_margin_loss kl_div multilabel_margin_loss
+        binary_cross_entropy_with_logits""".split()),
+    "cuda": frozenset("""acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow softplus
+        layer_norm group_norm cosine_similarity poisson_nll_loss cosine_embedding_loss nll_loss hinge_embedding_loss
+        kl_div l1_loss smooth_l1_loss huber_loss mse_loss margin_ranking_loss multilabel_margin_loss
+        soft_margin_loss triplet_margin_loss multi_margin_loss binary_cross_entropy_with_logits dist pdist cdist
+        renorm logsumexp prod softmax log_softmax cumprod cumsum sum norm cross_entropy""".split()),
 }
 AUTOCAST_OPS = frozenset().union(*_LOWER.values(), *_FLOAT32.values())
 
