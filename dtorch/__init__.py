@@ -26,6 +26,7 @@ from . import inplace as _inplace  # noqa: F401  (installs x[i] = v and the in-p
 from .inplace import AliasingError
 from . import advanced_indexing as _advanced_indexing  # noqa: F401  (x[t], x[t] = v, index_put)
 from . import torch_methods as _torch_methods  # noqa: F401  (x.t(), x.flip(0), torch.tril(x), ...)
+from . import composites as _composites  # noqa: F401  (torch.tile(x), x.diff(), F.normalize(x), ...)
 from . import autograd
 from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from . import nn

@@ -1,0 +1,184 @@
+"""torch functions that dtorch composes from its ops (dtorch/composites.py), each against torch on the
+same values: sharded on the first or last dim, replicated, on (4,) and (2, 2), with even and uneven
+shapes, and the gradient of every floating-point input."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtorch
+from dtorch import Replicate, Shard
+
+pytestmark = pytest.mark.timeout(600)
+
+FIRST, LAST = 0, -1
+LAYOUTS = {"mesh4": [[FIRST], [LAST], [None]], "mesh22": [[FIRST, LAST], [LAST, None]]}
+
+
+def _placement(dim, value: torch.Tensor):
+    """Shard on the first or last dim where the value has one, else Replicate."""
+    if dim is None or value.ndim == 0:
+        return Replicate()
+    return Shard(dim % value.ndim)
+
+
+def _sizes(uneven: bool):
+    return (7, 5, 3) if uneven else (8, 4, 4)
+
+
+def _floats(*shapes):
+    return lambda g, uneven: [torch.randn(shape(*_sizes(uneven)), generator=g) for shape in shapes]
+
+
+def _signs(n):
+    return lambda g, uneven: torch.randint(0, 2, (n(*_sizes(uneven)),), generator=g).float() * 2 - 1
+
+
+def _with(make, *more):
+    """Inputs of `make`, then each of `more` (g, uneven) -> one more tensor."""
+    return lambda g, uneven: make(g, uneven) + [m(g, uneven) for m in more]
+
+
+MATRIX, ROW, COLUMN = (lambda n, d, k: (n, d)), (lambda n, d, k: (d,)), (lambda n, d, k: (n,))
+CUBE, IMAGES = (lambda n, d, k: (2, n, d)), (lambda n, d, k: (2, 8, n, d))
+SEQUENCES = lambda n, d, k: (4, d, n)  # noqa: E731  (N, C, L): no empty batch shard (see the report on conv2d)
+
+CASES = {   # name -> (inputs (g, uneven) -> torch tensors, the call on torch tensors or DTensors alike)
+    "broadcast_to": (_floats(ROW), lambda x: torch.broadcast_to(x, (3, x.shape[0]))),
+    "x.broadcast_to": (_floats(MATRIX), lambda x: x[:1].broadcast_to(x.shape)),
+    "tile": (_floats(MATRIX), lambda x: x.tile((2,))),
+    "torch.tile": (_floats(MATRIX), lambda x: torch.tile(x, (2, 1, 1))),
+    "ravel": (_floats(MATRIX), lambda x: x.ravel()),
+    "torch.ravel": (_floats(CUBE), lambda x: torch.ravel(x)),
+    "hstack": (_floats(MATRIX, MATRIX), lambda x, y: torch.hstack([x, y])),
+    "hstack vectors": (_floats(ROW, COLUMN), lambda x, y: torch.hstack((x, y))),
+    "vstack": (_floats(MATRIX, MATRIX), lambda x, y: torch.vstack([x, y])),
+    "vstack vectors": (_floats(ROW, ROW), lambda x, y: torch.vstack([x, y])),
+    "row_stack": (_floats(MATRIX, ROW), lambda x, y: torch.row_stack([x, y])),
+    "dstack": (_floats(MATRIX, MATRIX), lambda x, y: torch.dstack([x, y])),
+    "column_stack": (_floats(COLUMN, MATRIX), lambda x, y: torch.column_stack([x, y])),
+    "atleast_3d": (_floats(MATRIX, ROW), lambda x, y: torch.atleast_3d(x, y)),
+    "tensor_split sections": (_floats(MATRIX), lambda x: x.tensor_split(3)),
+    "tensor_split indices": (_floats(MATRIX), lambda x: torch.tensor_split(x, [1, 3], dim=1)),
+    "tensor_split past the end": (_floats(MATRIX), lambda x: torch.tensor_split(x, (2, 9, -1))),
+    "hsplit": (_floats(MATRIX), lambda x: torch.hsplit(x, [1, 3])),
+    "hsplit vector": (_floats(COLUMN), lambda x: x.hsplit([2])),
+    "vsplit": (_floats(MATRIX), lambda x: torch.vsplit(x, [2])),
+    "dsplit": (_floats(CUBE), lambda x: x.transpose(0, 2).dsplit([1])),
+    "diff": (_floats(MATRIX), lambda x: x.diff()),
+    "diff twice along 0": (_floats(MATRIX), lambda x: torch.diff(x, n=2, dim=0)),
+    "diff prepend append": (_floats(MATRIX), lambda x: torch.diff(x, dim=1, prepend=x[:, :1] * 2, append=x[:, -2:])),
+    "diff of bools": (_floats(MATRIX), lambda x: (x > 0).diff(dim=0)),
+    "take_along_dim": (_with(_floats(MATRIX), lambda g, u: torch.randint(0, _sizes(u)[1], (_sizes(u)[0], 3),
+                                                                           generator=g)),
+                       lambda x, i: torch.take_along_dim(x, i, dim=1)),
+    "take_along_dim broadcast": (_with(_floats(MATRIX), lambda g, u: torch.randint(0, _sizes(u)[0], (2, 1),
+                                                                                     generator=g)),
+                                 lambda x, i: x.take_along_dim(i, 0)),
+    "take_along_dim flat": (_with(_floats(MATRIX), lambda g, u: torch.randint(0, 20, (6,), generator=g)),
+                            lambda x, i: torch.take_along_dim(x, i)),
+    "chain_matmul": (_floats(MATRIX, lambda n, d, k: (d, k), lambda n, d, k: (k, n)),
+                     lambda a, b, c: torch.chain_matmul(a, b, c)),
+    "linalg.multi_dot": (_floats(COLUMN, MATRIX, lambda n, d, k: (d, k), lambda n, d, k: (k,)),
+                         lambda v, a, b, w: torch.linalg.multi_dot([v, a, b, w])),
+    "kron": (_floats(MATRIX, lambda n, d, k: (2, 3)), lambda a, b: torch.kron(a, b)),
+    "x.kron of ranks 1 and 2": (_floats(COLUMN, lambda n, d, k: (3, 2)), lambda a, b: a.kron(b)),
+    "normalize": (_floats(MATRIX), lambda x: F.normalize(x)),
+    "normalize p=1 dim 0": (_floats(MATRIX), lambda x: F.normalize(x, p=1.0, dim=0)),
+    "cosine_similarity": (_floats(MATRIX, MATRIX), lambda x, y: F.cosine_similarity(x, y)),
+    "cosine_similarity dim 0 broadcast": (_floats(MATRIX, ROW), lambda x, y: torch.cosine_similarity(x, y, dim=0)),
+    "pairwise_distance": (_floats(MATRIX, MATRIX), lambda x, y: F.pairwise_distance(x, y)),
+    "pairwise_distance p=1 keepdim": (_floats(MATRIX, MATRIX), lambda x, y: F.pairwise_distance(x, y, 1.0,
+                                                                                               keepdim=True)),
+    "one_hot": (lambda g, u: [torch.randint(0, 5, _sizes(u)[:2], generator=g)], lambda t: F.one_hot(t, 5)),
+    "conv1d": (_floats(SEQUENCES, lambda n, d, k: (6, d, 3), lambda n, d, k: (6,)),
+               lambda x, w, b: F.conv1d(x, w, b, padding=1)),
+    "conv1d strided same": (_floats(SEQUENCES, lambda n, d, k: (4, d, 3)),
+                            lambda x, w: F.conv1d(x, w, stride=(1,), padding="same", dilation=2)),
+    "prelu": (_floats(SEQUENCES, lambda n, d, k: (d,)), lambda x, w: F.prelu(x, w)),
+    "prelu one weight": (_floats(MATRIX, lambda n, d, k: (1,)), lambda x, w: torch.prelu(x, w)),
+    "pixel_shuffle": (_floats(IMAGES), lambda x: F.pixel_shuffle(x, 2)),
+    "pixel_unshuffle": (_floats(lambda n, d, k: (2, 2, 2 * n, 2 * d)), lambda x: F.pixel_unshuffle(x, 2)),
+    "margin_ranking_loss": (_with(_floats(COLUMN, COLUMN), _signs(lambda n, d, k: n)),
+                            lambda x, y, t: F.margin_ranking_loss(x, y, t, margin=0.1)),
+    "margin_ranking_loss none": (_with(_floats(COLUMN, COLUMN), _signs(lambda n, d, k: n)),
+                                 lambda x, y, t: F.margin_ranking_loss(x, y, t, reduction="none")),
+    "cosine_embedding_loss": (_with(_floats(MATRIX, MATRIX), _signs(lambda n, d, k: n)),
+                              lambda x, y, t: F.cosine_embedding_loss(x, y, t, margin=0.2)),
+    "cosine_embedding_loss sum": (_with(_floats(MATRIX, MATRIX), _signs(lambda n, d, k: n)),
+                                  lambda x, y, t: F.cosine_embedding_loss(x, y, t, reduction="sum")),
+    "triplet_margin_loss": (_floats(MATRIX, MATRIX, MATRIX), lambda a, p, n: F.triplet_margin_loss(a, p, n)),
+    "triplet_margin_loss swap p=1": (_floats(MATRIX, MATRIX, MATRIX),
+                                     lambda a, p, n: F.triplet_margin_loss(a, p, n, p=1, swap=True, reduction="none")),
+}
+
+
+def _outputs(result) -> list:
+    return list(result) if isinstance(result, (tuple, list)) else [result]
+
+
+def _reference(values, call, g):
+    """torch's outputs and the gradients of sum_i <out_i, w_i> for fixed random weights."""
+    leaves = [v.clone().requires_grad_() if v.is_floating_point() else v for v in values]
+    outs = _outputs(call(*leaves))
+    weights = [torch.randn(o.shape, generator=g) if o.is_floating_point() else None for o in outs]
+    floats = [leaf for leaf in leaves if leaf.requires_grad]
+    roots = [(o * w).sum() for o, w in zip(outs, weights) if w is not None and o.requires_grad]
+    grads = torch.autograd.grad(sum(roots), floats, allow_unused=True) if roots and floats else []
+    return [o.detach() for o in outs], weights, [torch.zeros_like(f) if d is None else d for f, d in zip(floats, grads)]
+
+
+def _check(mesh, values, layout, call, g):
+    want, weights, want_grads = _reference(values, call, g)
+    inputs = [dtorch.tensor(v, device_mesh=mesh, placements=[_placement(d, v) for d in layout],
+                            requires_grad=v.is_floating_point()) for v in values]
+    outs = _outputs(call(*inputs))
+    assert len(outs) == len(want)
+    for got, expected in zip(outs, want):
+        read = got.to_torch()
+        assert read.dtype == expected.dtype and read.shape == expected.shape
+        torch.testing.assert_close(read, expected, rtol=1e-4, atol=1e-5)
+    roots = [(o * dtorch.tensor(w, device_mesh=mesh)).sum() for o, w in zip(outs, weights)
+             if w is not None and o.requires_grad]
+    if not roots:
+        return
+    dtorch.autograd.backward(roots)
+    floats = [x for x in inputs if x.requires_grad]
+    for x, expected in zip(floats, want_grads):
+        torch.testing.assert_close(x.grad.to_torch(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("mesh_name", list(LAYOUTS))
+def test_a_composite_and_its_gradients_equal_torchs(name, mesh_name, request):
+    mesh = request.getfixturevalue(mesh_name)
+    make, call = CASES[name]
+    for uneven in (False, True):
+        g = torch.Generator().manual_seed(hash((name, uneven)) % 2**31)
+        values = make(g, uneven)
+        for layout in LAYOUTS[mesh_name]:
+            _check(mesh, values, layout, call, g)
+
+
+def test_refusals_say_what_is_missing(mesh4):
+    labels = dtorch.tensor(torch.tensor([0, 2, 1]), device_mesh=mesh4, placements=[Shard(0)])
+    with pytest.raises(dtorch.UnsupportedOpError, match="num_classes"):
+        F.one_hot(labels)
+    x = dtorch.tensor(torch.randn(4, 5), device_mesh=mesh4, placements=[Shard(0)])
+    with pytest.raises(RuntimeError, match="not divisible by the split_size 2"):
+        torch.hsplit(x, 2)
+    with pytest.raises(RuntimeError, match="same number of dimensions"):
+        torch.take_along_dim(x, dtorch.tensor(torch.tensor([0]), device_mesh=mesh4), dim=0)
+
+
+def test_views_stay_views(mesh4):
+    """broadcast_to, ravel and tensor_split's pieces are views in torch: a write through one reaches x."""
+    values = torch.randn(8, 4)
+    x = dtorch.tensor(values, device_mesh=mesh4, placements=[Shard(1)])
+    first, _ = x.tensor_split(2)
+    first.mul_(0)
+    x.ravel()[-1:].fill_(7.0)
+    values[:4] = 0
+    values[-1, -1] = 7.0
+    torch.testing.assert_close(x.to_torch(), values)
