@@ -42,7 +42,7 @@ def _with(make, *more):
 
 MATRIX, ROW, COLUMN = (lambda n, d, k: (n, d)), (lambda n, d, k: (d,)), (lambda n, d, k: (n,))
 CUBE, IMAGES = (lambda n, d, k: (2, n, d)), (lambda n, d, k: (2, 8, n, d))
-SEQUENCES = lambda n, d, k: (4, d, n)  # noqa: E731  (N, C, L): no empty batch shard (see the report on conv2d)
+SEQUENCES = lambda n, d, k: (4, d, n)  # noqa: E731  (N, C, L)
 
 CASES = {   # name -> (inputs (g, uneven) -> torch tensors, the call on torch tensors or DTensors alike)
     "broadcast_to": (_floats(ROW), lambda x: torch.broadcast_to(x, (3, x.shape[0]))),
@@ -92,10 +92,6 @@ CASES = {   # name -> (inputs (g, uneven) -> torch tensors, the call on torch te
     "pairwise_distance p=1 keepdim": (_floats(MATRIX, MATRIX), lambda x, y: F.pairwise_distance(x, y, 1.0,
                                                                                                keepdim=True)),
     "one_hot": (lambda g, u: [torch.randint(0, 5, _sizes(u)[:2], generator=g)], lambda t: F.one_hot(t, 5)),
-    "conv1d": (_floats(SEQUENCES, lambda n, d, k: (6, d, 3), lambda n, d, k: (6,)),
-               lambda x, w, b: F.conv1d(x, w, b, padding=1)),
-    "conv1d strided same": (_floats(SEQUENCES, lambda n, d, k: (4, d, 3)),
-                            lambda x, w: F.conv1d(x, w, stride=(1,), padding="same", dilation=2)),
     "prelu": (_floats(SEQUENCES, lambda n, d, k: (d,)), lambda x, w: F.prelu(x, w)),
     "prelu one weight": (_floats(MATRIX, lambda n, d, k: (1,)), lambda x, w: torch.prelu(x, w)),
     "pixel_shuffle": (_floats(IMAGES), lambda x: F.pixel_shuffle(x, 2)),
@@ -145,8 +141,9 @@ def _check(mesh, values, layout, call, g):
         return
     dtorch.autograd.backward(roots)
     floats = [x for x in inputs if x.requires_grad]
-    for x, expected in zip(floats, want_grads):
-        torch.testing.assert_close(x.grad.to_torch(), expected, rtol=1e-4, atol=1e-5)
+    for x, expected in zip(floats, want_grads):   # no gradient (a target only compared): torch's zeros
+        got = torch.zeros_like(expected) if x.grad is None else x.grad.to_torch()
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(CASES))
