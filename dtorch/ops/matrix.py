@@ -267,6 +267,13 @@ def _linear_equation(call: Call) -> str:
     return f"{batch}k,nk->{batch}n" if w == 2 else f"{batch}k,k->{batch}"
 
 
+def _addmv(input, mat, vec, *, beta=1, alpha=1):
+    """torch.addmv with `input` broadcast to the result first: torch returns input's own shape
+    when the contraction is empty (a rank whose shard of vec is empty), and that rank's (1,) met
+    the others' (n,) in the next collective, which hung."""
+    return torch.addmv(input.expand(mat.shape[:1]), mat, vec, beta=beta, alpha=alpha)
+
+
 MATRIX = {
     "matmul": OpRow(torch.matmul, einsum_rule(matmul_equation), doc="torch's rank cases as einsum equations"),
     "mm": OpRow(torch.mm, einsum_rule(lambda call: "xy,yz->xz"), doc="xy,yz->xz"),
@@ -281,7 +288,7 @@ MATRIX = {
     # beta * input + alpha * product: the term placed like the product, as baddbmm's
     "addmm": OpRow(torch.addmm, _product_plus_term(lambda call: "xy,yz->xz", 0),
                    doc="xy,yz->xz plus input placed like the result"),
-    "addmv": OpRow(torch.addmv, _product_plus_term(lambda call: "xy,y->x", 0),
+    "addmv": OpRow(_addmv, _product_plus_term(lambda call: "xy,y->x", 0),
                    doc="xy,y->x plus input placed like the result"),
     "addr": OpRow(torch.addr, _product_plus_term(lambda call: "x,y->xy", 0),
                   doc="x,y->xy plus input placed like the result"),

@@ -282,8 +282,8 @@ def _addmm(m: Make):
 
 def _addmv(m: Make):
     a, k = m.shape((8, 4), (7, 5))
-    # a (1,) input broadcast as P(sum) hangs on uneven shards (reported; runtime), so the input is (a,) twice
-    return [Sample((m.x(a), m.x(a, k), m.x(k)), {"beta": 0.5, "alpha": 2.0}), Sample((m.x(a), m.x(a, k), m.x(k)), {})]
+    # a (1,) input: torch's addmv returned (1,) on a rank whose vec shard is empty (ops/matrix.py's _addmv)
+    return [Sample((m.x(a), m.x(a, k), m.x(k)), {"beta": 0.5, "alpha": 2.0}), Sample((m.x(1), m.x(a, k), m.x(k)), {})]
 
 
 def _addr(m: Make):
