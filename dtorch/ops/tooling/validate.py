@@ -91,6 +91,8 @@ DECLINED.update({
     **{(op, combo): _NAN_IGNORED for op, partial in (("fmax", "[P(max)]"), ("fmin", "[P(min)]"))
        for combo in (f"[R], {partial}", f"{partial}, [R]", f"{partial}, {partial}")},
 })
+DECLINED[("slice_scatter", "[S(1)], [S(1)]")] = (
+    "a strided slice of a sharded dim lines up with the shards for some sizes only (as getitem)")
 DECLINED[("index_put", "[P(sum)], [S(0)], [S(0)]")] = (
     "accumulate with positions and values split alike into a P(sum) target is exact, not derived yet")
 # scatter passes a Partial only as input and src alike (R index); the other forms below are exact
