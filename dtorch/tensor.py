@@ -494,14 +494,14 @@ def _issue_op(name: str, args: tuple, kwargs: dict):
     if not plan.sequence:
         out_id = controller.new_id()
         seq = controller.submit(RunOp, (out_id,), mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps,
-                                grad, moves)
+                                grad, moves, plan.regather)
         result = DTensor(out_id, out_specs[0], seq, controller)
         if grad:
             record_op(nodes, (result,), out_specs[0].mesh)
     else:
         out_ids = controller.new_ids(len(out_specs))
         seq = controller.submit(RunOp, out_ids, mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps,
-                                grad, moves)
+                                grad, moves, plan.regather)
         # torch's own result type: torch.return_types.max keeps .values / .indices, as in torch
         result = plan.sequence([DTensor(i, spec, seq, controller) for i, spec in zip(out_ids, out_specs)])
         if grad:

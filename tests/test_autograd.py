@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
@@ -89,6 +90,23 @@ def test_every_redistribute_between_2d_layouts_has_its_dual(mesh22):
         loss = sum((x.redistribute(placements=list(dst)) * w).sum() for dst in layouts)
         loss.backward()
         torch.testing.assert_close(x.grad.to_torch(), len(layouts) * weights, msg=str(src))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batch", [5, 3, 8])
+def test_a_gathered_weight_beside_an_empty_batch_shard_is_not_gathered_again(mesh4, batch):
+    """conv2d takes torch's empty-input shortcut on a rank whose batch shard is empty and saves
+    nothing, while the other ranks saved the gathered weight as the way to gather it again: their
+    backward waited in that gather for the empty rank (a hang). Where some rank holds an empty
+    piece, the controller tells the workers to save gathered parameters whole (RunOp.regather)."""
+    x, w = torch.randn(batch, 3, 4, 6), torch.randn(4, 3, 2, 3)
+    dx = _up(x, mesh4, [Shard(0)], requires_grad=True)
+    dw = _up(w, mesh4, [Shard(0)], requires_grad=True)
+    F.conv2d(dx, dw).square().sum().backward()
+    tx, tw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    F.conv2d(tx, tw).square().sum().backward()
+    torch.testing.assert_close(dx.grad.to_torch(), tx.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw.grad.to_torch(), tw.grad, rtol=1e-5, atol=1e-4)
 
 
 def test_grad_mode_and_leaves(mesh4):

@@ -11,7 +11,7 @@ from numbers import Number
 import torch
 from typing import NamedTuple
 
-from ..distributed_spec import format_placements
+from ..distributed_spec import format_placements, local_shape
 from ..errors import LocalTensorError, MeshError, PlacementError, ShapeError, user_site
 from ..redistribute import plan_redistribute
 from .auto_redistribute import legal_call, takes_communication
@@ -37,6 +37,7 @@ class OpPlan(NamedTuple):
     fused_moves: tuple = ()   # the same moves as steps the op's own command runs first:
                               # ((tensor_index, shape, dtype, placements, steps), ...); () where
                               # the kernel exchanges blocks itself (PEER_KERNELS: moves go first)
+    regather: bool = True     # RunOp.regather: no rank holds an empty piece of an input or output
 
 
 PLAN_CACHE: dict[tuple, OpPlan] = {}
@@ -140,7 +141,16 @@ def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMet
     out_specs = tuple(tensor_meta(shape, dtype, mesh, placements)
                       for (shape, dtype), placements in zip(outputs, out_placements))
     fused = () if kernel in PEER_KERNELS else _fused_moves(moves, specs)
-    return OpPlan(kernel, out_specs, input_steps, extra, sequence, moves, fused)
+    regather = not any(_some_rank_empty(spec.shape, mesh, placements) for spec, placements in zip(call.inputs, required)) \
+        and not any(_some_rank_empty(spec.shape, mesh, spec.placements) for spec in out_specs)
+    return OpPlan(kernel, out_specs, input_steps, extra, sequence, moves, fused, regather)
+
+
+def _some_rank_empty(shape, mesh, placements) -> bool:
+    """Whether some rank's piece is empty (5 rows on 4 ranks): its kernel may take torch's
+    empty-input shortcut and save nothing for backward (conv2d does), so a gathered parameter
+    must not be gathered again there, a collective the other ranks would wait in."""
+    return any(0 in local_shape(shape, mesh, placements, rank) for rank in mesh.ranks)
 
 
 def _fused_moves(moves: tuple, specs: list) -> tuple:

@@ -60,10 +60,11 @@ class _Connect(torch.autograd.Function):
         return (None,) + tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
 
 
-def run_recorded(kernel, inputs: list, args, kwargs):
+def run_recorded(kernel, inputs: list, args, kwargs, regather: bool = True):
     """A local op of a forward that records for backward (grad mode on): `inputs` are its input
-    tensors that require grad, which its outputs are joined to."""
-    if saves_gathered(inputs):
+    tensors that require grad, which its outputs are joined to. `regather` (RunOp.regather): a
+    gathered parameter among them may be saved as the way to gather it again."""
+    if regather and saves_gathered(inputs):
         with saving_gathered():
             result = kernel(*args, **kwargs)
     else:

@@ -42,7 +42,7 @@ __all__ = [
     "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 14   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+VERSION = 15   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
               # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
               # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention);
               # 6: Regroup (lost ranks were replaced: communication groups of a new generation)
@@ -59,6 +59,7 @@ VERSION = 14   # 2: REGISTER carries the run's secret; 3: RunOp names the user's
               # 13: WarningReport (a Python warning a command raised on a worker, shown once by the
               #     controller at the user's line instead of printed by every rank)
               # 14: RunOp.moves (the redistributes the planner inserted before an op, fused into it)
+              # 15: RunOp.regather (whether a gathered parameter may be gathered again in backward)
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -148,6 +149,9 @@ class RunOp(NamedTuple):
     grad: bool = False   # record it for backward (grad mode on and an input requires grad)
     moves: tuple = ()    # ((tensor_index, shape, dtype, placements, steps, grad), ...): the planner's
                          # inserted redistributes, run before input_steps, on the communication stream
+    regather: bool = True   # with grad: a gathered parameter among the inputs may be saved as the way to
+                            # gather it again (a collective in backward); False where some rank holds an
+                            # empty piece of an input or output, whose kernel may save nothing
 
 
 class Redistribute(NamedTuple):
@@ -508,7 +512,7 @@ NUMBER = (int, float)
 _FIELD_TYPES = {
     DefineMesh: (int, str, tuple, IDS), Factory: (int, int, str, tuple, str, tuple, tuple),
     Upload: (int, int, tuple, str, tuple), LoadShard: (int, int, tuple, str, tuple, str, str, int, str),
-    RunOp: (IDS, int, str, str, tuple, dict, tuple, bool, tuple),
+    RunOp: (IDS, int, str, str, tuple, dict, tuple, bool, tuple, bool),
     Redistribute: (int, int, int, tuple, str, tuple, tuple, bool, bool),
     Transfer: (int, int, int, int, tuple, str, tuple, tuple), Fetch: (int, int, IDS),
     Free: (IDS,), Sync: (), Shutdown: (), Regroup: (int, IDS),

@@ -161,8 +161,8 @@ class _Writer:
         self.recording = False     # grad mode is on at this line (the run starts as the worker runs: off)
         self.recorded_any = False  # some line turns grad mode on: the function saves the mode first
         self.namespace: dict = {"_first": _first, "_outputs": _outputs, "_Tensor": torch.Tensor,
-                                "_recorded": _recorded, "_grad_mode": _set_grad_mode,
-                                "_grad_enabled": torch.is_grad_enabled}
+                                "_recorded": _recorded, "_recorded_whole": _recorded_whole,
+                                "_grad_mode": _set_grad_mode, "_grad_enabled": torch.is_grad_enabled}
 
     def take(self, index: int, command) -> bool:
         """Add the row and say True, or False if it cannot join this run."""
@@ -196,7 +196,7 @@ class _Writer:
         if command.grad:   # the tensors it may record against, depth-first as Worker._grad_inputs finds them
             inputs = "".join(f"t{i}, " for i in _ids_in((command.args, command.kwargs.values())))
             arguments[:0] = [name, f"({inputs})"]
-            name = "_recorded"
+            name = "_recorded" if command.regather else "_recorded_whole"
         if command.grad != self.recording:   # (the run's own mode: the worker's, off)
             self.recording = command.grad
             self.recorded_any |= command.grad
@@ -273,6 +273,11 @@ def _ids_in(value):
 def _recorded(kernel, candidates: tuple, /, *args, **kwargs):
     """A row recorded for backward, as Worker._run_op runs one (grad mode is on)."""
     return run_recorded(kernel, [tensor for tensor in candidates if tensor.requires_grad], args, kwargs)
+
+
+def _recorded_whole(kernel, candidates: tuple, /, *args, **kwargs):
+    """... one whose RunOp.regather is False: gathered parameters are saved whole."""
+    return run_recorded(kernel, [tensor for tensor in candidates if tensor.requires_grad], args, kwargs, False)
 
 
 _set_grad_mode = torch._C._set_grad_enabled

@@ -158,7 +158,8 @@ class Worker(TrainingCommands, CheckpointCommands):
         self.busy_seq, self._inputs = command.seq, args
         try:
             if command.grad:
-                self._store(command.out_ids, _recorded_inline(KERNELS[command.kernel], args, command.kwargs))
+                self._store(command.out_ids, _recorded_inline(KERNELS[command.kernel], args, command.kwargs,
+                                                              command.regather))
             else:
                 self._store(command.out_ids, KERNELS[command.kernel](*args, **command.kwargs))
         except Exception as error:  # any failure of one command; the worker goes on
@@ -275,7 +276,7 @@ class Worker(TrainingCommands, CheckpointCommands):
             kwargs = _map_refs(command.kwargs, lambda ref: tensor(ref.id), self._place(mesh)) if command.kwargs else {}
         self._inputs = args
         if command.grad:
-            result = run_recorded(KERNELS[command.kernel], _grad_inputs(args, kwargs), args, kwargs)
+            result = run_recorded(KERNELS[command.kernel], _grad_inputs(args, kwargs), args, kwargs, command.regather)
         else:
             result = KERNELS[command.kernel](*args, **kwargs)
         self._store(command.out_ids, result)
@@ -594,7 +595,7 @@ def _region_of(shape, mesh: DeviceMesh, placements, rank: int):
     return local_region(shape, mesh, placements, mesh.coordinate_of(rank))
 
 
-def _recorded_inline(kernel, args: list, kwargs: dict):
+def _recorded_inline(kernel, args: list, kwargs: dict, regather: bool):
     """A plain op that records for backward (RunOp.grad): its inputs that require grad are among
     its top-level arguments, since its kwargs are scalars. Grad mode is switched in C, without
     torch.enable_grad()'s Python context."""
@@ -602,7 +603,7 @@ def _recorded_inline(kernel, args: list, kwargs: dict):
     previous = _is_grad_enabled()
     _set_grad_enabled(True)
     try:
-        return run_recorded(kernel, inputs, args, kwargs)
+        return run_recorded(kernel, inputs, args, kwargs, regather)
     finally:
         _set_grad_enabled(previous)
 
