@@ -92,6 +92,12 @@ CASES = {   # name -> (inputs (g, uneven) -> torch tensors, the call on torch te
     "pairwise_distance p=1 keepdim": (_floats(MATRIX, MATRIX), lambda x, y: F.pairwise_distance(x, y, 1.0,
                                                                                                keepdim=True)),
     "one_hot": (lambda g, u: [torch.randint(0, 5, _sizes(u)[:2], generator=g)], lambda t: F.one_hot(t, 5)),
+    "conv1d": (_floats(SEQUENCES, lambda n, d, k: (6, d, 3), lambda n, d, k: (6,)),
+               lambda x, w, b: F.conv1d(x, w, b, padding=1)),
+    "conv1d strided same": (_floats(SEQUENCES, lambda n, d, k: (4, d, 3)),
+                            lambda x, w: F.conv1d(x, w, stride=(1,), padding="same", dilation=2)),
+    "conv1d batch of 3": (_floats(lambda n, d, k: (3, d, n), lambda n, d, k: (4, d, 3)),
+                          lambda x, w: F.conv1d(x, w)),   # a rank's batch shard is empty (RunOp.regather)
     "prelu": (_floats(SEQUENCES, lambda n, d, k: (d,)), lambda x, w: F.prelu(x, w)),
     "prelu one weight": (_floats(MATRIX, lambda n, d, k: (1,)), lambda x, w: torch.prelu(x, w)),
     "pixel_shuffle": (_floats(IMAGES), lambda x: F.pixel_shuffle(x, 2)),

@@ -16,7 +16,7 @@ LAYERS = [
     ("launcher", ("dtorch_launcher",)),
     ("runtime", ("dtorch.runtime",)),
     ("frontend", ("dtorch.aliasing", "dtorch.recording", "dtorch.tensor", "dtorch.factories", "dtorch.inplace",
-                  "dtorch.advanced_indexing", "dtorch.capture", "dtorch.compile")),
+                  "dtorch.advanced_indexing", "dtorch.capture", "dtorch.compile", "dtorch.autocast")),
     ("autograd", ("dtorch.autograd",)),
     ("modules", ("dtorch.nn", "dtorch.optim")),
     ("checkpoint", ("dtorch.checkpoint",)),

@@ -60,20 +60,49 @@ class _Connect(torch.autograd.Function):
         return (None,) + tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
 
 
+class _Join(torch.autograd.Function):
+    """The output as is, its gradient passed on, and also joined to every input with a zero
+    gradient: on a rank whose piece of some input is empty, torch's kernel may leave an input out
+    of the graph (conv2d's empty-input path), and the collectives recorded before it would then
+    wait in backward for this rank forever."""
+
+    @staticmethod
+    def forward(ctx, output, *inputs):
+        ctx.inputs = [(t.shape, t.dtype, t.device) for t in inputs]
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
+
+
 def run_recorded(kernel, inputs: list, args, kwargs, regather: bool = True):
     """A local op of a forward that records for backward (grad mode on): `inputs` are its input
-    tensors that require grad, which its outputs are joined to. `regather` (RunOp.regather): a
-    gathered parameter among them may be saved as the way to gather it again."""
+    tensors that require grad, which its outputs are joined to. `regather` (RunOp.regather) is
+    False where some rank holds an empty piece of an input or output: a gathered parameter is
+    then saved whole, and every output is joined to every input (_Join)."""
     if regather and saves_gathered(inputs):
         with saving_gathered():
             result = kernel(*args, **kwargs)
     else:
         result = kernel(*args, **kwargs)
+    if not regather:
+        return _joined(result, inputs)
     if type(result) is torch.Tensor:   # one output: connect_outputs' check, inline
         if result.requires_grad or not result.is_floating_point():
             return result
         return _Connect.apply(result, *inputs)
     return connect_outputs(result, inputs)
+
+
+def _joined(result, inputs: list):
+    def joined(output):
+        if isinstance(output, torch.Tensor) and output.is_floating_point():
+            return _Join.apply(output, *inputs)
+        return output
+    if isinstance(result, (tuple, list)):
+        return type(result)(joined(r) for r in result) if type(result) in (tuple, list) else [joined(r) for r in result]
+    return joined(result)
 
 
 def connect_outputs(result, inputs: list):
