@@ -48,39 +48,26 @@ class _Connect(torch.autograd.Function):
     """The output as is, joined to the op's inputs with a zero gradient. A kernel whose output on
     some rank does not depend on its inputs (an empty shard, zeros off the rank holding a row)
     would otherwise leave that rank's graph without the nodes before it, and a collective
-    recorded there would wait in backward for this rank forever."""
+    recorded there would wait in backward for this rank forever. `passes`: the output has a graph
+    of its own, which gets its gradient too (_joined: an op where some rank's piece of an input
+    is empty, whose kernel may have left that input out, as conv2d's empty-input path does)."""
 
     @staticmethod
-    def forward(ctx, output, *inputs):
-        ctx.inputs = [(t.shape, t.dtype, t.device) for t in inputs]
+    def forward(ctx, output, passes, *inputs):
+        ctx.passes, ctx.inputs = passes, [(t.shape, t.dtype, t.device) for t in inputs]
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad):
-        return (None,) + tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
-
-
-class _Join(torch.autograd.Function):
-    """The output as is, its gradient passed on, and also joined to every input with a zero
-    gradient: on a rank whose piece of some input is empty, torch's kernel may leave an input out
-    of the graph (conv2d's empty-input path), and the collectives recorded before it would then
-    wait in backward for this rank forever."""
-
-    @staticmethod
-    def forward(ctx, output, *inputs):
-        ctx.inputs = [(t.shape, t.dtype, t.device) for t in inputs]
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad,) + tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
+        zeros = tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
+        return (grad if ctx.passes else None, None) + zeros
 
 
 def run_recorded(kernel, inputs: list, args, kwargs, regather: bool = True):
     """A local op of a forward that records for backward (grad mode on): `inputs` are its input
     tensors that require grad, which its outputs are joined to. `regather` (RunOp.regather) is
     False where some rank holds an empty piece of an input or output: a gathered parameter is
-    then saved whole, and every output is joined to every input (_Join)."""
+    then saved whole, and every output is joined to every input (_joined)."""
     if regather and saves_gathered(inputs):
         with saving_gathered():
             result = kernel(*args, **kwargs)
@@ -91,14 +78,14 @@ def run_recorded(kernel, inputs: list, args, kwargs, regather: bool = True):
     if type(result) is torch.Tensor:   # one output: connect_outputs' check, inline
         if result.requires_grad or not result.is_floating_point():
             return result
-        return _Connect.apply(result, *inputs)
+        return _Connect.apply(result, False, *inputs)
     return connect_outputs(result, inputs)
 
 
 def _joined(result, inputs: list):
     def joined(output):
         if isinstance(output, torch.Tensor) and output.is_floating_point():
-            return _Join.apply(output, *inputs)
+            return _Connect.apply(output, True, *inputs)
         return output
     if isinstance(result, (tuple, list)):
         return type(result)(joined(r) for r in result) if type(result) in (tuple, list) else [joined(r) for r in result]
@@ -109,7 +96,7 @@ def connect_outputs(result, inputs: list):
     """Recorded op's outputs, each floating-point one requiring grad as it does on every other rank."""
     def connected(output):
         if isinstance(output, torch.Tensor) and output.is_floating_point() and not output.requires_grad:
-            return _Connect.apply(output, *inputs)
+            return _Connect.apply(output, False, *inputs)
         return output
     if isinstance(result, (tuple, list)):
         return type(result)(connected(r) for r in result) if type(result) in (tuple, list) else \
