@@ -301,8 +301,17 @@ DTensor.__setitem__ = _setitem
 
 
 # --- the in-place methods -------------------------------------------------------------------------------
+# In-place forms torch allows only on some dtypes, whatever casting allows (float_power's result
+# is always float64 or complex128, and torch writes it into nothing narrower).
+_INPLACE_DTYPES = {"float_power": (torch.float64, torch.complex128)}
+
+
 def _method(op_name: str):
     def method(self, *args, **kwargs):
+        allowed = _INPLACE_DTYPES.get(op_name)
+        if allowed is not None and self.dtype not in allowed:
+            raise RuntimeError(f"at {user_site()}: the base given to {op_name}_ has dtype {_dtype(self.dtype)} but "
+                               f"the operation's result requires dtype {_dtype(allowed[0])}")
         return assign(self, call_op(op_name, (self,) + args, kwargs), f"x.{op_name}_")
     method.__name__ = f"{op_name}_"
     method.__doc__ = f"x.{op_name}_(...): x = x.{op_name}(...) in place (x's dtype, shape and placements kept)"

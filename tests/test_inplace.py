@@ -76,6 +76,9 @@ def test_derived_inplace_method_matches_torch(method, mesh1, mesh2, mesh22):
             if torch_error is not None:
                 assert error is not None, f"{where}: torch refuses ({torch_error}), dtorch did not"
                 continue
+            if expected.shape != x.shape:   # torch resized x (deprecated; addbmm_ of a (n,) x): a shape change
+                assert isinstance(error, ShapeError), f"{where}: torch resized x, dtorch did not refuse: {error}"
+                continue
             assert error is None, f"{where}: {error}"
             assert returned is dx and dx.placements == before, where
             assert_same(dx.to_torch(), expected, sample.exact and P not in placements)
