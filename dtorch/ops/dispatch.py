@@ -141,8 +141,9 @@ def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMet
     out_specs = tuple(tensor_meta(shape, dtype, mesh, placements)
                       for (shape, dtype), placements in zip(outputs, out_placements))
     fused = () if kernel in PEER_KERNELS else _fused_moves(moves, specs)
-    regather = not any(_some_rank_empty(spec.shape, mesh, placements) for spec, placements in zip(call.inputs, required)) \
-        and not any(_some_rank_empty(spec.shape, mesh, spec.placements) for spec in out_specs)
+    pieces = [(spec.shape, placements) for spec, placements in zip(call.inputs, required)]
+    regather = not any(_some_rank_empty(shape, mesh, placements)
+                       for shape, placements in pieces + [(spec.shape, spec.placements) for spec in out_specs])
     return OpPlan(kernel, out_specs, input_steps, extra, sequence, moves, fused, regather)
 
 

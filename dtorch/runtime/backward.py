@@ -48,8 +48,8 @@ class _Connect(torch.autograd.Function):
     """The output as is, joined to the op's inputs with a zero gradient. A kernel whose output on
     some rank does not depend on its inputs (an empty shard, zeros off the rank holding a row)
     would otherwise leave that rank's graph without the nodes before it, and a collective
-    recorded there would wait in backward for this rank forever. `passes`: the output has a graph
-    of its own, which gets its gradient too (_joined: an op where some rank's piece of an input
+    recorded there would wait in backward for this rank forever. `passes`: the output's own graph
+    gets its gradient too (connect_outputs(every=True): an op where some rank's piece of an input
     is empty, whose kernel may have left that input out, as conv2d's empty-input path does)."""
 
     @staticmethod
@@ -67,14 +67,14 @@ def run_recorded(kernel, inputs: list, args, kwargs, regather: bool = True):
     """A local op of a forward that records for backward (grad mode on): `inputs` are its input
     tensors that require grad, which its outputs are joined to. `regather` (RunOp.regather) is
     False where some rank holds an empty piece of an input or output: a gathered parameter is
-    then saved whole, and every output is joined to every input (_joined)."""
+    then saved whole, and every output is joined to every input."""
     if regather and saves_gathered(inputs):
         with saving_gathered():
             result = kernel(*args, **kwargs)
     else:
         result = kernel(*args, **kwargs)
     if not regather:
-        return _joined(result, inputs)
+        return connect_outputs(result, inputs, every=True)
     if type(result) is torch.Tensor:   # one output: connect_outputs' check, inline
         if result.requires_grad or not result.is_floating_point():
             return result
@@ -82,21 +82,12 @@ def run_recorded(kernel, inputs: list, args, kwargs, regather: bool = True):
     return connect_outputs(result, inputs)
 
 
-def _joined(result, inputs: list):
-    def joined(output):
-        if isinstance(output, torch.Tensor) and output.is_floating_point():
-            return _Connect.apply(output, True, *inputs)
-        return output
-    if isinstance(result, (tuple, list)):
-        return type(result)(joined(r) for r in result) if type(result) in (tuple, list) else [joined(r) for r in result]
-    return joined(result)
-
-
-def connect_outputs(result, inputs: list):
-    """Recorded op's outputs, each floating-point one requiring grad as it does on every other rank."""
+def connect_outputs(result, inputs: list, every: bool = False):
+    """Recorded op's outputs, each floating-point one requiring grad as it does on every other rank
+    (`every`: each one joined to every input, its own graph kept)."""
     def connected(output):
-        if isinstance(output, torch.Tensor) and output.is_floating_point() and not output.requires_grad:
-            return _Connect.apply(output, False, *inputs)
+        if isinstance(output, torch.Tensor) and output.is_floating_point() and (every or not output.requires_grad):
+            return _Connect.apply(output, every, *inputs)
         return output
     if isinstance(result, (tuple, list)):
         return type(result)(connected(r) for r in result) if type(result) in (tuple, list) else \
