@@ -307,8 +307,9 @@ _INPLACE_DTYPES = {"float_power": (torch.float64, torch.complex128)}
 
 
 def _method(op_name: str):
+    allowed = _INPLACE_DTYPES.get(op_name)   # (looked up once: x.add_ pays nothing for float_power_)
+
     def method(self, *args, **kwargs):
-        allowed = _INPLACE_DTYPES.get(op_name)
         if allowed is not None and self.dtype not in allowed:
             raise RuntimeError(f"at {user_site()}: the base given to {op_name}_ has dtype {_dtype(self.dtype)} but "
                                f"the operation's result requires dtype {_dtype(allowed[0])}")
