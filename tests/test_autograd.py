@@ -93,6 +93,25 @@ def test_every_redistribute_between_2d_layouts_has_its_dual(mesh22):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("op", ["max", "min", "avg"])
+def test_a_replicate_made_partial_by_max_min_or_avg_gets_its_gradient(mesh22, op):
+    """R -> P(max|min|avg) gives every rank a copy; the reduction's own backward splits the
+    gradient among the copies, so the partialize's dual passes each share on (it raised on the
+    workers at backward time before)."""
+    value, weights = torch.randn(5, 3), torch.randn(5, 3)
+    w = _up(weights, mesh22, [Replicate(), Replicate()])
+    for src, partial_dim in itertools.product([[Replicate(), Replicate()], [Shard(0), Replicate()],
+                                               [Replicate(), Shard(1)]], [0, 1]):
+        x = _up(value, mesh22, src, requires_grad=True)
+        dst = [Replicate(), Replicate()]
+        dst[partial_dim] = Partial(op)
+        back = x.redistribute(placements=dst).redistribute(placements=src)
+        torch.testing.assert_close(back.to_torch(), value)
+        (back * w).sum().backward()
+        torch.testing.assert_close(x.grad.to_torch(), weights, msg=f"{src} -> {dst}")
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("batch", [5, 3, 8])
 def test_a_gathered_weight_beside_an_empty_batch_shard_is_not_gathered_again(mesh4, batch):
     """conv2d takes torch's empty-input shortcut on a rank whose batch shard is empty and saves

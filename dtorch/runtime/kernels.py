@@ -323,8 +323,10 @@ class DifferentiableStep(torch.autograd.Function):
 def _dual(ctx, grad: torch.Tensor) -> torch.Tensor:
     step, before, after, place = ctx.step, ctx.before, ctx.after, (ctx.extents, ctx.group, ctx.index, ctx.comm)
     if isinstance(after, Partial) and after.reduce_op != "sum":
-        raise NotImplementedError(f"backward through R -> Partial({after.reduce_op}): only P(sum) has a gradient "
-                                  "here; partialize with P(sum)")
+        # R -> P(avg|max|min) gave every rank a copy. The gradient reaching a copy is already its
+        # share of the whole: the reduction's own backward split it (avg: 1/n each; max|min: to
+        # the winners, ties split), so summing the shares is the Replicate input's P(sum) gradient
+        return grad
     if _selects(before):
         return _selected(ctx, grad, place)
     if step is _all_gather:
