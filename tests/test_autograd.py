@@ -111,6 +111,20 @@ def test_a_replicate_made_partial_by_max_min_or_avg_gets_its_gradient(mesh22, op
         torch.testing.assert_close(x.grad.to_torch(), weights, msg=f"{src} -> {dst}")
 
 
+@pytest.mark.parametrize("op", ["max", "min", "avg"])
+def test_a_loss_held_partial_by_max_min_or_avg_is_reduced_before_its_seed(mesh22, op):
+    """backward() on a P(avg|max|min) root raised "only P(sum) partials have gradients": a seed
+    cannot say how such parts split the gradient. The root is reduced inside the graph first."""
+    value, weights = torch.randn(4, 3), torch.randn(4, 3)
+    x = _up(value, mesh22, [Shard(0), Replicate()], requires_grad=True)
+    loss = (x * _up(weights, mesh22, [Replicate(), Replicate()])).sum().redistribute(
+        placements=[Partial(op), Partial("sum")] if op == "avg" else [Replicate(), Partial(op)])
+    (grad,) = dtorch.autograd.grad(loss, [x], retain_graph=True)
+    torch.testing.assert_close(grad.to_torch(), weights)
+    loss.backward()
+    torch.testing.assert_close(x.grad.to_torch(), weights)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("batch", [5, 3, 8])
 def test_a_gathered_weight_beside_an_empty_batch_shard_is_not_gathered_again(mesh4, batch):

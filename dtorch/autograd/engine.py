@@ -346,7 +346,7 @@ def _hop_back(hop: HopNode, landed_id: int, controller) -> tuple:
 def _roots_and_seeds(tensors, grads, create_graph: bool, what: str):
     if create_graph:
         raise NotImplementedError(f"{what}(create_graph=True) (higher-order gradients) is not supported yet")
-    roots = _as_list(tensors)
+    roots = [_reduced_root(root) for root in _as_list(tensors)]
     grads = [None] * len(roots) if grads is None else _as_list(grads, allow_none=True)
     if len(grads) != len(roots):
         raise RuntimeError(f"{what} at {user_site()}: {len(grads)} gradients for {len(roots)} tensors")
@@ -361,6 +361,19 @@ def _roots_and_seeds(tensors, grads, create_graph: bool, what: str):
                                    "not have a grad_fn")
             seeds.append(_seed(root, given, what))
     return roots, seeds
+
+
+def _reduced_root(root):
+    """A root held P(avg|max|min) is reduced first, inside the graph: its parts' gradients are
+    then the reduction's own backward (an average's 1/n each, a max's to the winners), where a
+    seed in some placement could not say how they split."""
+    if not isinstance(root, DTensor) or root._node is None or not any(_unsummed(p) for p in root.placements):
+        return root
+    return root.redistribute(placements=[Replicate() if _unsummed(p) else p for p in root.placements])
+
+
+def _unsummed(placement) -> bool:
+    return placement.is_partial() and placement.reduce_op != "sum"
 
 
 def _seed(root: DTensor, given, what: str) -> DTensor:
