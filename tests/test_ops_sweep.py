@@ -1,7 +1,8 @@
 """Differential sweep on real workers: every op of the pointwise, reduction, matrix, nn, view and
 indexing families against the same torch call on whole tensors, on meshes (4,), (2,2) and
-(2,1,2), with even and uneven shapes (dtorch/ops/tooling/samples.py holds the calls; the view
-and indexing ones are the cases tests/test_ops_view.py used to sweep on its own).
+(2,1,2), with even and uneven shapes (dtorch/ops/tooling/samples.py joins the calls, one
+<family>_samples.py per family; the view and indexing ones are the cases tests/test_ops_view.py
+used to sweep on its own).
 
 How combinations are chosen (a rule is written for ONE mesh dim and `rules.expand` applies it to
 each mesh dim independently, so an N-D combination is accepted exactly when each of its mesh

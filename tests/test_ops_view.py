@@ -3,9 +3,9 @@ the user-facing spellings (x.T, x[1:3], x.view((r, c)), ...) against torch, and 
 
 The placement sweep of these ops (every input placement combination on meshes (4,), (2,2) and
 (2,1,2), even and uneven shapes) is the shared one, tests/test_ops_sweep.py, over the same cases as
-sample calls in dtorch/ops/tooling/samples.py; its docstring lists the known gaps, each refused
-with a PlacementError that names the redistribute to run first (test_known_gaps_still_refuse pins
-a sample). Other gaps:
+sample calls in dtorch/ops/tooling/view_samples.py and indexing_samples.py; the sweep's docstring
+lists the known gaps, each refused with a PlacementError that names the redistribute to run first
+(test_known_gaps_still_refuse pins a sample). Other gaps:
   - tensor (advanced) indexing x[idx] is tests/test_indexing.py's (a DTensor bool mask in a read raises).
   - view(dtype) is unsupported. Views and in-place ops: tests/test_inplace.py (docs/inplace.md).
 """

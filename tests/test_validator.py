@@ -94,4 +94,4 @@ def test_docs_ops_md_is_generated_from_the_tables():
 
 def test_every_op_of_the_swept_families_has_samples():
     from dtorch.ops.tooling.samples import covered_ops
-    assert not set(OPS) - covered_ops(), "add a sample call in dtorch/ops/tooling/samples.py"
+    assert not set(OPS) - covered_ops(), "add a sample call in its family's dtorch/ops/tooling/<family>_samples.py"
