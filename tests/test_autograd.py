@@ -125,6 +125,22 @@ def test_a_loss_held_partial_by_max_min_or_avg_is_reduced_before_its_seed(mesh22
     torch.testing.assert_close(x.grad.to_torch(), weights)
 
 
+def test_a_weight_without_grad_sliced_for_its_op_stays_without_grad(mesh4):
+    """A Replicate weight that an op slices to its input's Shard went through a recorded slice
+    and reached torch's kernel requiring grad; torch then refused where it has no derivative
+    ("not differentiable with respect to argument 'weight'")."""
+    logits, labels, weight = torch.randn(8, 6), (torch.rand(8, 6) > 0.5).float(), torch.rand(8, 6)
+    pos_weight = torch.rand(6) * 3
+    for placements, kwargs in (([Shard(0)], {"weight": _up(weight, mesh4, [Replicate()])}),
+                               ([Shard(1)], {"pos_weight": pos_weight})):
+        x = _up(logits, mesh4, placements, requires_grad=True)
+        F.binary_cross_entropy_with_logits(x, _up(labels, mesh4, placements), **kwargs).backward()
+        plain = {k: (v.to_torch() if isinstance(v, dtorch.DTensor) else v) for k, v in kwargs.items()}
+        t = logits.clone().requires_grad_()
+        F.binary_cross_entropy_with_logits(t, labels, **plain).backward()
+        torch.testing.assert_close(x.grad.to_torch(), t.grad)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("batch", [5, 3, 8])
 def test_a_gathered_weight_beside_an_empty_batch_shard_is_not_gathered_again(mesh4, batch):

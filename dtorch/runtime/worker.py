@@ -300,7 +300,10 @@ class Worker(TrainingCommands, CheckpointCommands):
             tensor = moved[index] if index in moved else self._tensor(ref.id)
             if index in local_steps:
                 shape, placements, steps = local_steps[index]
-                tensor = apply_steps(tensor, shape, mesh, placements, steps, self.rank, self.comm)
+                # local steps (slices) communicate nothing, so a rank records one only for an input
+                # that requires grad: torch refuses a grad-requiring weight where it has no derivative
+                with torch.set_grad_enabled(tensor.requires_grad and torch.is_grad_enabled()):
+                    tensor = apply_steps(tensor, shape, mesh, placements, steps, self.rank, self.comm)
             return tensor
         place = self._place(mesh)
         return _map_refs(command.args, local, place), _map_refs(command.kwargs, local, place)
