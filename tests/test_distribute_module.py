@@ -145,6 +145,28 @@ def test_what_distribute_module_refuses_says_what_to_do(mesh4):
         legacy(x, x, x)
 
 
+def test_meshes_over_the_same_ranks_keep_their_own_dim_names(session):
+    """A tensor placed on a "tp" mesh read back the names of a "dp" mesh over the same ranks on
+    which a tensor of its shape had been placed before (interned metadata keyed by mesh equality,
+    which ignores names), so parallelize_module(..., tp_dim="tp") raised "no mesh dim named 'tp'"
+    and fully_shard over "fsdp" of a (fsdp, tp) mesh silently did nothing."""
+    dp = dtorch.init_device_mesh("cpu", (4,), mesh_dim_names=["dp"])
+    tp = dtorch.init_device_mesh("cpu", (4,), mesh_dim_names=["tp"])
+    assert dtorch.ones(4, device_mesh=dp, placements=[Replicate()]).device_mesh.mesh_dim_names == ("dp",)
+    assert dtorch.ones(4, device_mesh=tp, placements=[Replicate()]).device_mesh.mesh_dim_names == ("tp",)
+    model = tnn.Sequential(tnn.Linear(4, 8), tnn.Linear(8, 4))
+    dtorch.distribute_module(copy.deepcopy(model), dp)
+    parallelize_module(copy.deepcopy(model), tp, {"0": ColwiseParallel(), "1": RowwiseParallel()}, tp_dim="tp")
+    for names in (["dp", "tp"], ["fsdp", "tp"]):
+        mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+        plan = {"0": ColwiseParallel(), "1": RowwiseParallel()}
+        sharded = parallelize_module(copy.deepcopy(model), mesh, plan, tp_dim="tp")
+    fully_shard(sharded, "fsdp")
+    assert sharded[0].weight.placements == (Shard(1), Shard(0))
+    with pytest.raises(dtorch.MeshError, match="no parameter of .* is on a mesh with a dim named 'pp'"):
+        fully_shard(dtorch.distribute_module(copy.deepcopy(model), tp), "pp")
+
+
 def test_a_torch_gru_equals_torch(mesh4):
     """torch.nn.GRU, once refused (torch.gru), runs as dtorch ops (dtorch/nn/recurrent.py; every
     recurrent layer and option is in tests/test_recurrent.py): output and final state equal torch's."""

@@ -14,6 +14,7 @@ manages: shard the blocks first (`fully_shard(layer)` for each layer), then the 
 from __future__ import annotations
 
 from ..distributed_spec import Replicate, Shard
+from ..errors import MeshError, user_site
 from .module import Module
 from .parameter import Parameter
 
@@ -24,10 +25,13 @@ def fully_shard(module: Module, mesh_dim: str | int = "fsdp", *, reshard_after_f
     """Shard `module`'s parameters over `mesh_dim` and gather them around its forward. Returns the
     module. A parameter whose mesh lacks `mesh_dim` (another pipeline stage) is left alone."""
     managed, sharded = [], {}   # (by id: a tied Parameter is sharded once and stays tied)
+    lacking, found = set(), False   # the meshes without `mesh_dim`; whether any parameter had it
     for owner, name, param in _unmanaged(module):
         mesh = param.device_mesh
         if mesh_dim not in (mesh.mesh_dim_names or ()) and not isinstance(mesh_dim, int):
+            lacking.add(mesh)
             continue
+        found = True
         dim = mesh.dim_index(mesh_dim)
         if id(param) not in sharded:
             if mesh.shape[dim] == 1 or param.placements[dim] != Replicate():
@@ -37,6 +41,10 @@ def fully_shard(module: Module, mesh_dim: str | int = "fsdp", *, reshard_after_f
             sharded[id(param)] = Parameter(param.redistribute(placements=placements), param.requires_grad)
         owner._parameters[name] = sharded[id(param)]
         managed.append((owner, name, dim))
+    if lacking and not found:
+        raise MeshError(f"fully_shard at {user_site()}: no parameter of {type(module).__name__} is on a mesh with a "
+                        f"dim named {mesh_dim!r} (their meshes: {', '.join(map(repr, lacking))}); pass one of "
+                        "their dim names")
     module._fsdp_managed = managed
     module._fsdp_gathered = {}
     module.register_forward_pre_hook(_gather)

@@ -54,7 +54,9 @@ _lock = threading.Lock()
 
 def tensor_meta(shape, dtype: torch.dtype, mesh: DeviceMesh, placements) -> TensorMeta:
     shape, placements = tuple(shape), tuple(placements)
-    identity = (shape, dtype, mesh, placements)
+    # meshes over the same ranks are equal whatever their dim names, but a tensor reports the
+    # names of the mesh it was placed on ("tp" must not read back as another mesh's "dp")
+    identity = (shape, dtype, mesh, mesh.mesh_dim_names, placements)
     found = _interned.get(identity)
     if found is None:
         with _lock:
