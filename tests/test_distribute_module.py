@@ -143,6 +143,12 @@ def test_what_distribute_module_refuses_says_what_to_do(mesh4):
     legacy = dtorch.distribute_module(tnn.MultiheadAttention(8, 2, add_bias_kv=True), mesh4)
     with pytest.raises(dtorch.UnsupportedOpError, match="add_bias_kv=True"):
         legacy(x, x, x)
+    # torch would only warn ("module output should be a Tensor") and never call the hook
+    linear = dtorch.distribute_module(tnn.Linear(2, 2), mesh4)
+    for register in (linear.register_full_backward_hook, linear.register_full_backward_pre_hook,
+                     linear.register_backward_hook):
+        with pytest.raises(dtorch.UnsupportedOpError, match="module backward hooks are not supported"):
+            register(lambda *args: None)
 
 
 def test_meshes_over_the_same_ranks_keep_their_own_dim_names(session):

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Mapping, NamedTuple
 import torch
 
 from ..distributed_spec import DeviceMesh
+from ..errors import UnsupportedOpError, user_site
 from ..factories import tensor as upload
 from ..recording import no_grad
 from ..tensor import DTensor
@@ -51,6 +52,14 @@ def set_path_loader(loader: Callable) -> None:
     _path_loader = loader
 
 
+def _no_backward_hooks(method: str) -> UnsupportedOpError:
+    # torch runs these around its own autograd on torch.Tensor outputs; a DTensor's backward runs
+    # on the workers, so torch would only warn and never call the hook
+    return UnsupportedOpError(f"module.{method} at {user_site()}: module backward hooks are not supported on dtorch "
+                              "modules (their gradients are computed on the workers). Read the parameters' .grad "
+                              "after backward(), or use dtorch.autograd.grad(loss, [tensor]) for an activation's")
+
+
 class Module(torch.nn.Module):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -67,6 +76,16 @@ class Module(torch.nn.Module):
     def __call__(self, *args, **kwargs):
         args, kwargs = self.redistribute_input(*args, **kwargs)
         return self.redistribute_output(torch.nn.Module.__call__(self, *args, **kwargs))
+
+    # --- torch's backward hooks: refused, not silently never called ------------------------------
+    def register_full_backward_hook(self, hook, prepend: bool = False):
+        raise _no_backward_hooks("register_full_backward_hook")
+
+    def register_full_backward_pre_hook(self, hook, prepend: bool = False):
+        raise _no_backward_hooks("register_full_backward_pre_hook")
+
+    def register_backward_hook(self, hook):
+        raise _no_backward_hooks("register_backward_hook")
 
     # --- registration: dtorch tensors only -----------------------------------------------------
     def register_parameter(self, name: str, param: Parameter | None) -> None:
