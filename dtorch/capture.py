@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 
 from .errors import CompileError, format_site
 from .runtime import protocol as wire
@@ -63,6 +64,7 @@ class Capture:
         self.step_shifts: dict = {}           # OptimizerStep seq -> callable giving its step shift
         self._leaves: dict = {}               # id(leaf) -> (leaf, its .grad before the call touched it)
         self._rebound: dict = {}              # id(tensor) -> (tensor, the id it held before the call rebound it)
+        self._older_inputs: dict = {}         # id(tensor) -> (weak ref, whether it required grad when read)
 
     # --- while the call runs ---------------------------------------------------------------------
     def __enter__(self) -> "Capture":
@@ -107,6 +109,16 @@ class Capture:
         if id(tensor) not in self._rebound:
             self._rebound[id(tensor)] = (tensor, old_id)
 
+    def note_inputs(self, tensors) -> None:
+        """DTensors an op or a redistribute of the call reads. Whether one made before the call
+        (a parameter) requires grad decided what autograd recorded and which leaves the backward
+        fills, so a replay holds only while that is unchanged: a layer frozen or unfrozen
+        between calls captures again (a replay ignored the one and failed on the other)."""
+        start, seen = self.start_id, self._older_inputs
+        for tensor in tensors:
+            if tensor._id < start and id(tensor) not in seen:
+                seen[id(tensor)] = (weakref.ref(tensor), tensor.requires_grad)
+
     def guard(self, still_valid) -> None:
         self.guards.append(still_valid)
 
@@ -147,6 +159,7 @@ class Capture:
         self._refuse_per_call_uploads(set(scratch) | set(output_ids))
         rows, sites = self._rows(made)
         self._leaf_hooks()
+        self.guards.extend(_same_requires_grad(ref, flag) for ref, flag in self._older_inputs.values())
         _, random_end = session.reserve_random(0)
         return {
             "rows": tuple(wire.command_row(c) for c in rows),
@@ -220,6 +233,11 @@ def _draws_random(command, seed: int, counters: range) -> bool:
     else:
         return False
     return len(drawn) == 2 and drawn[0] == seed and drawn[1] in counters
+
+
+def _same_requires_grad(ref, flag: bool):
+    # a tensor since released fails Graph.reads_alive instead, where the capture read it by id
+    return lambda: (ref() is None) or ref().requires_grad == flag
 
 
 def _no_shift() -> int:

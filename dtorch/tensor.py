@@ -22,6 +22,7 @@ from .ops.operators import BINARY_OPERATORS, UNARY_OPERATORS
 from .ops.tensor_meta import TensorMeta, check_placements, shape_argument, tensor_meta
 from .aliasing import VIEW_OPS, note_view
 from .autocast import AUTOCAST_OPS, autocast_args
+from . import capture as capturing
 from .redistribute import plan_redistribute, step_kind
 from .runtime import profiling, session
 from .recording import HopNode, Leaf, OpNode, is_grad_enabled, record_op
@@ -194,6 +195,8 @@ class DTensor:
         spec = tensor_meta(self._meta.shape, self.dtype, mesh, placements)
         controller = self._controller
         controller.check_current(self)   # not a tensor that lived on a lost, since replaced, worker
+        if controller.capture is not None:
+            _note_capture_inputs((self,), {})
         out_id = controller.new_id()
         grad = self._node is not None and is_grad_enabled()
         # a temporary's P -> R may reduce in place on the workers (kernels.apply_steps); never a
@@ -482,6 +485,8 @@ def _issue_op(name: str, args: tuple, kwargs: dict):
     controller = session.controller()
     wire_args, nodes, nested = _wire_args(controller, args)
     wire_kwargs = map_tensors(kwargs, controller.reference) if kwargs else {}
+    if controller.capture is not None:
+        _note_capture_inputs(args, kwargs)
     if plan.extra_kwargs:
         wire_kwargs.update(plan.extra_kwargs)
     mesh_id = controller.define_mesh(out_specs[0].mesh)
@@ -509,6 +514,14 @@ def _issue_op(name: str, args: tuple, kwargs: dict):
     if name in VIEW_OPS:   # views remember their base, for in-place ops (dtorch/aliasing.py)
         note_view(name, given, kwargs, result)
     return result
+
+
+def _note_capture_inputs(args: tuple, kwargs: dict) -> None:
+    capture = capturing.active()   # None on a thread other than the capturing one
+    if capture is not None:
+        found = []
+        map_tensors((args, kwargs), found.append)
+        capture.note_inputs(found)
 
 
 def _replan(name: str, args: tuple, kwargs: dict, refused: Exception) -> tuple:

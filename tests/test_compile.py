@@ -498,6 +498,39 @@ def test_a_compiled_training_step_equals_eager(mesh4, lr_schedule):
     assert optimizer.state_dict()["state"][0]["step"] == eager_opt.state_dict()["state"][0]["step"] == 6
 
 
+@pytest.mark.parametrize("frozen_calls", [(0, 1, 2), (3, 4, 5)], ids=["unfrozen-at-3", "frozen-at-3"])
+def test_freezing_a_layer_between_compiled_steps_captures_again(mesh4, frozen_calls):
+    """Whether a parameter requires grad decides what a capture records: a layer unfrozen
+    between calls was never trained by the replays (wrong values, no error), and one frozen
+    failed the replayed backward on the workers, poisoning every parameter."""
+    import copy
+    import torch.nn as tnn
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    reference = tnn.Sequential(tnn.Linear(4, 8), tnn.ReLU(), tnn.Linear(8, 3))
+    model = dtorch.distribute_module(copy.deepcopy(reference), mesh4)
+    want_opt, got_opt = torch.optim.SGD(reference.parameters(), lr=0.1), dtorch.optim.SGD(model.parameters(), lr=0.1)
+
+    @dtorch.compile
+    def step(x, y):
+        F.cross_entropy(model(x), y).backward()
+        got_opt.step()
+        got_opt.zero_grad()
+    g = torch.Generator().manual_seed(1)
+    for call in range(6):
+        reference[0].requires_grad_(call not in frozen_calls)
+        model[0].requires_grad_(call not in frozen_calls)
+        x, y = torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+        F.cross_entropy(reference(x), y).backward()
+        want_opt.step()
+        want_opt.zero_grad()
+        step(dtorch.tensor(x, device_mesh=mesh4, placements=[Shard(0)]),
+             dtorch.tensor(y, device_mesh=mesh4, placements=[Shard(0)]))
+    assert step.captures == 2
+    for (name, want), got in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(got.to_torch(), want.detach(), msg=name)
+
+
 def test_grads_accumulate_across_compiled_calls_as_in_eager(mesh4):
     w = dtorch.ones(4, device_mesh=mesh4, placements=[Replicate()], requires_grad=True)
 
