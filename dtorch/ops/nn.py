@@ -83,8 +83,10 @@ def _norm_rule(call: Call, placements) -> Decision:
 # --- embedding ------------------------------------------------------------------------------------
 def _embedding_rule(call: Call, placements) -> Decision:
     if call.param(3, "max_norm") is not None:
-        raise UnsupportedOpError("embedding(max_norm=...) renormalizes the weight in place; dtorch tensors "
-                                 "are immutable: renormalize explicitly instead")
+        raise UnsupportedOpError("embedding(max_norm=...) renormalizes the looked-up rows of the weight in place "
+                                 "inside the lookup, which dtorch's embedding does not do: pass max_norm=None and "
+                                 "renormalize first, e.g. under no_grad: w.mul_((max_norm / (w.norm(dim=1, "
+                                 "keepdim=True) + 1e-7)).clamp(max=1)) (torch renormalizes only the rows the lookup reads)")
     indices, weight = placements
     legal = "indices S(d) with weight R; indices R with weight S(0), S(1) or any Partial"
     if isinstance(indices, Partial):
