@@ -336,6 +336,10 @@ def _zero_(self):
 
 
 def _copy_(self, src, non_blocking=False):
+    if not isinstance(self, DTensor):
+        # a torch tensor taking a DTensor's values (torch's load_state_dict of a dtorch model's
+        # state_dict): a read, as src.to_torch() would be
+        return self.copy_(src.to_torch(), non_blocking)
     if isinstance(src, torch.Tensor):
         src = upload(src, device_mesh=self.device_mesh, placements=[Replicate()] * self.device_mesh.ndim)
     with aliasing.tracking_paused():

@@ -130,6 +130,11 @@ def test_a_torch_state_dict_loads_into_the_distributed_model(mesh22):
     ids = torch.randint(0, 23, (4, 5))
     got = target(dtorch.distribute_tensor(ids, mesh22, [Shard(0), Replicate()])).to_torch()
     torch.testing.assert_close(got, source(ids).detach(), rtol=1e-5, atol=1e-6)
+    # and back: a plain torch model loads the distributed one's state_dict (copy_ of a DTensor
+    # into a torch tensor reads it; it raised "'Parameter' object has no attribute 'device_mesh'")
+    plain = TinyLM()
+    plain.load_state_dict(target.state_dict())
+    torch.testing.assert_close(plain(ids), source(ids), rtol=1e-5, atol=1e-6)
 
 
 def test_what_distribute_module_refuses_says_what_to_do(mesh4):
