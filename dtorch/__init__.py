@@ -27,6 +27,9 @@ from .inplace import AliasingError
 from . import advanced_indexing as _advanced_indexing  # noqa: F401  (x[t], x[t] = v, index_put)
 from . import torch_methods as _torch_methods  # noqa: F401  (x.t(), x.flip(0), torch.tril(x), ...)
 from . import composites as _composites  # noqa: F401  (torch.tile(x), x.diff(), F.normalize(x), ...)
+from . import composite_losses as _composite_losses  # noqa: F401  (F.poisson_nll_loss, F.soft_margin_loss, ...)
+from . import composite_layers as _composite_layers  # noqa: F401  (F.dropout2d, F.instance_norm, torch.cdist, ...)
+from . import composite_foreach as _composite_foreach  # noqa: F401  (torch._foreach_mul_(list, 0.9), ...)
 from . import autograd
 from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from . import nn

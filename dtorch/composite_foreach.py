@@ -1,0 +1,83 @@
+"""torch._foreach_* on lists of DTensors (EMA updates, hand-written optimizers): each is a loop of
+the one-tensor op over the list, in place where torch's is (dtorch/inplace.py), so every
+element keeps its placements. torch hands a list holding a DTensor to __torch_function__ under
+the function's own name (`_foreach_mul_`), which finds these in tensor.COMPOSITES.
+
+The second operand may be what torch takes: one scalar, a list of scalars, a list of tensors or
+one tensor. In-place forms return the list and the others a tuple, as torch's do. tests/test_composites_nn.py checks
+each against torch.
+"""
+from __future__ import annotations
+
+from .tensor import COMPOSITES
+
+__all__ = ["FOREACH"]
+
+
+def _each(other, count: int) -> list:
+    return list(other) if isinstance(other, (list, tuple)) else [other] * count
+
+
+def _binary(method: str, inplace: bool):
+    """_foreach_<method>[_](self, other, *, alpha=...) as a loop of tensor.<method>[_]."""
+    name = method + "_" if inplace else method
+
+    def foreach(self, other, **kwargs):
+        self = list(self)
+        results = [getattr(t, name)(o, **kwargs) for t, o in zip(self, _each(other, len(self)))]
+        return self if inplace else tuple(results)
+    foreach.__name__ = foreach.__qualname__ = f"_foreach_{name}"
+    return foreach
+
+
+def _ternary(method: str, inplace: bool):
+    """_foreach_<method>[_](self, tensors1, tensors2_or_weight, value...) as a loop (addcmul,
+    addcdiv: `value` or a list of scalars; lerp: one weight, or a list of weights)."""
+    name = method + "_" if inplace else method
+
+    def foreach(self, first, second, *rest, **kwargs):
+        self = list(self)
+        count = len(self)
+        if method == "lerp":
+            pieces = zip(self, first, _each(second, count))
+            results = [getattr(t, name)(end, weight) for t, end, weight in pieces]
+        else:
+            value = rest[0] if rest else kwargs.pop("value", 1)
+            pieces = zip(self, first, second, _each(value, count))
+            results = [getattr(t, name)(a, b, value=v) for t, a, b, v in pieces]
+        return self if inplace else tuple(results)
+    foreach.__name__ = foreach.__qualname__ = f"_foreach_{name}"
+    return foreach
+
+
+def _foreach_copy_(self, src, non_blocking: bool = False):
+    self = list(self)
+    for t, s in zip(self, src):
+        t.copy_(s)
+    return self
+
+
+def _foreach_zero_(self):
+    self = list(self)
+    for t in self:
+        t.zero_()
+    return self
+
+
+def _foreach_norm(self, ord=2, dtype=None):
+    """Each tensor's whole-tensor vector norm, a 0-d tensor each."""
+    return tuple((t if dtype is None else t.to(dtype)).norm(ord) for t in self)
+
+
+FOREACH = {f"_foreach_{method}{'_' if inplace else ''}": build(method, inplace)
+           for build, methods in ((_binary, ("add", "sub", "mul", "div")), (_ternary, ("addcmul", "addcdiv", "lerp")))
+           for method in methods for inplace in (True, False)}
+FOREACH.update(_foreach_copy_=_foreach_copy_, _foreach_zero_=_foreach_zero_, _foreach_norm=_foreach_norm)
+
+
+def _install() -> None:
+    for name, function in FOREACH.items():
+        COMPOSITES.setdefault(name, function)
+
+
+_install()
