@@ -1,5 +1,5 @@
-"""torch.nn.functional losses and layers and torch._foreach_* on DTensors
-(dtorch/composite_losses.py, composite_layers.py, composite_foreach.py), each against
+"""torch.nn.functional losses and layers, torch._foreach_* and vector_to_parameters on DTensors
+(dtorch/composite_losses.py, composite_layers.py, composite_foreach.py, nn/utils.py), each against
 torch on the same values: sharded on the first dim (the batch) or the last (classes, features),
 replicated, on (4,) and (2, 2), with even and uneven shapes (a batch of 7 on 4 ranks), values and
 the gradient of every floating-point input. The dropouts draw from dtorch's stream, not torch's:
@@ -280,3 +280,23 @@ def test_an_ema_of_a_model_with_foreach(mesh4):
     for e, b in zip(ema, before):
         torch.testing.assert_close(e.to_torch(), b * 0.9)
 
+
+# --- torch.nn.utils.vector_to_parameters ------------------------------------------------------------------
+@pytest.mark.parametrize("vec_placement", [Shard(0), Replicate()])
+def test_vector_to_parameters_fills_each_parameter_in_its_own_layout(mesh22, vec_placement):
+    model = dtorch.nn.Sequential(dtorch.nn.Linear(5, 3, device_mesh=mesh22), dtorch.nn.Linear(3, 2, bias=False,
+                                                                                             device_mesh=mesh22))
+    layouts = [list(p.placements) for p in model.parameters()]
+    count = sum(p.numel() for p in model.parameters())
+    values = torch.randn(count)
+    vec = dtorch.tensor(values, device_mesh=mesh22, placements=[vec_placement, Replicate()])
+    torch.nn.utils.vector_to_parameters(vec, model.parameters())
+    pointer = 0
+    for p, layout in zip(model.parameters(), layouts):
+        assert list(p.placements) == layout and p.requires_grad and p.grad is None
+        torch.testing.assert_close(p.to_torch(), values[pointer:pointer + p.numel()].reshape(p.shape))
+        pointer += p.numel()
+    torch.testing.assert_close(torch.nn.utils.parameters_to_vector(model.parameters()).to_torch(), values)
+    plain = [torch.zeros(2, 2)]   # torch parameters still go to torch's own
+    torch.nn.utils.vector_to_parameters(torch.ones(4), plain)
+    assert torch.equal(plain[0], torch.ones(2, 2))

@@ -4,7 +4,7 @@ command and one small all-reduce per mesh, then one UpdateGrads per mesh scales 
 
 torch's own `torch.nn.utils.clip_grad_norm_` (nanoGPT's and most training loops' spelling) hands
 the grads to a C++ helper that no __torch_function__ reaches, so it cannot take DTensors. Importing
-dtorch wraps torch's three functions (`_hand_dtensors_to_dtorch`): DTensor parameters go to the
+dtorch wraps torch's three functions (and vector_to_parameters, which refuses a DTensor vec) (`_hand_dtensors_to_dtorch`): DTensor parameters go to the
 functions here, anything else to torch's own, unchanged.
 """
 from __future__ import annotations
@@ -17,9 +17,10 @@ import torch
 
 from ..autograd import reduce_gradients
 from ..optim.grads import total_norm, update_grads
+from ..recording import no_grad
 from ..tensor import DTensor, call_op
 
-__all__ = ["clip_grad_norm_", "clip_grad_value_", "get_total_norm"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "get_total_norm", "vector_to_parameters"]
 
 
 def _grads(parameters) -> list:
@@ -62,6 +63,24 @@ def clip_grad_value_(parameters, clip_value: float, foreach=None) -> None:
         update_grads("clip_grad_value_", grads, bound=float(clip_value))
 
 
+def vector_to_parameters(vec: DTensor, parameters) -> None:
+    """Copy consecutive slices of the 1-D DTensor `vec` into `parameters`, in place and without
+    autograd history: each slice reshaped to its parameter and moved to the parameter's mesh and
+    placements, so every parameter keeps its layout (torch instead rebinds param.data to a view
+    of vec). A torch.Tensor parameter receives the slice's values read back."""
+    if vec.ndim != 1:
+        raise RuntimeError(f"vector_to_parameters: vec must be 1-D, got shape {tuple(vec.shape)}")
+    pointer = 0
+    with no_grad():
+        for param in parameters:
+            piece = vec.narrow(0, pointer, param.numel()).reshape(tuple(param.shape))
+            if isinstance(param, DTensor):
+                param.copy_(piece.redistribute(param.device_mesh, param.placements))
+            else:
+                param.data.copy_(piece.to_torch())
+            pointer += param.numel()
+
+
 # --- torch.nn.utils' spellings ----------------------------------------------------------------------
 def _hand_dtensors_to_dtorch(torch_function, ours):
     """torch_function, except that parameters (or tensors) holding a DTensor go to `ours`."""
@@ -83,10 +102,10 @@ def _hand_dtensors_to_dtorch(torch_function, ours):
 
 
 def _install_torch_spellings() -> None:
-    from torch.nn.utils import clip_grad
+    from torch.nn.utils import clip_grad, convert_parameters
     for name, ours in (("clip_grad_norm_", clip_grad_norm_), ("clip_grad_value_", clip_grad_value_),
-                       ("get_total_norm", get_total_norm)):
-        for module in (torch.nn.utils, clip_grad):
+                       ("get_total_norm", get_total_norm), ("vector_to_parameters", vector_to_parameters)):
+        for module in (torch.nn.utils, clip_grad, convert_parameters):
             theirs = getattr(module, name, None)
             if theirs is not None and not getattr(theirs, "__wrapped_by_dtorch__", False):
                 setattr(module, name, _hand_dtensors_to_dtorch(theirs, ours))
