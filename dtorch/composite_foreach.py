@@ -9,7 +9,9 @@ each against torch.
 """
 from __future__ import annotations
 
-from .tensor import COMPOSITES
+import torch
+
+from .tensor import COMPOSITES, DTensor
 
 __all__ = ["FOREACH"]
 
@@ -32,7 +34,7 @@ def _binary(method: str, inplace: bool):
 
 def _ternary(method: str, inplace: bool):
     """_foreach_<method>[_](self, tensors1, tensors2_or_weight, value...) as a loop (addcmul,
-    addcdiv: `value` or a list of scalars; lerp: one weight, or a list of weights)."""
+    addcdiv: `value`, a list of scalars or a 1-D tensor of them, read; lerp: one weight, or a list of weights)."""
     name = method + "_" if inplace else method
 
     def foreach(self, first, second, *rest, **kwargs):
@@ -42,7 +44,9 @@ def _ternary(method: str, inplace: bool):
             pieces = zip(self, first, _each(second, count))
             results = [getattr(t, name)(end, weight) for t, end, weight in pieces]
         else:
-            value = rest[0] if rest else kwargs.pop("value", 1)
+            value = rest[0] if rest else kwargs.pop("value", kwargs.pop("scalars", 1))
+            if isinstance(value, (torch.Tensor, DTensor)):   # torch's `scalars` tensor: one per element
+                value = value.tolist()
             pieces = zip(self, first, second, _each(value, count))
             results = [getattr(t, name)(a, b, value=v) for t, a, b, v in pieces]
         return self if inplace else tuple(results)

@@ -242,6 +242,7 @@ FOREACH = {   # name -> call(lists, scalars); lists: four lists of tensors alike
     "_foreach_zero_": lambda t, s: torch._foreach_zero_(t[0]),
     "_foreach_addcmul_": lambda t, s: torch._foreach_addcmul_(t[0], t[1], t[2], value=0.5),
     "_foreach_addcmul_ scalar list": lambda t, s: torch._foreach_addcmul_(t[0], t[1], t[2], s),
+    "_foreach_addcmul_ scalars tensor": lambda t, s: torch._foreach_addcmul_(t[0], t[1], t[2], torch.tensor(s)),
     "_foreach_addcdiv_": lambda t, s: torch._foreach_addcdiv_(t[0], t[1], t[3], 2.0),
     "_foreach_mul": lambda t, s: torch._foreach_mul(t[0], t[1]),
     "_foreach_add": lambda t, s: torch._foreach_add(t[0], s),
