@@ -1,7 +1,7 @@
 """torch functions that are compositions of dtorch's ops: shapes (`torch.broadcast_to`, `tile`,
 `ravel`, `hstack`, `tensor_split`, `diff`, `take_along_dim`...), matrix chains (`chain_matmul`,
 `linalg.multi_dot`, `kron`) and torch.nn.functional's `normalize`, `cosine_similarity`,
-`pairwise_distance`, `one_hot`, `conv1d`, `prelu`, `pixel_shuffle` and three margin losses.
+`pairwise_distance`, `one_hot`, `prelu`, `pixel_shuffle` and three margin losses.
 
 Each is written with the registry's ops, so placement rules, automatic redistributes, autograd,
 dtorch.compile and aliasing apply as to the ops it uses: `broadcast_to` is an expand, `ravel` a
@@ -23,7 +23,7 @@ from .tensor import COMPOSITES, DTensor, call_op
 
 __all__ = ["broadcast_to", "tile", "ravel", "atleast_1d", "atleast_2d", "atleast_3d", "hstack", "vstack", "dstack",
            "column_stack", "tensor_split", "hsplit", "vsplit", "dsplit", "diff", "take_along_dim", "chain_matmul",
-           "multi_dot", "kron", "normalize", "cosine_similarity", "pairwise_distance", "one_hot", "conv1d", "prelu",
+           "multi_dot", "kron", "normalize", "cosine_similarity", "pairwise_distance", "one_hot", "prelu",
            "pixel_shuffle", "pixel_unshuffle", "margin_ranking_loss", "cosine_embedding_loss", "triplet_margin_loss"]
 
 
@@ -226,20 +226,6 @@ def one_hot(tensor: DTensor, num_classes: int = -1) -> DTensor:
     return (tensor.unsqueeze(-1) == classes).to(torch.int64)
 
 
-def _pair_last(value, first):
-    """conv1d's stride / padding / dilation as conv2d's (first, value) pair ('same' / 'valid' as is)."""
-    if isinstance(value, str):
-        return value
-    return (first, value if isinstance(value, int) else tuple(value)[0])
-
-
-def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> DTensor:
-    """conv2d of a height-1 image (N, C, 1, L) with a height-1 kernel, so conv2d's rule applies."""
-    image = call_op("conv2d", (input.unsqueeze(-2), weight.unsqueeze(-2), bias, _pair_last(stride, 1),
-                               _pair_last(padding, 0), _pair_last(dilation, 1), groups), {})
-    return image.squeeze(-2)
-
-
 def prelu(input: DTensor, weight: DTensor) -> DTensor:
     """x where x > 0, else weight * x, one weight per channel (dim 1) or one for all."""
     if weight.numel() > 1 and input.ndim >= 2:
@@ -313,7 +299,7 @@ _FUNCTIONS = {
     "column_stack": column_stack, "tensor_split": tensor_split, "hsplit": hsplit, "vsplit": vsplit, "dsplit": dsplit,
     "diff": diff, "take_along_dim": take_along_dim, "chain_matmul": chain_matmul, "linalg_multi_dot": multi_dot,
     "kron": kron, "normalize": normalize, "cosine_similarity": cosine_similarity,
-    "pairwise_distance": pairwise_distance, "one_hot": one_hot, "conv1d": conv1d, "prelu": prelu,
+    "pairwise_distance": pairwise_distance, "one_hot": one_hot, "prelu": prelu,
     "pixel_shuffle": pixel_shuffle, "pixel_unshuffle": pixel_unshuffle, "margin_ranking_loss": margin_ranking_loss,
     "cosine_embedding_loss": cosine_embedding_loss, "triplet_margin_loss": triplet_margin_loss,
 }

@@ -1,5 +1,6 @@
-"""PURE: torch.nn.functional ops of vision models, on (N, C, H, W) images (pools, conv2d and
-interpolate also take one unbatched (C, H, W) image). One table: op -> its row.
+"""PURE: torch.nn.functional ops of vision models, on (N, C, H, W) images (pools, convolutions
+and interpolate also take one unbatched (C, H, W) image); conv1d/3d and conv_transpose1d/2d/3d on
+(N, C, L) and (N, C, D, H, W). One table: op -> its row.
 
 Every op here reads windows of neighbouring pixels (or, for the norms, statistics over them), so
 a shard of H or W is refused: its windows would need the neighbouring ranks' rows (a halo
@@ -10,6 +11,12 @@ to a layout the rule accepts (usually a shard of N or C); in strict mode it name
                     P(sum), bias P(sum) (added once in the sum, as linear's row-parallel bias);
                     groups > 1: input S(C) with weight S(0) when every rank holds whole groups of
                     both; P(sum|avg) input or weight with the rest R (bias P(sum) beside P(sum))
+  conv1d, conv3d    as conv2d, one rule for any number of spatial dims
+  conv_transpose1d/2d/3d
+                    as conv2d with the weight's channel dims swapped (it is (in, out / groups, k...)):
+                    out-channels are weight S(1) (bias S(0)), in-channels input S(C) with weight
+                    S(0) -> P(sum); groups > 1: input S(C), weight S(0) on whole groups whose
+                    output channels are whole groups too
   max_pool2d, avg_pool2d, adaptive_avg_pool2d, adaptive_max_pool2d, interpolate
                     S(N) or S(C) pass; averages and bilinear-type modes are linear (P(sum|avg)
                     pass), max pools distribute over P(max), nearest copies any Partial
@@ -27,6 +34,7 @@ to a layout the rule accepts (usually a shard of N or C); in strict mode it name
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,9 +69,14 @@ def whole_groups(call: Call, index: int, dim: int, group_size: int) -> list | No
     """Per mesh coordinate, (first group, group count) of input `index`'s block along `dim`, or
     None when some block is not a whole number of groups (nested shards included)."""
     spec = call.inputs[index]
+    return _blocks_in_groups(spec.shape, spec.mesh, spec.placements, dim, group_size)
+
+
+def _blocks_in_groups(shape, mesh, placements, dim: int, group_size: int) -> list | None:
+    """whole_groups of a tensor of `shape` placed so on `mesh`."""
     found = []
-    for coordinate in itertools.product(*map(range, spec.mesh.shape)):
-        offset, size = local_region(spec.shape, spec.mesh, spec.placements, coordinate)
+    for coordinate in itertools.product(*map(range, mesh.shape)):
+        offset, size = local_region(shape, mesh, placements, coordinate)
         if offset[dim] % group_size or size[dim] % group_size:
             return None
         found.append((offset[dim] // group_size, size[dim] // group_size))
@@ -110,109 +123,179 @@ def _empty_safe(fn):
     return run
 
 
-# --- conv2d -----------------------------------------------------------------------------------------
+# --- convolutions ---------------------------------------------------------------------------------
+# conv1d/2d/3d and conv_transpose1d/2d/3d share one rule over any number of spatial dims: only
+# which weight dim holds the in- and out-channels differs (a transposed conv's weight is
+# (in, out / groups, k...), a conv's (out, in / groups, k...)).
+class _ConvForm(NamedTuple):
+    out_dim: int        # the weight's out-channel dim
+    in_dim: int         # the weight's in-channel dim
+    legal: str
+
+
+_SPATIAL_SHARDS = {1: "S(L)", 2: "S(H) or S(W)", 3: "S(D), S(H) or S(W)"}
 _CONV_PARAMS = ("input", "weight", "bias")
 _CONV_LAWS = Laws(params=_CONV_PARAMS, linear=present_groups(_CONV_PARAMS, (0, 2), (1, 2)), monotone=(0, 0, 1))
-_CONV_LEGAL = ("input S(N) with weight, bias R; weight S(0), bias S(0) with input R (groups=1); input S(C) "
-               "with weight S(1) (groups=1) -> P(sum), bias P(sum); groups > 1: input S(C), weight S(0), bias "
-               "S(0) on whole groups; a P(sum|avg) input or weight with the rest R; never S(H) or S(W)")
 
 
-def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    """F.conv2d, also on empty shards: an empty in-channel block contributes zeros (plus its
-    share of a P(sum) bias), where torch would return no out-channels at all."""
-    if _empty_block(input) or _empty_block(weight):
-        return _empty_conv(input, weight, bias, stride, padding, dilation)
-    return F.conv2d(input, weight, bias, stride, padding, dilation, groups)
+def _conv_form(spatial_count: int, transposed: bool) -> _ConvForm:
+    out_dim, in_dim = (1, 0) if transposed else (0, 1)
+    return _ConvForm(out_dim, in_dim, (
+        f"input S(N) with weight, bias R; weight S({out_dim}), bias S(0) with input R (groups=1); input S(C) "
+        f"with weight S({in_dim}) (groups=1) -> P(sum), bias P(sum); groups > 1: input S(C), weight S(0), bias "
+        f"S(0) on whole groups; a P(sum|avg) input or weight with the rest R; never {_SPATIAL_SHARDS[spatial_count]}"))
 
 
-def _empty_conv(input, weight, bias, stride, padding, dilation):
-    image = torch.empty((1, 1) + tuple(input.shape[-2:]), device="meta")
-    window = torch.empty((1, 1) + tuple(weight.shape[-2:]), device="meta")
-    height, width = F.conv2d(image, window, None, stride, padding, dilation).shape[-2:]
-    shape = tuple(input.shape[:-3]) + (weight.shape[0], height, width)
-    out = torch.zeros(shape, dtype=input.dtype, device=input.device)
-    return out if bias is None or bias.numel() == 0 else out + bias.reshape(-1, 1, 1)
+_EMPTY_SAFE = (", also on empty shards: an empty in-channel block contributes zeros (plus its share of a P(sum) "
+               "bias), where torch would return no out-channels at all.")
 
 
-@kernel("conv2d_group_shard")
-def conv2d_group_shard(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, group_channels):
-    """A rank holding whole groups of input and output channels runs them as a smaller grouped conv."""
-    if _empty_block(input) or _empty_block(weight):
-        return _empty_conv(input, weight, bias, stride, padding, dilation)
-    return F.conv2d(input, weight, bias, stride, padding, dilation, input.shape[-3] // group_channels)
+def _convolution(torch_fn):
+    """torch_fn (F.conv1d/2d/3d) with torch's signature, also on empty shards."""
+    def conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        if _empty_block(input) or _empty_block(weight):
+            return _empty_conv(torch_fn, input, weight, bias, weight.shape[0], stride=stride, padding=padding,
+                               dilation=dilation)
+        return torch_fn(input, weight, bias, stride, padding, dilation, groups)
+    conv.__name__ = conv.__qualname__ = torch_fn.__name__
+    conv.__doc__ = f"F.{torch_fn.__name__}{_EMPTY_SAFE}"
+    return conv
 
 
-def _conv_rule(call: Call, placements) -> Decision:
+def _transposed(torch_fn):
+    """torch_fn (F.conv_transpose1d/2d/3d) with torch's signature, also on empty shards."""
+    def conv_transpose(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+        if _empty_block(input) or _empty_block(weight):
+            return _empty_conv(torch_fn, input, weight, bias, weight.shape[1] * groups, stride=stride,
+                               padding=padding, output_padding=output_padding, dilation=dilation)
+        return torch_fn(input, weight, bias, stride, padding, output_padding, groups, dilation)
+    conv_transpose.__name__ = conv_transpose.__qualname__ = torch_fn.__name__
+    conv_transpose.__doc__ = f"F.{torch_fn.__name__}{_EMPTY_SAFE}"
+    return conv_transpose
+
+
+def _empty_conv(torch_fn, input, weight, bias, out_channels: int, **geometry):
+    """Zeros of the conv's shape (plus the bias): the spatial size from torch_fn on one meta
+    pixel-channel, the channels from the weight."""
+    spatial_count = weight.ndim - 2
+    image = torch.empty((1, 1) + tuple(input.shape[-spatial_count:]), device="meta")
+    window = torch.empty((1, 1) + tuple(weight.shape[2:]), device="meta")
+    size = tuple(torch_fn(image, window, None, **geometry).shape[2:])
+    out = torch.zeros(tuple(input.shape[:-spatial_count - 1]) + (out_channels,) + size, dtype=input.dtype,
+                      device=input.device)
+    return out if bias is None or bias.numel() == 0 else out + bias.reshape((-1,) + (1,) * spatial_count)
+
+
+def _group_shard(conv):
+    """A rank holding whole groups of input and output channels runs them as a smaller grouped
+    conv (groups is the 7th argument of every conv and conv_transpose)."""
+    def run(input, weight, *args, group_channels, **kwargs):
+        groups = input.shape[1 - weight.ndim] // group_channels
+        if len(args) > 4:
+            args = args[:4] + (groups,) + args[5:]
+        else:
+            kwargs["groups"] = groups
+        return conv(input, weight, *args, **kwargs)
+    return run
+
+
+def _conv_rule(form: _ConvForm):
+    def rule(call: Call, placements) -> Decision:
+        x, w = placements[:2]
+        b = placements[2] if len(placements) > 2 else R
+        batch, channel, spatial = image_dims(call, len(call.inputs[1].shape) - 2)
+        refuse_spatial(call, x, spatial, form.legal)
+        if isinstance(w, Shard) and w.dim >= 2:
+            raise RuleRejected(f"{call.op} slides the whole kernel: the weight's window dim {w.dim} cannot be "
+                               "split", form.legal)
+        channels_split = x == Shard(channel) or isinstance(w, Shard) or isinstance(b, Shard)
+        if channels_split and call.param(6, "groups", 1) > 1:
+            return _conv_groups(call, placements, channel, call.param(6, "groups", 1), form)
+        if x == Shard(channel) or w == Shard(form.in_dim):
+            return _conv_in_channels(placements, channel, form)
+        if channels_split:
+            return _conv_out_channels(placements, channel, form)
+        if any(isinstance(p, Partial) for p in placements):
+            out = partial_output(call, placements, _CONV_LAWS)
+            if out is None:
+                raise RuleRejected(f"{call.op} is linear in input or weight (jointly with the bias), not in "
+                                   f"({', '.join(map(repr, placements))})", form.legal)
+            return Decision(placements, (out,))
+        if batch is not None and x == Shard(batch):
+            if not (w.is_replicate() and b.is_replicate()):
+                raise RuleRejected("with the input split on its batch, every rank needs the whole weight and bias",
+                                   form.legal)
+            return Decision(placements, (x,))
+        return Decision(placements, (R,))
+    return rule
+
+
+def _conv_in_channels(placements, channel: int, form: _ConvForm) -> Decision:
+    """Input S(C) with the weight split on its in-channels: each rank convolves its channels,
+    the sum over ranks is the conv."""
     x, w = placements[:2]
-    b = placements[2] if len(placements) > 2 else R
-    batch, channel, spatial = image_dims(call)
-    refuse_spatial(call, x, spatial, _CONV_LEGAL)
-    if isinstance(w, Shard) and w.dim >= 2:
-        raise RuleRejected(f"conv2d slides the whole kernel: the weight's window dim {w.dim} cannot be split",
-                           _CONV_LEGAL)
-    channels_split = x == Shard(channel) or isinstance(w, Shard) or isinstance(b, Shard)
-    if channels_split and call.param(6, "groups", 1) > 1:
-        return _conv_groups(call, placements, channel, call.param(6, "groups", 1))
-    if x == Shard(channel) or w == Shard(1):
-        return _conv_in_channels(placements, channel)
-    if channels_split:
-        return _conv_out_channels(placements, channel)
-    if any(isinstance(p, Partial) for p in placements):
-        out = partial_output(call, placements, _CONV_LAWS)
-        if out is None:
-            raise RuleRejected("conv2d is linear in input or weight (jointly with the bias), not in "
-                               f"({', '.join(map(repr, placements))})", _CONV_LEGAL)
-        return Decision(placements, (out,))
-    if batch is not None and x == Shard(batch):
-        if not (w.is_replicate() and b.is_replicate()):
-            raise RuleRejected("with the input split on its batch, every rank needs the whole weight and bias",
-                               _CONV_LEGAL)
-        return Decision(placements, (x,))
-    return Decision(placements, (R,))
-
-
-def _conv_in_channels(placements, channel: int) -> Decision:
-    """Input S(C), weight S(1): each rank convolves its channels, the sum over ranks is the conv."""
-    x, w = placements[:2]
-    if not (x in (R, Shard(channel)) and w in (R, Shard(1))):
-        raise RuleRejected(f"the in-channels are split ({x!r}, {w!r}): input S({channel}) and weight S(1) "
-                           "together", _CONV_LEGAL)
+    if not (x in (R, Shard(channel)) and w in (R, Shard(form.in_dim))):
+        raise RuleRejected(f"the in-channels are split ({x!r}, {w!r}): input S({channel}) and weight "
+                           f"S({form.in_dim}) together", form.legal)
     if len(placements) > 2 and placements[2] != Partial("sum"):
         raise RuleRejected(f"the product is P(sum), so the bias must be P(sum) too (a {placements[2]!r} bias "
-                           "would be added once per rank)", _CONV_LEGAL)
-    return Decision((Shard(channel), Shard(1)) + placements[2:], (Partial("sum"),))
+                           "would be added once per rank)", form.legal)
+    return Decision((Shard(channel), Shard(form.in_dim)) + placements[2:], (Partial("sum"),))
 
 
-def _conv_out_channels(placements, channel: int) -> Decision:
-    """Weight S(0) (and bias S(0)): each rank computes its out-channels from the whole input."""
+def _conv_out_channels(placements, channel: int, form: _ConvForm) -> Decision:
+    """Weight split on its out-channels (and bias S(0)): each rank computes its out-channels
+    from the whole input."""
     x, w = placements[:2]
-    if not (x.is_replicate() and all(p in (R, Shard(0)) for p in placements[1:])):
-        raise RuleRejected(f"with the out-channels split, the input must be R and weight and bias S(0) or R "
-                           f"(given {', '.join(map(repr, placements))})", _CONV_LEGAL)
-    return Decision((x,) + (Shard(0),) * (len(placements) - 1), (Shard(channel),))
+    bias = placements[2:]
+    if not (x.is_replicate() and w in (R, Shard(form.out_dim)) and all(p in (R, Shard(0)) for p in bias)):
+        needed = "weight and bias S(0) or R" if form.out_dim == 0 else \
+            f"the weight S({form.out_dim}) or R and the bias S(0) or R"
+        raise RuleRejected(f"with the out-channels split, the input must be R and {needed} "
+                           f"(given {', '.join(map(repr, placements))})", form.legal)
+    return Decision((x, Shard(form.out_dim)) + (Shard(0),) * len(bias), (Shard(channel),))
 
 
-def _conv_groups(call: Call, placements, channel: int, groups: int) -> Decision:
+def _conv_groups(call: Call, placements, channel: int, groups: int, form: _ConvForm) -> Decision:
+    """Input S(C) and weight S(0) on whole groups: each rank runs its groups. The weight's dim 0
+    is its out-channels (conv) or its in-channels (conv_transpose); either way every rank's
+    blocks of input channels, weight rows and output channels must be the same groups."""
     x, w = placements[:2]
     has_bias = len(placements) > 2
     b = placements[2] if has_bias else R
     if not (x == Shard(channel) and w == Shard(0) and b in (R, Shard(0))):
-        raise RuleRejected(f"conv2d(groups={groups}) splits channels only as input S({channel}) and weight S(0) "
-                           "together, each rank holding whole groups of both", _CONV_LEGAL)
+        raise RuleRejected(f"{call.op}(groups={groups}) splits channels only as input S({channel}) and weight S(0) "
+                           "together, each rank holding whole groups of both", form.legal)
+    weight = call.inputs[1]
+    out_channels = call.out_shape[channel]
     in_groups = whole_groups(call, 0, channel, call.inputs[0].shape[channel] // groups)
-    out_groups = whole_groups(call, 1, 0, call.inputs[1].shape[0] // groups)
-    if in_groups is None or in_groups != out_groups:
+    weight_groups = whole_groups(call, 1, 0, weight.shape[0] // groups)
+    # the output's channels (and the bias) split where the weight's dim 0 does
+    rows = tuple(p if p == Shard(0) else R for p in weight.placements)
+    out_groups = _blocks_in_groups((out_channels,), weight.mesh, rows, 0, out_channels // groups)
+    if in_groups is None or not in_groups == weight_groups == out_groups:
         raise RuleRejected(f"some rank's block of input channels or weight rows is not the same whole groups "
-                           f"of the {groups}", _CONV_LEGAL)
+                           f"of the {groups}", form.legal)
     return Decision((x, w) + (Shard(0),) * has_bias, (Shard(channel),))
 
 
 def _conv_local(call: Call, required):
     groups = call.param(6, "groups", 1)
     if groups > 1 and any(isinstance(p, Shard) for p in required[1]):
-        return "conv2d_group_shard", {"group_channels": call.inputs[0].shape[image_dims(call)[1]] // groups}
-    return "conv2d", {}
+        channel = image_dims(call, len(call.inputs[1].shape) - 2)[1]
+        return f"{call.op}_group_shard", {"group_channels": call.inputs[0].shape[channel] // groups}
+    return call.op, {}
+
+
+def _conv_rows() -> dict:
+    rows = {}
+    for spatial_count in (1, 2, 3):
+        for name, wrap, transposed in ((f"conv{spatial_count}d", _convolution, False),
+                                       (f"conv_transpose{spatial_count}d", _transposed, True)):
+            conv, form = wrap(getattr(F, name)), _conv_form(spatial_count, transposed)
+            kernel(f"{name}_group_shard")(_group_shard(conv))
+            rows[name] = _row(conv, _conv_rule(form), form.legal, _conv_local)
+    return rows
 
 
 # --- pools and interpolate ------------------------------------------------------------------------
@@ -294,7 +377,7 @@ def _row(torch_fn, rule, doc: str, local=None) -> OpRow:
 
 _PER_IMAGE_DOC = "S(N) or S(C) pass, S(H|W) refused (halo); "
 VISION = {
-    "conv2d": _row(conv2d, _conv_rule, _CONV_LEGAL, _conv_local),
+    **_conv_rows(),
     "max_pool2d": _row(_empty_safe(F.max_pool2d), _per_image_rule(_max_pool_partials(6)),
                        _PER_IMAGE_DOC + "P(max) passes unless return_indices"),
     "adaptive_max_pool2d": _row(_empty_safe(F.adaptive_max_pool2d), _per_image_rule(_max_pool_partials(2),

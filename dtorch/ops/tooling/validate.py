@@ -104,6 +104,11 @@ _SCATTER_NOT_DERIVED = ("[P(avg)], [R]", "[P(avg)], [R], [R]", "[P(max)], [R]", 
 DECLINED.update({("scatter", combo): "not derived yet (scatter's rule passes input and src of the same "
                  "Partial only)" for combo in _SCATTER_NOT_DERIVED})
 
+# a depthwise weight (out, 1, k...) split on its in-channels-per-group dim: one rank holds it all
+# and the others add only their bias share, so P(sum) reads right; a weight S(1) with groups > 1
+# splits every group's input channels apart, which no input placement follows
+DECLINED.update({(f"conv{n}d", "[R], [S(1)], [P(sum)]"): "a weight S(1) with groups > 1 reads right only where each "
+                 "group has 1 in-channel (all on one rank): not a layout to derive" for n in (1, 2, 3)})
 
 class Finding(NamedTuple):
     kind: str          # "WRONG", "MISSING", or "DECLINED" (a MISSING listed in DECLINED)

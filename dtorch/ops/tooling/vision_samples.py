@@ -14,20 +14,37 @@ def _image(m: Make, channels=(4, 3)):
     return m.x(n, c, h, w)
 
 
-def _conv2d(m: Make):
-    # float64: the sweep's P(sum) inputs on two mesh dims are random contributions ~10x the value,
-    # and a 27-54 term contraction of them in float32 rounds past its atol on outputs near zero
-    x = _image(m).double()
-    n, c, h, w = x.shape
-    out = m.shape((8,), (5,))[0]
-    grouped = _image(m, channels=(4, 6)).double()      # groups of 2 input and 4 output channels
-    groups = grouped.shape[1] // 2
-    f64 = lambda *shape: m.x(*shape, dtype=torch.float64)  # noqa: E731
-    return [Sample((x, f64(out, c, 3, 3), f64(out)), {}),
-            Sample((x, f64(out, c, 3, 3)), {"stride": 2, "padding": 1}),
-            Sample((x, f64(out, c, 2, 3), f64(out)), {"padding": "same", "dilation": 2}),
-            Sample((grouped, f64(4 * groups, 2, 3, 3), f64(4 * groups)), {"groups": groups, "padding": 1}),
-            Sample((x[0], f64(out, c, 3, 3)), {"stride": (1, 2)})]
+_SPATIAL = {1: ((8,), (7,)), 2: ((8, 8), (7, 7)), 3: ((4, 4, 6), (5, 4, 6))}   # even, uneven
+
+
+def _conv(spatial_count: int, transposed: bool = False):
+    """conv{n}d or conv_transpose{n}d: with and without a bias, strided, dilated, in groups (by
+    keyword, and depthwise by position) and on one unbatched image."""
+    def build(m: Make):
+        # float64: the sweep's P(sum) inputs on two mesh dims are random contributions ~10x the value,
+        # and a 27-54 term contraction of them in float32 rounds past its atol on outputs near zero
+        f64 = lambda *shape: m.x(*shape, dtype=torch.float64)  # noqa: E731
+
+        def weight(in_per_group, out_per_group, groups, kernel):   # torch's layout for each kind
+            return f64(in_per_group * groups, out_per_group, *kernel) if transposed else \
+                f64(out_per_group * groups, in_per_group, *kernel)
+        spatial = m.shape(*_SPATIAL[spatial_count])
+        (n, c), out = m.shape((4, 4), (5, 3)), m.shape((8,), (5,))[0]
+        x = f64(n, c, *spatial)
+        grouped = f64(n, m.shape((4,), (6,))[0], *spatial)
+        groups, per_group_out = grouped.shape[1] // 2, 1 if transposed else 4   # groups of 2 input channels
+        cube, wide = (3,) * spatial_count, (2,) + (3,) * (spatial_count - 1)
+        strided = {"stride": 2, "padding": 1, "output_padding": 1} if transposed else {"stride": 2, "padding": 1}
+        dilated = {"stride": 2, "dilation": 2, "output_padding": 1} if transposed else {"padding": "same", "dilation": 2}
+        return [Sample((x, weight(c, out, 1, cube), f64(out)), {}),
+                Sample((x, weight(c, out, 1, cube)), strided),
+                Sample((x, weight(c, out, 1, wide), f64(out)), dilated),
+                Sample((grouped, weight(2, per_group_out, groups, cube), f64(per_group_out * groups)),
+                       {"groups": groups, "padding": 1}),
+                # depthwise, 2 outputs per channel; groups by position (after dilation or output_padding)
+                Sample((x, weight(1, 2, c, cube), f64(2 * c), 1, 1, 0 if transposed else 1, c), {}),
+                Sample((x[0], weight(c, out, 1, cube)), {"stride": (1,) * (spatial_count - 1) + (2,)})]
+    return build
 
 
 def _pools(*variants, exact=False):
@@ -79,7 +96,7 @@ def _batch_norm_from_moments(m: Make):
 
 
 VISION = {
-    "conv2d": _conv2d, "interpolate": _interpolate, "group_norm": _group_norm, "batch_norm": _batch_norm,
+    **{f"conv{n}d": _conv(n) for n in (1, 2, 3)}, **{f"conv_transpose{n}d": _conv(n, True) for n in (1, 2, 3)}, "interpolate": _interpolate, "group_norm": _group_norm, "batch_norm": _batch_norm,
     "batch_norm_moments": _batch_norm_moments, "batch_norm_from_moments": _batch_norm_from_moments,
     "max_pool2d": _pools(((2,), {}), ((3, 2, 1), {"ceil_mode": True}), ((2,), {"return_indices": True}),
                          ((3,), {"stride": 1}), exact=True),
