@@ -79,6 +79,7 @@ class _Graph:
         shifts = tuple(shift() for shift in self.step_shifts)
         out_ids = controller.new_ids(len(self.output_metas))
         input_ids = tuple(t._id for t in inputs) + tuple(t._id for t in self.state)
+        controller.free_before_next()
         seq = controller.submit(wire.RunGraph, self.graph_id, self.span, input_ids, out_ids,
                                 seed, first - self.random_start, shifts, self.defined_seq, span=self.span)
         controller.sites.note_replay(seq, self.span, self.sites)

@@ -531,6 +531,31 @@ def test_freezing_a_layer_between_compiled_steps_captures_again(mesh4, frozen_ca
         torch.testing.assert_close(got.to_torch(), want.detach(), msg=name)
 
 
+def test_a_state_tensor_changed_in_place_outside_keeps_what_the_next_replay_writes(mesh4):
+    """A buffer the function updates in place (BatchNorm's running stats, an EMA) and the
+    program also changes in place between calls (reset_running_stats): the change outside
+    drops the buffer's id, which the next replay writes again. A Free of that id batched after
+    the replay (16 drops to a Free) freed the replay's result: the next read or call raised
+    "tensor #N is not on rank" (found by the training probe, 1 run in 8)."""
+    buffer = dtorch.zeros(4, device_mesh=mesh4, placements=[Replicate()])
+    x = dtorch.tensor(torch.arange(8.0).reshape(2, 4), device_mesh=mesh4, placements=[Replicate()])
+
+    @dtorch.compile
+    def update(x):
+        buffer.mul_(0.5).add_(x.sum(0))
+    want = torch.zeros(4)
+    for call in range(5):
+        update(x)
+        want = want * 0.5 + torch.arange(8.0).reshape(2, 4).sum(0)
+        scratch = [x * k for k in range(20)]   # enough drops for a batched Free after the replay
+        del scratch
+        torch.testing.assert_close(buffer.to_torch(), want, msg=f"call {call}")
+        if call == 2:
+            buffer.zero_()
+            want = torch.zeros(4)
+    assert update.captures == 1
+
+
 def test_grads_accumulate_across_compiled_calls_as_in_eager(mesh4):
     w = dtorch.ones(4, device_mesh=mesh4, placements=[Replicate()], requires_grad=True)
 

@@ -243,6 +243,13 @@ class Controller(WorkerMessages):
         if self.capture is not None:
             self.capture.record(free, None)
 
+    def free_before_next(self) -> None:
+        """The next command goes after a Free of every id dropped so far. A replay asks for it:
+        it writes its graph's persistent ids again (a gradient, a buffer), which the program
+        may have dropped since (p.grad = None, an in-place op outside the function), and a
+        batched Free of such an id sent after the replay would free what the replay made."""
+        self._free_now = True
+
     def released_pending(self) -> tuple:
         """Ids dropped but not yet in a Free (dtorch.compile sorts a capture's ids with them)."""
         with self._lock:
