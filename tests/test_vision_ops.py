@@ -1,6 +1,6 @@
 """Vision ops beyond the sweep (tests/test_ops_sweep.py runs every sample of dtorch/ops/vision.py
-and vision_norm.py on every placement): conv2d's stride/padding/dilation/groups forms on the
-tensor-parallel layouts, batch_norm's training mode across ranks against torch (output and
+and vision_norm.py on every placement): conv2d's (and conv1d's, conv3d's, conv_transpose*d's)
+stride/padding/dilation/groups forms on the tensor-parallel layouts, batch_norm's training mode across ranks against torch (output and
 running statistics), the torch.nn.functional spellings, and the refusals of spatial shards."""
 import pytest
 import torch
@@ -79,6 +79,82 @@ def test_conv2d_in_channels_with_a_replicated_bias(mesh4, strict, automatic):
         DF.conv2d(*args)
     dtorch.set_strict(False)
     assert_same(DF.conv2d(*args).to_torch(), F.conv2d(x, w, b))
+
+
+# --- conv1d, conv3d, conv_transpose1d/2d/3d: one rule; the transposed weight is (in, out / groups, k...)
+TRANSPOSED_LAYOUTS = {
+    "batch": ([Shard(0)], [R], [R], [Shard(0)]),
+    "out-channels": ([R], [Shard(1)], [Shard(0)], [Shard(1)]),
+    "in-channels": ([Shard(1)], [Shard(0)], [Partial()], [Partial()]),
+}
+CONVOLUTIONS = {   # op -> (input, weight shape; variants): 5 images, 6 in- and 7 out-channels, uneven on 4 ranks
+    "conv1d": ((5, 6, 9), (7, 6, 3), [dict(), dict(stride=2, padding=2, dilation=3), dict(padding="same")]),
+    "conv3d": ((5, 6, 5, 4, 6), (7, 6, 3, 2, 3), [dict(), dict(stride=(2, 1, 2), padding=1),
+                                                 dict(padding="same", dilation=(1, 2, 1))]),
+    "conv_transpose1d": ((5, 6, 9), (6, 7, 3), [dict(), dict(stride=3, padding=1, output_padding=2),
+                                                dict(stride=2, dilation=2, output_padding=1)]),
+    "conv_transpose2d": ((5, 6, 5, 4), (6, 7, 3, 2), [dict(), dict(stride=2, padding=(1, 0), output_padding=1),
+                                                      dict(stride=(1, 2), dilation=(2, 1), padding=1)]),
+    "conv_transpose3d": ((5, 6, 3, 4, 3), (6, 7, 2, 3, 2), [dict(), dict(stride=2, output_padding=(1, 0, 1)),
+                                                            dict(dilation=2, padding=(0, 1, 1))]),
+}
+
+
+@pytest.mark.usefixtures("strict")
+@pytest.mark.parametrize("layout", sorted(CONV_LAYOUTS))
+@pytest.mark.parametrize("variant", range(3))
+@pytest.mark.parametrize("op", sorted(CONVOLUTIONS))
+def test_convolutions_on_each_layout(mesh4, op, layout, variant):
+    x_shape, w_shape, variants = CONVOLUTIONS[op]
+    x, w, b = _image(*x_shape), _image(*w_shape), _image(7)
+    px, pw, pb, out = (TRANSPOSED_LAYOUTS if "transpose" in op else CONV_LAYOUTS)[layout]
+    got = getattr(F, op)(_up(x, mesh4, px), _up(w, mesh4, pw), _up(b, mesh4, pb), **variants[variant])
+    assert list(got.placements) == out
+    assert_same(got.to_torch(), getattr(F, op)(x, w, b, **variants[variant]))
+
+
+@pytest.mark.usefixtures("strict")
+@pytest.mark.parametrize("channels, per_group_out", [(4, 3), (6, 1), (8, 2), (3, 2)])
+@pytest.mark.parametrize("op", ["conv_transpose1d", "conv_transpose2d"])
+def test_grouped_conv_transpose_splits_whole_groups(mesh4, op, channels, per_group_out):
+    # depthwise: every rank's block of input channels, weight rows and output channels is the
+    # same groups though the output has per_group_out channels a group (3 on 4 ranks: 1, 1, 1, 0)
+    spatial = (6,) * (int(op[-2]))
+    x, w, b = _image(3, channels, *spatial), _image(channels, per_group_out, *(3,) * len(spatial)), \
+        _image(channels * per_group_out)
+    got = getattr(F, op)(_up(x, mesh4, [Shard(1)]), _up(w, mesh4, [Shard(0)]), _up(b, mesh4, [Shard(0)]),
+                         padding=1, groups=channels)
+    assert got.placements == (Shard(1),)
+    assert_same(got.to_torch(), getattr(F, op)(x, w, b, padding=1, groups=channels))
+
+
+def test_grouped_conv_transpose_refuses_groups_its_output_would_split(mesh4, strict):
+    # 2 groups of 4 in-channels: 8 rows on 4 ranks are 2 each, so no rank holds a whole group
+    x, w = _image(2, 8, 5, 5), _image(8, 3, 3, 3)
+    with pytest.raises(PlacementError, match="whole groups"):
+        F.conv_transpose2d(_up(x, mesh4, [Shard(1)]), _up(w, mesh4, [Shard(0)]), groups=2)
+
+
+@pytest.mark.parametrize("op, x, w, message", [
+    ("conv3d", (2, 3, 6, 5, 4), (4, 3, 3, 3, 3), "conv3d reads windows across sharded spatial dim 2"),
+    ("conv_transpose2d", (2, 3, 6, 5), (3, 4, 3, 3), "conv_transpose2d reads windows across sharded spatial dim 2"),
+    ("conv1d", (2, 3, 6), (4, 3, 3), "conv1d reads windows across sharded spatial dim 2"),
+])
+def test_convolutions_refuse_a_spatial_shard_and_name_the_legal_layouts(mesh4, strict, op, x, w, message):
+    a, weight = _image(*x), _image(*w)
+    with pytest.raises(PlacementError) as refused:
+        getattr(F, op)(_up(a, mesh4, [Shard(2)]), _up(weight, mesh4, [R]))
+    text = str(refused.value)
+    assert message in text and "halo exchange" in text and "Fix:" in text
+    dtorch.set_strict(False)
+    assert_same(getattr(F, op)(_up(a, mesh4, [Shard(2)]), _up(weight, mesh4, [R])).to_torch(),
+                getattr(F, op)(a, weight))
+
+
+def test_conv_transpose_in_channels_need_the_weight_split_on_its_dim_0(mesh4, strict):
+    x, w = _image(2, 8, 5, 5), _image(8, 3, 3, 3)
+    with pytest.raises(PlacementError, match="input S\\(1\\) and weight S\\(0\\) together"):
+        F.conv_transpose2d(_up(x, mesh4, [Shard(1)]), _up(w, mesh4, [Shard(1)]))
 
 
 # --- batch_norm ------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from .activation import (ELU, GELU, Dropout, Flatten, Identity, LeakyReLU, LogSo
                          Softmax, Softplus, Tanh, Unflatten)
 from .batchnorm import BatchNorm2d
 from .containers import ModuleDict, ModuleList, Sequential
-from .conv import Conv2d
+from .conv import Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from .distribute import distribute_module
 from .embedding import Embedding, EmbeddingWithReplicateOutput
 from .fsdp import fully_shard
@@ -30,4 +30,5 @@ __all__ = ["functional", "utils", "Module", "Parameter", "IncompatibleKeys", "Se
            "GroupNorm", "Dropout", "Identity", "ReLU", "GELU", "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU",
            "Softplus", "Softmax", "LogSoftmax", "Flatten", "Unflatten", "parallelize_module", "ParallelStyle",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
-           "fully_shard", "distribute_module", "mixed_precision", "Conv2d", "BatchNorm2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d"]
+           "fully_shard", "distribute_module", "mixed_precision", "Conv1d", "Conv2d", "Conv3d",
+           "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "BatchNorm2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d"]
