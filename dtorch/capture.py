@@ -65,6 +65,7 @@ class Capture:
         self._leaves: dict = {}               # id(leaf) -> (leaf, its .grad before the call touched it)
         self._rebound: dict = {}              # id(tensor) -> (tensor, the id it held before the call rebound it)
         self._older_inputs: dict = {}         # id(tensor) -> (weak ref, whether it required grad when read)
+        self._modules: dict = {}              # id(module) -> module, for note_module
 
     # --- while the call runs ---------------------------------------------------------------------
     def __enter__(self) -> "Capture":
@@ -118,6 +119,15 @@ class Capture:
         for tensor in tensors:
             if tensor._id < start and id(tensor) not in seen:
                 seen[id(tensor)] = (weakref.ref(tensor), tensor.requires_grad)
+
+    def note_module(self, module) -> None:
+        """A module the call ran: its plain settings (training, momentum, eps, p...) shaped what
+        the capture recorded, as Python values do; a replay holds while they are unchanged
+        (model.eval() between calls captures again, as torch.compile's guards would)."""
+        if id(module) not in self._modules:
+            settings = _settings(module)
+            self._modules[id(module)] = module
+            self.guards.append(lambda: _settings(module) == settings)
 
     def guard(self, still_valid) -> None:
         self.guards.append(still_valid)
@@ -233,6 +243,14 @@ def _draws_random(command, seed: int, counters: range) -> bool:
     else:
         return False
     return len(drawn) == 2 and drawn[0] == seed and drawn[1] in counters
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _settings(module) -> tuple:
+    """A module's attributes that are plain values (tensors, submodules and hooks are not)."""
+    return tuple((name, value) for name, value in module.__dict__.items() if type(value) in _PLAIN)
 
 
 def _same_requires_grad(ref, flag: bool):

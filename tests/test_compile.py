@@ -531,6 +531,29 @@ def test_freezing_a_layer_between_compiled_steps_captures_again(mesh4, frozen_ca
         torch.testing.assert_close(got.to_torch(), want.detach(), msg=name)
 
 
+def test_a_module_switched_to_eval_or_given_another_momentum_captures_again(mesh4):
+    """A module's plain settings shape what a capture records; model.eval() or a new BatchNorm
+    momentum between calls was baked in (train-mode replays, wrong running stats, no error)."""
+    import copy
+    import torch.nn as tnn
+    torch.manual_seed(0)
+    reference = tnn.Sequential(tnn.Linear(4, 6), tnn.BatchNorm1d(6), tnn.Dropout(0.0))
+    model = dtorch.distribute_module(copy.deepcopy(reference), mesh4)
+    run = dtorch.compile(lambda x: model(x))
+    g = torch.Generator().manual_seed(1)
+    for call in range(6):
+        if call == 2:
+            reference[1].momentum = model[1].momentum = 0.5
+        if call == 4:
+            reference.eval()
+            model.eval()
+        x = torch.randn(8, 4, generator=g)
+        got = run(dtorch.tensor(x, device_mesh=mesh4, placements=[Shard(0)]))
+        torch.testing.assert_close(got.to_torch(), reference(x).detach(), msg=f"call {call}")
+    torch.testing.assert_close(model[1].running_mean.to_torch(), reference[1].running_mean)
+    assert run.captures == 3
+
+
 def test_a_state_tensor_changed_in_place_outside_keeps_what_the_next_replay_writes(mesh4):
     """A buffer the function updates in place (BatchNorm's running stats, an EMA) and the
     program also changes in place between calls (reset_running_stats): the change outside

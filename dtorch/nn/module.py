@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
+from .. import capture as capturing
 from ..distributed_spec import DeviceMesh
 from ..errors import UnsupportedOpError, user_site
 from ..factories import tensor as upload
@@ -74,6 +75,9 @@ class Module(torch.nn.Module):
         return output
 
     def __call__(self, *args, **kwargs):
+        capture = capturing.active()
+        if capture is not None:   # dtorch.compile: guard this module's settings
+            capture.note_module(self)
         args, kwargs = self.redistribute_input(*args, **kwargs)
         return self.redistribute_output(torch.nn.Module.__call__(self, *args, **kwargs))
 
