@@ -24,7 +24,7 @@ __all__ = ["relu", "gelu", "silu", "sigmoid", "tanh", "leaky_relu", "elu", "soft
            "log_softmax", "linear", "layer_norm", "rms_norm", "embedding", "dropout", "pad",
            "scaled_dot_product_attention", "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
            "huber_loss", "kl_div", "binary_cross_entropy", "binary_cross_entropy_with_logits",
-           "conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "interpolate",
+           "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "interpolate",
            "group_norm", "batch_norm", "batch_norm_with_running_stats"]
 
 
@@ -73,7 +73,10 @@ mse_loss, l1_loss = map(_forward, ("mse_loss", "l1_loss"))
 smooth_l1_loss, huber_loss, kl_div = map(_forward, ("smooth_l1_loss", "huber_loss", "kl_div"))
 binary_cross_entropy = _forward("binary_cross_entropy")
 binary_cross_entropy_with_logits = _forward("binary_cross_entropy_with_logits")
-conv2d, max_pool2d, avg_pool2d = map(_forward, ("conv2d", "max_pool2d", "avg_pool2d"))
+conv1d, conv2d, conv3d = map(_forward, ("conv1d", "conv2d", "conv3d"))
+conv_transpose1d, conv_transpose2d, conv_transpose3d = map(_forward, ("conv_transpose1d", "conv_transpose2d",
+                                                                       "conv_transpose3d"))
+max_pool2d, avg_pool2d = map(_forward, ("max_pool2d", "avg_pool2d"))
 adaptive_avg_pool2d, adaptive_max_pool2d = map(_forward, ("adaptive_avg_pool2d", "adaptive_max_pool2d"))
 interpolate, group_norm = map(_forward, ("interpolate", "group_norm"))
 
