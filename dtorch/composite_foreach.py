@@ -13,7 +13,7 @@ import torch
 
 from .tensor import COMPOSITES, DTensor
 
-__all__ = ["FOREACH"]
+__all__ = ["FOREACH", "group_by_device_and_dtype"]
 
 
 def _each(other, count: int) -> list:
@@ -85,3 +85,39 @@ def _install() -> None:
 
 
 _install()
+
+
+# --- torch's grouping of foreach lists ------------------------------------------------------------
+def group_by_device_and_dtype(tensorlistlist, with_indices: bool = False) -> dict:
+    """torch.utils._foreach_utils._group_tensors_by_device_and_dtype for lists holding DTensors:
+    {(device, dtype) of the first list's tensor: ([each list's tensors], [their indices])}. torch's
+    is a C++ helper that refuses DTensors; swa_utils.AveragedModel.update_parameters (EMA) and
+    torch's foreach optimizers call it before the _foreach_* functions above."""
+    groups: dict = {}
+    for index, tensor in enumerate(tensorlistlist[0]):
+        lists, indices = groups.setdefault((tensor.device, tensor.dtype), ([[] for _ in tensorlistlist], []))
+        for grouped, source in zip(lists, tensorlistlist):
+            grouped.append(source[index])
+        indices.append(index)
+    return groups
+
+
+def _install_grouping() -> None:
+    import functools
+    import importlib
+    for module_name in ("torch.utils._foreach_utils", "torch.optim.swa_utils", "torch.optim.optimizer"):
+        module = importlib.import_module(module_name)
+        theirs = getattr(module, "_group_tensors_by_device_and_dtype", None)
+        if theirs is None or getattr(theirs, "__wrapped_by_dtorch__", False):
+            continue
+
+        @functools.wraps(theirs)
+        def either(tensorlistlist, with_indices: bool = False, theirs=theirs):
+            if any(isinstance(t, DTensor) for t in tensorlistlist[0]):
+                return group_by_device_and_dtype(tensorlistlist, with_indices)
+            return theirs(tensorlistlist, with_indices)
+        either.__wrapped_by_dtorch__ = True
+        setattr(module, "_group_tensors_by_device_and_dtype", either)
+
+
+_install_grouping()

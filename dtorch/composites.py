@@ -24,7 +24,8 @@ from .tensor import COMPOSITES, DTensor, call_op
 __all__ = ["broadcast_to", "tile", "ravel", "atleast_1d", "atleast_2d", "atleast_3d", "hstack", "vstack", "dstack",
            "column_stack", "tensor_split", "hsplit", "vsplit", "dsplit", "diff", "take_along_dim", "chain_matmul",
            "multi_dot", "kron", "normalize", "cosine_similarity", "pairwise_distance", "one_hot", "prelu",
-           "pixel_shuffle", "pixel_unshuffle", "margin_ranking_loss", "cosine_embedding_loss", "triplet_margin_loss"]
+           "pixel_shuffle", "pixel_unshuffle", "margin_ranking_loss", "cosine_embedding_loss", "triplet_margin_loss",
+           "is_floating_point", "is_complex", "is_signed", "is_same_size"]
 
 
 # --- shapes -----------------------------------------------------------------------------------------
@@ -303,6 +304,27 @@ _FUNCTIONS = {
     "pixel_shuffle": pixel_shuffle, "pixel_unshuffle": pixel_unshuffle, "margin_ranking_loss": margin_ranking_loss,
     "cosine_embedding_loss": cosine_embedding_loss, "triplet_margin_loss": triplet_margin_loss,
 }
+
+
+# --- metadata: answered on the controller, from the tensor's dtype and shape ----------------------------
+def is_floating_point(input: DTensor) -> bool:
+    return input.dtype.is_floating_point
+
+
+def is_complex(input: DTensor) -> bool:
+    return input.dtype.is_complex
+
+
+def is_signed(input: DTensor) -> bool:
+    return input.dtype.is_signed
+
+
+def is_same_size(input: DTensor, other) -> bool:
+    return tuple(input.shape) == tuple(other.shape)
+
+
+_FUNCTIONS.update(is_floating_point=is_floating_point, is_complex=is_complex, is_signed=is_signed,
+                  is_same_size=is_same_size, numel=lambda input: input.numel())
 
 
 def _install() -> None:

@@ -282,6 +282,31 @@ def test_an_ema_of_a_model_with_foreach(mesh4):
         torch.testing.assert_close(e.to_torch(), b * 0.9)
 
 
+@pytest.mark.parametrize("ema", [False, True], ids=["swa", "ema"])
+def test_torchs_averaged_model_averages_a_distributed_model(mesh4, ema):
+    """torch.optim.swa_utils.AveragedModel (SWA, or EMA with get_ema_multi_avg_fn) groups the
+    parameters with torch's C++ _group_tensors_by_device_and_dtype, which refused DTensors, and
+    asks torch.is_floating_point of each group."""
+    import copy
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 2)
+    model = dtorch.distribute_module(copy.deepcopy(reference), mesh4)
+    kwargs = {"multi_avg_fn": get_ema_multi_avg_fn(0.9)} if ema else {}
+    want, got = AveragedModel(reference, **kwargs), AveragedModel(model, **kwargs)
+    for _ in range(3):
+        with torch.no_grad():
+            for a, b in zip(reference.parameters(), model.parameters()):
+                a.mul_(1.1)
+                b.mul_(1.1)
+        want.update_parameters(reference)
+        got.update_parameters(model)
+    for a, b in zip(want.module.parameters(), got.module.parameters()):
+        torch.testing.assert_close(b.to_torch(), a.detach())
+    x = dtorch.ones(2, 3, device_mesh=mesh4, placements=[Replicate()])
+    assert torch.is_floating_point(x) and not torch.is_complex(x) and torch.is_signed(x) and torch.numel(x) == 6
+
+
 # --- torch.nn.utils.vector_to_parameters ------------------------------------------------------------------
 @pytest.mark.parametrize("vec_placement", [Shard(0), Replicate()])
 def test_vector_to_parameters_fills_each_parameter_in_its_own_layout(mesh22, vec_placement):
