@@ -245,9 +245,9 @@ class Controller(WorkerMessages):
 
     def free_before_next(self) -> None:
         """The next command goes after a Free of every id dropped so far. A replay asks for it:
-        it writes its graph's persistent ids again (a gradient, a buffer), which the program
-        may have dropped since (p.grad = None, an in-place op outside the function), and a
-        batched Free of such an id sent after the replay would free what the replay made."""
+        it writes its graph's persistent ids again, and one of them may have been dropped since
+        (a buffer the function updates, changed in place outside it: reset_running_stats). A
+        batched Free of that id sent after the replay would free what the replay made."""
         self._free_now = True
 
     def released_pending(self) -> tuple:
