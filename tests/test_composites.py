@@ -3,6 +3,8 @@ same values: sharded on the first or last dim, replicated, on (4,) and (2, 2), w
 shapes, and the gradient of every floating-point input."""
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,7 +89,10 @@ CASES = {   # name -> (inputs (g, uneven) -> torch tensors, the call on torch te
     "normalize": (_floats(MATRIX), lambda x: F.normalize(x)),
     "normalize p=1 dim 0": (_floats(MATRIX), lambda x: F.normalize(x, p=1.0, dim=0)),
     "cosine_similarity": (_floats(MATRIX, MATRIX), lambda x, y: F.cosine_similarity(x, y)),
-    "cosine_similarity dim 0 broadcast": (_floats(MATRIX, ROW), lambda x, y: torch.cosine_similarity(x, y, dim=0)),
+    # float64: the gradient w.r.t. the broadcast row is zero up to rounding (cos is scale-invariant
+    # in a constant column), and a row element near 0 scales that rounding by 1/|y_j|
+    "cosine_similarity dim 0 broadcast": (lambda g, uneven: [v.double() for v in _floats(MATRIX, ROW)(g, uneven)],
+                                          lambda x, y: torch.cosine_similarity(x, y, dim=0)),
     "pairwise_distance": (_floats(MATRIX, MATRIX), lambda x, y: F.pairwise_distance(x, y)),
     "pairwise_distance p=1 keepdim": (_floats(MATRIX, MATRIX), lambda x, y: F.pairwise_distance(x, y, 1.0,
                                                                                                keepdim=True)),
@@ -158,7 +163,7 @@ def test_a_composite_and_its_gradients_equal_torchs(name, mesh_name, request):
     mesh = request.getfixturevalue(mesh_name)
     make, call = CASES[name]
     for uneven in (False, True):
-        g = torch.Generator().manual_seed(hash((name, uneven)) % 2**31)
+        g = torch.Generator().manual_seed(zlib.crc32(repr((name, uneven)).encode()))   # not hash(): salted per run
         values = make(g, uneven)
         for layout in LAYOUTS[mesh_name]:
             _check(mesh, values, layout, call, g)

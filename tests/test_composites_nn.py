@@ -7,6 +7,7 @@ their statistics, their layout independence and training=False are checked inste
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -126,7 +127,7 @@ CASES = {**LOSSES, **LAYERS}
 def test_a_composite_and_its_gradients_equal_torchs(name, size, mesh_name, request):
     """On every layout of the mesh (test_composites.LAYOUTS): first dim, last dim, replicated."""
     make, call = CASES[name]
-    g = torch.Generator().manual_seed(hash((name, size)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((name, size)).encode()))   # not hash(): salted per run
     values = make(g, size == "uneven")
     for layout in LAYOUTS[mesh_name]:
         _check(request.getfixturevalue(mesh_name), values, layout, call, g)
@@ -255,7 +256,7 @@ FOREACH = {   # name -> call(lists, scalars); lists: four lists of tensors alike
 
 @pytest.mark.parametrize("name", list(FOREACH))
 def test_foreach_on_dtensors_equals_torchs(mesh22, name):
-    g = torch.Generator().manual_seed(hash(name) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     values = [[torch.rand(shape, generator=g) + 0.5 for shape, _ in SHAPES_AND_PLACEMENTS] for _ in range(4)]
     scalars = [0.5, -2.0, 3.0]
     want_lists = [[v.clone() for v in vs] for vs in values]

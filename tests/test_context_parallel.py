@@ -4,6 +4,8 @@ sequence shards, beside other sharded mesh dims; Ulysses is the all-to-all form 
 (tests/test_llama.py). A failed input on a ring member never hangs its peers."""
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,7 +42,7 @@ def test_ring_attention_matches_torch(layout, shape, causal, cp_meshes, strict):
     length, keys, heads, kv_heads = SHAPES[shape]
     if layout == "tp2xcp2":   # heads sharded over tp: the sdpa rule wants as many kv heads (GQA: repeat them)
         kv_heads = heads
-    g = torch.Generator().manual_seed(hash((layout, shape, causal)) % 1000)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((layout, shape, causal)).encode()) % 1000)   # not hash(): salted
     q = torch.randn(2, heads, length, 8, generator=g)
     k, v = torch.randn(2, kv_heads, keys, 8, generator=g), torch.randn(2, kv_heads, keys, 6, generator=g)
     gqa = heads != kv_heads
