@@ -37,7 +37,9 @@ class set_grad_enabled:
     """Like torch.set_grad_enabled: a call that sets the mode, usable as a context manager."""
 
     def __init__(self, mode: bool):
-        self.previous = is_grad_enabled()
+        # dtorch's own flag, not is_grad_enabled(): under torch.no_grad() that reads False, and
+        # restoring it left dtorch's mode off for good once torch's context ended
+        self.previous = _mode.enabled
         _mode.enabled = bool(mode)
 
     def __enter__(self):
@@ -49,7 +51,7 @@ class set_grad_enabled:
 
 @contextmanager
 def no_grad():
-    previous = is_grad_enabled()
+    previous = _mode.enabled   # (see set_grad_enabled)
     _mode.enabled = False
     try:
         yield
@@ -59,7 +61,7 @@ def no_grad():
 
 @contextmanager
 def enable_grad():
-    previous = is_grad_enabled()
+    previous = _mode.enabled
     _mode.enabled = True
     try:
         yield

@@ -158,6 +158,22 @@ def test_a_gathered_weight_beside_an_empty_batch_shard_is_not_gathered_again(mes
     torch.testing.assert_close(dw.grad.to_torch(), tw.grad, rtol=1e-5, atol=1e-4)
 
 
+def test_dtorch_grad_contexts_inside_torch_no_grad_leave_recording_on(mesh4):
+    """dtorch.no_grad() (which dtorch itself enters: batch norm's running statistics, optimizer
+    steps) saved the combined mode, False under torch.no_grad(), and restored it as dtorch's own:
+    after an evaluation under torch.no_grad(), autograd recorded nothing for good."""
+    x = _up(torch.randn(4, 4), mesh4, [Shard(0)], requires_grad=True)
+    with torch.no_grad():
+        with dtorch.no_grad():
+            pass
+        with dtorch.enable_grad():
+            pass
+        with dtorch.set_grad_enabled(False):
+            pass
+        assert not (x * 2).requires_grad
+    assert dtorch.is_grad_enabled() and (x * 2).requires_grad
+
+
 def test_grad_mode_and_leaves(mesh4):
     x = _up(torch.randn(4, 4), mesh4, [Shard(0)], requires_grad=True)
     with dtorch.no_grad():
