@@ -137,6 +137,34 @@ def test_batchnorm_with_the_batch_sharded_uses_the_global_batch(mesh4):
     assert layer.num_batches_tracked.item() == 1
 
 
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batchnorm_trains_step_after_step_as_torch(mesh4, momentum):
+    """The running statistics were rebound to outputs that carried the step's autograd graph, so
+    the second step's backward reached into the first's ("backward through the graph a second
+    time"): any training loop over dtorch.models.vision's ResNet. They are updated in place now,
+    without history, and a compiled step replays (momentum=None: captured again each call)."""
+    layer, reference = nn.BatchNorm2d(3, momentum=momentum, device_mesh=mesh4), T.BatchNorm2d(3, momentum=momentum)
+    step = dtorch.compile(lambda x: (layer(x) * x).sum().backward())
+    g = torch.Generator().manual_seed(0)
+    for call in range(4):
+        x = torch.randn(7, 3, 4, 4, generator=g) * 3 + 1
+        dx = dtorch.tensor(x, device_mesh=mesh4, placements=[Shard(0)])
+        layer.zero_grad()
+        reference.zero_grad()
+        if call < 2:
+            (layer(dx) * dx).sum().backward()
+        else:
+            step(dx)
+        (reference(x) * x).sum().backward()
+        torch.testing.assert_close(layer.running_mean.to_torch(), reference.running_mean, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.running_var.to_torch(), reference.running_var, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.weight.grad.to_torch(), reference.weight.grad, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(layer.bias.grad.to_torch(), reference.bias.grad, rtol=1e-4, atol=1e-4)
+    assert layer.num_batches_tracked.item() == 4
+    assert not layer.running_mean.requires_grad
+    assert step.captures == (1 if momentum else 2)
+
+
 @pytest.mark.parametrize("make, reference", [
     (lambda m: nn.Conv2d(4, 6, 3, stride=2, padding=1, device_mesh=m), T.Conv2d(4, 6, 3, stride=2, padding=1)),
     (lambda m: nn.Conv2d(4, 6, (3, 1), padding="same", groups=2, device_mesh=m),

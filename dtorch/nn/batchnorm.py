@@ -1,13 +1,14 @@
 """BatchNorm2d: torch's module over dtorch's distributed batch statistics. In training mode the
 mean and variance span the whole global batch (per-channel sums all-reduced across the ranks that
-hold parts of it, as SyncBatchNorm does), and the running statistics are rebound to their new
-values each step (dtorch values never change in place). In eval mode it is a per-channel affine map."""
+hold parts of it, as SyncBatchNorm does), and the running statistics are updated in place, without
+autograd history, as torch does. In eval mode it is a per-channel affine map."""
 from __future__ import annotations
 
 import torch
 
 from ..distributed_spec import DeviceMesh, Replicate
 from ..factories import ones, tensor as upload, zeros
+from ..recording import no_grad
 from . import functional as F
 from ._layout import require_mesh
 from .module import Module
@@ -34,7 +35,9 @@ class BatchNorm2d(Module):
         else:
             for name in ("running_mean", "running_var", "num_batches_tracked"):
                 self.register_buffer(name, None)
-        self._batches = 0   # num_batches_tracked as the controller counts it (momentum=None needs it)
+        # batches seen, counted on the controller for momentum=None (the cumulative average's
+        # factor, 1 / count): public, so dtorch.compile's guard on module settings sees it change
+        self.cumulative_batches = 0
 
     def forward(self, input):
         if input.ndim != 4:
@@ -45,14 +48,16 @@ class BatchNorm2d(Module):
                                 0.0, self.eps)
         momentum = self.momentum
         if self.training and self.track_running_stats:
-            self._batches += 1
-            self.num_batches_tracked = self.num_batches_tracked + 1
-            momentum = 1.0 / self._batches if momentum is None else momentum
-        out, mean, var = F.batch_norm_with_running_stats(input, self.running_mean, self.running_var, self.weight,
-                                                         self.bias, True, momentum or 0.0, self.eps)
-        if self.training and self.track_running_stats:
-            self.running_mean, self.running_var = mean, var
-        return out
+            with no_grad():   # in place, as torch: a replayed compiled step updates the same buffers
+                self.num_batches_tracked.add_(1)
+            if momentum is None:
+                self.cumulative_batches += 1
+                momentum = 1.0 / self.cumulative_batches
+        # F.batch_norm updates the running statistics in place without autograd history (they
+        # were rebound to outputs that held the step's graph, so the next step's backward
+        # reached into this one's: "backward through the graph a second time")
+        return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias, True,
+                            momentum or 0.0, self.eps)
 
     def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
