@@ -169,6 +169,7 @@ class Capture:
         self._refuse_per_call_uploads(set(scratch) | set(output_ids))
         rows, sites = self._rows(made)
         self._leaf_hooks()
+        older_reads = _older_reads(rows, self.start_id, set(input_ids))
         self.guards.extend(_same_requires_grad(ref, flag) for ref, flag in self._older_inputs.values())
         _, random_end = session.reserve_random(0)
         return {
@@ -185,7 +186,10 @@ class Capture:
             "state": state,                           # tensors bound to the inputs after the arguments
             "random_count": random_end - self.random_start,
             "random_start": self.random_start,
-            "older_reads": _older_reads(rows, self.start_id, set(input_ids)),
+            "older_reads": older_reads,
+            # one already dropped during the call (a module attribute bound to a new tensor): a
+            # replay would read a freed id, so the next call captures again
+            "older_dropped": bool(older_reads & dropped),
         }
 
     def _dropped(self) -> set:
@@ -249,8 +253,10 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 def _settings(module) -> tuple:
-    """A module's attributes that are plain values (tensors, submodules and hooks are not)."""
-    return tuple((name, value) for name, value in module.__dict__.items() if type(value) in _PLAIN)
+    """A module's public attributes that are plain values (not tensors, submodules or hooks).
+    Private ones are its own bookkeeping (BatchNorm2d's batch count changes every call)."""
+    return tuple((name, value) for name, value in module.__dict__.items()
+                 if type(value) in _PLAIN and not name.startswith("_"))
 
 
 def _same_requires_grad(ref, flag: bool):

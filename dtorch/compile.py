@@ -61,7 +61,7 @@ class _Graph:
         # A tensor fn read from outside its arguments and that has since been released (a name
         # bound to a new tensor, the old one dropped): replaying would read a freed id, so the
         # next call captures again and reads what the name holds now.
-        self.reads_alive = True
+        self.reads_alive = not fields["older_dropped"]
         controller.watch_release(fields["older_reads"], self)
 
     def released(self) -> None:

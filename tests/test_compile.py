@@ -552,6 +552,12 @@ def test_a_module_switched_to_eval_or_given_another_momentum_captures_again(mesh
         torch.testing.assert_close(got.to_torch(), reference(x).detach(), msg=f"call {call}")
     torch.testing.assert_close(model[1].running_mean.to_torch(), reference[1].running_mean)
     assert run.captures == 3
+    # a module's own bookkeeping (dtorch.nn.BatchNorm2d counts its batches) is not a setting
+    norm = dtorch.nn.BatchNorm2d(3, device_mesh=mesh4)
+    normalize = dtorch.compile(lambda x: norm(x).sum())
+    for _ in range(3):
+        normalize(dtorch.randn(4, 3, 5, 5, device_mesh=mesh4, placements=[Shard(0)]))
+    assert normalize.captures == 1
 
 
 def test_a_state_tensor_changed_in_place_outside_keeps_what_the_next_replay_writes(mesh4):
