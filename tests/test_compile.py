@@ -262,6 +262,21 @@ def test_arguments_swapped_between_calls(mesh4):
             torch.testing.assert_close(got.to_torch(), want)
 
 
+def test_a_function_that_rebinds_what_it_read_captures_again_each_call(mesh4):
+    """fn reads holder["w"] and binds the name to a new tensor itself (as a module that assigns
+    its buffer an op's output): the old id is dropped during the capture, before any watch on
+    it could mark the graph stale, and the replay read a freed id ("tensor #N is not on rank")."""
+    holder = {"w": dtorch.ones(4, device_mesh=mesh4, placements=[Replicate()])}
+
+    def halve():
+        holder["w"] = holder["w"] * 0.5
+    compiled = dtorch.compile(halve)
+    for call in range(3):
+        compiled()
+        torch.testing.assert_close(holder["w"].to_torch(), torch.full((4,), 0.5 ** (call + 1)))
+    assert compiled.captures == 3
+
+
 def test_a_tensor_read_from_outside_the_arguments_is_read_again_once_released(mesh4):
     """fn reads holder["w"] (a closure); the name is bound to a new tensor and the old one dropped.
     The replay read the old id: a freed tensor (an error), or, before its Free arrived, the old
