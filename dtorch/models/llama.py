@@ -33,6 +33,8 @@ from ..factories import full_like, tensor as upload
 from ..tensor import DTensor, call_op
 from .. import nn
 from ..autograd import no_grad
+from ..errors import user_site
+from ..recording import is_grad_enabled
 from ..nn.pipeline_schedule import run_schedule
 from ..nn import functional as F
 from ..nn.module import describe_incompatible
@@ -301,6 +303,13 @@ class LlamaForCausalLM(nn.Module):
     def _stage_steps(self, ids: DTensor, cache: list | None = None):
         """One microbatch's forward, a stage at a time: yields after each stage but the last (a
         pipeline schedule issues the stages when it chooses) and returns the logits."""
+        if (self.tied and len(self.stages) > 1 and self.training and is_grad_enabled()
+                and self.lm_head.weight.requires_grad):
+            raise NotImplementedError(
+                f"LlamaForCausalLM at {user_site()}: tie_word_embeddings=True across pipeline stages holds two copies "
+                "of the embedding (first and last stage) whose gradients are not summed, so training them would "
+                "diverge from the tied model. Train with config.tie_word_embeddings=False or without a 'pp' mesh "
+                "dim; inference (eval(), or under no_grad) is exact")
         past = cache[0][0].shape[2] if cache and cache[0] else 0
         h = _reduced(self.model.embed_tokens(ids))
         stage, rope = 0, self._rope(self.stages[0], past, ids.shape[1], h.dtype)
@@ -425,7 +434,7 @@ class LlamaForCausalLM(nn.Module):
         config = LlamaSettings.from_json(os.path.join(directory, "config.json"))
         model = cls(config, device_mesh, dtype=dtype, **kwargs)
         model.load_state_dict(directory, progress=progress, via_controller=via_controller)
-        return model
+        return model.eval()   # as transformers' from_pretrained: call .train() to fine-tune
 
     # --- generation ---------------------------------------------------------------------------------------
     def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, eos_token_id=None,
