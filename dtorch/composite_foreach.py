@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .tensor import COMPOSITES, DTensor
+from .composites import install
+from .tensor import DTensor
 
 __all__ = ["FOREACH", "group_by_device_and_dtype"]
 
@@ -79,12 +80,7 @@ FOREACH = {f"_foreach_{method}{'_' if inplace else ''}": build(method, inplace)
 FOREACH.update(_foreach_copy_=_foreach_copy_, _foreach_zero_=_foreach_zero_, _foreach_norm=_foreach_norm)
 
 
-def _install() -> None:
-    for name, function in FOREACH.items():
-        COMPOSITES.setdefault(name, function)
-
-
-_install()
+install(FOREACH)
 
 
 # --- torch's grouping of foreach lists ------------------------------------------------------------

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 
+from .composites import install
 from .distributed_spec import Replicate, Shard
 from .factories import ones
 from .inplace import assign
 from .recording import no_grad
 from .runtime import session
-from .tensor import COMPOSITES, DTensor, call_op
+from .tensor import DTensor, call_op
 
 __all__ = ["dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "instance_norm",
            "local_response_norm", "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d", "adaptive_max_pool1d", "cdist",
@@ -230,9 +231,4 @@ _FUNCTIONS = {
 }
 
 
-def _install() -> None:
-    for name, function in _FUNCTIONS.items():   # none is a torch.Tensor method
-        COMPOSITES.setdefault(name, function)
-
-
-_install()
+install(_FUNCTIONS)

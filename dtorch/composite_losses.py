@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import math
 
-
-from .composites import _reduced
+from .composites import install, reduced_loss
 from .distributed_spec import Replicate
 from .factories import arange, full_like
-from .tensor import COMPOSITES, DTensor, call_op
+from .tensor import DTensor, call_op
 
 __all__ = ["poisson_nll_loss", "gaussian_nll_loss", "hinge_embedding_loss", "multi_margin_loss",
            "multilabel_soft_margin_loss", "soft_margin_loss"]
@@ -35,7 +34,7 @@ def poisson_nll_loss(input, target, log_input: bool = True, full: bool = False, 
     if full:
         stirling = target * target.log() - target + 0.5 * (2 * math.pi * target).log()
         losses = losses + stirling.masked_fill(target <= 1, 0.0)
-    return _reduced(losses, size_average, reduce, reduction)
+    return reduced_loss(losses, size_average, reduce, reduction)
 
 
 def _homoscedastic(input, var):
@@ -67,14 +66,14 @@ def gaussian_nll_loss(input, target, var, full: bool = False, eps: float = 1e-6,
     losses = 0.5 * (var.log() + (input - target) ** 2 / var)
     if full:
         losses = losses + 0.5 * math.log(2 * math.pi)
-    return _reduced(losses, None, None, reduction)
+    return reduced_loss(losses, None, None, reduction)
 
 
 def hinge_embedding_loss(input, target, margin: float = 1.0, size_average=None, reduce=None,
                          reduction: str = "mean") -> DTensor:
     """x where target != -1, plus max(margin - x, 0) where target != 1 (ATen's form)."""
     beyond_margin = _where(target != 1, (margin - input).clamp_min(0), 0.0)
-    return _reduced(beyond_margin + _where(target != -1, input, 0.0), size_average, reduce, reduction)
+    return reduced_loss(beyond_margin + _where(target != -1, input, 0.0), size_average, reduce, reduction)
 
 
 def multi_margin_loss(input, target, p: int = 1, margin: float = 1.0, weight=None, size_average=None,
@@ -97,7 +96,7 @@ def multi_margin_loss(input, target, p: int = 1, margin: float = 1.0, weight=Non
     mesh = scores.device_mesh
     others = arange(scores.shape[1], device_mesh=mesh, placements=[Replicate()] * mesh.ndim) != classes
     losses = _where(others, gaps, 0.0).sum(1) / scores.shape[1]
-    return _reduced(losses.reshape(()) if row else losses, size_average, reduce, reduction)
+    return reduced_loss(losses.reshape(()) if row else losses, size_average, reduce, reduction)
 
 
 def multilabel_soft_margin_loss(input, target, weight=None, size_average=None, reduce=None,
@@ -107,12 +106,12 @@ def multilabel_soft_margin_loss(input, target, weight=None, size_average=None, r
     if weight is not None:
         losses = losses * weight
     class_dim = input.ndim - 1
-    return _reduced(losses.sum(class_dim) / input.shape[class_dim], size_average, reduce, reduction)
+    return reduced_loss(losses.sum(class_dim) / input.shape[class_dim], size_average, reduce, reduction)
 
 
 def soft_margin_loss(input, target, size_average=None, reduce=None, reduction: str = "mean") -> DTensor:
     """log(1 + exp(-t x)) (ATen's form)."""
-    return _reduced((-input * target).exp().log1p(), size_average, reduce, reduction)
+    return reduced_loss((-input * target).exp().log1p(), size_average, reduce, reduction)
 
 
 _ATEN_REDUCTIONS = ("none", "mean", "sum")   # at::Reduction's enum
@@ -134,14 +133,10 @@ def _or_aten_form(functional, aten_parameters: tuple):
 _FUNCTIONS = {
     "poisson_nll_loss": _or_aten_form(poisson_nll_loss, ("log_input", "full", "eps", "reduction")),
     "gaussian_nll_loss": gaussian_nll_loss,
-    "hinge_embedding_loss": _or_aten_form(hinge_embedding_loss, ("margin", "reduction")), "multi_margin_loss": multi_margin_loss,
+    "hinge_embedding_loss": _or_aten_form(hinge_embedding_loss, ("margin", "reduction")),
+    "multi_margin_loss": multi_margin_loss,
     "multilabel_soft_margin_loss": multilabel_soft_margin_loss, "soft_margin_loss": soft_margin_loss,
 }
 
 
-def _install() -> None:
-    for name, function in _FUNCTIONS.items():
-        COMPOSITES.setdefault(name, function)
-
-
-_install()
+install(_FUNCTIONS)

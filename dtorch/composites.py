@@ -254,7 +254,7 @@ def pixel_unshuffle(input: DTensor, downscale_factor: int) -> DTensor:
     return moved.reshape(lead + (channels * r * r, height // r, width // r))
 
 
-def _reduced(losses: DTensor, size_average, reduce, reduction: str) -> DTensor:
+def reduced_loss(losses: DTensor, size_average, reduce, reduction: str) -> DTensor:
     if size_average is not None or reduce is not None:
         reduction = _reduction.legacy_get_string(size_average, reduce)
     if reduction == "none":
@@ -266,7 +266,7 @@ def _reduced(losses: DTensor, size_average, reduce, reduction: str) -> DTensor:
 
 def margin_ranking_loss(input1, input2, target, margin: float = 0.0, size_average=None, reduce=None,
                         reduction: str = "mean") -> DTensor:
-    return _reduced((-target * (input1 - input2) + margin).clamp_min(0), size_average, reduce, reduction)
+    return reduced_loss((-target * (input1 - input2) + margin).clamp_min(0), size_average, reduce, reduction)
 
 
 _COSINE_EPSILON = 1e-12   # torch's, added to each squared magnitude
@@ -281,7 +281,7 @@ def cosine_embedding_loss(input1, input2, target, margin: float = 0.0, size_aver
     cosine = products / magnitudes.sqrt()
     similar = call_op("where", (target == 1, 1 - cosine, 0.0), {})
     dissimilar = call_op("where", (target == -1, (cosine - margin).clamp_min(0), 0.0), {})
-    return _reduced(similar + dissimilar, size_average, reduce, reduction)
+    return reduced_loss(similar + dissimilar, size_average, reduce, reduction)
 
 
 def triplet_margin_loss(anchor, positive, negative, margin: float = 1.0, p: float = 2, eps: float = 1e-6,
@@ -290,7 +290,7 @@ def triplet_margin_loss(anchor, positive, negative, margin: float = 1.0, p: floa
     to_negative = pairwise_distance(anchor, negative, p, eps)
     if swap:
         to_negative = call_op("minimum", (to_negative, pairwise_distance(positive, negative, p, eps)), {})
-    return _reduced((margin + to_positive - to_negative).clamp_min(0), size_average, reduce, reduction)
+    return reduced_loss((margin + to_positive - to_negative).clamp_min(0), size_average, reduce, reduction)
 
 
 # --- installation --------------------------------------------------------------------------------------
@@ -327,11 +327,13 @@ _FUNCTIONS.update(is_floating_point=is_floating_point, is_complex=is_complex, is
                   is_same_size=is_same_size, numel=lambda input: input.numel())
 
 
-def _install() -> None:
-    for name, function in _FUNCTIONS.items():
+def install(functions: dict) -> None:
+    """Make each of `functions` (torch's name -> its composition) what __torch_function__ runs
+    for that name, and a DTensor method where torch.Tensor has one (composite_*.py use it too)."""
+    for name, function in functions.items():
         COMPOSITES.setdefault(name, function)
         if hasattr(torch.Tensor, name) and not hasattr(DTensor, name):
             setattr(DTensor, name, function)
 
 
-_install()
+install(_FUNCTIONS)

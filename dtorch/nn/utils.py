@@ -4,8 +4,9 @@ command and one small all-reduce per mesh, then one UpdateGrads per mesh scales 
 
 torch's own `torch.nn.utils.clip_grad_norm_` (nanoGPT's and most training loops' spelling) hands
 the grads to a C++ helper that no __torch_function__ reaches, so it cannot take DTensors. Importing
-dtorch wraps torch's three functions (and vector_to_parameters, which refuses a DTensor vec) (`_hand_dtensors_to_dtorch`): DTensor parameters go to the
-functions here, anything else to torch's own, unchanged.
+dtorch wraps torch's three functions, and vector_to_parameters, which refuses a DTensor vec
+(`_hand_dtensors_to_dtorch`): DTensor parameters go to the functions here, anything else to
+torch's own, unchanged.
 """
 from __future__ import annotations
 
