@@ -15,8 +15,9 @@ Each round and setting runs in a controller process of its own, started with the
 environment, so that the worker template and the workers see it from their start (glibc reads
 its tunables once). It starts a pool of `--workers`, shards a 16 MiB float32 matrix S(0), then
 times bursts of 4 redistributes to S(1) and to R, each burst to `dtorch.synchronize()`: the
-median per redistribute, and each worker's minor page faults per burst (pages the process
-touched for the first time).
+median per redistribute, each worker's minor page faults per burst (pages the process touched
+for the first time), and each worker's CPU time per redistribute (every thread: Gloo's too),
+which other load on the machine inflates far less than the wall time.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from .process_memory import minor_faults
+from .process_memory import cpu_seconds, minor_faults
 
 SIDE = 2048   # 16 MiB of float32
 BURST = 4
@@ -60,9 +61,11 @@ def measure(workers: int, bursts: int) -> dict:
             for _ in range(3):   # warm-up
                 burst()
             before = [minor_faults(p) for p in pids]
+            cpu_before = [cpu_seconds(p) for p in pids]
             seconds = statistics.median(burst() for _ in range(bursts))
             faults = [(minor_faults(p) - b) / bursts for p, b in zip(pids, before)]
-            results[name] = [seconds, statistics.mean(faults)]
+            cpu = [(cpu_seconds(p) - b) / bursts / BURST for p, b in zip(pids, cpu_before)]
+            results[name] = [seconds, statistics.mean(faults), statistics.mean(cpu)]
         return results
     finally:
         dtorch.shutdown()
@@ -89,11 +92,12 @@ def main(argv: list[str]) -> int:
     if args.one:
         print(json.dumps(measure(args.workers, args.bursts)))
         return 0
-    print(f"{args.workers} workers, 16 MiB, bursts of {BURST}: ms per redistribute (faults per burst per worker)")
+    print(f"{args.workers} workers, 16 MiB, bursts of {BURST}: ms per redistribute (faults per burst per worker; "
+          "each worker's CPU ms per redistribute, all its threads)")
     for round_ in range(args.rounds):
         for setting in args.setting or DEFAULT_SETTINGS:
             measured = _measure_in_process(setting, args.workers, args.bursts)
-            cells = [f"{case} {s * 1e3:.2f} ms ({f:.0f})" for case, (s, f) in measured.items()]
+            cells = [f"{case} {s * 1e3:.2f} ms ({f:.0f}; CPU {c * 1e3:.2f} ms)" for case, (s, f, c) in measured.items()]
             print(f"round {round_ + 1}, {setting or '(as is)'}:", " | ".join(cells), flush=True)
     return 0
 

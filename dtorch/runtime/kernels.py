@@ -189,9 +189,11 @@ def _group_extents(shape, mesh, placements, coordinate, mesh_dim) -> list[int]:
 
 
 def _pad_to(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """`tensor` with zeros after its end along `dim` up to `size`: itself (any strides) when it
+    is that long already; the communicator packs what it sends."""
     missing = size - tensor.shape[dim]
     if missing == 0:
-        return tensor.contiguous()
+        return tensor
     pad_shape = list(tensor.shape)
     pad_shape[dim] = missing
     return torch.cat([tensor, tensor.new_zeros(pad_shape)], dim)
@@ -199,12 +201,14 @@ def _pad_to(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 # torch.chunk pieces are full-size except at the end (a shorter last piece, then empty ones), so
 # pieces zero-padded to the first one's size and laid end to end hold the whole dim at its start:
-# splitting and joining are one reshape each, with at most one copy, and no per-piece list.
+# splitting and joining are one reshape each, and no per-piece list. The stacked pieces are a view;
+# the communicator packs them (Gloo into a buffer it keeps), so splitting copies at most once.
 def _stack_pieces(tensor: torch.Tensor, dim: int, total: int, parts: int) -> torch.Tensor:
-    """(parts, *piece): the torch.chunk pieces of `dim`, zero-padded to equal size, stacked."""
+    """(parts, *piece): the torch.chunk pieces of `dim`, zero-padded to equal size, stacked (a
+    view where no padding is needed)."""
     chunk = chunk_bounds(total, parts, 0)[1]
     padded = _pad_to(tensor, dim, chunk * parts)
-    return padded.unflatten(dim, (parts, chunk)).movedim(dim, 0).contiguous()
+    return padded.unflatten(dim, (parts, chunk)).movedim(dim, 0)
 
 
 def _join_pieces(stacked: torch.Tensor, dim: int, total: int) -> torch.Tensor:
