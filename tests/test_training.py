@@ -34,10 +34,10 @@ LAYOUTS = {   # name -> (mesh shape, mesh dim names); every layout the training 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def small_config():
+def small_config(tied: bool = False):
     return transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=4,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                    tie_word_embeddings=False)
+                                    tie_word_embeddings=tied)
 
 
 def batches():
@@ -48,8 +48,18 @@ def batches():
 @pytest.fixture(scope="module")
 def reference():
     """Single-process torch: losses at each step and the final parameters."""
+    return trained_in_torch(small_config())
+
+
+@pytest.fixture(scope="module")
+def tied_reference():
+    """As `reference`, with lm_head.weight tied to model.embed_tokens.weight (one parameter)."""
+    return trained_in_torch(small_config(tied=True))
+
+
+def trained_in_torch(config):
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(small_config())
+    model = transformers.LlamaForCausalLM(config)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     losses = train(model, torch.optim.AdamW(model.parameters(), **HYPER))
     return initial, [loss.item() for loss in losses], {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -71,19 +81,20 @@ def train(model, optimizer, step=None) -> list:
     return losses
 
 
-def assert_trained_like_torch(model, losses, reference) -> None:
+def assert_trained_like_torch(model, losses, reference, atol: float = 1e-5) -> None:
     """Every step's loss within 2e-4 relative, and the final parameters."""
     _, expected_losses, expected_params = reference
+    assert len(losses) == len(expected_losses)
     for step, (got, want) in enumerate(zip([loss.item() for loss in losses], expected_losses)):
         assert abs(got - want) <= 2e-4 * abs(want), f"step {step}: {got} != {want}"
     for name, param in model.state_dict().items():
-        torch.testing.assert_close(param.to_torch(), expected_params[name], rtol=1e-3, atol=1e-5, msg=name)
+        torch.testing.assert_close(param.to_torch(), expected_params[name], rtol=1e-3, atol=atol, msg=name)
 
 
-def _model(initial, layout):
+def _model(initial, layout, tied: bool = False, **kwargs):
     shape, names = LAYOUTS[layout]
-    model = LlamaForCausalLM(small_config(), device_mesh=init_device_mesh("cpu", shape, mesh_dim_names=names),
-                             cp_attention="ring" if layout.endswith("-ring") else "ulysses")
+    model = LlamaForCausalLM(small_config(tied), device_mesh=init_device_mesh("cpu", shape, mesh_dim_names=names),
+                             cp_attention="ring" if layout.endswith("-ring") else "ulysses", **kwargs)
     model.load_state_dict(initial)
     return model
 
@@ -241,6 +252,91 @@ def test_pipeline_schedules_train_like_single_process_torch(layout, schedule, re
     losses = train(model, dtorch.optim.AdamW(model.parameters(), **HYPER),
                    lambda ids: model.forward_backward(ids, labels=ids, schedule=schedule))
     assert_trained_like_torch(model, losses, reference)
+
+
+# Tied embeddings across pipeline stages: the embedding lives on the first stage, lm_head uses it
+# on the last. Final parameters within atol 1e-4: after 4 AdamW steps layers.0.mlp.up_proj.weight
+# ends up to 7e-5 from torch's on dp2xpp2 although each step's gradients, from torch's parameters,
+# agree within 1e-9 (AdamW divides by sqrt(v), so rounding in small gradients grows into steps of
+# up to lr); torch itself moves that weight 9e-6 when it sums the batch as 4 microbatches.
+TIED_ATOL = 1e-4
+
+
+def _tied_step(model, schedule):
+    return None if schedule is None else lambda ids: model.forward_backward(ids, labels=ids, schedule=schedule)
+
+
+@pytest.mark.parametrize("layout,schedule", [("pp2", None), ("dp2xpp2", None), ("pp2", "1f1b"),
+                                             ("dp2xpp2", "gpipe"), ("fsdp2xpp2", "1f1b")])
+def test_tied_embeddings_across_stages_train_like_single_process_torch(layout, schedule, tied_reference, session):
+    """tie_word_embeddings=True on a pipeline: one parameter, whose gradient sums both uses, as in
+    transformers' tied model, through loss.backward() (schedule None) or forward_backward's
+    schedules (4 microbatches)."""
+    model = _model(tied_reference[0], layout, tied=True, microbatches=4)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert len(list(model.parameters())) == len(list(transformers.LlamaForCausalLM(small_config(True)).parameters()))
+    losses = train(model, dtorch.optim.AdamW(model.parameters(), **HYPER), _tied_step(model, schedule))
+    assert_trained_like_torch(model, losses, tied_reference, atol=TIED_ATOL)
+
+
+@pytest.mark.parametrize("schedule", [None, "1f1b"])
+def test_tied_embedding_gradient_across_stages_sums_both_uses(schedule, tied_reference, session):
+    """One backward on dp2xpp2: every gradient, the tied one included, equals transformers'."""
+    torch.manual_seed(0)
+    expected = transformers.LlamaForCausalLM(small_config(True))
+    expected.load_state_dict(tied_reference[0])
+    ids = batches()[0]
+    expected(ids, labels=ids).loss.backward()
+    model = _model(tied_reference[0], "dp2xpp2", tied=True, microbatches=4)
+    if schedule is None:
+        model(ids, labels=ids).loss.backward()
+    else:
+        model.forward_backward(ids, labels=ids, schedule=schedule)
+    grads = {name: param.grad for name, param in expected.named_parameters()}
+    assert set(grads) == {name for name, _ in model.named_parameters()}   # one tied entry, as transformers has
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad.to_torch(), grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_tied_pipeline_model_checkpoints_and_resumes_on_another_layout(tied_reference, tmp_path, session):
+    """Two steps on pp2, dtorch.checkpoint.save of the model and optimizer, load into a fresh
+    dp2xpp2 model and optimizer, two more steps: the same training as torch's four."""
+    from dtorch.checkpoint import load, save
+    model = _model(tied_reference[0], "pp2", tied=True)
+    optimizer = dtorch.optim.AdamW(model.parameters(), **HYPER)
+    losses = [_train_step(model, optimizer, ids) for ids in batches()[:2]]
+    save({"model": model.state_dict(), "optim": optimizer.state_dict()}, tmp_path / "ckpt")
+    resumed = _model(tied_reference[0], "dp2xpp2", tied=True)
+    resumed_optimizer = dtorch.optim.AdamW(resumed.parameters(), **HYPER)
+    # the optimizer's template is the first run's state (a fresh one has none); its load_state_dict
+    # moves each buffer to its parameter's layout
+    state = load({"model": resumed.state_dict(), "optim": optimizer.state_dict()}, tmp_path / "ckpt")
+    resumed.load_state_dict(state["model"])
+    resumed_optimizer.load_state_dict(state["optim"])
+    assert resumed.lm_head.weight is resumed.model.embed_tokens.weight
+    losses += [_train_step(resumed, resumed_optimizer, ids) for ids in batches()[2:]]
+    assert_trained_like_torch(resumed, losses, tied_reference, atol=TIED_ATOL)
+
+
+def test_a_compiled_training_step_of_a_tied_pipeline_model_trains_like_torch(tied_reference, session):
+    """dtorch.compile of forward, backward and AdamW's step on pp2: the embedding's move to the
+    last stage and its gradient's way back are replayed like any other command."""
+    model = _model(tied_reference[0], "pp2", tied=True)
+    optimizer = dtorch.optim.AdamW(model.parameters(), **HYPER)
+    first, last = model.stages[0], model.stages[-1]
+    # labels on the last stage, where the loss is: the shift then runs there, with no read
+    step = dtorch.compile(lambda ids, labels: _train_step(model, optimizer, ids, labels))
+    losses = [step(dtorch.tensor(ids, device_mesh=first), dtorch.tensor(ids, device_mesh=last)) for ids in batches()]
+    assert step.captures == 2   # a training step's two (docs/compile.md): then every call replays
+    assert_trained_like_torch(model, losses, tied_reference, atol=TIED_ATOL)
+
+
+def _train_step(model, optimizer, ids, labels=None):
+    loss = model(ids, labels=ids if labels is None else labels).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
 
 
 def test_schedule_orders():

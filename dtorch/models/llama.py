@@ -17,6 +17,7 @@ reads a checkpoint's config.json without transformers, which dtorch never import
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -32,12 +33,10 @@ from ..distributed_spec import DeviceMesh, Replicate, Shard
 from ..factories import full_like, tensor as upload
 from ..tensor import DTensor, call_op
 from .. import nn
-from ..autograd import no_grad
-from ..errors import user_site
+from ..autograd import backward, no_grad
 from ..recording import is_grad_enabled
 from ..nn.pipeline_schedule import run_schedule
 from ..nn import functional as F
-from ..nn.module import describe_incompatible
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaSettings", "CausalLMOutput", "MESH_DIMS"]
 
@@ -267,8 +266,8 @@ class LlamaForCausalLM(nn.Module):
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = nn.ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
                                                device_mesh=self.stages[-1])
-        if self.tied and len(self.stages) == 1:
-            self.lm_head.weight = self.model.embed_tokens.weight   # one Parameter under both names
+        if self.tied:   # one Parameter under both names, on the first stage (see _tied_head_on_last_stage)
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq, self.attention_scaling = inverse_frequencies(config)
         if _dim(device_mesh, "fsdp") is not None:   # parameters sharded over fsdp, gathered per layer
             for layer in self.model.layers:
@@ -278,7 +277,8 @@ class LlamaForCausalLM(nn.Module):
     # --- forward ----------------------------------------------------------------------------------------
     def forward(self, input_ids, labels=None, past_key_values: list | None = None) -> CausalLMOutput:
         chunks = self._microbatches(input_ids) if past_key_values is None else [self._upload(input_ids)]
-        logits = [self._forward_one(chunk, past_key_values) for chunk in chunks]
+        with self._tied_head_on_last_stage():
+            logits = [self._forward_one(chunk, past_key_values) for chunk in chunks]
         loss = None
         if labels is not None:   # per microbatch, then one mean: the logits are never concatenated for it
             rows = [0] + list(itertools.accumulate(chunk.shape[0] for chunk in chunks))
@@ -303,13 +303,6 @@ class LlamaForCausalLM(nn.Module):
     def _stage_steps(self, ids: DTensor, cache: list | None = None):
         """One microbatch's forward, a stage at a time: yields after each stage but the last (a
         pipeline schedule issues the stages when it chooses) and returns the logits."""
-        if (self.tied and len(self.stages) > 1 and self.training and is_grad_enabled()
-                and self.lm_head.weight.requires_grad):
-            raise NotImplementedError(
-                f"LlamaForCausalLM at {user_site()}: tie_word_embeddings=True across pipeline stages holds two copies "
-                "of the embedding (first and last stage) whose gradients are not summed, so training them would "
-                "diverge from the tied model. Train with config.tie_word_embeddings=False or without a 'pp' mesh "
-                "dim; inference (eval(), or under no_grad) is exact")
         past = cache[0][0].shape[2] if cache and cache[0] else 0
         h = _reduced(self.model.embed_tokens(ids))
         stage, rope = 0, self._rope(self.stages[0], past, ids.shape[1], h.dtype)
@@ -344,12 +337,48 @@ class LlamaForCausalLM(nn.Module):
 
             def finish(k, logits):
                 return token_loss_sum(logits, self._upload_labels(parts[k], logits)) / counted
-            losses = run_schedule(len(self.stages), [self._stage_steps(chunk) for chunk in chunks], finish, schedule)
+            with self._tied_head_on_last_stage(accumulated=True) as head:
+                losses = run_schedule(len(self.stages), [self._stage_steps(chunk) for chunk in chunks], finish,
+                                      schedule)
+            if head is not None and head.landed.requires_grad:   # the head's part of the tied gradient,
+                backward([head.source], [head.landed.grad])           # summed over the microbatches
         finally:
             for hook in self._forward_hooks.values():
                 hook(self, args, None)
         with no_grad():
             return functools.reduce(operator.add, [loss.detach() for loss in losses])
+
+    @contextlib.contextmanager
+    def _tied_head_on_last_stage(self, accumulated: bool = False):
+        """Tied embeddings across pipeline stages: lm_head.weight IS the embedding's Parameter (one
+        tensor, as in transformers: one state_dict entry per name, one optimizer state, one
+        gradient), and it lives on the first stage. For one forward call lm_head projects with
+        that weight moved to the last stage by the same transfer that carries activations between
+        stages. Recorded, that move is a pipeline hop: backward moves the head's gradient back and
+        adds it to the embedding's, so the gradient is the sum of both uses. (Megatron instead
+        keeps a copy per stage and all-reduces their gradients before each optimizer step: a hook
+        on every step, and a second tensor that checkpoints and updates must keep equal, both hard
+        to hide from the user.)
+
+        `accumulated` (forward_backward): the moved weight is a leaf of the last stage instead,
+        into which every microbatch's backward accumulates; the caller then runs its backward
+        from `source` once, so one transfer each way per call, whatever the microbatch count.
+        Yields None when lm_head is not tied across stages."""
+        if not (self.tied and len(self.stages) > 1):
+            yield None
+            return
+        # the embedding's current binding: fully_shard's gathered copy or the Parameter itself
+        tied = self.lm_head._parameters["weight"]
+        as_leaf = accumulated and tied.requires_grad and is_grad_enabled()
+        with no_grad() if accumulated else contextlib.nullcontext():   # no_grad: not recorded as a hop
+            landed = tied.redistribute(self.stages[-1], tied.placements)
+        if as_leaf:
+            landed.requires_grad_()
+        self.lm_head._parameters["weight"] = landed   # as fully_shard puts its gathered copies in place
+        try:
+            yield SimpleNamespace(source=tied, landed=landed)
+        finally:
+            self.lm_head._parameters["weight"] = tied
 
     def _rope(self, mesh: DeviceMesh, past: int, seq: int, dtype) -> tuple[DTensor, DTensor]:
         """cos and sin for positions past..past+seq, shaped (seq, head_dim) to broadcast over
@@ -408,22 +437,8 @@ class LlamaForCausalLM(nn.Module):
         return [self._upload(part) for part in torch.as_tensor(input_ids).chunk(count, 0)]
 
     # --- loading -----------------------------------------------------------------------------------------
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False, **kwargs):
-        """transformers' keys. A tied lm_head.weight may be absent (save_pretrained drops it): on one
-        stage it is the embedding's Parameter; across pipeline stages each end holds a copy."""
-        if not (self.tied and len(self.stages) > 1):
-            return super().load_state_dict(state_dict, strict, assign, **kwargs)
-        # the first and last stages hold a copy each: the lm_head's comes from the embedding's
-        if isinstance(state_dict, (str, os.PathLike)):
-            keys = super().load_state_dict(state_dict, False, assign, **kwargs)
-            embedding, head = self.model.embed_tokens.weight, self.lm_head.weight
-            self.lm_head.weight = nn.Parameter(embedding.redistribute(head.device_mesh, head.placements))
-            keys = nn.IncompatibleKeys([k for k in keys.missing_keys if k != "lm_head.weight"], keys.unexpected_keys)
-            if strict and (keys.missing_keys or keys.unexpected_keys):
-                raise RuntimeError(describe_incompatible(type(self).__name__, keys))
-            return keys
-        state_dict = {**state_dict, "lm_head.weight": state_dict.get("model.embed_tokens.weight")}
-        return super().load_state_dict(state_dict, strict, assign, **kwargs)
+    # load_state_dict is nn.Module's: a tied lm_head.weight is the embedding's Parameter, loaded once
+    # from whichever of the two names the state_dict has (save_pretrained drops lm_head.weight)
 
     @classmethod
     def from_pretrained(cls, directory: str, device_mesh: DeviceMesh, *, dtype: torch.dtype | None = None,
