@@ -12,7 +12,7 @@ first, then set aside; and the moves at the end take every value out before writ
 call made and left alive (gradients, optimizer state) are "persistent": each replay writes them
 in place, as the capture did. A tensor from before the call that the call changed in place (an
 EMA) is bound by the id it holds, which is such a persistent id: the rows write it, and the bound
-input does not move back over it.
+input does not move back over it; the captured input id, left with the old value, is dropped.
 
 What changes from call to call travels in RunGraph: the global random stream's seed and how far
 its counter moved (random rows draw fresh numbers, equal to eager's), and each optimizer row's
@@ -206,5 +206,9 @@ def replay(graph: Graph, run: wire.RunGraph, tables: tuple, execute, fail, strai
                if captured != given and (given not in held or tensors.get(given) is held[given])]
     taken = bindings.move_all(follows + list(zip(graph.outputs, run.out_ids)))
     bindings.drop(graph.scratch)
+    # A captured input id that did not follow (the rows wrote the caller's id: an EMA, a gradient
+    # replaced by the backward) holds the old value, which the caller no longer names: dropped.
+    bindings.drop([captured for captured, given in zip(graph.inputs, run.input_ids)
+                   if captured != given and captured not in run.input_ids])
     bindings.put_back()
     bindings.write(taken)
