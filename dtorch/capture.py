@@ -12,15 +12,21 @@ call touched:
   replay writes them in place, as the call did.
 
 The Python state a replay skips is restored by hooks its owners register while the call runs:
-autograd rebinds each leaf's .grad; an optimizer advances its step counts. Guards say when that
-state no longer matches what the capture saw (a fresh optimizer's state now exists, a grad was
-assigned); the call is then captured again.
+autograd rebinds each leaf's .grad (an argument's to one more output, see _plan_leaves); an
+optimizer advances its step counts. Guards say when that state no longer matches what the
+capture saw (a fresh optimizer's state now exists, a grad was assigned); the call is then
+captured again.
+
+A gradient from before the call that the call built on and replaced (a data-parallel backward
+reduces into a new tensor) is bound at each replay to the grad the leaf holds then, as an
+argument is.
 """
 from __future__ import annotations
 
 import gc
 import threading
 import weakref
+from typing import NamedTuple
 
 from .errors import CompileError, format_site
 from .runtime import protocol as wire
@@ -62,7 +68,7 @@ class Capture:
         self.guards: list = []                # callables: True while the capture still applies
         self.after_replay: list = []          # callables: the Python state a replay must set
         self.step_shifts: dict = {}           # OptimizerStep seq -> callable giving its step shift
-        self._leaves: dict = {}               # id(leaf) -> (leaf, its .grad before the call touched it)
+        self._leaves: dict = {}               # id(leaf) -> (leaf, its .grad before the call touched it, _Held)
         self._rebound: dict = {}              # id(tensor) -> (tensor, the id it held before the call rebound it)
         self._older_inputs: dict = {}         # id(tensor) -> (weak ref, whether it required grad when read)
         self._modules: dict = {}              # id(module) -> module, for note_module
@@ -103,7 +109,9 @@ class Capture:
         """Autograd is about to change `leaf.grad`. `resets`: to None (zero_grad), which no
         command depends on the old value of."""
         if id(leaf) not in self._leaves:
-            self._leaves[id(leaf)] = (leaf, None if resets else leaf.grad, resets)
+            before = None if resets else leaf.grad
+            held = None if before is None else _Held(before._id, before._meta.key, leaf.bound == before._id)
+            self._leaves[id(leaf)] = (leaf, before, resets, held)
 
     def rebind(self, tensor, old_id: int) -> None:
         """An in-place op gave `tensor` a new id (dtorch/inplace.py)."""
@@ -141,13 +149,15 @@ class Capture:
         self.step_shifts[seq] = shift
 
     # --- when the call has returned ---------------------------------------------------------------
-    def finish(self, input_ids: tuple, output_ids: tuple) -> dict:
-        """The DefineGraph fields and what the controller keeps for replays.
+    def finish(self, input_ids: tuple, output_ids: tuple, arguments: list = ()) -> dict:
+        """The DefineGraph fields and what the controller keeps for replays. `arguments`: the
+        call's DTensor arguments, in input order.
 
         A tensor the call changed in place holds a new id now. An argument's new id is one more
         output: each replay gives the caller's tensor the replay's own. A tensor from before the
         call (a parameter changed in place) becomes one more input, bound at each replay to the
-        id it holds then; the replay writes its new id in place, as the call did."""
+        id it holds then; the replay writes its new id in place, as the call did. Then come the
+        gradients the call replaced (_plan_leaves)."""
         end_id = self.controller.new_id()
         made = range(self.start_id + 1, end_id)
         if self._undecided(made, output_ids):
@@ -164,11 +174,12 @@ class Capture:
             elif old_id not in made:
                 state.append(tensor)
                 input_ids += (old_id,)
+        leaves = self._plan_leaves(made, arguments, input_ids, output_ids)
+        input_ids, output_ids = leaves["inputs"], leaves["outputs"]
         dropped = self._dropped()
         scratch = tuple(sorted(i for i in dropped if i in made and i not in output_ids))
         self._refuse_per_call_uploads(set(scratch) | set(output_ids))
         rows, sites = self._rows(made)
-        self._leaf_hooks()
         older_reads = _older_reads(rows, self.start_id, set(input_ids))
         self.guards.extend(_same_requires_grad(ref, flag) for ref, flag in self._older_inputs.values())
         _, random_end = session.reserve_random(0)
@@ -184,6 +195,9 @@ class Capture:
             "step_shifts": [self.step_shifts.get(c.seq, _no_shift) for c in rows if type(c) is wire.OptimizerStep],
             "rebound_arguments": rebound_arguments,   # (argument index, output index)
             "state": state,                           # tensors bound to the inputs after the arguments
+            "grad_inputs": leaves["grad_inputs"],     # then: (inputs) -> the id of a gradient to bind
+            "leaf_hooks": leaves["hooks"],            # (inputs, outputs) -> None: each leaf's .grad set
+            "grad_output_metas": leaves["metas"],     # outputs after the rebound arguments: arguments' grads
             "random_count": random_end - self.random_start,
             "random_start": self.random_start,
             "older_reads": older_reads,
@@ -228,12 +242,67 @@ class Capture:
             sites.append(site)
         return rows, sites
 
-    def _leaf_hooks(self) -> None:
-        for leaf, before, resets in self._leaves.values():
-            after = leaf.grad
-            if not resets:   # the commands build on the old gradient: a replay needs that same one
+    def _plan_leaves(self, made: range, arguments, input_ids: tuple, output_ids: tuple) -> dict:
+        """How a replay sets each touched leaf's .grad as the call left it. The leaf is the
+        captured one (a parameter), or, for an argument's, the replay's argument at that index:
+        its grad is one more output, fresh per replay, as eager gives each call's input its own.
+        A gradient from before the call that the call built on and then replaced (a
+        data-parallel backward reduces into a new tensor; zero_grad(set_to_none=False) keeps
+        one) is one more input, bound at each replay to the grad the leaf holds then; a
+        parameter's is guarded to be like the captured one (placements, bound on the workers),
+        an argument's is part of the signature (compile._grad_state)."""
+        argument_of = {id(t._node): k for k, t in enumerate(arguments) if t._node is not None}
+        grad_inputs, hooks, metas = [], [], []
+        for leaf, before, resets, held in self._leaves.values():
+            k = argument_of.get(id(leaf))
+            current = (lambda inputs, leaf=leaf: leaf) if k is None else (lambda inputs, k=k: inputs[k]._node)
+            after, bound = leaf.grad, leaf.bound
+            carried = (held is not None and held.id < self.start_id and held.id not in input_ids
+                       and (k is not None or after is not before))
+            if carried:
+                input_ids += (held.id,)
+                grad_inputs.append(lambda inputs, current=current: current(inputs).grad._id)
+                if k is None:
+                    self.guards.append(lambda leaf=leaf, held=held: _grad_like(leaf, held))
+            elif k is None and not resets:   # the commands build on this very gradient (or on none)
                 self.guards.append(lambda leaf=leaf, before=before: leaf.grad is before)
-            self.after_replay.append(lambda leaf=leaf, after=after: setattr(leaf, "grad", after))
+            if k is not None and after is before and after is not None:
+                continue   # accumulated in place: the argument's own grad holds the sum
+            if after is not None and after._id in made and (k is not None or after._id in output_ids):
+                if after._id not in output_ids:
+                    output_ids += (after._id,)
+                    metas.append(after._meta)
+                hooks.append(_rebind_grad(current, output_ids.index(after._id), bound == after._id))
+            else:   # None, or a tensor every replay writes in place (persistent) or from before the call
+                hooks.append(_restore_grad(current, after, bound if k is None else None))
+        return {"inputs": input_ids, "outputs": output_ids, "grad_inputs": grad_inputs, "hooks": hooks,
+                "metas": metas}
+
+
+class _Held(NamedTuple):
+    """A leaf's .grad when the call first touched it."""
+    id: int
+    key: tuple          # its TensorMeta key (shape, dtype, mesh, placements)
+    bound: bool         # whether the workers' .grad held it (Leaf.bound)
+
+
+def _grad_like(leaf, held: _Held) -> bool:
+    grad = leaf.grad
+    return grad is not None and grad._meta.key == held.key and (leaf.bound == grad._id) == held.bound
+
+
+def _rebind_grad(current, output: int, bound: bool):
+    def hook(inputs, outputs) -> None:
+        node, grad = current(inputs), outputs[output]
+        node.grad, node.bound = grad, grad._id if bound else None   # None: the next backward binds it first
+    return hook
+
+
+def _restore_grad(current, grad, bound):
+    def hook(inputs, outputs) -> None:
+        node = current(inputs)
+        node.grad, node.bound = grad, bound if grad is not None else None
+    return hook
 
 
 def _draws_random(command, seed: int, counters: range) -> bool:

@@ -6,10 +6,11 @@
         return (x @ w + y).relu().sum(dim=0)
 
 The first call with a signature (each DTensor argument's shape, dtype, mesh, placements and
-requires_grad; every other argument's value; grad mode; torch.autocast's state) runs `step` as eager code would, and
-records the commands it issues (dtorch/capture.py). Later calls with that signature send ONE
-RunGraph command: the workers run the recorded commands on the new arguments, and the controller
-builds the outputs' DTensors without running `step`'s Python at all.
+requires_grad, and its grad's kind; every other argument's value; grad mode; torch.autocast's
+state) runs `step` as eager code would, and records the commands it issues (dtorch/capture.py).
+Later calls with that signature send ONE RunGraph command: the workers run the recorded commands
+on the new arguments, and the controller builds the outputs' DTensors without running `step`'s
+Python at all.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import itertools
 from . import capture as capturing
 from .autocast import autocast_state
 from .errors import CompileError
-from .recording import is_grad_enabled
+from .recording import Leaf, is_grad_enabled
 from .runtime import protocol as wire
 from .runtime import session
 from .tensor import DTensor
@@ -44,7 +45,8 @@ class _Graph:
     """What the controller keeps of one capture: enough to replay it without the function."""
     __slots__ = ("graph_id", "controller", "span", "sites", "output_metas", "output_tree", "guards",
                  "after_replay", "step_shifts", "random_count", "random_start", "replays", "rebound_arguments",
-                 "state", "state_ids", "defined_seq", "generation", "reads_alive", "__weakref__")
+                 "state", "state_ids", "grad_inputs", "leaf_hooks", "defined_seq", "generation", "reads_alive",
+                 "__weakref__")
 
     def __init__(self, graph_id, controller, fields: dict, output_metas, output_tree, capture, defined_seq):
         self.graph_id, self.controller, self.defined_seq = graph_id, controller, defined_seq
@@ -57,6 +59,7 @@ class _Graph:
         self.rebound_arguments = fields["rebound_arguments"]
         self.state = fields["state"]
         self.state_ids = [t._id for t in self.state]   # what each holds after the capture, and every replay
+        self.grad_inputs, self.leaf_hooks = fields["grad_inputs"], fields["leaf_hooks"]
         self.replays = 0
         # A tensor fn read from outside its arguments and that has since been released (a name
         # bound to a new tensor, the old one dropped): replaying would read a freed id, so the
@@ -78,7 +81,8 @@ class _Graph:
         seed, first = session.reserve_random(self.random_count)
         shifts = tuple(shift() for shift in self.step_shifts)
         out_ids = controller.new_ids(len(self.output_metas))
-        input_ids = tuple(t._id for t in inputs) + tuple(t._id for t in self.state)
+        input_ids = (tuple(t._id for t in inputs) + tuple(t._id for t in self.state)
+                     + tuple(grad_id(inputs) for grad_id in self.grad_inputs))
         controller.free_before_next()
         seq = controller.submit(wire.RunGraph, self.graph_id, self.span, input_ids, out_ids,
                                 seed, first - self.random_start, shifts, self.defined_seq, span=self.span)
@@ -92,6 +96,8 @@ class _Graph:
         for tensor, final in zip(self.state, self.state_ids):
             if tensor._id != final:   # rebound outside the compiled function since: the replay wrote `final`
                 _take_id(tensor, DTensor(final, tensor._meta, seq, None))
+        for hook in self.leaf_hooks:
+            hook(inputs, outputs)
         return _rebuild(self.output_tree, outputs, inputs)
 
 
@@ -136,12 +142,13 @@ class CompiledFunction:
         with capturing.Capture(controller, self.name) as capture:
             result = self.fn(*args, **kwargs)
             tree, outputs = _output_tree(result, capture.start_id, inputs, self.name)
-            fields = capture.finish(input_ids, tuple(t._id for t in outputs))
+            fields = capture.finish(input_ids, tuple(t._id for t in outputs), inputs)
         graph_id = next(_GRAPH_IDS)
         defined_seq = controller.submit(wire.DefineGraph, graph_id, fields["rows"], fields["inputs"], fields["outputs"],
                                         fields["scratch"], fields["random"], fields["steps"])
         self._forget(key)
-        metas = [t._meta for t in outputs] + [inputs[k]._meta for k, _ in fields["rebound_arguments"]]
+        metas = ([t._meta for t in outputs] + [inputs[k]._meta for k, _ in fields["rebound_arguments"]]
+                 + fields["grad_output_metas"])
         self._graphs[key] = _Graph(graph_id, controller, fields, metas, tree, capture, defined_seq)
         while len(self._graphs) > self.max_graphs:
             self._forget(next(iter(self._graphs)))
@@ -165,7 +172,7 @@ def _flatten(value, tensors: list, key: list, seen: dict) -> None:
         if id(value) not in seen:
             seen[id(value)] = len(tensors)
             tensors.append(value)
-        key.append(("T", value._meta.key, value.requires_grad, seen[id(value)]))
+        key.append(("T", value._meta.key, _grad_state(value), seen[id(value)]))
     elif type(value) in (list, tuple):
         key.append((type(value), len(value)))
         for item in value:
@@ -185,6 +192,17 @@ def _flatten(value, tensors: list, key: list, seen: dict) -> None:
                                "nor hashable, so it cannot be part of a signature; pass DTensors, numbers, "
                                "strings, or tuples, lists and dicts of them") from None
         key.append((type(value), value))
+
+
+def _grad_state(tensor: DTensor):
+    """False, or what a replay's backward builds on: for a leaf, whether it has a grad yet and
+    that grad's kind (shape, dtype, placements; bound on the workers), as a guard would check it."""
+    node = tensor._node
+    if node is None:
+        return False
+    if type(node) is not Leaf or node.grad is None:
+        return True
+    return (node.grad._meta.key, node.bound == node.grad._id)
 
 
 def _output_tree(result, start_id: int, inputs: list, name: str):

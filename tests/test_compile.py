@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Partial, Replicate, Shard
+from dtorch.distributed_spec import Replicate, Shard
 from dtorch.errors import CompileError, PlacementError, RemoteError
 from dtorch.ops import REGISTRY
 from dtorch.ops.tooling.samples import SAMPLED_FAMILIES, samples
@@ -650,3 +650,110 @@ def test_llama_forward_and_training_step_replay_like_eager(session, shape, names
     logits, losses, step = run(True)
     assert all(torch.equal(a, b) for a, b in zip(logits, eager_logits))
     assert losses == eager_losses and step.captures == 2
+
+
+# --- whole training steps that replay (issue 14) ------------------------------------------------------
+def _dp_mlp(mesh):
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = dtorch.nn.Sequential(dtorch.nn.Linear(8, 16, device_mesh=mesh), dtorch.nn.ReLU(),
+                                 dtorch.nn.Linear(16, 4, device_mesh=mesh))
+    model.load_state_dict(ref.state_dict())
+    return model
+
+
+def _batches(mesh, count: int = 4, requires_grad: bool = False) -> list:
+    g = torch.Generator().manual_seed(1)
+    return [(dtorch.tensor(torch.randn(6, 8, generator=g), device_mesh=mesh, placements=[Shard(0)],
+                           requires_grad=requires_grad),
+             dtorch.tensor(torch.randn(6, 4, generator=g), device_mesh=mesh, placements=[Shard(0)]))
+            for _ in range(count)]
+
+
+def _same_step(got: dict, want: dict, call: int) -> None:
+    """Loss, parameters and gradients of one step, compiled against eager, bit for bit."""
+    assert got.keys() == want.keys()
+    for name in want:
+        a, b = got[name], want[name]
+        assert (a is None) == (b is None), f"call {call}: {name}"
+        assert a is None or torch.equal(a, b), f"call {call}: {name}"
+
+
+def _snapshot(loss, model, **more) -> dict:
+    """Values now (the next step changes these tensors in place, as torch's would be)."""
+    found = {"loss": loss, **more}
+    for name, p in model.named_parameters():
+        found[name], found[name + ".grad"] = p, p.grad
+    return {name: None if t is None else t.to_torch() for name, t in found.items()}
+
+
+@pytest.mark.parametrize("where", ["end", "start", "outside"])
+def test_zero_grad_without_set_to_none_replays_a_dp_training_step(mesh4, where):
+    """zero_grad(set_to_none=False) keeps each .grad, which the next backward builds on; on
+    data-parallel parameters that backward reduces into a new tensor, so the guard `.grad is
+    what the capture built on` failed on every call and each call captured again (values right,
+    no replay). Now that grad is an input of the graph, bound to the one the leaf holds."""
+    def run(compiled: bool) -> tuple:
+        model = _dp_mlp(mesh4)
+        optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+        def step(x, y):
+            if where == "start":
+                optimizer.zero_grad(set_to_none=False)
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            optimizer.step()
+            if where == "end":
+                optimizer.zero_grad(set_to_none=False)
+            return loss
+        step = dtorch.compile(step) if compiled else step
+        found = []
+        for x, y in _batches(mesh4):
+            loss = step(x, y)
+            found.append(_snapshot(loss, model))
+            if where == "outside":
+                optimizer.zero_grad(set_to_none=False)
+        return found, step
+    want, _ = run(False)
+    got, step = run(True)
+    for call, (a, b) in enumerate(zip(got, want)):
+        _same_step(a, b, call)
+    assert step.captures == 2   # the first call makes AdamW's state and the first .grad
+
+
+def test_an_argument_that_requires_grad_replays_and_gets_its_own_grad(mesh4):
+    """An input with requires_grad=True, and a parameter passed as an argument: the guard read
+    the captured argument's .grad, which the capture itself had set, so every call captured
+    again; a replay would also have set that old argument's .grad, not the new one's. Now an
+    argument's grad state is part of the signature, and its grad is an output of the replay."""
+    def run(compiled: bool) -> tuple:
+        model = _dp_mlp(mesh4)
+        head = dtorch.nn.Parameter(dtorch.tensor(torch.linspace(-1, 1, 16).reshape(4, 4), device_mesh=mesh4,
+                                                 placements=[Replicate()]))
+        optimizer = dtorch.optim.SGD([*model.parameters(), head], lr=1e-2, momentum=0.9)
+
+        def step(w, x, y):
+            loss = ((model(x) @ w - y) ** 2).mean()
+            loss.backward()
+            optimizer.step()
+            return loss
+        step = dtorch.compile(step) if compiled else step
+        found = []
+        for x, y in _batches(mesh4, requires_grad=True):
+            loss = step(head, x, y)
+            found.append(_snapshot(loss, model, head=head, head_grad=head.grad, x_grad=x.grad))
+            optimizer.zero_grad()
+        return found, step
+    want, _ = run(False)
+    got, step = run(True)
+    for call, (a, b) in enumerate(zip(got, want)):
+        _same_step(a, b, call)
+    assert step.captures == 2   # the first call makes SGD's momentum buffers
+    # the old replay set the first argument's .grad and left the new one's None (no error)
+    triple = dtorch.compile(lambda x: (x * 3).sum().backward())
+    first, second = (dtorch.ones(4, device_mesh=mesh4, placements=[Shard(0)], requires_grad=True) for _ in range(2))
+    triple(first)
+    first.grad = None
+    triple(second)
+    assert first.grad is None and torch.equal(second.grad.to_torch(), torch.full((4,), 3.0))
+    assert triple.captures == 1
