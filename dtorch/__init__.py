@@ -35,6 +35,7 @@ from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from . import nn
 from .nn import distribute_module
 from . import optim
+from . import utils
 from . import checkpoint
 from . import models
 # The context manager takes the package's name: dtorch.profile(...) records, while
@@ -97,5 +98,5 @@ __all__ = [
     "Tensor", "Generator",
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
     "DependencyError", "WorkerLostError", "LostTensorError", "LocalTensorError", "AliasingError", "StartupError", "SessionEndedError", "UnreadFailureWarning",
-    "nn", "optim", "checkpoint", "models", "profile", "compile", "CompileError",
+    "nn", "optim", "utils", "checkpoint", "models", "profile", "compile", "CompileError",
 ] + sorted(n for n in _REGISTRY if n in globals())

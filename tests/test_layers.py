@@ -19,7 +19,7 @@ LAYERS = [
                   "dtorch.advanced_indexing", "dtorch.capture", "dtorch.compile", "dtorch.autocast", "dtorch.composites",
                   "dtorch.composite_losses", "dtorch.composite_layers", "dtorch.composite_foreach")),
     ("autograd", ("dtorch.autograd",)),
-    ("modules", ("dtorch.nn", "dtorch.optim")),
+    ("modules", ("dtorch.nn", "dtorch.optim", "dtorch.utils")),
     ("checkpoint", ("dtorch.checkpoint",)),
     ("models", ("dtorch.models",)),
     ("profile", ("dtorch.profile",)),   # dtorch.profile: records every layer's calls, used by none

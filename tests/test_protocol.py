@@ -116,6 +116,7 @@ COMMAND_EXAMPLES = [
                              wire.command_row(wire.Free(5, (4,)))), (1,), (4,), (), (), ()),
     wire.RunGraph(22, 1, 2, (8,), (9,), 7, 3, (), 21),   # spans seqs 22 and 23
     wire.DropGraph(24, 1),
+    wire.CheckpointBegin(25), wire.CheckpointEnd(26),
 ]
 
 

@@ -31,7 +31,7 @@ __all__ = [
     # commands
     "DefineMesh", "Factory", "Upload", "LoadShard", "RunOp", "Redistribute", "Transfer", "Fetch", "Free", "Sync", "Shutdown",
     "Regroup", "RequireGrad", "SetGrads", "Backward", "OptimizerStep", "GradNorm", "UpdateGrads", "SaveShard", "LoadChunks", "Profile",
-    "DefineGraph", "RunGraph", "DropGraph", "COMMANDS", "handler_name", "encode_batch", "decode_batch", "span",
+    "DefineGraph", "RunGraph", "DropGraph", "CheckpointBegin", "CheckpointEnd", "COMMANDS", "handler_name", "encode_batch", "decode_batch", "span",
     "decode_rows", "command_row",
     # every other message
     "Batch", "Private", "Probe", "Register", "Welcome", "Refused", "Reply", "ErrorReport", "WarningReport",
@@ -42,7 +42,7 @@ __all__ = [
     "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 15   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+VERSION = 16   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
               # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
               # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention);
               # 6: Regroup (lost ranks were replaced: communication groups of a new generation)
@@ -60,6 +60,8 @@ VERSION = 15   # 2: REGISTER carries the run's secret; 3: RunOp names the user's
               #     controller at the user's line instead of printed by every rank)
               # 14: RunOp.moves (the redistributes the planner inserted before an op, fused into it)
               # 15: RunOp.regather (whether a gathered parameter may be gathered again in backward)
+              # 16: CheckpointBegin, CheckpointEnd (activation checkpointing: the commands between
+              #     them save nothing for backward, which runs them again)
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -336,9 +338,23 @@ class DropGraph(NamedTuple):
     graph_id: int
 
 
+class CheckpointBegin(NamedTuple):
+    """dtorch.utils.checkpoint: the RunOps and Redistributes from here to the matching
+    CheckpointEnd run without recording for backward, and backward runs them again from the
+    tensors they read from before (runtime/checkpoint_regions.py). Regions nest: an inner pair
+    belongs to the outer region."""
+    seq: int
+
+
+class CheckpointEnd(NamedTuple):
+    """The region's tensors still held here (the controller freed the rest first) become the
+    outputs of one autograd node, whose backward recomputes the region."""
+    seq: int
+
+
 COMMANDS = (DefineMesh, Factory, Upload, LoadShard, RunOp, Redistribute, Transfer, Fetch, Free, Sync, Shutdown,
             Regroup, RequireGrad, SetGrads, Backward, OptimizerStep, GradNorm, UpdateGrads, SaveShard, LoadChunks,
-            Profile, DefineGraph, RunGraph, DropGraph)
+            Profile, DefineGraph, RunGraph, DropGraph, CheckpointBegin, CheckpointEnd)
 OPCODE = {cls: i for i, cls in enumerate(COMMANDS)}
 _BY_OPCODE = dict(enumerate(COMMANDS))
 
@@ -522,7 +538,7 @@ _FIELD_TYPES = {
     SaveShard: (str, int, tuple), LoadChunks: (int, int, tuple, str, tuple, tuple, str),
     Profile: (bool,),
     DefineGraph: (int, tuple, IDS, IDS, IDS, IDS, IDS), RunGraph: (int, int, IDS, IDS, int, int, IDS, int),
-    DropGraph: (int,),
+    DropGraph: (int,), CheckpointBegin: (), CheckpointEnd: (),
 }
 
 

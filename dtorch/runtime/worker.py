@@ -36,6 +36,7 @@ from .peers import Peers
 from .poisoned import Poisoned
 from .protocol import TensorRef
 from .transport import WorkerSockets
+from .checkpoint_regions import RegionCommands
 from .worker_files import CheckpointCommands
 from .worker_profiling import CommandRecorder, clock_frame
 from .worker_training import TrainingCommands
@@ -43,7 +44,7 @@ from .worker_training import TrainingCommands
 __all__ = ["Worker", "Poisoned"]
 
 
-class Worker(TrainingCommands, CheckpointCommands):
+class Worker(TrainingCommands, CheckpointCommands, RegionCommands):
     def __init__(self, rank: int, sockets: WorkerSockets, comm: Communicator, device, start_seq: int,
                  host_comm: Communicator | None = None):
         self.rank, self.sockets, self.comm, self.device = rank, sockets, comm, device
@@ -130,9 +131,17 @@ class Worker(TrainingCommands, CheckpointCommands):
                 self._run_command(command)
 
     def _run_command(self, command) -> None:
-        if self.profiler is not None:   # profiling off costs this one check per command
+        if self.region is not None:   # dtorch.utils.checkpoint (checkpoint_regions.py)
+            self._run_in_region(command)
+        elif self.profiler is not None:   # profiling off costs this one check per command
             self.profiler.record(command, self._execute)
         elif not self._ran_inline(command):
+            self._execute(command)
+
+    def _execute_or_record(self, command) -> None:
+        if self.profiler is not None:
+            self.profiler.record(command, self._execute)
+        else:
             self._execute(command)
 
     def _ran_inline(self, command) -> bool:
@@ -224,6 +233,13 @@ class Worker(TrainingCommands, CheckpointCommands):
         self.tensors[tensor_id] = tensor
         if done is not None:
             self.in_flight[tensor_id] = done
+
+    @staticmethod
+    def _input_ids(command) -> list:
+        """The ids a RunOp or Redistribute reads."""
+        if type(command) is wire.Redistribute:
+            return [command.src_id]
+        return [ref.id for ref in _refs_in_order(command)]
 
     def _agree_on_failure(self, ranks: tuple, origin: int) -> int:
         """The largest failure origin (a command seq) any of `ranks` passed, -1 for none, over
@@ -511,6 +527,9 @@ class Worker(TrainingCommands, CheckpointCommands):
 
     def handle_define_graph(self, command: wire.DefineGraph) -> None:
         graph = graphs.define(command)
+        if any(type(c) is wire.CheckpointBegin for c in graph.commands):   # every row through _run_command
+            self.graphs[command.graph_id] = graph
+            return
         plan = straight_line.build(command.graph_id, graph.commands, graph.scratch, graph.random, KERNELS,
                                    lambda row: straight_line.plain_row(row, PEER_KERNELS), self._region_placer)
         self.graphs[command.graph_id] = graph._replace(plan=plan)
