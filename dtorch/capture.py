@@ -17,9 +17,10 @@ optimizer advances its step counts. Guards say when that state no longer matches
 capture saw (a fresh optimizer's state now exists, a grad was assigned); the call is then
 captured again.
 
-A gradient from before the call that the call built on and replaced (a data-parallel backward
-reduces into a new tensor) is bound at each replay to the grad the leaf holds then, as an
-argument is.
+Two kinds of tensor from before the call are bound at each replay to the id they hold then, as
+arguments are: a gradient the call built on and replaced (a data-parallel backward reduces into
+a new tensor), and a tensor the call read (a parameter) that an in-place op outside has since
+given a new id (`p.mul_(0.9)` under no_grad).
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ class Capture:
         self.step_shifts: dict = {}           # OptimizerStep seq -> callable giving its step shift
         self._leaves: dict = {}               # id(leaf) -> (leaf, its .grad before the call touched it, _Held)
         self._rebound: dict = {}              # id(tensor) -> (tensor, the id it held before the call rebound it)
-        self._older_inputs: dict = {}         # id(tensor) -> (weak ref, whether it required grad when read)
+        self._older_inputs: dict = {}         # id(tensor) -> (weak ref, whether it required grad, its id) when read
         self._modules: dict = {}              # id(module) -> module, for note_module
 
     # --- while the call runs ---------------------------------------------------------------------
@@ -126,7 +127,7 @@ class Capture:
         start, seen = self.start_id, self._older_inputs
         for tensor in tensors:
             if tensor._id < start and id(tensor) not in seen:
-                seen[id(tensor)] = (weakref.ref(tensor), tensor.requires_grad)
+                seen[id(tensor)] = (weakref.ref(tensor), tensor.requires_grad, tensor._id)
 
     def note_module(self, module) -> None:
         """A module the call ran: its plain settings (training, momentum, eps, p...) shaped what
@@ -157,7 +158,7 @@ class Capture:
         output: each replay gives the caller's tensor the replay's own. A tensor from before the
         call (a parameter changed in place) becomes one more input, bound at each replay to the
         id it holds then; the replay writes its new id in place, as the call did. Then come the
-        gradients the call replaced (_plan_leaves)."""
+        gradients the call replaced (_plan_leaves) and the tensors it read (_carried_reads)."""
         end_id = self.controller.new_id()
         made = range(self.start_id + 1, end_id)
         if self._undecided(made, output_ids):
@@ -181,7 +182,9 @@ class Capture:
         self._refuse_per_call_uploads(set(scratch) | set(output_ids))
         rows, sites = self._rows(made)
         older_reads = _older_reads(rows, self.start_id, set(input_ids))
-        self.guards.extend(_same_requires_grad(ref, flag) for ref, flag in self._older_inputs.values())
+        reads = self._carried_reads(older_reads)
+        input_ids += tuple(read_id for _, read_id, _ in reads)
+        self.guards.extend(_same_requires_grad(ref, flag) for ref, flag, _ in self._older_inputs.values())
         _, random_end = session.reserve_random(0)
         return {
             "rows": tuple(wire.command_row(c) for c in rows),
@@ -196,11 +199,12 @@ class Capture:
             "rebound_arguments": rebound_arguments,   # (argument index, output index)
             "state": state,                           # tensors bound to the inputs after the arguments
             "grad_inputs": leaves["grad_inputs"],     # then: (inputs) -> the id of a gradient to bind
+            "reads": reads,                           # then: (weak ref, id, meta key) of each tensor read
             "leaf_hooks": leaves["hooks"],            # (inputs, outputs) -> None: each leaf's .grad set
             "grad_output_metas": leaves["metas"],     # outputs after the rebound arguments: arguments' grads
             "random_count": random_end - self.random_start,
             "random_start": self.random_start,
-            "older_reads": older_reads,
+            "older_reads": older_reads - {read_id for _, read_id, _ in reads},   # read by id only
             # one already dropped during the call (a module attribute bound to a new tensor): a
             # replay would read a freed id, so the next call captures again
             "older_dropped": bool(older_reads & dropped),
@@ -277,6 +281,18 @@ class Capture:
                 hooks.append(_restore_grad(current, after, bound if k is None else None))
         return {"inputs": input_ids, "outputs": output_ids, "grad_inputs": grad_inputs, "hooks": hooks,
                 "metas": metas}
+
+    def _carried_reads(self, older_reads: set) -> list:
+        """(weak ref, id, meta key) of each tensor from before the call that the ops read and that
+        still holds that id: a replay binds the id to the one it holds then, which an in-place
+        op outside gives it (compile._ReadWatch). Ids read with no live tensor stay as they are."""
+        reads, seen = [], set()
+        for ref, _, read_id in self._older_inputs.values():
+            tensor = ref()
+            if read_id in older_reads and read_id not in seen and tensor is not None and tensor._id == read_id:
+                seen.add(read_id)
+                reads.append((ref, read_id, tensor._meta.key))
+        return reads
 
 
 class _Held(NamedTuple):

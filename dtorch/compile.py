@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import weakref
 
 from . import capture as capturing
 from .autocast import autocast_state
@@ -45,8 +46,8 @@ class _Graph:
     """What the controller keeps of one capture: enough to replay it without the function."""
     __slots__ = ("graph_id", "controller", "span", "sites", "output_metas", "output_tree", "guards",
                  "after_replay", "step_shifts", "random_count", "random_start", "replays", "rebound_arguments",
-                 "state", "state_ids", "grad_inputs", "leaf_hooks", "defined_seq", "generation", "reads_alive",
-                 "__weakref__")
+                 "state", "state_ids", "grad_inputs", "leaf_hooks", "read_ids", "read_watches", "defined_seq",
+                 "generation", "reads_alive", "__weakref__")
 
     def __init__(self, graph_id, controller, fields: dict, output_metas, output_tree, capture, defined_seq):
         self.graph_id, self.controller, self.defined_seq = graph_id, controller, defined_seq
@@ -63,9 +64,14 @@ class _Graph:
         self.replays = 0
         # A tensor fn read from outside its arguments and that has since been released (a name
         # bound to a new tensor, the old one dropped): replaying would read a freed id, so the
-        # next call captures again and reads what the name holds now.
+        # next call captures again and reads what the name holds now. One that an in-place op
+        # gave a new id (p.mul_(0.9) outside) is bound to that id instead (_ReadWatch).
         self.reads_alive = not fields["older_dropped"]
         controller.watch_release(fields["older_reads"], self)
+        self.read_ids = [read_id for _, read_id, _ in fields["reads"]]
+        self.read_watches = [_ReadWatch(self, slot, ref, key) for slot, (ref, _, key) in enumerate(fields["reads"])]
+        for watch, read_id in zip(self.read_watches, self.read_ids):
+            controller.watch_release((read_id,), watch)
 
     def released(self) -> None:
         """A tensor the capture read from outside the arguments is released (Controller.watch_release)."""
@@ -82,7 +88,7 @@ class _Graph:
         shifts = tuple(shift() for shift in self.step_shifts)
         out_ids = controller.new_ids(len(self.output_metas))
         input_ids = (tuple(t._id for t in inputs) + tuple(t._id for t in self.state)
-                     + tuple(grad_id(inputs) for grad_id in self.grad_inputs))
+                     + tuple(grad_id(inputs) for grad_id in self.grad_inputs) + tuple(self.read_ids))
         controller.free_before_next()
         seq = controller.submit(wire.RunGraph, self.graph_id, self.span, input_ids, out_ids,
                                 seed, first - self.random_start, shifts, self.defined_seq, span=self.span)
@@ -99,6 +105,28 @@ class _Graph:
         for hook in self.leaf_hooks:
             hook(inputs, outputs)
         return _rebuild(self.output_tree, outputs, inputs)
+
+
+class _ReadWatch:
+    """One tensor from before the call that the capture's ops read (a parameter), watched by the
+    id it holds (Controller.watch_release). When that id is released because an in-place op gave
+    the tensor a new one, with the same shape, dtype and placements, the replay binds the new id
+    in its place; when the tensor itself is gone (or changed layout: `p.data = t`), the next call
+    captures again."""
+    __slots__ = ("graph", "slot", "tensor", "key", "__weakref__")
+
+    def __init__(self, graph: _Graph, slot: int, tensor, key):
+        self.graph, self.slot, self.tensor, self.key = weakref.ref(graph), slot, tensor, key
+
+    def released(self) -> None:
+        graph, tensor = self.graph(), self.tensor()
+        if graph is None:
+            return
+        if tensor is None or tensor._id == graph.read_ids[self.slot] or tensor._meta.key != self.key:
+            graph.reads_alive = False
+            return
+        graph.read_ids[self.slot] = tensor._id
+        graph.controller.watch_release((tensor._id,), self)
 
 
 def _take_id(tensor: DTensor, source: DTensor) -> None:

@@ -757,3 +757,74 @@ def test_an_argument_that_requires_grad_replays_and_gets_its_own_grad(mesh4):
     triple(second)
     assert first.grad is None and torch.equal(second.grad.to_torch(), torch.full((4,), 3.0))
     assert triple.captures == 1
+
+
+def test_a_parameter_changed_in_place_outside_replays_the_next_step(mesh4):
+    """Weight decay by hand between compiled forward/backward calls (p.mul_(0.9) under no_grad
+    gives p a new id): the release of the old id made the graph stale, so every call captured
+    again. Now the replay binds the id the parameter holds then."""
+    def run(compiled: bool) -> tuple:
+        model = _dp_mlp(mesh4)
+        optimizer = dtorch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+        def forward_backward(x, y):
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            return loss
+        forward_backward = dtorch.compile(forward_backward) if compiled else forward_backward
+        found = []
+        for x, y in _batches(mesh4):
+            loss = forward_backward(x, y)
+            found.append(_snapshot(loss, model))
+            optimizer.step()
+            with dtorch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.9)
+            optimizer.zero_grad()
+        return found, forward_backward
+    want, _ = run(False)
+    got, step = run(True)
+    for call, (a, b) in enumerate(zip(got, want)):
+        _same_step(a, b, call)
+    assert step.captures == 1
+
+
+def test_tensors_read_by_a_replay_follow_in_place_changes_outside(mesh4, automatic):
+    """Between calls, tensors the function reads are changed in place outside it: by an op, by
+    item assignment, through a view, while the function itself updates an EMA in place. Each
+    replay reads the new values; `w.data = t` with another layout captures again."""
+    g = torch.Generator().manual_seed(5)
+    a, b, x0 = torch.randn(4, 6, generator=g), torch.randn(6, 6, generator=g), torch.randn(4, 6, generator=g)
+    c = dtorch.tensor(a, device_mesh=mesh4, placements=[Shard(0)])
+    w = dtorch.tensor(b, device_mesh=mesh4, placements=[Replicate()])
+    ema = dtorch.zeros(4, 6, device_mesh=mesh4, placements=[Replicate()])
+    x = dtorch.tensor(x0, device_mesh=mesh4, placements=[Shard(0)])
+
+    @dtorch.compile
+    def forward(x):
+        ema.mul_(0.5).add_(x @ w * 0.5)
+        return (x + c) @ w
+    want_ema = torch.zeros(4, 6)
+    for call in range(6):
+        want_ema = want_ema * 0.5 + x0 @ b * 0.5
+        torch.testing.assert_close(forward(x).to_torch(), (x0 + a) @ b, msg=f"call {call}")
+        torch.testing.assert_close(ema.to_torch(), want_ema, msg=f"call {call}")
+        with dtorch.no_grad():
+            if call == 0:
+                w.mul_(0.9)
+                b = b * 0.9
+            elif call == 1:
+                c[1] = 2.0
+                a = a.clone()
+                a[1] = 2.0
+            elif call == 2:
+                w.T[0].add_(1.0)   # a view of w: written back into w
+                b = b.clone()
+                b[:, 0] += 1.0
+            elif call == 3:
+                ema.mul_(2.0)
+                want_ema = want_ema * 2.0
+            elif call == 4:
+                w.data = dtorch.tensor(b * 2, device_mesh=mesh4, placements=[Shard(1)])
+                b = b * 2
+    assert forward.captures == 2
