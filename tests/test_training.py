@@ -105,6 +105,16 @@ def test_adamw_training_equals_single_process_torch(layout, reference, session):
     assert_trained_like_torch(model, train(model, dtorch.optim.AdamW(model.parameters(), **HYPER)), reference)
 
 
+@pytest.mark.parametrize("layout", ["fsdp2xtp2", "dp2xpp2"])
+def test_gradient_checkpointing_trains_as_torch_does(layout, reference, session):
+    """transformers' gradient_checkpointing_enable(): every decoder layer recomputed in backward
+    (its tp all-reduces and fsdp gathers again), the same losses and parameters as torch's run."""
+    model = _model(reference[0], layout)
+    model.gradient_checkpointing_enable()
+    assert model.is_gradient_checkpointing
+    assert_trained_like_torch(model, train(model, dtorch.optim.AdamW(model.parameters(), **HYPER)), reference)
+
+
 def test_gradient_accumulation_and_clipping(reference, session):
     """Two half batches accumulated, clipped to a global norm: as torch does on the whole batch."""
     initial, _, _ = reference

@@ -37,6 +37,7 @@ from ..autograd import backward, no_grad
 from ..recording import is_grad_enabled
 from ..nn.pipeline_schedule import run_schedule
 from ..nn import functional as F
+from ..utils.checkpoint import checkpoint
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaSettings", "CausalLMOutput", "MESH_DIMS"]
 
@@ -269,6 +270,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tied:   # one Parameter under both names, on the first stage (see _tied_head_on_last_stage)
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq, self.attention_scaling = inverse_frequencies(config)
+        self.gradient_checkpointing = False   # transformers' flag: gradient_checkpointing_enable()
         if _dim(device_mesh, "fsdp") is not None:   # parameters sharded over fsdp, gathered per layer
             for layer in self.model.layers:
                 nn.fully_shard(layer, "fsdp")
@@ -313,8 +315,25 @@ class LlamaForCausalLM(nn.Module):
                 stage = target
                 h = h.redistribute(self.stages[stage], h.placements)
                 rope = self._rope(self.stages[stage], past, ids.shape[1], h.dtype)
-            h = layer(h, *rope, cache[index] if cache is not None else None)
+            if self.gradient_checkpointing and self.training and cache is None:
+                h = checkpoint(layer, h, *rope)
+            else:
+                h = layer(h, *rope, cache[index] if cache is not None else None)
         return self.lm_head(self.model.norm(h))
+
+    # --- activation checkpointing, transformers' spelling ----------------------------------------------
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """In training mode, each decoder layer keeps its input only and runs again in backward
+        (dtorch.utils.checkpoint: docs/training.md, "Activation checkpointing"); an fsdp layer
+        gathers its parameters again there. transformers' kwargs (use_reentrant) change nothing."""
+        self.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.gradient_checkpointing = False
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.gradient_checkpointing
 
     # --- training with a pipeline schedule -------------------------------------------------------------
     def forward_backward(self, input_ids, labels, schedule: str = "1f1b") -> DTensor:
