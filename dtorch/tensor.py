@@ -291,13 +291,20 @@ class DTensor:
         module = "torch.nn.functional" if getattr(func, "__module__", "").startswith("torch.nn") else "torch"
         raise unsupported_op(name, f"{module}.{name}")
 
+    @classmethod
+    def from_local(cls, *args, **kwargs):
+        """torch's DTensor.from_local(local, mesh, placements) wraps each rank's own shard; a
+        single controller holds no rank's shard (ops/unsupported.py NOTES says what to write)."""
+        raise unsupported_op("from_local", "DTensor.from_local")
+
     def __getattr__(self, name: str):
         """Reached only for names DTensor lacks. A torch.Tensor name gets a clear refusal (an
         AttributeError too); private and protocol names (_version, __deepcopy__, __array__...)
         stay plain AttributeErrors, so copy, pickle and hasattr probes behave as usual."""
         if name.startswith("_") or not (hasattr(torch.Tensor, name) or name in NOTES):
             raise AttributeError(f"'DTensor' object has no attribute {name!r}")
-        raise unsupported_method(name)
+        # an in-place form (x.t_()) of a method DTensor composes of ops (x.t()): say so
+        raise unsupported_method(name, is_inplace_name(name) and hasattr(DTensor, name[:-1]))
 
     # copy.copy of a torch tensor shares its storage, so here it is the symbol itself (copy's
     # default would clone the slots and free the workers' buffer twice); deepcopy is a clone.

@@ -248,3 +248,29 @@ def test_a_result_whose_dtype_torchs_meta_kernel_gets_wrong_names_the_op_at_the_
     with pytest.raises(dtorch.errors.ProtocolError, match=r"made by command #\d+ \(pow, issued at .*test_errors.py"):
         (x ** True).to_torch()
     assert torch.equal((x.float() + 1).to_torch(), torch.tensor([2.0, 1.0, 2.0, 2.0]))
+
+
+@pytest.mark.parametrize("op", ["matmul", "linear", "addmm", "conv1d", "layer_norm"])
+def test_two_dtypes_where_torchs_kernels_take_one_are_refused_at_the_users_line(mesh4, op):
+    """torch's meta kernels type mm(float32, bfloat16) as float32, its CPU and CUDA kernels
+    refuse it: the workers failed at the next read. A lower-precision input with float32 norm
+    parameters is torch's mixed-precision norm, and stays allowed."""
+    a = dtorch.randn(4, 4, device_mesh=mesh4, placements=[Shard(0)])
+    b = dtorch.randn(4, 4, device_mesh=mesh4, placements=[Replicate()], dtype=torch.bfloat16)
+    calls = {"matmul": lambda: a @ b, "linear": lambda: torch.nn.functional.linear(a, b),
+             "addmm": lambda: torch.addmm(a, a, b), "layer_norm": lambda: torch.nn.functional.layer_norm(a, (4,), b[0]),
+             "conv1d": lambda: torch.nn.functional.conv1d(a.unsqueeze(0), b.unsqueeze(-1))}
+    with pytest.raises(ShapeError, match=rf"{op}: inputs of two dtypes \(bfloat16 and float32\) at .*test_errors.py:"):
+        calls[op]()
+    mixed_norm = torch.nn.functional.layer_norm(b, (4,), a[0])   # bf16 input, float32 weight: torch's rule
+    torch.testing.assert_close(mixed_norm.to_torch(), torch.nn.functional.layer_norm(b.to_torch(), (4,), a[0].to_torch()))
+
+
+def test_in_place_forms_of_composed_methods_and_from_local_say_what_to_write(mesh4):
+    x = dtorch.randn(4, 4, device_mesh=mesh4, placements=[Shard(0)])
+    with pytest.raises(dtorch.UnsupportedOpError, match=r"x.t_ .* Write x = x.t\(...\) instead"):
+        x.t_()
+    with pytest.raises(dtorch.UnsupportedOpError, match=r"x.swapaxes_ .* Write x = x.swapaxes\(...\) instead"):
+        x.swapaxes_(0, 1)
+    with pytest.raises(dtorch.UnsupportedOpError, match=r"DTensor.from_local .* dtorch.distribute_tensor\(t, mesh"):
+        dtorch.DTensor.from_local(torch.ones(2), mesh4, [Shard(0)])

@@ -3,6 +3,8 @@ on every layout; the Module machinery (registration, state_dict, load_state_dict
 containers, hooks) behaves as torch's does, and refuses what would fail later with a clear error."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -592,3 +594,19 @@ def test_attention_with_dropout_drops_from_dtorchs_stream(case, mesh4, mesh22):
     if case == "plain":
         with pytest.raises(dtorch.UnsupportedOpError, match="torch.nn.functional.scaled_dot_product_attention"):
             dtorch.scaled_dot_product_attention(inputs[0], inputs[1], inputs[2], None, 0.4)
+
+
+def test_mixed_precision_casts_a_float32_input_to_the_compute_dtype(mesh4):
+    """As FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True): a float32 batch met bfloat16
+    weights in torch's kernels, which refuse two dtypes (the workers failed at the read). The
+    output, the gradients' dtype (float32 masters) and values against torch's bf16 model."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    model = dtorch.nn.mixed_precision(dtorch.distribute_module(copy.deepcopy(reference), mesh4), torch.bfloat16)
+    x = torch.randn(5, 6)
+    out = model(dtorch.distribute_tensor(x, mesh4, [Shard(0)]))
+    assert out.dtype == torch.bfloat16
+    expected = copy.deepcopy(reference).to(torch.bfloat16)(x.to(torch.bfloat16))
+    torch.testing.assert_close(out.to_torch(), expected)
+    out.float().sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())

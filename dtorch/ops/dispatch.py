@@ -216,7 +216,30 @@ class _ShapeOnly:
         self._meta = tensor_meta(spec.shape, spec.dtype, spec.mesh, ())
 
 
+# Ops whose CPU and CUDA kernels refuse floating-point inputs of two dtypes, where torch's meta
+# kernels return a dtype anyway (torch 2.13: mm of float32 and bfloat16 is float32 on meta):
+# refused here, at the user's line, rather than on every worker. Norms take a lower-precision
+# input with float32 parameters (the input's dtype wins), not the reverse.
+_ONE_DTYPE_OPS = frozenset({"mm", "matmul", "linear", "addmm", "mv", "addbmm", "cross", "linalg_cross", "conv1d",
+                            "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+_NORM_OPS = frozenset({"layer_norm", "group_norm", "batch_norm", "rms_norm"})
+_LOWER_PRECISION = frozenset({torch.float16, torch.bfloat16})
+
+
+def _refuse_mixed_dtypes(op: RegisteredOp, specs) -> None:
+    dtypes = [s.dtype for s in specs if s.dtype.is_floating_point or s.dtype.is_complex]
+    if len(set(dtypes)) < 2 or op.name not in _ONE_DTYPE_OPS | _NORM_OPS:
+        return
+    if op.name in _NORM_OPS and dtypes[0] in _LOWER_PRECISION and set(dtypes[1:]) == {torch.float32}:
+        return
+    names = " and ".join(sorted({str(d)[6:] for d in dtypes}))
+    raise ShapeError(f"{op.name}: inputs of two dtypes ({names}) at {user_site()}; torch's kernels take one "
+                     f"dtype here: cast one with .to({dtypes[0]}) (or run under torch.autocast, or "
+                     "dtorch.nn.mixed_precision, which cast for you)")
+
+
 def _run_meta(op: RegisteredOp, args, kwargs, specs) -> tuple[tuple, bool]:
+    _refuse_mixed_dtypes(op, specs)
     meta = lambda value: value._meta.meta()  # noqa: E731
     try:
         result = op.torch_fn(*map_tensors(args, meta), **map_tensors(kwargs, meta))

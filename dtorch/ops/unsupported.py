@@ -61,24 +61,29 @@ NOTES = {
     # reached only from torch.nn.functional.unfold: the tensor method x.unfold is an op (ops/view.py)
     "unfold": "it extracts sliding blocks of an image batch (im2col), which dtorch has no op for; "
               "x.unfold(dimension, size, step), torch.Tensor's sliding windows along one dim, is supported",
+    "from_local": "each rank's shard lives in its worker, not in this process: upload a whole tensor with "
+                  "dtorch.distribute_tensor(t, mesh, placements), or make the shards on the workers with a factory "
+                  "(dtorch.randn(..., device_mesh=mesh, placements=...)) so no process holds the whole tensor",
     "to_local": "the controller holds no shards: read the whole tensor with x.to_torch() (or await "
                 "x.fetch()); x.local_shape(rank) and x.local_offset(rank) say where each rank's shard sits",
 }
 
 
-def unsupported_op(name: str, spelled: str, error: type = UnsupportedOpError) -> UnsupportedOpError:
-    """A torch function (`spelled`: torch.cumprod) or method (x.cumprod) with no dtorch op yet."""
+def unsupported_op(name: str, spelled: str, error: type = UnsupportedOpError,
+                   out_of_place_method: bool = False) -> UnsupportedOpError:
+    """A torch function (`spelled`: torch.cumprod) or method (x.cumprod) with no dtorch op yet.
+    `out_of_place_method`: x.<name without its _> exists (a method composed of ops, as x.t())."""
     if name in NOTES:
         return error(f"{spelled} is not supported by dtorch yet (at {user_site()}): {NOTES[name]}.")
     if is_inplace_name(name):
-        return _inplace_method(name, spelled, error)
+        return _inplace_method(name, spelled, error, out_of_place_method)
     return error(f"{spelled} is not supported by dtorch yet (at {user_site()}).{_nearest_hint(name)} "
                  "docs/ops.md lists every supported op.")
 
 
-def unsupported_method(name: str) -> UnsupportedMethodError:
+def unsupported_method(name: str, out_of_place_method: bool = False) -> UnsupportedMethodError:
     """A torch.Tensor method or attribute that DTensor lacks; an AttributeError too (hasattr)."""
-    return unsupported_op(name, f"x.{name}", UnsupportedMethodError)
+    return unsupported_op(name, f"x.{name}", UnsupportedMethodError, out_of_place_method)
 
 
 def _nearest_hint(name: str) -> str:
@@ -86,13 +91,15 @@ def _nearest_hint(name: str) -> str:
     return f" Nearest supported: {', '.join(near)}." if near else ""
 
 
-def _inplace_method(name: str, spelled: str, error: type) -> UnsupportedOpError:
+def _inplace_method(name: str, spelled: str, error: type, out_of_place_method: bool) -> UnsupportedOpError:
     base = name[:-1]
     if name in INPLACE_ALTERNATIVES:
         advice = f"Write {INPLACE_ALTERNATIVES[name]} instead."
     elif base in REGISTRY:   # a view op: its in-place form changes x's shape, not its values
         advice = (f"It changes x's shape or layout in place, which dtorch does not do: write "
                   f"{f'x = x.{base}(...)' if REGISTRY[base].method else f'x = dtorch.{base}(x, ...)'} instead.")
+    elif out_of_place_method:   # composed of ops (dtorch/torch_methods.py: x.t(), x.swapaxes())
+        advice = f"Write x = x.{base}(...) instead: the same values in a new tensor."
     else:
         advice = f"dtorch has no {base} op yet either.{_nearest_hint(base)}"
     return error(f"{spelled} changes a tensor in place, which dtorch does not support for this op "
