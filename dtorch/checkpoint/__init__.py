@@ -20,10 +20,18 @@ from .modules import load_module
 from .safetensors_header import CheckpointError, StoredTensor, read_checkpoint
 from .saving import save
 from .sharded_loading import load
-from .convert import to_torch_state_dict
 from ..nn.module import set_path_loader
 
 set_path_loader(load_module)   # module.load_state_dict("dir/") lands here
+
+
+def __getattr__(name: str):
+    # imported on first use: `python -m dtorch.checkpoint.convert` runs convert as __main__, and
+    # runpy warns when the package's import has already imported it under its own name
+    if name == "to_torch_state_dict":
+        from .convert import to_torch_state_dict
+        return to_torch_state_dict
+    raise AttributeError(f"module 'dtorch.checkpoint' has no attribute {name!r}")
 
 __all__ = ["load_tensors", "load_state_dict", "load_module", "TensorTarget", "IncompatibleKeys", "LoadedTensors",
            "CheckpointError", "StoredTensor", "read_checkpoint", "save", "load", "to_torch_state_dict"]
