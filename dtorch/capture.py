@@ -89,6 +89,9 @@ class Capture:
         if threading.get_ident() != self.thread:
             return
         where = f"at {format_site(site)}, inside compiled {self.name}"
+        if command_type is wire.Profile:   # (it waits for a reply too: not a read of a value)
+            raise CompileError(f"dtorch.profile started or stopped {where}: a replay cannot repeat it. Profile "
+                               "around the compiled call instead: a replay shows as one RunGraph span holding its rows")
         if read is not None:
             raise CompileError(f"a read ({command_type.__name__}: .item(), to_torch(), fetch(), bool() or Python "
                                f"control flow on a tensor value) {where}: a compiled function runs on the workers "

@@ -183,6 +183,16 @@ def test_profiling_twice_and_not_nested(mesh4):
     assert "cos" not in {e["name"] for e in _worker_commands(traces[1])}
 
 
+def test_a_profile_inside_a_compiled_function_says_to_profile_around_it(mesh4):
+    @dtorch.compile
+    def step(x):
+        with dtorch.profile():
+            return x * 2
+    with pytest.raises(dtorch.CompileError, match="dtorch.profile started or stopped at .* inside compiled .*step: "
+                                                  ".* Profile around the compiled call instead"):
+        step(dtorch.randn(8, device_mesh=mesh4, placements=[Shard(0)]))
+
+
 def test_a_failing_op_inside_the_block_still_yields_a_trace(mesh4, tmp_path):
     path = tmp_path / "failed.json"
     numerator = dtorch.tensor(torch.arange(8), device_mesh=mesh4, placements=[Shard(0)])

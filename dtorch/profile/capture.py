@@ -89,9 +89,10 @@ class profile:
 def _running_session():
     try:
         return session.controller()
-    except DTorchError as missing:
-        raise DTorchError(f"dtorch.profile needs a running session to record its workers: build a mesh "
-                          f"(init_device_mesh) or call dtorch.init() before the `with` block ({missing})") from None
+    except DTorchError:
+        raise DTorchError("dtorch.profile needs a running session to record its workers (none started yet, or "
+                          "dtorch.shutdown() ended it): build a mesh (init_device_mesh) or call dtorch.init() "
+                          "before the `with` block") from None
 
 
 def _best_pings(controller, timeout_s: float) -> dict[int, profiling.ClockReading]:

@@ -188,7 +188,8 @@ def shutdown() -> None:
 
 
 def workers() -> list[dict]:
-    """rank, host, pid, device (and alive) of every worker in the pool."""
+    """rank, host, pid, device, alive, live_tensors and rss_bytes of every worker in the pool
+    (the last two from its latest heartbeat, every 0.5 s: they lag the commands just issued)."""
     return [w.as_dict() for _, w in sorted(controller().workers.items())]
 
 
