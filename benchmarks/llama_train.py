@@ -70,6 +70,7 @@ class Layout:
     reference: str | None = None    # the variant this one is divided by
     schedule: str | None = None     # model.forward_backward's ("gpipe", "1f1b"); None: loss.backward()
     compiled: bool = False          # the whole step as one dtorch.compile'd function (docs/compile.md)
+    checkpointed: bool = False      # gradient_checkpointing_enable(): each layer recomputed in backward
 
 
 def peer_variants(world: int) -> dict[str, str]:
@@ -88,6 +89,8 @@ def layouts(suite) -> list[Layout]:
             Layout(f"dtorch dp{world}, dtorch.compile step", (world,), "dp", reference=peers["DDP"], compiled=True),
             *(Layout(f"dtorch fsdp{n}", (n,), "fsdp", reference=peers["FSDP2"] if n == world else None)
               for n in fsdp_sizes),
+            Layout(f"dtorch fsdp{world}, gradient checkpointing", (world,), "fsdp", reference=f"dtorch fsdp{world}",
+                   checkpointed=True),
             Layout(f"dtorch tp{TP_WORLD}", (TP_WORLD,), "tp", reference=peers["TP"]),
             *(Layout(f"dtorch pp2, {m} microbatch{'es' if m > 1 else ''}", (2,), "pp", m, reference=ONE_WORKER)
               for m in suite.train_microbatches),
@@ -152,7 +155,8 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout, ddp: "_DdpRow") -
     idle = [rss_mib(pid) for pid in pids]
     reference_model, ids, expected_loss = start
     losses = []
-    once = _stepper(reference_model, ids, mesh, layout.microbatches, losses, layout.schedule, layout.compiled)
+    once = _stepper(reference_model, ids, mesh, layout.microbatches, losses, layout.schedule, layout.compiled,
+                    layout.checkpointed)
     repeat(once, WARMUP_STEPS, warmup=0)
     _check_loss(losses[0].item(), expected_loss)
     for pid in pids:
@@ -176,7 +180,7 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout, ddp: "_DdpRow") -
 
 
 def _stepper(reference_model, ids, mesh, microbatches, losses: list, schedule: str | None = None,
-             compiled: bool = False):
+             compiled: bool = False, checkpointed: bool = False):
     """A function that runs one timed training step of transformers' model on `mesh` and
     keeps the first step's loss in `losses`. Compiled: the step is one dtorch.compile'd function (the two
     warm-up steps capture it; the timed ones replay it), the batch uploaded inside the timer."""
@@ -184,6 +188,8 @@ def _stepper(reference_model, ids, mesh, microbatches, losses: list, schedule: s
     from dtorch.models import LlamaForCausalLM
     model = LlamaForCausalLM(reference_model.config, device_mesh=mesh, microbatches=microbatches)
     model.load_state_dict(reference_model.state_dict())
+    if checkpointed:
+        model.gradient_checkpointing_enable()
     optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
     step = compiled_step(model, optimizer)
 

@@ -22,6 +22,7 @@ alternately with PYTHONPATH on the commit before and after a change.
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 
@@ -124,48 +125,59 @@ def main() -> None:
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     torch.set_grad_enabled(False)   # as in a worker process: only commands that say `grad` record
 
-    def replay(start: int, end: int) -> float:
-        started = time.thread_time()
+    def replay(start: int, end: int) -> tuple:
+        started, faults = time.thread_time(), _faults()
         for frames in recorded[start:end]:
             worker._on_message([zmq.Frame(frame) for frame in frames])
-        return time.thread_time() - started
+        return time.thread_time() - started, _faults() - faults
 
     def torch_step() -> list:
         with torch.enable_grad():
-            started = time.thread_time()
+            marks = [(time.thread_time(), _faults())]
             loss = reference(ids, labels=ids).loss
-            forward = time.thread_time()
+            marks.append((time.thread_time(), _faults()))
             loss.backward()
-            backward = time.thread_time()
+            marks.append((time.thread_time(), _faults()))
             optimizer.step()
             optimizer.zero_grad()
-        return [forward - started, backward - forward, time.thread_time() - backward]
+            marks.append((time.thread_time(), _faults()))
+        return [(t1 - t0, f1 - f0) for (t0, f0), (t1, f1) in zip(marks, marks[1:])]
 
     phases = (WHOLE_STEP,) if args.compiled else PHASES
     ours = {phase: [] for phase in phases}
     theirs = {phase: [] for phase in phases}
     start = 0
     for index, (phase, end) in enumerate(marks):
-        seconds = replay(start, end)
+        measured = replay(start, end)
         start = end
         if phase == phases[-1]:   # a whole step replayed: torch's step, in turn
             times = torch_step()
-            for name, value in zip(phases, [sum(times)] if args.compiled else times):
+            if args.compiled:
+                times = [(sum(t for t, _ in times), sum(f for _, f in times))]
+            for name, value in zip(phases, times):
                 theirs[name].append(value)
         if phase in ours:
-            ours[phase].append(seconds)
+            ours[phase].append(measured)
     if replies.errors:
         raise SystemExit(f"the replayed stream failed on the in-process worker: {replies.errors[0]!r}")
     import dtorch
     print(dtorch.__file__.rsplit("/dtorch/", 1)[0])   # which checkout this measured
     print(f"batch {args.batch} x {ids.shape[1]} tokens, {len(ours[phases[0]]) - WARMUP_STEPS} steps "
-          f"(CPU ms, median / min; {len(recorded)} messages recorded)")
+          f"(CPU ms, median / min, and minor page faults, median; {len(recorded)} messages recorded)")
     for phase in phases:
         mine, torch_ = ours[phase][WARMUP_STEPS:], theirs[phase][WARMUP_STEPS:]
-        added = statistics.median(mine) - statistics.median(torch_)
-        print(f"  {phase:24s} worker {statistics.median(mine) * 1e3:6.1f} / {min(mine) * 1e3:6.1f}   "
-              f"torch {statistics.median(torch_) * 1e3:6.1f} / {min(torch_) * 1e3:6.1f}   "
+        seconds, faults = [t for t, _ in mine], [f for _, f in mine]
+        torch_seconds, torch_faults = [t for t, _ in torch_], [f for _, f in torch_]
+        added = statistics.median(seconds) - statistics.median(torch_seconds)
+        print(f"  {phase:24s} worker {statistics.median(seconds) * 1e3:6.1f} / {min(seconds) * 1e3:6.1f} "
+              f"({statistics.median(faults):6.0f} faults)   torch {statistics.median(torch_seconds) * 1e3:6.1f} / "
+              f"{min(torch_seconds) * 1e3:6.1f} ({statistics.median(torch_faults):6.0f} faults)   "
               f"added {added * 1e3:+5.1f} ms")
+
+
+def _faults() -> int:
+    """Minor page faults of this thread so far (pages touched for the first time)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 if __name__ == "__main__":

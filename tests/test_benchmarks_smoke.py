@@ -146,14 +146,15 @@ def test_the_dp_step_cpu_script_runs():
 @pytest.mark.timeout(180)
 def test_the_redistribute_ab_script_runs():
     """benchmarks.redistribute_ab (docs/benchmarks.md quotes it): both default settings, each in
-    its own controller process, with a time and a fault count for both redistributes."""
+    its own controller process, with a time, a fault count and the workers' CPU for both redistributes."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.redistribute_ab", "--rounds", "1", "--bursts", "2"],
                             cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("round 1, ")]
     assert len(rows) == 2 and "GLIBC_TUNABLES=" in rows[1], result.stdout
     for row in rows:
-        assert re.search(r"S\(0\)->S\(1\) [\d.]+ ms \(\d+\) \| S\(0\)->R [\d.]+ ms \(\d+\)", row), row
+        assert re.search(r"S\(0\)->S\(1\) [\d.]+ ms \(\d+; CPU [\d.]+ ms\) \| S\(0\)->R [\d.]+ ms \(\d+; CPU [\d.]+ ms\)",
+                         row), row
 
 
 @pytest.mark.timeout(120)
