@@ -149,6 +149,7 @@ class CompiledFunction:
     def __call__(self, *args, **kwargs):
         if capturing.active() is not None:   # called inside another capture: part of that one
             return self.fn(*args, **kwargs)
+        session.refuse_inside_checkpoint(f"compiled {self.name}")
         inputs, key = [], []
         _flatten((args, kwargs), inputs, key, {})
         key.append(is_grad_enabled())

@@ -170,21 +170,101 @@ def test_a_compiled_training_step_with_checkpointed_blocks_equals_eager(mesh4):
     assert step.captures <= 2   # then replays
 
 
-def test_what_a_region_cannot_hold_is_named_at_the_next_read(mesh4):
+def test_what_a_region_cannot_hold_is_refused_at_its_line_and_nothing_is_lost(mesh4):
+    """A backward or an optimizer step inside the checkpointed function raises at its own line,
+    before any command goes out: the parameters stay usable (a step refused on the workers
+    poisoned them)."""
     w = dtorch.ones(4, 4, device_mesh=mesh4, placements=[Replicate()], requires_grad=True)
+    optimizer = dtorch.optim.SGD([w], lr=0.1)
+    x = dtorch.ones(4, 4, device_mesh=mesh4, placements=[Shard(0)])
+    (x @ w).sum().backward()
 
     def backward_inside(h):
         (h @ w).sum().backward()
         return h * 2
 
-    out = checkpoint(backward_inside, dtorch.ones(4, 4, device_mesh=mesh4, placements=[Shard(0)]))
-    with pytest.raises(dtorch.RemoteError, match="Backward cannot run inside dtorch.utils.checkpoint"):
-        dtorch.synchronize()
-    with pytest.raises(dtorch.RemoteError, match="Backward .command #.* cannot run inside .* have no gradient"):
-        dtorch.synchronize()
-    assert out.to_torch().eq(2).all()   # the session goes on
+    def step_inside(h):
+        optimizer.step()
+        return h @ w
+
+    for fn, command in ((backward_inside, "backward"), (step_inside, "SGD.step")):
+        with pytest.raises(RuntimeError, match=f"({command}) at .*test_activation_checkpoint.py:.* cannot run inside "
+                                               "dtorch.utils.checkpoint"):
+            checkpoint(fn, x)
+    dtorch.synchronize()
+    optimizer.step()
+    assert torch.equal(w.to_torch(), torch.full((4, 4), 1 - 0.1 * 4))
     with pytest.raises(NotImplementedError, match="selective activation checkpointing"):
         checkpoint(lambda h: h, w, context_fn=lambda: None)
+
+
+def test_an_op_under_no_grad_inside_a_region_stays_out_of_the_gradient(mesh4):
+    """Recomputed, each command records as its own grad flag says: `c` made under no_grad
+    passed gradient to h when the recompute ran everything with grad (a wrong x.grad)."""
+    def fn(h, center):
+        with dtorch.no_grad():
+            c = center * 0.5 + h.mean(0)
+        return (h - c).tanh()
+    local = torch.linspace(-1, 1, 32).reshape(8, 4).requires_grad_()
+    with torch.no_grad():
+        c = torch.zeros(4) * 0.5 + local.mean(0)
+    (local - c).tanh().sum().backward()
+    for placements in ([Replicate()], [Shard(0)]):
+        x = dtorch.distribute_tensor(local.detach(), mesh4, placements).requires_grad_()
+        checkpoint(fn, x, dtorch.zeros(4, device_mesh=mesh4, placements=[Replicate()])).sum().backward()
+        torch.testing.assert_close(x.grad.to_torch(), local.grad)
+
+
+def test_a_buffer_updated_under_no_grad_in_a_region_stays_a_buffer(mesh4):
+    """A weight constrained in place and a running statistic with a collective, under no_grad
+    inside the region: both stay plain tensors (they became outputs of the region's node: the
+    weight's next backward failed, and the statistic's hung the next step's backward)."""
+    class Centered(tnn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = tnn.Linear(4, 4)
+            self.register_buffer("center", torch.zeros(4))
+
+        def forward(self, h):
+            with torch.no_grad():
+                self.lin.weight.clamp_(-1, 1)
+                self.center.mul_(0.9).add_(0.1 * h.mean(0))
+            return (self.lin(h) - self.center).tanh()
+    torch.manual_seed(0)
+    reference = Centered()
+    block = dtorch.distribute_module(copy.deepcopy(reference), mesh4)
+    for step in range(3):
+        x = _batch(step, rows=8, width=4)
+        reference(x).sum().backward()
+        checkpoint(block, dtorch.distribute_tensor(x, mesh4, [Shard(0)])).sum().backward()
+        torch.testing.assert_close(block.center.to_torch(), reference.center)
+        torch.testing.assert_close(block.lin.weight.grad.to_torch(), reference.lin.weight.grad, rtol=1e-5, atol=1e-6)
+    (block.lin.weight * 2).sum().backward()   # outside any region
+    assert block.lin.weight.is_leaf and block.lin.weight.grad is not None
+
+
+def test_the_gradient_of_a_tensor_used_again_inside_a_region_is_refused_not_zero(mesh4):
+    """`a` escapes the function and the function uses it: its uses are inside the region's one
+    node, so its own gradient cannot be reached (it came back as zeros). The gradient of what
+    flows through it, and of a region output nothing inside uses, are right."""
+    x = dtorch.distribute_tensor(torch.linspace(-1, 1, 8).reshape(4, 2), mesh4, [Shard(0)]).requires_grad_()
+    store = []
+
+    def fn(t):
+        a = t * 2
+        store.append(a)
+        return a.tanh()
+    y = checkpoint(fn, x)
+    with pytest.raises(dtorch.RemoteError, match="gradient of a tensor made inside dtorch.utils.checkpoint"):
+        dtorch.autograd.grad(y.sum(), [store[0]], retain_graph=True)[0].to_torch()
+    (y.sum() + 0.5 * store[0].sum()).backward()
+    local = torch.linspace(-1, 1, 8).reshape(4, 2).requires_grad_()
+    a = local * 2
+    (a.tanh().sum() + 0.5 * a.sum()).backward()
+    torch.testing.assert_close(x.grad.to_torch(), local.grad)
+    p, q = checkpoint(lambda t: (t * 3, (t * 2).sin()), x)   # p: an output nothing inside uses
+    (gp,) = dtorch.autograd.grad((p * q).sum(), [p])
+    torch.testing.assert_close(gp.to_torch(), (local.detach() * 2).sin())
 
 
 def test_torch_tensors_still_take_torchs_own_checkpoint():

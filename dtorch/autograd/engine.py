@@ -16,7 +16,7 @@ import threading
 from ..errors import user_site
 from ..factories import ones
 from ..recording import HopNode, Leaf, OpNode, no_grad
-from ..runtime import profiling
+from ..runtime import profiling, session
 from .. import capture as capturing
 from ..runtime.protocol import Backward, SetGrads
 from ..distributed_spec import Replicate
@@ -344,6 +344,7 @@ def _hop_back(hop: HopNode, landed_id: int, controller) -> tuple:
 
 # --- arguments ---------------------------------------------------------------------------------------
 def _roots_and_seeds(tensors, grads, create_graph: bool, what: str):
+    session.refuse_inside_checkpoint(what)
     if create_graph:
         raise NotImplementedError(f"{what}(create_graph=True) (higher-order gradients) is not supported yet")
     roots = [_reduced_root(root) for root in _as_list(tensors)]

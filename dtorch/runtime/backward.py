@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import protocol as wire
+from .checkpoint_regions import refuse_used_in_region
 from .grad_buckets import BucketBuffers, BucketReducer
 from .kernels import saves_gathered, saving_gathered
 
@@ -21,11 +22,13 @@ def run_backward(tensors: dict, roots: list, seeds: list, command: wire.Backward
                  buffers: BucketBuffers) -> None:
     if command.mode == "grad":
         inputs = [tensors[i] for i in command.inputs]
+        refuse_used_in_region(inputs)
         found = torch.autograd.grad(roots, inputs, seeds, retain_graph=command.retain_graph, allow_unused=True)
         for out_id, tensor, grad in zip(command.out_ids, inputs, found):
             tensors[out_id] = _dense(grad, tensor)
         return
     inputs = [tensors[i] for i in command.inputs]
+    refuse_used_in_region(inputs)
     for tensor in inputs:   # an intermediate the user retains (x.retain_grad()): torch keeps its .grad
         if tensor.grad_fn is not None:
             tensor.retain_grad()

@@ -28,11 +28,7 @@ from .kernels import _ANCHOR
 
 __all__ = ["RegionCommands", "Region"]
 
-RECOMPUTED = (wire.RunOp, wire.Redistribute)   # what a region runs again in backward
-# what may run inside a region as it would outside: their outputs (a factory's, an upload's)
-# are inputs of the region, kept as they are, not recomputed
-KEPT = (wire.DefineMesh, wire.Factory, wire.Upload, wire.Fetch, wire.Free, wire.Sync, wire.RequireGrad,
-        wire.CheckpointBegin, wire.CheckpointEnd)
+RECOMPUTED, KEPT = wire.RECOMPUTED_IN_CHECKPOINT, wire.KEPT_IN_CHECKPOINT
 
 
 class Region:
@@ -41,14 +37,37 @@ class Region:
     def __init__(self):
         self.commands: list = []    # RECOMPUTED commands, as sent (with their grad flags)
         self.made: set = set()      # ids they made
+        self.recorded: set = set()  # ... those of commands that record for backward (grad=True)
+        self.used: set = set()      # ... those a later command of the region reads
         self.read: dict = {}        # id -> tensor, each id read from before the region, as it was then
         self.depth = 1              # nested regions are part of the outermost
         self.refused: str | None = None   # a command a region cannot hold, named at its end
 
-    def note_inputs(self, ids, tensors: dict) -> None:
-        for tensor_id in ids:
-            if tensor_id not in self.made and tensor_id not in self.read and tensor_id in tensors:
+    def note(self, command, input_ids, tensors: dict) -> None:
+        for tensor_id in input_ids:
+            if tensor_id in self.made:
+                self.used.add(tensor_id)
+            elif tensor_id not in self.read and tensor_id in tensors:
                 self.read[tensor_id] = tensors[tensor_id]
+        self.commands.append(command)
+        out_ids = _outputs(command)
+        self.made.update(out_ids)
+        if command.grad:
+            self.recorded.update(out_ids)
+
+    def note_leaves(self, ids, tensors: dict) -> None:
+        """RequireGrad on tensors the region made (a parameter changed in place under no_grad
+        gets its new id made a leaf): from here on they are leaves the region reads, kept as they
+        are; the recompute puts them back over what it makes under their ids."""
+        for tensor_id in ids:
+            if tensor_id in self.made and tensor_id in tensors:
+                self.made.discard(tensor_id)
+                self.recorded.discard(tensor_id)
+                self.read[tensor_id] = tensors[tensor_id]
+
+
+def _outputs(command) -> tuple:
+    return command.out_ids if type(command) is wire.RunOp else (command.out_id,)
 
 
 def forward_only(command):
@@ -84,25 +103,24 @@ class RegionCommands:
         """Worker._run_command while a region is open."""
         region = self.region
         if type(command) in RECOMPUTED:
-            region.note_inputs(self._input_ids(command), self.tensors)
-            region.commands.append(command)
-            region.made.update(command.out_ids if type(command) is wire.RunOp else (command.out_id,))
+            region.note(command, self._input_ids(command), self.tensors)
             self._execute_or_record(forward_only(command))
             return
         if type(command) in KEPT:
             self._execute_or_record(command)
+            if type(command) is wire.RequireGrad and command.flag:
+                region.note_leaves(command.ids, self.tensors)
             return
         if region.refused is None:
             region.refused = f"{type(command).__name__} (command #{command.seq})"
         self._failed(command, RuntimeError(_refusal(type(command).__name__)))
 
     def _connect_region(self, region: Region) -> None:
-        """The region's tensors still held here become the outputs of one autograd node, where
-        the controller had its commands record (the same verdict on every rank: each rank's
-        graph gets the node, whatever its own shards require)."""
-        if not any(command.grad for command in region.commands):
-            return
-        outputs = {i: self.tensors[i] for i in sorted(region.made) if i in self.tensors}
+        """The region's tensors still held here that its commands recorded for backward become
+        the outputs of one autograd node: the controller's verdict, the same on every rank, so
+        each rank's graph gets the node whatever its own shards require. What the region made
+        without recording (a buffer updated under no_grad) stays a plain tensor, as outside."""
+        outputs = {i: self.tensors[i] for i in sorted(region.recorded) if i in self.tensors}
         if not outputs:
             return
         learned = {i: t for i, t in region.read.items() if t.requires_grad}
@@ -110,22 +128,39 @@ class RegionCommands:
             connected = RecomputedRegion.apply(self, region, tuple(outputs), tuple(outputs.values()), tuple(learned),
                                                _ANCHOR, *learned.values())
         for tensor_id, tensor in zip(outputs, connected):
+            if tensor_id in region.used:   # its own gradient would need the region's inside: refused
+                tensor._dtorch_used_in_region = True
             self.tensors[tensor_id] = tensor
 
     def _recompute(self, region: Region, leaves: dict) -> dict:
-        """Run the region's commands again, with grad, on `leaves` (id -> tensor) standing for
-        what it read; returns the table they filled. A failure raises: it fails the backward."""
+        """Run the region's commands again on `leaves` (id -> tensor) standing for what it read,
+        each recording for backward as its grad flag says (the handlers switch grad on for those;
+        the rest, run under no_grad by the user, stay out of the gradient); returns the table they
+        filled. A failure raises: it fails the backward."""
         tensors, in_flight = self.tensors, self.in_flight
         self.tensors, self.in_flight = table, _ = dict(leaves), {}
         try:
-            with torch.enable_grad():
+            with torch.no_grad():   # (a backward's own mode, unless create_graph: said for clarity)
                 for command in region.commands:
                     self._handlers[type(command)](command)
+                    for tensor_id in _outputs(command):   # a leaf made in the region stays that leaf
+                        if tensor_id in leaves:
+                            table[tensor_id] = leaves[tensor_id]
             for tensor_id, done in self.in_flight.items():   # the backward reads them next
                 self.device.wait(done, table[tensor_id])
         finally:
             self.tensors, self.in_flight = tensors, in_flight
         return table
+
+
+def refuse_used_in_region(tensors) -> None:
+    """A gradient asked of a tensor a checkpointed function made and used again (autograd.grad's
+    inputs, retain_grad): its uses are inside the region's one node, so the outer engine never
+    reaches it and would return zeros."""
+    if any(getattr(t, "_dtorch_used_in_region", False) for t in tensors):
+        raise RuntimeError("the gradient of a tensor made inside dtorch.utils.checkpoint's function and used there "
+                           "again cannot be computed (its uses run inside the region's recomputation): make it "
+                           "outside the checkpointed function, or do not checkpoint that function")
 
 
 def _refusal(what: str) -> str:

@@ -31,7 +31,8 @@ __all__ = [
     # commands
     "DefineMesh", "Factory", "Upload", "LoadShard", "RunOp", "Redistribute", "Transfer", "Fetch", "Free", "Sync", "Shutdown",
     "Regroup", "RequireGrad", "SetGrads", "Backward", "OptimizerStep", "GradNorm", "UpdateGrads", "SaveShard", "LoadChunks", "Profile",
-    "DefineGraph", "RunGraph", "DropGraph", "CheckpointBegin", "CheckpointEnd", "COMMANDS", "handler_name", "encode_batch", "decode_batch", "span",
+    "DefineGraph", "RunGraph", "DropGraph", "CheckpointBegin", "CheckpointEnd", "RECOMPUTED_IN_CHECKPOINT",
+    "KEPT_IN_CHECKPOINT", "COMMANDS", "handler_name", "encode_batch", "decode_batch", "span",
     "decode_rows", "command_row",
     # every other message
     "Batch", "Private", "Probe", "Register", "Welcome", "Refused", "Reply", "ErrorReport", "WarningReport",
@@ -351,6 +352,16 @@ class CheckpointEnd(NamedTuple):
     outputs of one autograd node, whose backward recomputes the region."""
     seq: int
 
+
+# What a checkpoint region may hold (runtime/checkpoint_regions.py): ops and redistributes, run
+# again in backward; what makes or reads tensors as it would outside (a factory's, an upload's
+# output is an input of the region); frees, fences and flags. Anything else (a backward, an
+# optimizer step, a move to another mesh, a replay) is refused by the controller at the user's
+# line, and by a worker that meets one anyway. RequireGrad and SetGrads come with an in-place
+# change of a parameter under no_grad (its new id made a leaf, its .grad bound to it).
+RECOMPUTED_IN_CHECKPOINT = (RunOp, Redistribute)
+KEPT_IN_CHECKPOINT = (DefineMesh, Factory, Upload, Fetch, Free, Sync, RequireGrad, SetGrads, Shutdown, DropGraph,
+                      CheckpointBegin, CheckpointEnd)
 
 COMMANDS = (DefineMesh, Factory, Upload, LoadShard, RunOp, Redistribute, Transfer, Fetch, Free, Sync, Shutdown,
             Regroup, RequireGrad, SetGrads, Backward, OptimizerStep, GradNorm, UpdateGrads, SaveShard, LoadChunks,

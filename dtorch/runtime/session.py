@@ -11,10 +11,10 @@ import os
 import random
 import threading
 
-from ..errors import MeshError, SessionEndedError
+from ..errors import MeshError, SessionEndedError, user_site
 from ..ops.dispatch import warm_up_inference
 from .cluster import LocalSpawner, worker_config
-from .controller import Controller
+from .controller import Controller, checkpoint_refusal
 from . import recovery
 from .transport import LOCAL, make_curve_keys
 
@@ -34,6 +34,15 @@ def controller() -> Controller:
         raise SessionEndedError("no dtorch session (none started yet, or dtorch.shutdown() ended it): build a mesh "
                                 "with init_device_mesh(...) or call dtorch.init()")
     return active
+
+
+def refuse_inside_checkpoint(what: str) -> None:
+    """Raise at the user's line when `what` (a backward, an optimizer step, a compiled call) is
+    called inside dtorch.utils.checkpoint's function: before it changes anything, here or on
+    the workers (the controller's submit refuses the command too, as a backstop)."""
+    active = _controller
+    if active is not None and active.checkpoint_depth:
+        raise RuntimeError(checkpoint_refusal(what, user_site()))
 
 
 def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str | None = None,

@@ -14,9 +14,10 @@ with activation checkpointing does), and nothing the controller does per op chan
 Random ops draw the same numbers when run again: dtorch's are functions of the call's seed and
 counter, carried in the command (preserve_rng_state is always in effect). `use_reentrant` is
 accepted and has no effect: both of torch's forms give these gradients, and
-`dtorch.autograd.grad` works through a region. What a region cannot hold fails at the end of
-the region, at the user's call: a move to another mesh (a pipeline stage), a backward, an
-optimizer step, a compiled function's replay.
+`dtorch.autograd.grad` works through a region. What a region cannot hold raises at its own line,
+before anything runs: a move to another mesh (a pipeline stage), a backward, an optimizer step, a
+compiled function's call. A region belongs to the session, not to a thread: ops another thread
+issues meanwhile join it.
 """
 from __future__ import annotations
 
@@ -43,9 +44,11 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, context_fn=No
         return function(*args, **kwargs)
     controller = session.controller()
     controller.submit(wire.CheckpointBegin)
+    controller.checkpoint_depth += 1   # the controller refuses what a region cannot hold, at its line
     try:
         return function(*args, **kwargs)
     finally:
+        controller.checkpoint_depth -= 1
         # fn's own temporaries, dropped as it returned, are freed before the end: the workers
         # connect only what is still held (its outputs, and anything it stored away)
         controller.free_before_next()
