@@ -150,10 +150,11 @@ class Controller(WorkerMessages):
         self.rejections = Rejections()
         self._handlers = {kind: getattr(self, wire.handler_name(kind, "_on_")) for kind in wire.FROM_WORKER}
         self._sockets_open = False
-        self.sockets = self._call(self._open, bind_host, curve)
+        # the pool before the sockets: opening them starts the loop's watchdog, which reads it
         self.store, self.store_address = host_store(bind_host or "127.0.0.1", gloo_timeout_s)
         self.pool = WorkerPool(self._lock, self.store)
         self.workers = self.pool.workers    # rank -> WorkerRecord
+        self.sockets = self._call(self._open, bind_host, curve)
 
     # --- user thread ----------------------------------------------------------------------------
     def submit(self, command_type, *fields, read=None, private=None, span=1) -> int:
