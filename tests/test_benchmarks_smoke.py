@@ -144,6 +144,16 @@ def test_the_dp_step_cpu_script_runs():
 
 
 @pytest.mark.timeout(180)
+def test_the_step_phases_script_runs():
+    """benchmarks.step_phases (docs/benchmarks.md quotes its fsdp4 phases): a time for each phase."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.step_phases", "--layout", "fsdp2", "--steps", "1"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert re.search(r"fsdp2 medians over 1 steps: forward \d+ ms, backward \d+ ms, AdamW \+ zero_grad \d+ ms, "
+                     r"step \d+ ms", result.stdout), result.stdout
+
+
+@pytest.mark.timeout(180)
 def test_the_redistribute_ab_script_runs():
     """benchmarks.redistribute_ab (docs/benchmarks.md quotes it): both default settings, each in
     its own controller process, with a time, a fault count and the workers' CPU for both redistributes."""
