@@ -249,5 +249,5 @@ def test_the_worker_stream_script_replays_a_recorded_training_step(compiled):
     assert "batch 2 x 64 tokens, 1 steps" in result.stdout, result.stdout
     phases = ("whole step \\(compiled\\)",) if compiled else ("forward", "backward", "AdamW step \\+ zero_grad")
     for phase in phases:
-        assert re.search(rf"\n  {phase} +worker +[\d.]+ / +[\d.]+ +torch +[\d.]+ / +[\d.]+ +added +[-+][\d.]+ ms",
-                         result.stdout), (phase, result.stdout)
+        assert re.search(rf"\n  {phase} +worker +[\d.]+ / +[\d.]+ \( *\d+ faults\) +torch +[\d.]+ / +[\d.]+ "
+                         rf"\( *\d+ faults\) +added +[-+][\d.]+ ms", result.stdout), (phase, result.stdout)
