@@ -212,6 +212,7 @@ class DTensor:
     def _move_to(self, mesh: DeviceMesh, placements) -> "DTensor":
         """To another mesh (a pipeline stage's sub-mesh, another shape, CPU <-> CUDA): reduce any
         Partial on this mesh, move blocks point-to-point, re-partialize locally on the target."""
+        session.refuse_inside_checkpoint("a move to another mesh")
         source = self.reduce_partials()
         landing = tuple(Replicate() if p.is_partial() else p for p in placements)
         controller = self._controller

@@ -18,7 +18,6 @@ every member in the store the same way before Gloo's own rendezvous starts.
 from __future__ import annotations
 
 import datetime
-import threading
 import time
 from typing import Protocol
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DTorchError
+from .host_buffers import ScratchBuffers
 from .protocol import lost_worker_key
 
 __all__ = ["Communicator", "GlooCommunicator", "PeerLostError", "REDUCE_OPS", "backend_reduce_op",
@@ -161,37 +161,6 @@ def _gloo_reduction_dtype(dtype: torch.dtype) -> torch.dtype:
         raise TypeError(f"Gloo cannot reduce {dtype} tensors (a Partial -> R or S move, or a Partial "
                         f"result); convert with .to(torch.int64) or .to(torch.float64) first")
     return _GLOO_REDUCES_IN[dtype]
-
-
-class ScratchBuffers:
-    """Host buffers kept between collectives for what never leaves one: the packed pieces an
-    all-to-all sends, the pieces a reduce-scatter receives and reduces at once. A fresh buffer
-    of several MiB costs more than the copy into it (glibc maps it anew and the first touch
-    faults every page in: 1.2 ms against 0.6 ms for 8 MiB here), and the raw collective a
-    redistribute is measured against reuses its buffers. One per thread and role, so no two
-    uses overlap; grown to the largest use up to SCRATCH_MAX_BYTES, beyond that allocated per use."""
-
-    def __init__(self):
-        self._local = threading.local()
-
-    def take(self, role: str, like: torch.Tensor) -> torch.Tensor:
-        """An uninitialized contiguous tensor of `like`'s shape and dtype, valid until the next
-        take of `role` on this thread."""
-        nbytes = like.numel() * like.element_size()
-        if nbytes > SCRATCH_MAX_BYTES:
-            return torch.empty(like.shape, dtype=like.dtype)
-        buffers = self._local.__dict__
-        buffer = buffers.get(role)
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = buffers[role] = torch.empty(nbytes, dtype=torch.uint8)
-        return buffer[:nbytes].view(like.dtype).view(like.shape)
-
-    def forget(self) -> None:
-        """Take fresh buffers from here on (this thread's old ones stay with whoever holds them)."""
-        self._local.__dict__.clear()
-
-
-SCRATCH_MAX_BYTES = 64 << 20   # a worker keeps at most 2 x this (sent + received) per thread
 
 
 class GlooCommunicator:

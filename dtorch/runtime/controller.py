@@ -76,13 +76,6 @@ HANG_TIMEOUT_S = 600.0   # one command running longer than this on a worker: rep
 # Tensor ids are unique across sessions in this process, so a tensor kept from an ended session
 # can never name a tensor of the next one, even where the ownership check is bypassed.
 _TENSOR_IDS = itertools.count(1)
-_IN_CHECKPOINT = frozenset(wire.RECOMPUTED_IN_CHECKPOINT + wire.KEPT_IN_CHECKPOINT)
-
-
-def checkpoint_refusal(what: str, where: str) -> str:
-    return (f"{what} at {where} cannot run inside dtorch.utils.checkpoint's function: the function runs again in "
-            "backward, and only its ops and redistributes can (not a backward, an optimizer step, a move to another "
-            "mesh or a compiled function's call); call it outside the checkpointed function")
 _PROBE = wire.encode(wire.Probe())
 
 
@@ -140,7 +133,7 @@ class Controller(WorkerMessages):
                                if hang_timeout_s is None else hang_timeout_s)
         self.closed = False
         self.capture = None   # dtorch.compile's capture in progress (record/check), else None
-        self.checkpoint_depth = 0   # dtorch.utils.checkpoint's open regions (nested): see submit
+        self.checkpoint_depth = 0   # dtorch.utils.checkpoint's open regions (session.refuse_inside_checkpoint)
         self._release_watch: dict[int, weakref.WeakSet] = {}   # id -> graphs that read it (watch_release)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dtorch-controller", daemon=True)
@@ -168,8 +161,6 @@ class Controller(WorkerMessages):
         capture = self.capture
         if capture is not None:   # dtorch.compile's first call: refuses reads and uploads (raises)
             capture.check(command_type, site, read, private)
-        if self.checkpoint_depth and command_type not in _IN_CHECKPOINT:   # (the API entries refuse first)
-            raise RuntimeError(checkpoint_refusal(command_type.__name__, format_site(site)))
         now = time.monotonic()
         with self._lock:
             if self._free_now or len(self._released) >= FREE_BATCH:

@@ -14,7 +14,7 @@ import threading
 from ..errors import MeshError, SessionEndedError, user_site
 from ..ops.dispatch import warm_up_inference
 from .cluster import LocalSpawner, worker_config
-from .controller import Controller, checkpoint_refusal
+from .controller import Controller
 from . import recovery
 from .transport import LOCAL, make_curve_keys
 
@@ -37,12 +37,16 @@ def controller() -> Controller:
 
 
 def refuse_inside_checkpoint(what: str) -> None:
-    """Raise at the user's line when `what` (a backward, an optimizer step, a compiled call) is
-    called inside dtorch.utils.checkpoint's function: before it changes anything, here or on
-    the workers (the controller's submit refuses the command too, as a backstop)."""
+    """Raise at the user's line when `what` (a backward, an optimizer step, a compiled call, a
+    move to another mesh) is called inside dtorch.utils.checkpoint's function: before it changes
+    anything, here or on the workers (a worker refuses such a command too, as a backstop). At
+    these entries, not in Controller.submit: the per-op path pays nothing for it."""
     active = _controller
     if active is not None and active.checkpoint_depth:
-        raise RuntimeError(checkpoint_refusal(what, user_site()))
+        raise RuntimeError(f"{what} at {user_site()} cannot run inside dtorch.utils.checkpoint's function: the "
+                           "function runs again in backward, and only its ops and redistributes can (not a backward, "
+                           "an optimizer step, a move to another mesh or a compiled function's call); call it outside "
+                           "the checkpointed function")
 
 
 def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str | None = None,

@@ -133,10 +133,8 @@ class Worker(TrainingCommands, CheckpointCommands, RegionCommands):
     def _run_command(self, command) -> None:
         if self.region is not None:   # dtorch.utils.checkpoint (checkpoint_regions.py)
             self._run_in_region(command)
-        elif self.profiler is not None:   # profiling off costs this one check per command
-            self.profiler.record(command, self._execute)
-        elif not self._ran_inline(command):
-            self._execute(command)
+        elif self.profiler is not None or not self._ran_inline(command):   # profiling off: one check
+            self._execute_or_record(command)
 
     def _execute_or_record(self, command) -> None:
         if self.profiler is not None:
