@@ -112,3 +112,42 @@ def test_a_gathered_parameter_is_saved_as_its_recipe_and_gathered_again_in_backw
     F.linear(reference_x, reference_shard).sum().backward()
     assert torch.equal(x.grad, reference_x.grad)
     assert torch.equal(shard.grad, reference_shard.grad)
+
+
+class _OnePeer:
+    """fsdp_gather's peers object for a group of one, counting the all-gathers."""
+    size, index = 1, 0
+
+    def __init__(self):
+        self.gathers = 0
+
+    def all_gather(self, tensor):
+        self.gathers += 1
+        return tensor.unsqueeze(0).clone()
+
+    def reduce_scatter(self, stacked):
+        return stacked[0].clone()
+
+
+def test_a_gathered_group_is_gathered_again_once_in_backward_and_dropped_after_it():
+    """fully_shard's grouped gather: the ops that save its members (two linears, one of them
+    twice) make backward gather the whole group again ONCE, at the first unpack; the group's
+    own backward (the reduce-scatter) drops what it gathered. Gradients equal torch's."""
+    from dtorch.runtime.fsdp_gather import _GatheredGroup, _Layout
+    peers = _OnePeer()
+    shards = [torch.randn(6, 4, requires_grad=True), torch.randn(3, 6, requires_grad=True)]
+    layout = _Layout([((0, 0), [6, 4]), ((0, 0), [3, 6])], [0, 0], peers, torch.float32, "cpu")
+    x = torch.randn(5, 4, requires_grad=True)
+    with torch.enable_grad(), saved_tensors_hooks(pack_saved, unpack_saved):
+        first, second = _GatheredGroup.apply(layout, peers, True, torch.zeros((), requires_grad=True), *shards)
+        out = F.linear(F.linear(x, first).tanh(), second) + F.linear(x, first).sum()
+    assert peers.gathers == 1
+    group = first._dtorch_regather.group
+    out.sum().backward()
+    assert peers.gathers == 2, "backward gathered the group once per saved member, or never"
+    assert group.gathered is None, "the group gathered in backward is still held"
+    reference = [t.detach().clone().requires_grad_() for t in (*shards, x)]
+    (F.linear(F.linear(reference[2], reference[0]).tanh(), reference[1]) + F.linear(reference[2], reference[0]).sum()
+     ).sum().backward()
+    for mine, theirs in zip((*shards, x), reference):
+        torch.testing.assert_close(mine.grad, theirs.grad)

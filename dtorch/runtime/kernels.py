@@ -316,7 +316,7 @@ class DifferentiableStep(torch.autograd.Function):
         if regathers and step is _all_gather and tensor.is_leaf and tensor.requires_grad:
             # a parameter's shard gathered (fsdp): backward gathers it again rather than keep it.
             # Marked on the storage's root tensor: ops save views of it (linear saves weight.t())
-            _root(out)._dtorch_regather = (tensor, before, after, extents, group, index, ctx.comm)
+            _root(out)._dtorch_regather = _GatherStepAgain(tensor, before, after, extents, group, index, ctx.comm)
         return out
 
     @staticmethod
@@ -402,17 +402,30 @@ def unpack_saved(packed):
     """... and unpack: backward gathers it again (every rank unpacks in the same node order)."""
     if type(packed) is not _Regather:
         return packed
-    shard, before, after, extents, group, index, comm = packed.recipe
-    with torch.no_grad():   # the same step lays the gathered storage out the same way again
-        gathered = _all_gather(shard.detach(), before, after, extents, group, index, comm)
-    return _root(gathered).as_strided(*packed.view)
+    return _root(packed.recipe.gather_again()).as_strided(*packed.view)
 
 
 def _root(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor._base is None else tensor._base
 
 
+class _GatherStepAgain:
+    """A redistribute's all-gather of a parameter's shard (DifferentiableStep), to run again."""
+    __slots__ = ("shard", "before", "after", "extents", "group", "index", "comm")
+
+    def __init__(self, shard, before, after, extents, group, index, comm):
+        self.shard, self.before, self.after, self.extents = shard, before, after, extents
+        self.group, self.index, self.comm = group, index, comm
+
+    def gather_again(self) -> torch.Tensor:
+        with torch.no_grad():   # the same step lays the gathered storage out the same way again
+            return _all_gather(self.shard.detach(), self.before, self.after, self.extents, self.group, self.index,
+                               self.comm)
+
+
 class _Regather:
+    """A saved gathered parameter: its recipe (an object whose gather_again() gives the gathered
+    storage anew: _GatherStepAgain, fsdp_gather's group member) and the saved view of it."""
     __slots__ = ("recipe", "view")
 
     def __init__(self, recipe, view):

@@ -1,5 +1,6 @@
 """A kernel's view of its peers along one mesh dim (a resolved distributed_spec.PeerGroup), backed
-by the worker's communicator: what ring attention passes its key/value blocks around with."""
+by the worker's communicator: what ring attention passes its key/value blocks around with, and
+what fully_shard's grouped gather (runtime/fsdp_gather.py) gathers and reduce-scatters over."""
 from __future__ import annotations
 
 import torch
@@ -26,3 +27,11 @@ class Peers:
         preceding = self.ranks[(self.index - 1) % self.size]
         self._comm.exchange(self.ranks, [(following, payload)], [(preceding, received)])
         return received
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every member's `tensor` (the same shape everywhere), stacked in member order on dim 0."""
+        return self._comm.all_gather(self.ranks, tensor)
+
+    def reduce_scatter(self, stacked: torch.Tensor) -> torch.Tensor:
+        """Piece `index` of `stacked` (one piece per member on dim 0), summed over the members."""
+        return self._comm.reduce_scatter(self.ranks, stacked, "sum")

@@ -31,6 +31,7 @@ from . import graphs, straight_line
 from .backward import run_recorded
 from .grad_buckets import BucketBuffers
 from .fused_moves import run_moves
+from . import fsdp_gather  # noqa: F401  (registers fully_shard's grouped gather kernel)
 from .kernels import apply_steps, make_factory
 from .peers import Peers
 from .poisoned import Poisoned
@@ -368,7 +369,8 @@ class Worker(TrainingCommands, CheckpointCommands, RegionCommands):
         out, done = self.device.communicate(lambda: KERNELS[command.kernel](*args, **kwargs), tensors)
         if failed is not None:
             raise failed
-        self._keep(command.out_ids[0], out, done)
+        for tensor_id, tensor in zip(command.out_ids, out if isinstance(out, (tuple, list)) else (out,)):
+            self._keep(tensor_id, tensor, done)
 
     def handle_redistribute(self, command: wire.Redistribute) -> None:
         mesh = self._member(command.mesh_id)

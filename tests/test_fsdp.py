@@ -1,0 +1,150 @@
+"""fully_shard's grouped gather (dtorch/nn/fsdp.py, runtime/fsdp_gather.py): a module's
+parameters are gathered by one command and one all-gather, their gradients reduce-scattered by
+one collective, and training equals torch's on every mesh, with uneven shapes, tp-sharded
+weights, a frozen parameter and two dtypes in one module."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import dtorch
+from dtorch.distributed_spec import Replicate, Shard
+from dtorch.errors import RemoteError
+from dtorch.nn import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module
+from dtorch.runtime import protocol, session
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Block(torch.nn.Module):
+    """Uneven sizes over 2 and 4 ranks (13, 7, 5), a norm, and a float64 head."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(7, 13)
+        self.norm = torch.nn.LayerNorm(13)
+        self.down = torch.nn.Linear(13, 5)
+        self.head = torch.nn.Linear(5, 7, dtype=torch.float64)
+
+    def forward(self, x):
+        h = self.down(self.norm(torch.relu(self.up(x))))
+        return self.head(h.double()).float()
+
+
+def _models(mesh, tp: bool, freeze: bool):
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(Block(), Block())
+    if freeze:
+        for block in reference:
+            block.head.requires_grad_(False)
+    model = dtorch.distribute_module(_copy(reference), mesh)
+    if tp:
+        parallelize_module(model, mesh, {"*.up": ColwiseParallel(), "*.down": RowwiseParallel()}, tp_dim="tp")
+    for block in model:
+        fully_shard(block, mesh.mesh_dim_names[0])
+    fully_shard(model, mesh.mesh_dim_names[0])
+    return reference, model
+
+
+def _copy(module):
+    import copy
+    return copy.deepcopy(module)
+
+
+@contextlib.contextmanager
+def _commands():
+    """The commands the controller is asked to send (a spy on submit; the workers still run them)."""
+    controller = session.controller()
+    sent, submit = [], controller.submit
+
+    def spy(command_type, *fields, **kwargs):
+        sent.append((command_type, fields[2] if command_type is protocol.RunOp else None))
+        return submit(command_type, *fields, **kwargs)
+    controller.submit = spy
+    try:
+        yield sent
+    finally:
+        del controller.submit
+
+
+@pytest.mark.parametrize("layout", ["fsdp4", "fsdp2xtp2", "frozen head"])
+def test_training_with_grouped_gathers_equals_torch(layout, session, mesh4, mesh22):
+    """3 AdamW steps: the same losses and parameters as torch. On fsdp2 x tp2 the column-parallel
+    bias has no dim tp leaves whole: it is gathered by an ordinary redistribute beside the group."""
+    mesh = dtorch.init_device_mesh("cpu", (2, 2) if layout == "fsdp2xtp2" else (4,),
+                                   mesh_dim_names=["fsdp", "tp"] if layout == "fsdp2xtp2" else ["fsdp"])
+    reference, model = _models(mesh, tp=layout == "fsdp2xtp2", freeze=layout == "frozen head")
+    assert model[0].up.weight.placements[0] == Shard(0 if layout != "fsdp2xtp2" else 1)
+    optimizer = dtorch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    expected = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(6, 7, generator=g)
+        loss = model(dtorch.distribute_tensor(x, mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1))).pow(2).mean()
+        theirs = reference(x).pow(2).mean()
+        for step in ((loss, optimizer), (theirs, expected)):
+            step[0].backward()
+            step[1].step()
+            step[1].zero_grad()
+        torch.testing.assert_close(loss.item(), theirs.item(), rtol=1e-5, atol=1e-7)
+    for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
+        assert isinstance(got.placements[0], Shard), name   # the sharded Parameters, not gathered copies
+        torch.testing.assert_close(got.to_torch(), want.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    if layout == "frozen head":
+        assert model[0].head.weight.grad is None
+
+
+def test_a_module_gathers_its_parameters_with_one_command(session, mesh4):
+    """Each fully-sharded module's forward sends one gather command per (mesh, dtype) of its
+    parameters, not a redistribute per parameter; so does its backward's reduce-scatter (no
+    command at all: the gather's recorded dual)."""
+    _, model = _models(mesh4, tp=False, freeze=False)
+    x = dtorch.randn(6, 7, device_mesh=mesh4, placements=[Shard(0)])
+    with _commands() as sent:
+        loss = model(x).sum()
+    gathers = [op for kind, op in sent if op == "fully_shard (all-gather)"]
+    assert len(gathers) == 4, sent   # each block: its float32 parameters, its float64 head
+    assert not any(kind is protocol.Redistribute for kind, _ in sent)
+    loss.backward()
+    assert model[0].up.weight.grad.placements == (Shard(0),)
+
+
+def test_parameters_stay_the_shards_when_copies_are_kept_for_backward(session, mesh4):
+    """reshard_after_forward=False keeps the gathered copies for backward instead of gathering
+    them again; the module still hands back its Parameters after forward (before, it kept the
+    copies in their place, and the next forward treated a copy as the shard)."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 3))
+    model = fully_shard(dtorch.distribute_module(_copy(reference), mesh4), "dp", reshard_after_forward=False)
+    optimizer = dtorch.optim.SGD(model.parameters(), lr=0.1)
+    expected = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for k in range(3):
+        x = torch.randn(4, 7)
+        loss = model(dtorch.distribute_tensor(x, mesh4, [Shard(0)])).sum()
+        assert all(p.placements == (Shard(0),) for p in model.parameters())
+        theirs = reference(x).sum()
+        for step in ((loss, optimizer), (theirs, expected)):
+            step[0].backward()
+            step[1].step()
+            step[1].zero_grad()
+        torch.testing.assert_close(loss.item(), theirs.item(), rtol=1e-5, atol=1e-6)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.to_torch(), want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_failed_parameter_fails_the_read_not_the_gather(session, mesh4):
+    """A parameter whose value failed on the workers (an index out of range) still joins the
+    group's all-gather with zeros on its ranks, so no peer waits; the failure comes back at the
+    read, naming the op and the line, and the session goes on."""
+    layer = fully_shard(dtorch.distribute_module(torch.nn.Linear(4, 8), mesh4), "dp")
+    table = dtorch.randn(8, 4, device_mesh=mesh4, placements=[Replicate()])
+    rows = dtorch.tensor(torch.tensor([0, 1, 2, 3, 4, 5, 6, 99]), device_mesh=mesh4, placements=[Replicate()])
+    with dtorch.no_grad():
+        broken = table[rows]   # fails on the workers only: the controller never sees the indices
+        layer.weight.copy_(broken.redistribute(placements=layer.weight.placements))
+    out = layer(dtorch.ones(2, 4, device_mesh=mesh4, placements=[Shard(0)]))
+    with pytest.raises(RemoteError, match="index"):
+        out.to_torch()
+    assert dtorch.ones(3, device_mesh=mesh4, placements=[Shard(0)]).sum().item() == 3.0
