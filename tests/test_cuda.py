@@ -20,6 +20,7 @@ import torch
 
 import dtorch
 import test_checkpoint as cpu_checkpoint
+import test_fsdp as cpu_fsdp
 import test_random as cpu_random
 import test_redistribute as cpu_redistribute
 import test_runtime_ops as cpu_ops
@@ -102,6 +103,9 @@ SHARED_CHECKS = [
     ("2-D", cpu_random.test_randint_and_dtypes, {}),
     ("1-D", cpu_random.test_partial_random_reads_back_the_same_value, {}),
     *[("any", cpu_checkpoint.test_every_layout_loads_exactly, {"dtype": d}) for d in [torch.float32, torch.bfloat16]],
+    ("1-D", cpu_fsdp.test_a_module_gathers_its_parameters_with_one_command, {}),
+    ("1-D", cpu_fsdp.test_parameters_stay_the_shards_when_copies_are_kept_for_backward, {}),
+    ("1-D", cpu_fsdp.test_a_failed_parameter_fails_the_read_not_the_gather, {}),
 ]
 CASES = [pytest.param(names, check, arguments,
                       id="-".join([check.__name__.removeprefix("test_"), *names, *map(str, arguments.values())]))

@@ -70,7 +70,7 @@ def _commands():
 
 
 @pytest.mark.parametrize("layout", ["fsdp4", "fsdp2xtp2", "frozen head"])
-def test_training_with_grouped_gathers_equals_torch(layout, session, mesh4, mesh22):
+def test_training_with_grouped_gathers_equals_torch(layout, session):
     """3 AdamW steps: the same losses and parameters as torch. On fsdp2 x tp2 the column-parallel
     bias has no dim tp leaves whole: it is gathered by an ordinary redistribute beside the group."""
     mesh = dtorch.init_device_mesh("cpu", (2, 2) if layout == "fsdp2xtp2" else (4,),
@@ -96,7 +96,7 @@ def test_training_with_grouped_gathers_equals_torch(layout, session, mesh4, mesh
         assert model[0].head.weight.grad is None
 
 
-def test_a_module_gathers_its_parameters_with_one_command(session, mesh4):
+def test_a_module_gathers_its_parameters_with_one_command(mesh4):
     """Each fully-sharded module's forward sends one gather command per (mesh, dtype) of its
     parameters, not a redistribute per parameter; so does its backward's reduce-scatter (no
     command at all: the gather's recorded dual)."""
@@ -111,7 +111,7 @@ def test_a_module_gathers_its_parameters_with_one_command(session, mesh4):
     assert model[0].up.weight.grad.placements == (Shard(0),)
 
 
-def test_parameters_stay_the_shards_when_copies_are_kept_for_backward(session, mesh4):
+def test_parameters_stay_the_shards_when_copies_are_kept_for_backward(mesh4):
     """reshard_after_forward=False keeps the gathered copies for backward instead of gathering
     them again; the module still hands back its Parameters after forward (before, it kept the
     copies in their place, and the next forward treated a copy as the shard)."""
@@ -134,7 +134,7 @@ def test_parameters_stay_the_shards_when_copies_are_kept_for_backward(session, m
         torch.testing.assert_close(got.to_torch(), want.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_a_failed_parameter_fails_the_read_not_the_gather(session, mesh4):
+def test_a_failed_parameter_fails_the_read_not_the_gather(mesh4):
     """A parameter whose value failed on the workers (an index out of range) still joins the
     group's all-gather with zeros on its ranks, so no peer waits; the failure comes back at the
     read, naming the op and the line, and the session goes on."""

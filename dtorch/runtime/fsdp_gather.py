@@ -33,10 +33,11 @@ __all__ = ["fsdp_all_gather"]
 @kernel("fsdp_all_gather", peers=True)
 def fsdp_all_gather(*shards, peers, blocks, dims, dtype, device, regather=True, standin=False):
     """The gathered tensors of `shards`, in order. `blocks`: each one's (offset, shape) here once
-    gathered (a resolved ShardRegion); `dims`: the tensor dim its fsdp shard splits; `regather`:
+    gathered (a resolved ShardRegion); `dims`: the tensor dim its fsdp shard splits; `device`: the
+    mesh's device type, for stand-in zeros (else the shards' own device); `regather`:
     whether backward gathers again rather than keep them (reshard_after_forward). With `standin`
     (an input failed here), zeros stand in so that the peers' collective still completes."""
-    layout = _Layout(blocks, dims, peers, dtype, device)
+    layout = _Layout(blocks, dims, peers, dtype, device if standin else shards[0].device)
     if standin:
         shards = layout.zeros()
     if torch.is_grad_enabled():   # a recorded gather (RunOp.grad): one node, its dual one reduce-scatter
