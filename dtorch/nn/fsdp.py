@@ -23,7 +23,7 @@ from ..distributed_spec import PeerGroup, Replicate, Shard, ShardRegion
 from ..errors import MeshError, user_site
 from ..ops.tensor_meta import tensor_meta
 from ..recording import is_grad_enabled, record_op
-from ..runtime import session
+from ..runtime import profiling, session
 from ..runtime.protocol import RunOp
 from ..tensor import DTensor, _note_capture_inputs
 from .module import Module
@@ -120,6 +120,17 @@ def _nested(placements, mesh_dim: int) -> bool:
 def gather_group(shards: list, mesh, mesh_dim: int, regather: bool = True) -> list:
     """`shards` (each Shard(d) on `mesh_dim` of `mesh`, one dtype) gathered on that mesh dim by
     one RunOp of the grouped kernel (runtime/fsdp_gather.py); recorded for backward like any op."""
+    recorder = profiling.active
+    if recorder is not None:   # dtorch.profile: a span like an op's
+        with recorder.user_span(_GATHER, "op"):
+            return _issue_gather(shards, mesh, mesh_dim, regather)
+    return _issue_gather(shards, mesh, mesh_dim, regather)
+
+
+_GATHER = "fully_shard (all-gather)"   # the op errors and profiles name
+
+
+def _issue_gather(shards: list, mesh, mesh_dim: int, regather: bool) -> list:
     controller = session.controller()
     if controller.capture is not None:
         _note_capture_inputs(tuple(shards), {})
@@ -135,7 +146,7 @@ def gather_group(shards: list, mesh, mesh_dim: int, regather: bool = True) -> li
     kwargs = {"peers": PeerGroup(mesh_dim), "blocks": blocks, "dims": dims, "dtype": shards[0].dtype,
               "device": mesh.device_type, "regather": regather}
     out_ids = controller.new_ids(len(shards))
-    seq = controller.submit(RunOp, out_ids, controller.define_mesh(mesh), "fully_shard (all-gather)", "fsdp_all_gather",
+    seq = controller.submit(RunOp, out_ids, controller.define_mesh(mesh), _GATHER, "fsdp_all_gather",
                             tuple(refs), kwargs, (), bool(nodes))
     gathered = [DTensor(out_id, spec, seq, controller) for out_id, spec in zip(out_ids, specs)]
     if nodes:
