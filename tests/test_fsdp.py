@@ -148,3 +148,45 @@ def test_a_failed_parameter_fails_the_read_not_the_gather(mesh4):
     with pytest.raises(RemoteError, match="index"):
         out.to_torch()
     assert dtorch.ones(3, device_mesh=mesh4, placements=[Shard(0)]).sum().item() == 3.0
+
+
+class _Pair(torch.nn.Module):
+    """`b.weight = a.weight` (a tie across two blocks), an unused layer, a learnable 0-D scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False)
+        self.b.weight = self.a.weight
+        self.unused = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))) * self.scale
+
+
+def test_shared_unused_and_0d_parameters_train_as_in_torch(mesh4):
+    """Found by a probe of the grouped gather: a Parameter two separately fully-sharded blocks
+    share stayed two Parameters (each got part of the gradient); a parameter forward never used
+    got a zero gradient, which AdamW's weight decay then moved (torch leaves it None and skips
+    it); a 0-D parameter could not be sharded ("S(0) names a dim outside a 0-D tensor")."""
+    torch.manual_seed(0)
+    reference = _Pair()
+    model = dtorch.distribute_module(_copy(reference), mesh4)
+    for block in (model.a, model.b, model):
+        fully_shard(block, "dp")
+    assert model.a.weight is model.b.weight and len(list(model.parameters())) == len(list(reference.parameters()))
+    assert model.scale.placements == (Replicate(),)
+    optimizer = dtorch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    expected = torch.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.5)
+    for _ in range(2):
+        x = torch.randn(4, 4)
+        model(dtorch.distribute_tensor(x, mesh4, [Shard(0)])).pow(2).sum().backward()
+        reference(x).pow(2).sum().backward()
+        assert model.unused.weight.grad is None
+        torch.testing.assert_close(model.a.weight.grad.to_torch(), reference.a.weight.grad)
+        optimizer.step()
+        expected.step()
+        optimizer.zero_grad()
+        expected.zero_grad()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.to_torch(), want.detach(), rtol=1e-5, atol=1e-6)

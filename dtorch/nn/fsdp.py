@@ -19,10 +19,12 @@ manages: shard the blocks first (`fully_shard(layer)` for each layer), then the 
 """
 from __future__ import annotations
 
+import weakref
+
 from ..distributed_spec import PeerGroup, Replicate, Shard, ShardRegion
 from ..errors import MeshError, user_site
 from ..ops.tensor_meta import tensor_meta
-from ..recording import is_grad_enabled, record_op
+from ..recording import OpNode, is_grad_enabled
 from ..runtime import profiling, session
 from ..runtime.protocol import RunOp
 from ..tensor import DTensor, _note_capture_inputs
@@ -47,11 +49,9 @@ def fully_shard(module: Module, mesh_dim: str | int = "fsdp", *, reshard_after_f
         found = True
         dim = mesh.dim_index(mesh_dim)
         if id(param) not in sharded:
-            if mesh.shape[dim] == 1 or param.placements[dim] != Replicate():
-                continue
-            placements = list(param.placements)
-            placements[dim] = Shard(_free_tensor_dim(param, dim))
-            sharded[id(param)] = Parameter(param.redistribute(placements=placements), param.requires_grad)
+            if mesh.shape[dim] == 1 or param.ndim == 0 or param.placements[dim] != Replicate():
+                continue   # (a 0-D parameter, a learnable scale, stays whole: it has no dim to shard)
+            sharded[id(param)] = _shard_once(param, dim)
         owner._parameters[name] = sharded[id(param)]
         managed.append((owner, name, dim))
     if lacking and not found:
@@ -64,6 +64,31 @@ def fully_shard(module: Module, mesh_dim: str | int = "fsdp", *, reshard_after_f
     module.register_forward_pre_hook(_gather)
     module.register_forward_hook(_reshard)   # the Parameters go back either way: optimizers hold them
     return module
+
+
+# Each Parameter an earlier fully_shard call replaced, by id, with its sharded Parameter: a
+# Parameter two separately sharded modules share (b.weight = a.weight, then fully_shard(a) and
+# fully_shard(b)) must become ONE sharded Parameter, or the tie silently breaks (two parameters,
+# each with a part of the gradient). The weak reference drops the entry with the original.
+_SHARDED_BEFORE: dict[int, tuple] = {}
+
+
+def _shard_once(param: Parameter, dim: int) -> Parameter:
+    """`param` as a Parameter sharded over mesh dim `dim`: the one made the first time."""
+    known = _SHARDED_BEFORE.get(id(param))
+    if known is not None and known[0]() is param:
+        earlier = known[1]
+        if not isinstance(earlier.placements[dim], Shard):
+            raise MeshError(f"fully_shard at {user_site()}: a parameter shared with a module fully_shard'ed "
+                            f"earlier is sharded over another mesh dim there ({earlier.placements}); shard "
+                            "the modules that share it over the same dim, or shard their common parent")
+        return earlier
+    placements = list(param.placements)
+    placements[dim] = Shard(_free_tensor_dim(param, dim))
+    made = Parameter(param.redistribute(placements=placements), param.requires_grad)
+    key = id(param)
+    _SHARDED_BEFORE[key] = (weakref.ref(param, lambda _: _SHARDED_BEFORE.pop(key, None)), made)
+    return made
 
 
 def is_fully_sharded(module: Module) -> bool:
@@ -142,15 +167,16 @@ def _issue_gather(shards: list, mesh, mesh_dim: int, regather: bool) -> list:
         placements[mesh_dim] = Replicate()
         specs.append(tensor_meta(shard.shape, shard.dtype, mesh, placements))
         blocks.append(ShardRegion(tuple(shard.shape), placements))
-    nodes = tuple(shard._node for shard in shards if shard._node is not None) if is_grad_enabled() else ()
+    grad = is_grad_enabled() and shards[0]._node is not None   # (a group shares requires_grad)
     kwargs = {"peers": PeerGroup(mesh_dim), "blocks": blocks, "dims": dims, "dtype": shards[0].dtype,
               "device": mesh.device_type, "regather": regather}
     out_ids = controller.new_ids(len(shards))
     seq = controller.submit(RunOp, out_ids, controller.define_mesh(mesh), _GATHER, "fsdp_all_gather",
-                            tuple(refs), kwargs, (), bool(nodes))
+                            tuple(refs), kwargs, (), grad)
     gathered = [DTensor(out_id, spec, seq, controller) for out_id, spec in zip(out_ids, specs)]
-    if nodes:
-        record_op(nodes, gathered, mesh)
+    if grad:   # a node each, as a redistribute's: backward reaches only the parameters forward used
+        for shard, copy in zip(shards, gathered):
+            copy._node = OpNode((shard._node,), mesh)
     return gathered
 
 

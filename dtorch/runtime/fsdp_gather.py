@@ -134,7 +134,9 @@ class _GatheredGroup(torch.autograd.Function):
         if ctx.again is not None:   # every op that saved a gathered parameter has run its backward
             ctx.again.forget()
         mine = ctx.layout.reduce_scatter(grads, ctx.peers)
-        return (None, None, None, None) + tuple(g if wanted else None for g, wanted in zip(mine, ctx.wanted))
+        # an output forward never used has no gradient: its parameter's stays None, as in torch
+        return (None, None, None, None) + tuple(g if wanted and grad is not None else None
+                                                for g, grad, wanted in zip(mine, grads, ctx.wanted))
 
 
 class _GatherGroupAgain:
@@ -148,10 +150,22 @@ class _GatherGroupAgain:
         if self.gathered is None:
             with torch.no_grad():
                 self.gathered = self.layout.gather([shard.detach() for shard in self.shards], self.peers)
+            _forget_after_backward(self)
         return self.gathered[i]
 
     def forget(self) -> None:
         self.gathered = None
+
+
+def _forget_after_backward(group: _GatherGroupAgain) -> None:
+    """Drop what `group` gathered again at the end of this backward pass too: a backward that
+    never reaches the group's own node (autograd.grad with respect to an input only, the graph
+    retained) would otherwise hold it as long as the graph lives. Outside a backward (a saved
+    tensor read by hand) the group's node still drops it."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(group.forget)
+    except RuntimeError:
+        pass
 
 
 class _GroupMember:
