@@ -190,3 +190,58 @@ def test_shared_unused_and_0d_parameters_train_as_in_torch(mesh4):
         expected.zero_grad()
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got.to_torch(), want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU()),
+                               torch.nn.Sequential(torch.nn.Linear(16, 5), torch.nn.Tanh()))
+
+
+def _sharded(reference, mesh, policy=None):
+    model = dtorch.distribute_module(_copy(reference), mesh)
+    for block in model:
+        fully_shard(block, "dp", mp_policy=policy)
+    return fully_shard(model, "dp", mp_policy=policy)
+
+
+def _train_steps(model, batches, mesh):
+    optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x in batches:
+        loss = model(dtorch.distribute_tensor(x, mesh, [Shard(0)])).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_mixed_precision_policy_gathers_in_param_dtype(mesh4):
+    """fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)), torch's
+    own class or dtorch's: the gathered copies are bfloat16 (the cast rides in the gather, half the
+    bytes), inputs are cast, gradients come back float32 onto float32 parameters; the same math
+    as casting the gathered float32 copies (dtorch.nn.mixed_precision after fully_shard), so the
+    losses and parameters are equal to it bit for bit, and near torch's float32 training."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+    reference = _mlp()
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(8, 6, generator=g) for _ in range(3)]
+    policy = TorchPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ours = _sharded(reference, mesh4, policy)
+    seen = []
+    ours[0][0].register_forward_hook(lambda module, args, out: seen.append((module.weight.dtype, args[0].dtype)))
+    cast_after = dtorch.nn.mixed_precision(_sharded(reference, mesh4), torch.bfloat16)
+    losses = _train_steps(ours, batches, mesh4)
+    assert seen[0] == (torch.bfloat16, torch.bfloat16)
+    assert losses == _train_steps(cast_after, batches, mesh4)
+    for got, want in zip(ours.parameters(), cast_after.parameters()):
+        assert got.dtype == torch.float32 and torch.equal(got.to_torch(), want.to_torch())
+    expected = _train_steps(_sharded(reference, mesh4), batches, mesh4)
+    assert losses == pytest.approx(expected, rel=2e-2)
+    # FSDP2's default reduce_dtype (param_dtype: a bfloat16 reduce-scatter) and an output dtype
+    loose = _sharded(reference, mesh4, dtorch.nn.MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                       output_dtype=torch.float32))
+    assert loose(dtorch.distribute_tensor(batches[0], mesh4, [Shard(0)])).dtype == torch.float32
+    assert _train_steps(loose, batches, mesh4) == pytest.approx(expected, rel=2e-2)
+    assert all(p.dtype == torch.float32 and p.placements == (Shard(0),) for p in loose.parameters())

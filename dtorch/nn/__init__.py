@@ -12,7 +12,7 @@ from .conv import Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, Conv
 from .distribute import distribute_module
 from .embedding import Embedding, EmbeddingWithReplicateOutput
 from .fsdp import fully_shard
-from .mixed_precision import mixed_precision
+from .mixed_precision import MixedPrecisionPolicy, mixed_precision
 from .linear import (ColumnParallelLinear, ColumnParallelLinearWithReplicateInputOutput,
                      ColumnParallelLinearWithReplicateOutput, Linear, ReplicateParallelLinear, RowParallelLinear,
                      RowParallelLinearWithReplicateOutput)
@@ -30,5 +30,5 @@ __all__ = ["functional", "utils", "Module", "Parameter", "IncompatibleKeys", "Se
            "GroupNorm", "Dropout", "Identity", "ReLU", "GELU", "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU",
            "Softplus", "Softmax", "LogSoftmax", "Flatten", "Unflatten", "parallelize_module", "ParallelStyle",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
-           "fully_shard", "distribute_module", "mixed_precision", "Conv1d", "Conv2d", "Conv3d",
+           "fully_shard", "distribute_module", "mixed_precision", "MixedPrecisionPolicy", "Conv1d", "Conv2d", "Conv3d",
            "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "BatchNorm2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d"]

@@ -34,11 +34,17 @@ from .parameter import Parameter
 __all__ = ["fully_shard", "is_fully_sharded"]
 
 
-def fully_shard(module: Module, mesh_dim: str | int = "fsdp", *, reshard_after_forward: bool = True) -> Module:
+def fully_shard(module: Module, mesh_dim: str | int = "fsdp", *, reshard_after_forward: bool = True,
+                mp_policy=None) -> Module:
     """Shard `module`'s parameters over `mesh_dim` and gather them around its forward. Returns the
     module. A parameter whose mesh lacks `mesh_dim` (another pipeline stage) is left alone.
     `reshard_after_forward=False` keeps the gathered copies that backward needs until backward,
-    instead of gathering them again there (more memory, one all-gather less per step)."""
+    instead of gathering them again there (more memory, one all-gather less per step).
+    `mp_policy`: FSDP2's MixedPrecisionPolicy (dtorch.nn.MixedPrecisionPolicy, or torch's own):
+    floating-point parameters are gathered in `param_dtype` (the cast rides in the gather's copy,
+    so the all-gather moves half the bytes for bfloat16), gradients reduce-scattered in
+    `reduce_dtype` (default: `param_dtype`) and kept in the parameter's dtype; forward inputs cast
+    to `param_dtype` (`cast_forward_inputs`), outputs to `output_dtype` if set."""
     managed, sharded = [], {}   # (by id: a tied Parameter is sharded once and stays tied)
     lacking, found = set(), False   # the meshes without `mesh_dim`; whether any parameter had it
     for owner, name, param in _unmanaged(module):
@@ -61,6 +67,7 @@ def fully_shard(module: Module, mesh_dim: str | int = "fsdp", *, reshard_after_f
     module._fsdp_managed = managed
     module._fsdp_gathered = {}
     module._fsdp_regather = reshard_after_forward
+    module._fsdp_policy = mp_policy if mp_policy is not None and _casts(mp_policy) else None
     module.register_forward_pre_hook(_gather)
     module.register_forward_hook(_reshard)   # the Parameters go back either way: optimizers hold them
     return module
@@ -112,9 +119,15 @@ def _free_tensor_dim(param, mesh_dim: int) -> int:
     return next((d for d in range(param.ndim) if d not in taken), 0)
 
 
+def _casts(policy) -> bool:
+    return any(getattr(policy, name, None) is not None for name in ("param_dtype", "reduce_dtype", "output_dtype"))
+
+
 def _gather(module: Module, args):
     """Put each managed parameter's gathered copy in its place: one gather per group of
-    parameters that share a mesh, fsdp dim, dtype and requires_grad."""
+    parameters that share a mesh, fsdp dim, dtype and requires_grad. Returns the arguments cast
+    to the policy's param_dtype, if it says so."""
+    policy = module._fsdp_policy
     groups, copies = {}, {}
     for owner, name, dim in module._fsdp_managed:
         sharded = owner._parameters[name]
@@ -124,15 +137,41 @@ def _gather(module: Module, args):
         if _nested(sharded.placements, dim):   # (a 1-D tp-sharded bias) an ordinary redistribute
             placements = list(sharded.placements)
             placements[dim] = Replicate()
-            copies[id(sharded)] = sharded.redistribute(placements=placements)
+            copy = sharded.redistribute(placements=placements)
+            compute = _compute_dtype(policy, copy.dtype)
+            copies[id(sharded)] = copy if compute == copy.dtype else copy.to(compute)
             continue
         group = groups.setdefault((sharded.device_mesh, dim, sharded.dtype, sharded.requires_grad), {})
         group[id(sharded)] = sharded   # a tied Parameter is gathered once
-    for (mesh, dim, _, _), members in groups.items():
-        gathered = gather_group(list(members.values()), mesh, dim, module._fsdp_regather)
+    for (mesh, dim, dtype, _), members in groups.items():
+        compute = _compute_dtype(policy, dtype)
+        reduce = getattr(policy, "reduce_dtype", None) if dtype.is_floating_point else None
+        gathered = gather_group(list(members.values()), mesh, dim, module._fsdp_regather, compute, reduce or compute)
         copies.update(zip(members, gathered))
     for owner, name, _ in module._fsdp_managed:   # forward reads the gathered copies (plain DTensors)
         owner._parameters[name] = copies[id(module._fsdp_gathered[(id(owner), name)])]
+    if policy is not None and policy.param_dtype is not None and getattr(policy, "cast_forward_inputs", True):
+        return _cast_floating(args, policy.param_dtype)
+    return None
+
+
+def _compute_dtype(policy, dtype):
+    """The dtype forward computes in: the policy's param_dtype for floating-point parameters."""
+    param_dtype = getattr(policy, "param_dtype", None)
+    return param_dtype if param_dtype is not None and dtype.is_floating_point else dtype
+
+
+def _cast_floating(values, dtype):
+    """`values` (a tuple of arguments, or an output: a DTensor, a tuple or list of them) with each
+    floating-point DTensor cast to `dtype`; None when nothing needs a cast."""
+    def cast(value):
+        return value.to(dtype) if isinstance(value, DTensor) and value.dtype.is_floating_point and \
+            value.dtype != dtype else value
+    if isinstance(values, (tuple, list)):
+        cast_values = type(values)(cast(v) for v in values)
+        return None if all(a is b for a, b in zip(cast_values, values)) else cast_values
+    cast_value = cast(values)
+    return None if cast_value is values else cast_value
 
 
 def _nested(placements, mesh_dim: int) -> bool:
@@ -142,20 +181,24 @@ def _nested(placements, mesh_dim: int) -> bool:
     return any(isinstance(p, Shard) and p.dim == dim for m, p in enumerate(placements) if m != mesh_dim)
 
 
-def gather_group(shards: list, mesh, mesh_dim: int, regather: bool = True) -> list:
+def gather_group(shards: list, mesh, mesh_dim: int, regather: bool = True, dtype=None, reduce_dtype=None) -> list:
     """`shards` (each Shard(d) on `mesh_dim` of `mesh`, one dtype) gathered on that mesh dim by
-    one RunOp of the grouped kernel (runtime/fsdp_gather.py); recorded for backward like any op."""
+    one RunOp of the grouped kernel (runtime/fsdp_gather.py); recorded for backward like any op.
+    `dtype`: the gathered copies' (default: the shards'); `reduce_dtype`: the gradients'
+    reduce-scatter's (default: `dtype`)."""
+    dtype = dtype or shards[0].dtype
+    arguments = (shards, mesh, mesh_dim, regather, dtype, reduce_dtype or dtype)
     recorder = profiling.active
     if recorder is not None:   # dtorch.profile: a span like an op's
         with recorder.user_span(_GATHER, "op"):
-            return _issue_gather(shards, mesh, mesh_dim, regather)
-    return _issue_gather(shards, mesh, mesh_dim, regather)
+            return _issue_gather(*arguments)
+    return _issue_gather(*arguments)
 
 
 _GATHER = "fully_shard (all-gather)"   # the op errors and profiles name
 
 
-def _issue_gather(shards: list, mesh, mesh_dim: int, regather: bool) -> list:
+def _issue_gather(shards: list, mesh, mesh_dim: int, regather: bool, dtype, reduce_dtype) -> list:
     controller = session.controller()
     if controller.capture is not None:
         _note_capture_inputs(tuple(shards), {})
@@ -165,11 +208,13 @@ def _issue_gather(shards: list, mesh, mesh_dim: int, regather: bool) -> list:
         placements = list(shard.placements)
         dims.append(placements[mesh_dim].dim)
         placements[mesh_dim] = Replicate()
-        specs.append(tensor_meta(shard.shape, shard.dtype, mesh, placements))
+        specs.append(tensor_meta(shard.shape, dtype, mesh, placements))
         blocks.append(ShardRegion(tuple(shard.shape), placements))
     grad = is_grad_enabled() and shards[0]._node is not None   # (a group shares requires_grad)
-    kwargs = {"peers": PeerGroup(mesh_dim), "blocks": blocks, "dims": dims, "dtype": shards[0].dtype,
+    kwargs = {"peers": PeerGroup(mesh_dim), "blocks": blocks, "dims": dims, "dtype": dtype,
               "device": mesh.device_type, "regather": regather}
+    if reduce_dtype != dtype:
+        kwargs["reduce_dtype"] = reduce_dtype
     out_ids = controller.new_ids(len(shards))
     seq = controller.submit(RunOp, out_ids, controller.define_mesh(mesh), _GATHER, "fsdp_all_gather",
                             tuple(refs), kwargs, (), grad)
@@ -185,3 +230,5 @@ def _reshard(module: Module, args, output):
         sharded = module._fsdp_gathered.pop((id(owner), name), None)
         if sharded is not None:
             owner._parameters[name] = sharded
+    output_dtype = getattr(module._fsdp_policy, "output_dtype", None)
+    return None if output_dtype is None or output is None else _cast_floating(output, output_dtype)

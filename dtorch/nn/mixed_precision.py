@@ -10,16 +10,33 @@ Parameters back. Floating-point activations follow the weights' dtype; code that
 (a loss, a norm's statistics) casts explicitly, as dtorch.models.llama does.
 
 It composes with fully_shard: applied after it, each cast happens on the gathered copy (the
-gather and the reduce-scatter of gradients stay in float32).
+gather and the reduce-scatter of gradients stay in float32). FSDP2's own switch,
+`fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))`, casts inside
+the gather instead, so the all-gather moves the low-precision bytes (dtorch/nn/fsdp.py).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..tensor import DTensor
 from .module import Module
 
-__all__ = ["mixed_precision"]
+__all__ = ["mixed_precision", "MixedPrecisionPolicy"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """torch.distributed.fsdp.MixedPrecisionPolicy's fields, for `fully_shard(mp_policy=...)`
+    (which takes torch's own class as well): `param_dtype`, the dtype parameters are gathered
+    and computed in; `reduce_dtype`, the gradients' reduce-scatter's (default: param_dtype);
+    `output_dtype`, what a fully-sharded module's floating-point outputs are cast to;
+    `cast_forward_inputs`, whether its floating-point inputs are cast to param_dtype."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
 
 
 def mixed_precision(module: Module, param_dtype: torch.dtype = torch.bfloat16) -> Module:

@@ -31,17 +31,20 @@ __all__ = ["fsdp_all_gather"]
 
 
 @kernel("fsdp_all_gather", peers=True)
-def fsdp_all_gather(*shards, peers, blocks, dims, dtype, device, regather=True, standin=False):
-    """The gathered tensors of `shards`, in order. `blocks`: each one's (offset, shape) here once
-    gathered (a resolved ShardRegion); `dims`: the tensor dim its fsdp shard splits; `device`: the
-    mesh's device type, for stand-in zeros (else the shards' own device); `regather`:
-    whether backward gathers again rather than keep them (reshard_after_forward). With `standin`
-    (an input failed here), zeros stand in so that the peers' collective still completes."""
+def fsdp_all_gather(*shards, peers, blocks, dims, dtype, device, regather=True, reduce_dtype=None, standin=False):
+    """The gathered tensors of `shards`, in order, in `dtype` (a mixed-precision policy's
+    param_dtype: the cast rides in the copy into the flat buffer). `blocks`: each one's (offset,
+    shape) here once gathered (a resolved ShardRegion); `dims`: the tensor dim its fsdp shard
+    splits; `device`: the mesh's device type, for stand-in zeros (else the shards' own device);
+    `regather`: whether backward gathers again rather than keep them (reshard_after_forward);
+    `reduce_dtype`: the gradients' reduce-scatter's dtype (default `dtype`); each shard's gradient
+    comes back in the shard's own dtype. With `standin` (an input failed here), zeros stand in so
+    that the peers' collective still completes."""
     layout = _Layout(blocks, dims, peers, dtype, device if standin else shards[0].device)
     if standin:
         shards = layout.zeros()
     if torch.is_grad_enabled():   # a recorded gather (RunOp.grad): one node, its dual one reduce-scatter
-        return _GatheredGroup.apply(layout, peers, regather, _ANCHOR, *shards)
+        return _GatheredGroup.apply(layout, peers, regather, reduce_dtype or dtype, _ANCHOR, *shards)
     return layout.gather(shards, peers)
 
 
@@ -95,9 +98,10 @@ class _Layout:
         out.unflatten(dim, (self.parts, piece[dim])).copy_(pieces.movedim(0, dim))
         return out if padded[dim] == total else out.narrow(dim, 0, total)
 
-    def reduce_scatter(self, grads, peers) -> list:
-        """Each rank's shard of every gradient, summed over the members (None: no gradient)."""
-        packed = torch.empty((self.parts, self.length), dtype=self.dtype, device=self.device)
+    def reduce_scatter(self, grads, peers, dtype) -> list:
+        """Each rank's shard of every gradient, summed over the members in `dtype` (None: no
+        gradient)."""
+        packed = torch.empty((self.parts, self.length), dtype=dtype, device=self.device)
         for i, grad in enumerate(grads):
             pieces = packed[:, slice(*self.spans[i])].unflatten(1, self.pieces[i])
             if grad is None:
@@ -118,9 +122,10 @@ def _numel(shape) -> int:
 
 class _GatheredGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layout, peers, regather, anchor, *shards):
+    def forward(ctx, layout, peers, regather, reduce_dtype, anchor, *shards):
         ctx.set_materialize_grads(False)   # an unused parameter's gradient: zeros in the packing only
-        ctx.layout, ctx.peers, ctx.wanted = layout, peers, [shard.requires_grad for shard in shards]
+        ctx.layout, ctx.peers, ctx.reduce_dtype = layout, peers, reduce_dtype
+        ctx.wanted = [shard.dtype if shard.requires_grad else None for shard in shards]
         gathered = layout.gather(shards, peers)
         ctx.again = None
         if regather and all(shard.is_leaf and shard.requires_grad for shard in shards):   # parameters' shards
@@ -133,10 +138,10 @@ class _GatheredGroup(torch.autograd.Function):
     def backward(ctx, *grads):
         if ctx.again is not None:   # every op that saved a gathered parameter has run its backward
             ctx.again.forget()
-        mine = ctx.layout.reduce_scatter(grads, ctx.peers)
+        mine = ctx.layout.reduce_scatter(grads, ctx.peers, ctx.reduce_dtype)
         # an output forward never used has no gradient: its parameter's stays None, as in torch
-        return (None, None, None, None) + tuple(g if wanted and grad is not None else None
-                                                for g, grad, wanted in zip(mine, grads, ctx.wanted))
+        return (None,) * 5 + tuple(g.to(wanted) if wanted is not None and grad is not None else None
+                                   for g, grad, wanted in zip(mine, grads, ctx.wanted))
 
 
 class _GatherGroupAgain:
