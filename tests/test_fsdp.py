@@ -4,6 +4,7 @@ one collective, and training equals torch's on every mesh, with uneven shapes, t
 weights, a frozen parameter and two dtypes in one module."""
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import pytest
@@ -245,3 +246,70 @@ def test_a_mixed_precision_policy_gathers_in_param_dtype(mesh4):
     assert loose(dtorch.distribute_tensor(batches[0], mesh4, [Shard(0)])).dtype == torch.float32
     assert _train_steps(loose, batches, mesh4) == pytest.approx(expected, rel=2e-2)
     assert all(p.dtype == torch.float32 and p.placements == (Shard(0),) for p in loose.parameters())
+
+
+def test_a_forward_that_raises_hands_the_parameters_back(mesh4):
+    """Found by a probe: fully_shard's (and mixed_precision's) forward hooks put the Parameters
+    back only after a forward that returned; one that raised left the gathered copies in their
+    place (model.parameters() and state_dict() gave them), and the next forward failed
+    ("'Replicate' object has no attribute 'dim'"). The hooks now run always."""
+    reference = _mlp()
+    policy = dtorch.nn.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for model in (_sharded(reference, mesh4), _sharded(reference, mesh4, policy),
+                  dtorch.nn.mixed_precision(_sharded(reference, mesh4), torch.bfloat16)):
+        with pytest.raises(dtorch.DTorchError):
+            model(dtorch.ones(4, 7, device_mesh=mesh4, placements=[Shard(0)]))   # 7 features, not 6
+        assert all(p.placements == (Shard(0),) and p.dtype == torch.float32 for p in model.parameters())
+        x = torch.randn(4, 6)
+        out = model(dtorch.distribute_tensor(x, mesh4, [Shard(0)]))
+        torch.testing.assert_close(out.to_torch().float(), reference(x), rtol=2e-2, atol=2e-2)
+
+
+class _Unusual(torch.nn.Module):
+    """Inputs by keyword and in a list, a 0-D scale, a namedtuple output and a dict output."""
+    Out = collections.namedtuple("Out", "y z")
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 5)
+        self.scale = torch.nn.Parameter(torch.tensor(0.75))
+
+    def forward(self, pair, *, x):
+        y = self.linear(x + pair[0]) * self.scale
+        return self.Out(y, {"sum": y.sum(-1)})
+
+
+def test_a_policy_casts_at_any_depth_and_whole_parameters_too(mesh4, session):
+    """A probe of mp_policy found the inputs cast only at the top level of the positional
+    arguments (a keyword input met bfloat16 weights in float32: a dtype error), a namedtuple
+    output failing to cast and a dict output left uncast, and the parameters fully_shard leaves
+    whole (a 0-D scale; every one when the fsdp dim has size 1) never cast, so the arithmetic
+    was not mixed_precision's. And a policy of the wrong type was silently ignored."""
+    torch.manual_seed(0)
+    reference = _Unusual()
+    x, shift = torch.randn(4, 6), torch.randn(4, 6)
+    policy = dtorch.nn.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                            output_dtype=torch.float32)
+    flat = dtorch.init_device_mesh("cpu", (4, 1), mesh_dim_names=["dp", "fsdp"])
+    for mesh, dim in ((mesh4, "dp"), (flat, "fsdp")):
+        ours = fully_shard(dtorch.distribute_module(_copy(reference), mesh), dim, mp_policy=policy)
+        cast_after = dtorch.nn.mixed_precision(fully_shard(dtorch.distribute_module(_copy(reference), mesh), dim),
+                                               torch.bfloat16)
+        results = []
+        # float32 inputs for the policy to cast; bfloat16 ones for mixed_precision, which casts
+        # only the top-level positional arguments of each module
+        for model, dtype in ((ours, torch.float32), (cast_after, torch.bfloat16)):
+            inputs = [dtorch.distribute_tensor(t.to(dtype), mesh, [Shard(0), Replicate()][:mesh.ndim])
+                      for t in (x, shift)]
+            out = model([inputs[1]], x=inputs[0])
+            y = out.y.float()
+            y.pow(2).sum().backward()
+            results.append((out, y.to_torch(), model.linear.weight.grad.to_torch(), model.scale.grad.to_torch()))
+        (out, *mine), (_, *theirs) = results
+        assert isinstance(out, _Unusual.Out) and out.y.dtype == torch.float32 and out.z["sum"].dtype == torch.float32
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs)), dim
+    with pytest.raises(TypeError, match="mp_policy must be a MixedPrecisionPolicy"):
+        fully_shard(dtorch.distribute_module(torch.nn.Linear(2, 2), mesh4), "dp", mp_policy=torch.bfloat16)
+    with pytest.raises(ValueError, match="floating-point"):
+        fully_shard(dtorch.distribute_module(torch.nn.Linear(2, 2), mesh4), "dp",
+                    mp_policy=dtorch.nn.MixedPrecisionPolicy(param_dtype=torch.int32))

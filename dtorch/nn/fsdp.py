@@ -28,6 +28,7 @@ from ..recording import OpNode, is_grad_enabled
 from ..runtime import profiling, session
 from ..runtime.protocol import RunOp
 from ..tensor import DTensor, _note_capture_inputs
+from .mixed_precision import cast_floating, check_policy, compute_dtype, reduce_dtype_of
 from .module import Module
 from .parameter import Parameter
 
@@ -43,9 +44,10 @@ def fully_shard(module: Module, mesh_dim: str | int = "fsdp", *, reshard_after_f
     `mp_policy`: FSDP2's MixedPrecisionPolicy (dtorch.nn.MixedPrecisionPolicy, or torch's own):
     floating-point parameters are gathered in `param_dtype` (the cast rides in the gather's copy,
     so the all-gather moves half the bytes for bfloat16), gradients reduce-scattered in
-    `reduce_dtype` (default: `param_dtype`) and kept in the parameter's dtype; forward inputs cast
-    to `param_dtype` (`cast_forward_inputs`), outputs to `output_dtype` if set."""
-    managed, sharded = [], {}   # (by id: a tied Parameter is sharded once and stays tied)
+    `reduce_dtype` (default: `param_dtype`) and kept in the parameter's dtype; floating-point
+    inputs cast to `param_dtype` (`cast_forward_inputs`), outputs to `output_dtype` if set."""
+    policy = check_policy(mp_policy)
+    managed, whole, sharded = [], [], {}   # (by id: a tied Parameter is sharded once and stays tied)
     lacking, found = set(), False   # the meshes without `mesh_dim`; whether any parameter had it
     for owner, name, param in _unmanaged(module):
         mesh = param.device_mesh
@@ -55,8 +57,11 @@ def fully_shard(module: Module, mesh_dim: str | int = "fsdp", *, reshard_after_f
         found = True
         dim = mesh.dim_index(mesh_dim)
         if id(param) not in sharded:
-            if mesh.shape[dim] == 1 or param.ndim == 0 or param.placements[dim] != Replicate():
-                continue   # (a 0-D parameter, a learnable scale, stays whole: it has no dim to shard)
+            if mesh.shape[dim] == 1 or param.ndim == 0:   # (a 0-D parameter, a learnable scale: no dim to shard)
+                whole.append((owner, name))   # not sharded, but cast by a policy all the same
+                continue
+            if param.placements[dim] != Replicate():
+                continue
             sharded[id(param)] = _shard_once(param, dim)
         owner._parameters[name] = sharded[id(param)]
         managed.append((owner, name, dim))
@@ -64,13 +69,19 @@ def fully_shard(module: Module, mesh_dim: str | int = "fsdp", *, reshard_after_f
         raise MeshError(f"fully_shard at {user_site()}: no parameter of {type(module).__name__} is on a mesh with a "
                         f"dim named {mesh_dim!r} (their meshes: {', '.join(map(repr, lacking))}); pass one of "
                         "their dim names")
-    module._fsdp_managed = managed
-    module._fsdp_gathered = {}
-    module._fsdp_regather = reshard_after_forward
-    module._fsdp_policy = mp_policy if mp_policy is not None and _casts(mp_policy) else None
+    module._fsdp_managed, module._fsdp_whole = managed, whole
+    module._fsdp_gathered = {}   # (id(owner), name) -> (owner, name, the Parameter), while forward runs
+    module._fsdp_regather, module._fsdp_policy = reshard_after_forward, policy
     module.register_forward_pre_hook(_gather)
-    module.register_forward_hook(_reshard)   # the Parameters go back either way: optimizers hold them
+    if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
+        module.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
+    # the Parameters go back even when forward raises: optimizers and state_dict hold them
+    module.register_forward_hook(_reshard, always_call=True)
     return module
+
+
+def is_fully_sharded(module: Module) -> bool:
+    return hasattr(module, "_fsdp_managed")
 
 
 # Each Parameter an earlier fully_shard call replaced, by id, with its sharded Parameter: a
@@ -98,10 +109,6 @@ def _shard_once(param: Parameter, dim: int) -> Parameter:
     return made
 
 
-def is_fully_sharded(module: Module) -> bool:
-    return hasattr(module, "_fsdp_managed")
-
-
 def _unmanaged(module: Module):
     """(owner, name, parameter) of the subtree, skipping nested fully-sharded modules."""
     for name, param in module._parameters.items():
@@ -119,61 +126,59 @@ def _free_tensor_dim(param, mesh_dim: int) -> int:
     return next((d for d in range(param.ndim) if d not in taken), 0)
 
 
-def _casts(policy) -> bool:
-    return any(getattr(policy, name, None) is not None for name in ("param_dtype", "reduce_dtype", "output_dtype"))
-
-
+# --- the hooks around forward -------------------------------------------------------------------------
 def _gather(module: Module, args):
     """Put each managed parameter's gathered copy in its place: one gather per group of
-    parameters that share a mesh, fsdp dim, dtype and requires_grad. Returns the arguments cast
-    to the policy's param_dtype, if it says so."""
+    parameters that share a mesh, fsdp dim, dtype and requires_grad."""
     policy = module._fsdp_policy
     groups, copies = {}, {}
     for owner, name, dim in module._fsdp_managed:
         sharded = owner._parameters[name]
-        module._fsdp_gathered[(id(owner), name)] = sharded
+        module._fsdp_gathered[(id(owner), name)] = (owner, name, sharded)
         if id(sharded) in copies:
             continue
         if _nested(sharded.placements, dim):   # (a 1-D tp-sharded bias) an ordinary redistribute
-            placements = list(sharded.placements)
-            placements[dim] = Replicate()
-            copy = sharded.redistribute(placements=placements)
-            compute = _compute_dtype(policy, copy.dtype)
-            copies[id(sharded)] = copy if compute == copy.dtype else copy.to(compute)
+            copies[id(sharded)] = _gather_alone(sharded, dim, policy)
             continue
         group = groups.setdefault((sharded.device_mesh, dim, sharded.dtype, sharded.requires_grad), {})
         group[id(sharded)] = sharded   # a tied Parameter is gathered once
     for (mesh, dim, dtype, _), members in groups.items():
-        compute = _compute_dtype(policy, dtype)
-        reduce = getattr(policy, "reduce_dtype", None) if dtype.is_floating_point else None
-        gathered = gather_group(list(members.values()), mesh, dim, module._fsdp_regather, compute, reduce or compute)
+        gathered = gather_group(list(members.values()), mesh, dim, module._fsdp_regather,
+                                compute_dtype(policy, dtype), reduce_dtype_of(policy, dtype))
         copies.update(zip(members, gathered))
     for owner, name, _ in module._fsdp_managed:   # forward reads the gathered copies (plain DTensors)
-        owner._parameters[name] = copies[id(module._fsdp_gathered[(id(owner), name)])]
-    if policy is not None and policy.param_dtype is not None and getattr(policy, "cast_forward_inputs", True):
-        return _cast_floating(args, policy.param_dtype)
-    return None
+        owner._parameters[name] = copies[id(module._fsdp_gathered[(id(owner), name)][2])]
+    for owner, name in module._fsdp_whole:   # parameters left whole: only the policy's cast
+        param = owner._parameters[name]
+        if compute_dtype(policy, param.dtype) != param.dtype:
+            module._fsdp_gathered[(id(owner), name)] = (owner, name, param)
+            owner._parameters[name] = param.to(compute_dtype(policy, param.dtype))
 
 
-def _compute_dtype(policy, dtype):
-    """The dtype forward computes in: the policy's param_dtype for floating-point parameters."""
-    param_dtype = getattr(policy, "param_dtype", None)
-    return param_dtype if param_dtype is not None and dtype.is_floating_point else dtype
+def _gather_alone(sharded, dim: int, policy):
+    """An ordinary redistribute between casts to the policy's reduce dtype (the gradient's
+    reduce-scatter runs in it) and its compute dtype; a cast to the same dtype is no op."""
+    placements = list(sharded.placements)
+    placements[dim] = Replicate()
+    reduced_as = sharded.to(reduce_dtype_of(policy, sharded.dtype))
+    return reduced_as.redistribute(placements=placements).to(compute_dtype(policy, sharded.dtype))
 
 
-def _cast_floating(values, dtype):
-    """`values` (a tuple of arguments, or an output: a DTensor, a tuple or list of them) with each
-    floating-point DTensor cast to `dtype`; None when nothing needs a cast."""
-    def cast(value):
-        return value.to(dtype) if isinstance(value, DTensor) and value.dtype.is_floating_point and \
-            value.dtype != dtype else value
-    if isinstance(values, (tuple, list)):
-        cast_values = type(values)(cast(v) for v in values)
-        return None if all(a is b for a, b in zip(cast_values, values)) else cast_values
-    cast_value = cast(values)
-    return None if cast_value is values else cast_value
+def _cast_inputs(module: Module, args, kwargs):
+    """FSDP2's cast_forward_inputs: every floating-point tensor among the arguments, at any depth."""
+    dtype = module._fsdp_policy.param_dtype
+    return cast_floating(args, dtype), cast_floating(kwargs, dtype)
 
 
+def _reshard(module: Module, args, output):
+    for owner, name, param in module._fsdp_gathered.values():
+        owner._parameters[name] = param
+    module._fsdp_gathered.clear()
+    output_dtype = getattr(module._fsdp_policy, "output_dtype", None)
+    return None if output_dtype is None or output is None else cast_floating(output, output_dtype)
+
+
+# --- the grouped gather -------------------------------------------------------------------------------
 def _nested(placements, mesh_dim: int) -> bool:
     """Whether another mesh dim shards the tensor dim the fsdp dim does (a tensor with no free
     dim, _free_tensor_dim): its gather is not one all-gather of the local blocks."""
@@ -225,10 +230,3 @@ def _issue_gather(shards: list, mesh, mesh_dim: int, regather: bool, dtype, redu
     return gathered
 
 
-def _reshard(module: Module, args, output):
-    for owner, name, _ in module._fsdp_managed:
-        sharded = module._fsdp_gathered.pop((id(owner), name), None)
-        if sharded is not None:
-            owner._parameters[name] = sharded
-    output_dtype = getattr(module._fsdp_policy, "output_dtype", None)
-    return None if output_dtype is None or output is None else _cast_floating(output, output_dtype)

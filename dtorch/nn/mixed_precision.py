@@ -48,7 +48,8 @@ def mixed_precision(module: Module, param_dtype: torch.dtype = torch.bfloat16) -
         if any(p is not None and p.dtype.is_floating_point for p in sub._parameters.values()):
             sub._mixed_precision = (param_dtype, {})
             sub.register_forward_pre_hook(_cast)
-            sub.register_forward_hook(_restore, prepend=True)   # before fully_shard's hook puts shards back
+            # before fully_shard's hook puts shards back; even when forward raises (optimizers hold them)
+            sub.register_forward_hook(_restore, prepend=True, always_call=True)
     return module
 
 
@@ -72,3 +73,56 @@ def _restore(module: Module, args, output):
     for name, param in saved.items():
         module._parameters[name] = param
     saved.clear()
+
+
+# --- fully_shard's mp_policy ----------------------------------------------------------------------------
+_POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+
+
+def check_policy(policy):
+    """`policy` if it is a MixedPrecisionPolicy (dtorch's or torch's: the fields are read) that
+    casts anything, None for None or one that casts nothing; else the error fully_shard raises."""
+    if policy is None:
+        return None
+    missing = [name for name in _POLICY_FIELDS if not hasattr(policy, name)]
+    if missing:
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy (dtorch.nn.MixedPrecisionPolicy or "
+                        f"torch.distributed.fsdp.MixedPrecisionPolicy), got {policy!r}, which has no "
+                        f"{', '.join(missing)}")
+    for name in _POLICY_FIELDS[:3]:
+        dtype = getattr(policy, name)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"fully_shard: mp_policy.{name} must be a floating-point torch dtype or None, not {dtype!r}")
+    if all(getattr(policy, name) is None for name in _POLICY_FIELDS[:3]):
+        return None
+    return policy
+
+
+def compute_dtype(policy, dtype: torch.dtype) -> torch.dtype:
+    """What a parameter of `dtype` is gathered and computed in: the policy's param_dtype for a
+    floating-point one."""
+    param_dtype = getattr(policy, "param_dtype", None)
+    return param_dtype if param_dtype is not None and dtype.is_floating_point else dtype
+
+
+def reduce_dtype_of(policy, dtype: torch.dtype) -> torch.dtype:
+    """What its gradient is reduce-scattered in: reduce_dtype, else param_dtype (FSDP2's default)."""
+    reduce_dtype = getattr(policy, "reduce_dtype", None)
+    if reduce_dtype is not None and dtype.is_floating_point:
+        return reduce_dtype
+    return compute_dtype(policy, dtype)
+
+
+def cast_floating(value, dtype: torch.dtype):
+    """`value` with every floating-point tensor in it (DTensor or torch) cast to `dtype`, through
+    tuples (named ones too), lists and dicts."""
+    if isinstance(value, (DTensor, torch.Tensor)):
+        return value.to(dtype) if value.dtype.is_floating_point and value.dtype != dtype else value
+    if isinstance(value, tuple):
+        items = [cast_floating(v, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return [cast_floating(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return type(value)((k, cast_floating(v, dtype)) for k, v in value.items())
+    return value
