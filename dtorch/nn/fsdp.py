@@ -25,7 +25,8 @@ from ..ops.tensor_meta import tensor_meta
 from ..recording import is_grad_enabled, record_op
 from ..runtime import session
 from ..runtime.protocol import RunOp
-from ..tensor import DTensor, _note_capture_inputs
+from ..op_issue import note_capture_inputs
+from ..tensor import DTensor
 from .module import Module
 from .parameter import Parameter
 
@@ -122,7 +123,7 @@ def gather_group(shards: list, mesh, mesh_dim: int, regather: bool = True) -> li
     one RunOp of the grouped kernel (runtime/fsdp_gather.py); recorded for backward like any op."""
     controller = session.controller()
     if controller.capture is not None:
-        _note_capture_inputs(tuple(shards), {})
+        note_capture_inputs(tuple(shards), {})
     refs, specs, blocks, dims = [], [], [], []
     for shard in shards:
         refs.append(controller.reference(shard))
