@@ -5,7 +5,7 @@ buffers, so aliasing is bookkeeping: each result of a view op gets a `Node` that
 base's node and the step that made it. dtorch/inplace.py walks these nodes when a tensor changes
 in place, to write a view's change back into its base and re-derive the base's other views.
 
-Cost: tensor.call_op calls `note_view` only for the ops in VIEW_OPS (one node per view, plus one
+Cost: op_issue.call_op calls `note_view` only for the ops in VIEW_OPS (one node per view, plus one
 for a base the first time); a tensor that never had a view made from it (and is not one) has no
 node, and nothing else on the hot path looks here.
 Nodes hold their objects weakly: a view never keeps its base's buffers alive. A dead node stays
@@ -64,7 +64,7 @@ def node_of(obj) -> Node | None:
 
 
 def note_view(name: str, args: tuple, kwargs: dict, result) -> None:
-    """tensor.call_op's hook for VIEW_OPS: each output becomes a child of args[0]'s node."""
+    """op_issue.call_op's hook for VIEW_OPS: each output becomes a child of args[0]'s node."""
     base = args[0]
     if _paused[0] or not hasattr(base, "_meta"):
         return

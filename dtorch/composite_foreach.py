@@ -1,7 +1,7 @@
 """torch._foreach_* on lists of DTensors (EMA updates, hand-written optimizers): each is a loop of
 the one-tensor op over the list, in place where torch's is (dtorch/inplace.py), so every
 element keeps its placements. torch hands a list holding a DTensor to __torch_function__ under
-the function's own name (`_foreach_mul_`), which finds these in tensor.COMPOSITES.
+the function's own name (`_foreach_mul_`), which finds these in op_issue.COMPOSITES.
 
 The second operand may be what torch takes: one scalar, a list of scalars, a list of tensors or
 one tensor. In-place forms return the list and the others a tuple, as torch's do. tests/test_composites_nn.py checks

@@ -3,7 +3,7 @@
 
 Each follows torch's own formula (ATen's Loss.cpp and torch/nn/functional.py), so values and
 gradients agree with torch's; placement rules, automatic redistributes and autograd are those of
-the ops used. They reach dtorch through __torch_function__ (tensor.COMPOSITES), as
+the ops used. They reach dtorch through __torch_function__ (op_issue.COMPOSITES), as
 dtorch/composites.py's do. tests/test_composites_nn.py checks each against torch.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@
 Each is written with the registry's ops, so placement rules, automatic redistributes, autograd,
 dtorch.compile and aliasing apply as to the ops it uses: `broadcast_to` is an expand, `ravel` a
 reshape and `tensor_split`'s pieces are narrows, all views as in torch (dtorch/aliasing.py).
-They reach dtorch through __torch_function__ (tensor.COMPOSITES) and, where torch.Tensor has
+They reach dtorch through __torch_function__ (op_issue.COMPOSITES) and, where torch.Tensor has
 the method, as DTensor methods. tests/test_composites.py checks each against torch.
 """
 from __future__ import annotations

@@ -126,7 +126,7 @@ def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, 
 
 def upload_replicated(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """A local torch tensor uploaded Replicate on every dim of `mesh`: an op's constant argument
-    (tensor.py calls it through the seam below), a mask, a torch module's parameter."""
+    (op_issue.py calls it through the seam below), a mask, a torch module's parameter."""
     return tensor(local, device_mesh=mesh, placements=[Replicate()] * mesh.ndim)
 
 

@@ -5,7 +5,7 @@ torch's aliases (`torch.arccos`, `x.divide`), `F.rrelu(x, training=True)`...
 
 Each is written with the registry's ops (so placement rules, automatic redistributes, autograd
 and dtorch.compile apply as to the ops it uses) and installed on DTensor; the torch.* spellings
-reach the same code through __torch_function__ (tensor.COMPOSITES). tests/test_torch_methods.py
+reach the same code through __torch_function__ (op_issue.COMPOSITES). tests/test_torch_methods.py
 checks each against torch on sharded, replicated and uneven inputs."""
 from __future__ import annotations
 

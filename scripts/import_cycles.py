@@ -77,7 +77,12 @@ def import_graph(source: Path, lazy: bool = False) -> dict[str, set[str]]:
 
 
 def cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
-    """Every elementary cycle, each once, starting at its alphabetically first module."""
+    """Every elementary cycle, each once, starting at its alphabetically first module.
+
+    The walk from each start stays inside the start's strongly connected component: a path that
+    leaves it can never come back, and following every such path made the search exponential in
+    the graph's depth (38 s for 164 modules, over the test's 120 s limit at 171)."""
+    component = _components(graph)
     found = []
     for start in sorted(graph):
         stack = [(start, iter(sorted(graph[start])))]
@@ -90,10 +95,45 @@ def cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
                 path.pop()
             elif following == start:
                 found.append(tuple(path))
-            elif following > start and following not in path:
+            elif following > start and following not in path and component[following] == component[start]:
                 stack.append((following, iter(sorted(graph.get(following, ())))))
                 path.append(following)
     return found
+
+
+def _components(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Module -> the number of its strongly connected component (Kosaraju, without recursion)."""
+    nodes = sorted(set(graph).union(*graph.values()))
+    finished, seen = [], set()
+    for root in nodes:
+        if root in seen:
+            continue
+        seen.add(root)
+        stack = [(root, iter(sorted(graph.get(root, ()))))]
+        while stack:
+            node, successors = stack[-1]
+            following = next(successors, None)
+            if following is None:
+                stack.pop()
+                finished.append(node)
+            elif following not in seen:
+                seen.add(following)
+                stack.append((following, iter(sorted(graph.get(following, ())))))
+    reverse = {node: [] for node in nodes}
+    for node, targets in graph.items():
+        for target in targets:
+            reverse[target].append(node)
+    component = {}
+    for number, root in enumerate(reversed(finished)):
+        if root in component:
+            continue
+        component[root], stack = number, [root]
+        while stack:
+            for source in reverse[stack.pop()]:
+                if source not in component:
+                    component[source] = number
+                    stack.append(source)
+    return component
 
 
 def show(cycle: tuple[str, ...]) -> str:

@@ -216,8 +216,8 @@ def test_commands_are_batched_and_sent_once_for_all_workers(mesh4):
 def test_commands_leave_once_the_issuing_thread_goes_quiet(mesh4, monkeypatch):
     """No read follows: the idle-flush timer, which stays armed while ops keep coming, publishes
     the last batch once the thread stops issuing (the watchdog's safety net is off here)."""
-    from dtorch.runtime import controller as controller_module
-    monkeypatch.setattr(controller_module, "STALE_PENDING_S", 1e9)
+    from dtorch.runtime import lost_workers   # (its watchdog holds the safety net)
+    monkeypatch.setattr(lost_workers, "STALE_PENDING_S", 1e9)
     controller = session.controller()
     dtorch.synchronize()
     x = dtorch.ones(16, device_mesh=mesh4, placements=[Shard(0)])

@@ -16,7 +16,7 @@ import dtorch
 from dtorch import Replicate, Shard
 from dtorch.errors import RemoteError
 from dtorch.runtime import cluster
-from dtorch.runtime import controller as controller_module
+from dtorch.runtime import reply_receiving
 from dtorch.runtime import session
 
 
@@ -30,7 +30,7 @@ def test_a_blocking_read_needs_no_loop_thread(mesh4, monkeypatch):
     """With the loop thread held in a callback, a blocking read still completes: its own thread
     publishes the command and receives the replies (for as long as the read's timeout here, so
     that workers slow to answer on a busy machine cannot hand the read back to the held loop)."""
-    monkeypatch.setattr(controller_module, "READER_RECEIVE_S", 60.0)
+    monkeypatch.setattr(reply_receiving, "READER_RECEIVE_S", 60.0)
     dtorch.synchronize()   # nothing earlier still runs on the workers
     loop = session.controller()._loop
     held, release = threading.Event(), threading.Event()
@@ -69,7 +69,7 @@ def test_a_polled_future_after_blocking_reads(mesh4):
 
 def test_reads_slower_than_the_reading_threads_wait(mesh4, monkeypatch):
     """The reading thread gives up at once: the loop thread must take the replies over."""
-    monkeypatch.setattr(controller_module, "READER_RECEIVE_S", 0.0)
+    monkeypatch.setattr(reply_receiving, "READER_RECEIVE_S", 0.0)
     _blocking_reads(mesh4)
     x = dtorch.ones(64, 64, device_mesh=mesh4, placements=[Shard(0)])
     for _ in range(20):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from dtorch.distributed_spec import Partial, Replicate, Shard
 from dtorch.runtime import kernels
 from dtorch.runtime import worker as worker_module
+from dtorch.runtime import worker_moves
 from dtorch.runtime import protocol as wire
 from dtorch.runtime.comm import GlooCommunicator
 from dtorch.runtime.devices import CpuDevice
@@ -107,7 +108,7 @@ def test_a_move_failing_on_one_rank_poisons_the_result_and_frees_the_peer(monkey
     """A sender failing while cutting its blocks still sends (zeros), and the receiver, on another
     mesh, must not keep them: the agreement after the move poisons its result with the move's seq,
     whose error the failing rank reports."""
-    fail_on(monkeypatch, worker_module, "narrow_to_box", rank=failing)
+    fail_on(monkeypatch, worker_moves, "narrow_to_box", rank=failing)
     workers = run_on_two_ranks(MOVE)
     failed, healthy = workers[failing], workers[1 - failing]
     assert not healthy.sockets.sent, healthy.sockets.sent

@@ -27,7 +27,8 @@ from ..ops.tensor_meta import tensor_meta
 from ..recording import OpNode, is_grad_enabled
 from ..runtime import profiling, session
 from ..runtime.protocol import RunOp
-from ..tensor import DTensor, _note_capture_inputs
+from ..op_issue import note_capture_inputs
+from ..tensor import DTensor
 from .mixed_precision import cast_floating, check_policy, compute_dtype, reduce_dtype_of
 from .module import Module
 from .parameter import Parameter
@@ -206,7 +207,7 @@ _GATHER = "fully_shard (all-gather)"   # the op errors and profiles name
 def _issue_gather(shards: list, mesh, mesh_dim: int, regather: bool, dtype, reduce_dtype) -> list:
     controller = session.controller()
     if controller.capture is not None:
-        _note_capture_inputs(tuple(shards), {})
+        note_capture_inputs(tuple(shards), {})
     refs, specs, blocks, dims = [], [], [], []
     for shard in shards:
         refs.append(controller.reference(shard))

@@ -2,7 +2,7 @@
 (`torch.rnn_tanh`, `rnn_relu`, `gru`, `lstm` and the `*_cell` forms, which the modules' own
 forward calls with its flat list of weights) written over dtorch ops.
 
-Each kernel reaches dtorch whole through __torch_function__ (tensor.COMPOSITES); here it is the
+Each kernel reaches dtorch whole through __torch_function__ (op_issue.COMPOSITES); here it is the
 loop torch's CPU kernel runs (aten/src/ATen/native/RNN.cpp), step for step: the input's share of
 every step's gates in one linear over the whole sequence, then per step the hidden state's
 linear and the gates in torch's order (LSTM i, f, g, o with the projection h = W_hr h; GRU r, z, n

@@ -1,7 +1,7 @@
 """PURE: the redistributes that make a call legal when its inputs' placements do not line up
 (x is S(0) and y is S(1); softmax over a sharded dim; a matmul contracting a dim sharded on one
 side only). dispatch.plan_call asks here only when the rules refuse the call as given and strict
-mode is off; the answer lands in the cached plan, and tensor.call_op issues each move as an
+mode is off; the answer lands in the cached plan, and op_issue.call_op issues each move as an
 ordinary Redistribute command before the op.
 
 The choice is the rules' own: on the mesh dim a rule refuses, the legal combinations are the

@@ -12,25 +12,24 @@ A thread that blocks on a read publishes it itself and takes the replies off the
 (receive_here), so that the reply wakes that thread alone; the loop thread then stops watching the
 socket until an awaited or polled future needs it again (wake_receiver).
 
-Commands are numbered; the loop publishes them in order; workers check the numbering. The
-handlers of what workers send (registrations, replies, error and warning reports, heartbeats) are
-in worker_messages.py, a mixin the Controller inherits.
+Commands are numbered; the loop publishes them in order; workers check the numbering. Mixins
+the Controller inherits: worker_messages.py (a handler per message a worker sends),
+reply_receiving.py (who takes those off the socket), lost_workers.py (the watchdog, losses,
+regroup) and session_stats.py (what dtorch.stats() counts).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import itertools
 import os
 import threading
 import time
-import traceback
 import warnings
 import weakref
 
 from ..distributed_spec import DeviceMesh
-from ..errors import (ProtocolError, SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site,
+from ..errors import (SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site,
                       user_frame, user_position)
 from . import profiling
 from . import protocol as wire
@@ -40,6 +39,9 @@ from .reads import FetchRead, Future, RemoteFailure, SyncRead
 from .rendezvous import host_store
 from .cluster import WorkerPool, WorkerRecord
 from .command_sites import SITE_RING, CommandSites
+from .lost_workers import LostWorkers
+from .reply_receiving import ReplyReceiving
+from .session_stats import SessionStats
 from .worker_messages import WorkerMessages
 from .transport import LOCAL, ControllerSockets, CurveKeys
 
@@ -64,14 +66,6 @@ FREE_BATCH = 16
 # next command, so a chain of large temporaries (an activation per layer) does not keep up to 16
 # dead buffers on every worker.
 FREE_AT_ONCE_BYTES = 1 << 20
-WATCH_PERIOD_S = 0.1
-STALL_EXCUSED_S = 0.5   # a watchdog tick this late means the controller itself stalled (see _watch_once)
-STALE_PENDING_S = 0.1   # the watchdog publishes commands pending this long (no timer did: a safety net)
-# A thread blocked on a read takes replies off the ROUTER itself for up to this long, then hands
-# the socket back to the loop thread: the reply wakes only the thread that waits for it, not the
-# loop thread first (125 us less per read, benchmark 3), and the loop's watchdog waits at most
-# this long for the socket.
-READER_RECEIVE_S = 0.02
 HANG_TIMEOUT_S = 600.0   # one command running longer than this on a worker: reported lost and ended
 # Tensor ids are unique across sessions in this process, so a tensor kept from an ended session
 # can never name a tensor of the next one, even where the ownership check is bypassed.
@@ -79,7 +73,7 @@ _TENSOR_IDS = itertools.count(1)
 _PROBE = wire.encode(wire.Probe())
 
 
-class Controller(WorkerMessages):
+class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
     def __init__(self, bind_host: str | None = LOCAL, curve: CurveKeys | None = None,
                  gloo_timeout_s: float = 120.0, hang_timeout_s: float | None = None):
         """bind_host: the address workers on other hosts reach; LOCAL (None) for a session on
@@ -189,30 +183,6 @@ class Controller(WorkerMessages):
         if read is not None or now - self._pending_since >= AGED_FLUSH_S:
             self._flush()   # from this thread: a read, or a batch that waited, needs no loop wake-up
         return seq
-
-    def count_inserted_redistribute(self) -> None:
-        """One more redistribute the frontend inserted before an op (stats()); under the lock
-        because several threads may issue ops."""
-        with self._lock:
-            self.redistributes_inserted += 1
-
-    def count_local_upload(self) -> None:
-        """One more torch tensor the frontend uploaded as an op's constant argument (stats())."""
-        with self._lock:
-            self.local_tensors_uploaded += 1
-
-    def count_checkpoint(self, tensors: int, bytes_via_controller: int) -> None:
-        """Tensors dtorch.checkpoint loaded, and the bytes it read here to upload (stats())."""
-        with self._lock:
-            self.checkpoint_tensors_loaded += tensors
-            self.checkpoint_bytes_via_controller += bytes_via_controller
-
-    def count_checkpoint_saved(self, tensors: int, nbytes: int) -> None:
-        """Tensors dtorch.checkpoint.save wrote, and their bytes (the workers wrote them: the
-        controller only sent SaveShard commands, so checkpoint_bytes_saved_via_controller is 0)."""
-        with self._lock:
-            self.checkpoint_tensors_saved += tensors
-            self.checkpoint_bytes_saved += nbytes
 
     def reference(self, tensor) -> wire.WireRef:
         """The wire reference to `tensor` as an op input; it must belong to this session."""
@@ -344,21 +314,6 @@ class Controller(WorkerMessages):
             if not failure.reported:
                 raise failure.error(failure.seq)
 
-    def stats(self) -> dict:
-        s = self.sockets
-        return {"commands_sent": self.commands_sent, "batches_sent": self.batches_sent,
-                "messages_sent": s.messages_sent,
-                "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
-                "workers": len(self.workers), "pending_reads": len(self._reads),
-                "messages_rejected": self.rejections.count,
-                "redistributes_inserted": self.redistributes_inserted,
-                "local_tensors_uploaded": self.local_tensors_uploaded,
-                "checkpoint_tensors_loaded": self.checkpoint_tensors_loaded,
-                "checkpoint_bytes_via_controller": self.checkpoint_bytes_via_controller,
-                "checkpoint_tensors_saved": self.checkpoint_tensors_saved,
-                "checkpoint_bytes_saved": self.checkpoint_bytes_saved,
-                "checkpoint_bytes_saved_via_controller": 0}   # save has no path through the controller
-
     # --- worker pool ----------------------------------------------------------------------------
     def add_workers(self, handles: list, device: str) -> None:
         self.pool.add(handles, device)
@@ -367,43 +322,6 @@ class Controller(WorkerMessages):
 
     def wait_registered(self, ranks, timeout: float, progress=None) -> None:
         self.pool.wait_registered(ranks, timeout, progress)
-
-    # --- recovery (runtime/recovery.py drives it) ----------------------------------------------
-    def settle_survivors(self, timeout: float) -> None:
-        """Wait until every live worker has run everything issued so far: a survivor still in a
-        collective with a lost peer leaves it (it sees the peer's lost key) before that key goes."""
-        live = self.pool.live_ranks()
-        if not live:   # every worker was lost: nobody to wait for
-            return
-        future = self.new_future()
-        self.submit(wire.Sync, read=SyncRead(live, future))
-        future.result(timeout)
-
-    def forget_loss(self, rank: int) -> None:
-        """The lost rank's key leaves the rendezvous store, so a new process can take the rank."""
-        self.store.delete_key(wire.lost_worker_key(rank))
-
-    def regroup(self, losses: list) -> None:
-        """The lost ranks of `losses` (WorkerLostErrors) run in new, registered processes: every
-        worker drops the groups that held them (Regroup), meshes that held them can be defined
-        again (new ids), and tensors built on those meshes before now are refused."""
-        replaced = tuple(sorted(loss.rank for loss in losses))
-        by_rank = {loss.rank: loss for loss in losses}
-        with self._mesh_lock:
-            self.generation += 1
-            self.submit(wire.Regroup, self.generation, replaced)
-            cutoff = self.new_id()   # every tensor built from here on has a larger id
-            for mesh, error in list(self._lost_meshes.items()):
-                held = [r for r in mesh.ranks if r in by_rank]
-                if held:
-                    self.lost_tensors.record(mesh, cutoff, by_rank[held[0]])
-                if not self.pool.lost_among(mesh.ranks):
-                    del self._lost_meshes[mesh]
-            self._first_valid_id = cutoff
-        for failure in self.failures.values():   # survivors' collectives that broke with the loss,
-            if failure.exception_type == "PeerLostError":   # which WorkerLostError already reported
-                failure.reported = True
-        self.announce_meshes()   # the new processes learn the meshes of the survivors
 
     # --- shutdown -------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -518,129 +436,3 @@ class Controller(WorkerMessages):
                 if self._sockets_open:
                     self.sockets.publish([wire.TOPIC_PROBE, _PROBE])
             await asyncio.sleep(0.02)
-
-    def _watch_replies(self) -> None:
-        self._loop.add_reader(self.sockets.reply_fd, self._receive)
-        self._watching_replies = True
-
-    def _receive(self) -> None:
-        """The ROUTER's descriptor is readable: handle everything queued, then wait again. If a
-        reading thread holds the socket, stop watching it (its descriptor stays readable until
-        that thread drains it: watching would spin), until wake_receiver."""
-        self._receive_wanted = True   # before the attempt: a holder that releases now sees it
-        if not self._router_lock.acquire(blocking=False):
-            if self._watching_replies:
-                self._loop.remove_reader(self.sockets.reply_fd)
-                self._watching_replies = False
-            return
-        try:
-            self._receive_wanted = False
-            if self._sockets_open:
-                self._handle_queued()
-        finally:
-            self._router_lock.release()
-
-    def _resume_receiving(self) -> None:
-        if not self._sockets_open:
-            return
-        if not self._watching_replies:
-            self._watch_replies()
-        self._receive()
-
-    def wake_receiver(self) -> None:
-        """Any thread: replies are needed without a thread blocked on them (an awaited or polled
-        future, a pending read, joining workers): if a reading thread had taken the socket from
-        the loop thread, the loop thread watches it again."""
-        if self._receive_wanted:
-            try:
-                self._loop.call_soon_threadsafe(self._resume_receiving)
-            except RuntimeError:   # the loop has stopped: the session is over
-                pass
-
-    def receive_here(self, reply: concurrent.futures.Future, timeout: float | None) -> None:
-        """Called by a thread about to block on a read: it takes messages off the ROUTER and
-        handles them itself until its reply is in (or READER_RECEIVE_S passes), so that the
-        reply wakes this thread alone instead of the loop thread and then this one. When the loop
-        thread or another reading thread holds the socket, this one simply waits."""
-        if (self._watchdog_waiting or threading.current_thread() is self._thread
-                or not self._router_lock.acquire(blocking=False)):
-            return
-        try:
-            deadline = time.monotonic() + (READER_RECEIVE_S if timeout is None else min(timeout, READER_RECEIVE_S))
-            while self._sockets_open and not reply.done():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self.sockets.wait_for_reply(remaining):
-                    break
-                self._handle_queued()
-        finally:
-            self._router_lock.release()
-            if self._reads:   # this thread's read if it gave up (or was interrupted), or others'
-                self.wake_receiver()
-
-    def _handle_queued(self) -> None:
-        """ROUTER lock held: handle every message queued on the ROUTER."""
-        for identity, header, data in self.sockets.drain():
-            try:
-                self._on_message(identity, header, data)
-            except ProtocolError as error:
-                self._reject(identity, str(error))
-            except Exception:  # a bug in one handler must not stop the loop
-                traceback.print_exc()
-
-    async def _watch(self) -> None:
-        ticked = time.monotonic()
-        while True:
-            await asyncio.sleep(WATCH_PERIOD_S)
-            now = time.monotonic()
-            late, ticked = now - ticked - WATCH_PERIOD_S, now
-            try:
-                self._watch_once(late)
-            except Exception:  # keep watching: a silent end would leave lost workers unreported
-                traceback.print_exc()
-
-    def _watch_once(self, late: float) -> None:
-        """`late`: how long past its period this tick came, i.e. how long this process did not
-        run its loop (a long GC pause, a starved or suspended machine)."""
-        self._watchdog_waiting = True   # reading threads stop taking the lock: no starvation
-        with self._router_lock:   # _lose fails reads that a reading thread's handlers may resolve
-            self._watchdog_waiting = False
-            if self._sockets_open:   # heartbeats queued in the socket count before silence is judged
-                self._handle_queued()
-            if late > STALL_EXCUSED_S:   # nobody listened meanwhile: that is not the workers' silence
-                self.pool.excuse_silence(late, time.monotonic())
-            self._watch_locked()
-
-    def _watch_locked(self) -> None:
-        if not self.closed:
-            for worker, reason in self.pool.newly_lost(time.monotonic()):
-                self._lose(worker, reason)
-            if self.hang_timeout_s:
-                for worker in self.pool.stuck(self.hang_timeout_s):
-                    self._lose(worker, f"stuck for {worker.busy_s:.0f}s in {self.sites.describe(worker.busy_seq)}, "
-                                       f"past the hang timeout of {self.hang_timeout_s:g}s; dtorch ended it")
-                    _end(worker.handle)
-        stale = self._pending and time.monotonic() - self._pending_since > STALE_PENDING_S
-        if stale or (self._released and not self._flush_scheduled):
-            self._flush()   # dropped ids, or commands no timer published (a safety net)
-
-    def _lose(self, worker: WorkerRecord, reason: str) -> None:
-        """Fail what waits on the worker and retire every mesh it belongs to."""
-        error = self.pool.mark_lost(worker, reason)
-        for mesh in [m for m in self._mesh_ids if worker.rank in m.ranks]:
-            self._lost_meshes[mesh] = error
-            del self._mesh_ids[mesh]
-        for seq, read in list(self._reads.items()):
-            if worker.rank in read.waiting:
-                read.fail(error)
-                self._reads.pop(seq, None)
-
-
-def _end(handle) -> None:
-    """Kill a stuck worker and reap it (a local child would otherwise linger as a zombie)."""
-    if handle is None:
-        return
-    handle.kill()
-    try:
-        handle.wait(2)
-    except Exception:  # an ssh session slow to go: its worker exits on stdin EOF anyway
-        pass

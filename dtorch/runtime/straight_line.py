@@ -193,7 +193,7 @@ class _Writer:
         self.namespace[name] = kernel
         arguments = [self._source(a, place) for a in command.args]
         arguments += [f"{key}={self._source(value, place)}" for key, value in command.kwargs.items()]
-        if command.grad:   # the tensors it may record against, depth-first as Worker._grad_inputs finds them
+        if command.grad:   # the tensors it may record against, depth-first as op_arguments.grad_inputs finds them
             inputs = "".join(f"t{i}, " for i in _ids_in((command.args, command.kwargs.values())))
             arguments[:0] = [name, f"({inputs})"]
             name = "_recorded" if command.regather else "_recorded_whole"

@@ -2,8 +2,11 @@
 local shards, one handler per command type (named after it), and answers only reads.
 
 A worker process starts as `python -m dtorch.runtime.worker_process` (start-up lives there).
-The handlers of training commands (backward, optimizer steps) are in worker_training.py, those
-of checkpoint files in worker_files.py: Worker inherits them.
+The handlers of moves (Redistribute, Transfer, a RunOp's fused moves) are in worker_moves.py,
+of dtorch.compile's graphs in worker_graphs.py, of training commands (backward, optimizer steps)
+in worker_training.py, of checkpoint files in worker_files.py and of activation checkpointing in
+checkpoint_regions.py: Worker inherits them. How a RunOp's arguments are read (tensor references,
+rank-local values, inputs recorded for backward) is op_arguments.py.
 
 A command that raises does not stop the worker: its outputs become "poisoned" with the command's
 seq, the error goes back tagged with that seq, and anything computed from a poisoned tensor is
@@ -20,32 +23,33 @@ import warnings
 
 import torch
 
-from ..distributed_spec import DeviceMesh, PeerGroup, ShardRegion, local_region, narrow_to_box, nest_ranks
+from ..distributed_spec import DeviceMesh, ShardRegion, local_region, nest_ranks
 from ..errors import ProtocolError
 from ..ops import KERNELS
 from ..ops.registry import PEER_KERNELS
-from ..redistribute import LOCAL_ONLY, plan_transfer, step_kind
 from . import protocol as wire
 from .comm import Communicator
-from . import graphs, straight_line
+from . import graphs
 from .backward import run_recorded
 from .grad_buckets import BucketBuffers
-from .fused_moves import run_moves
 from . import fsdp_gather  # noqa: F401  (registers fully_shard's grouped gather kernel)
 from .kernels import apply_steps, make_factory
+from .op_arguments import SCALAR_TYPES, grad_inputs, is_flat, map_refs, recorded_inline, refs_in_order
 from .peers import Peers
 from .poisoned import Poisoned
 from .protocol import TensorRef
 from .transport import WorkerSockets
 from .checkpoint_regions import RegionCommands
 from .worker_files import CheckpointCommands
+from .worker_graphs import GraphCommands
+from .worker_moves import MoveCommands
 from .worker_profiling import CommandRecorder, clock_frame
 from .worker_training import TrainingCommands
 
 __all__ = ["Worker", "Poisoned"]
 
 
-class Worker(TrainingCommands, CheckpointCommands, RegionCommands):
+class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, RegionCommands):
     def __init__(self, rank: int, sockets: WorkerSockets, comm: Communicator, device, start_seq: int,
                  host_comm: Communicator | None = None):
         self.rank, self.sockets, self.comm, self.device = rank, sockets, comm, device
@@ -154,8 +158,8 @@ class Worker(TrainingCommands, CheckpointCommands, RegionCommands):
         the compute stream (_run_batch; a RunGraph runs inside _execute). A failure here is
         handled as _execute handles one: poisoned outputs and a report under the command's seq."""
         if (type(command) is not wire.RunOp or command.input_steps or command.moves or self.in_flight
-                or command.kernel in PEER_KERNELS or not _flat(command.args)
-                or (command.kwargs and not _SCALARS.issuperset(map(type, command.kwargs.values())))
+                or command.kernel in PEER_KERNELS or not is_flat(command.args)
+                or (command.kwargs and not SCALAR_TYPES.issuperset(map(type, command.kwargs.values())))
                 or self._member(command.mesh_id) is None):
             return False
         tensors = self.tensors
@@ -166,8 +170,8 @@ class Worker(TrainingCommands, CheckpointCommands, RegionCommands):
         self.busy_seq, self._inputs = command.seq, args
         try:
             if command.grad:
-                self._store(command.out_ids, _recorded_inline(KERNELS[command.kernel], args, command.kwargs,
-                                                              command.regather))
+                self._store(command.out_ids, recorded_inline(KERNELS[command.kernel], args, command.kwargs,
+                                                             command.regather))
             else:
                 self._store(command.out_ids, KERNELS[command.kernel](*args, **command.kwargs))
         except Exception as error:  # any failure of one command; the worker goes on
@@ -238,7 +242,7 @@ class Worker(TrainingCommands, CheckpointCommands, RegionCommands):
         """The ids a RunOp or Redistribute reads."""
         if type(command) is wire.Redistribute:
             return [command.src_id]
-        return [ref.id for ref in _refs_in_order(command)]
+        return [ref.id for ref in refs_in_order(command)]
 
     def _agree_on_failure(self, ranks: tuple, origin: int) -> int:
         """The largest failure origin (a command seq) any of `ranks` passed, -1 for none, over
@@ -283,15 +287,15 @@ class Worker(TrainingCommands, CheckpointCommands, RegionCommands):
     def _run_op(self, command: wire.RunOp, mesh: DeviceMesh) -> None:
         if command.kernel in PEER_KERNELS:
             return self._run_with_peers(command, mesh)
-        if command.input_steps or command.moves or not _flat(command.args):
+        if command.input_steps or command.moves or not is_flat(command.args):
             args, kwargs = self._localized_args(command, mesh)
         else:  # the common case: top-level tensors and scalars, nothing to slice
             tensor = self._tensor
             args = [tensor(a.id) if type(a) is TensorRef else a for a in command.args]
-            kwargs = _map_refs(command.kwargs, lambda ref: tensor(ref.id), self._place(mesh)) if command.kwargs else {}
+            kwargs = map_refs(command.kwargs, lambda ref: tensor(ref.id), self._place(mesh)) if command.kwargs else {}
         self._inputs = args
         if command.grad:
-            result = run_recorded(KERNELS[command.kernel], _grad_inputs(args, kwargs), args, kwargs, command.regather)
+            result = run_recorded(KERNELS[command.kernel], grad_inputs(args, kwargs), args, kwargs, command.regather)
         else:
             result = KERNELS[command.kernel](*args, **kwargs)
         self._store(command.out_ids, result)
@@ -321,28 +325,7 @@ class Worker(TrainingCommands, CheckpointCommands, RegionCommands):
                     tensor = apply_steps(tensor, shape, mesh, placements, steps, self.rank, self.comm)
             return tensor
         place = self._place(mesh)
-        return _map_refs(command.args, local, place), _map_refs(command.kwargs, local, place)
-
-    def _moved_inputs(self, command: wire.RunOp, mesh: DeviceMesh) -> dict:
-        """{tensor_index: input after its move} for RunOp.moves, run on the communication stream
-        before anything here can raise: every move joins its collectives (fused_moves.py), then
-        a poisoned or missing input, or a failed step, raises for the whole op."""
-        refs, sources, failure = _refs_in_order(command), {}, None
-        for index, *_ in command.moves:
-            try:
-                sources[index] = self._held(refs[index].id)
-            except (Poisoned, KeyError) as error:
-                failure = failure or error
-        (moved, failed), done = self.device.communicate(
-            lambda: run_moves(command.moves, sources, mesh, self.rank, self.comm, self.device.torch_device),
-            tuple(sources.values()))
-        failure = failure or failed
-        if failure is not None:
-            raise failure
-        if done is not None:
-            for tensor in moved.values():
-                self.device.wait(done, tensor)
-        return moved
+        return map_refs(command.args, local, place), map_refs(command.kwargs, local, place)
 
     def _place(self, mesh: DeviceMesh):
         """The rank-local value of a ShardRegion (where this rank's block sits: (offset, shape))
@@ -363,7 +346,7 @@ class Worker(TrainingCommands, CheckpointCommands, RegionCommands):
         except Poisoned as poisoned:
             failed = poisoned
             args = [None if type(a) is TensorRef else a for a in command.args]
-            kwargs = _map_refs(command.kwargs, lambda ref: None, self._place(mesh))
+            kwargs = map_refs(command.kwargs, lambda ref: None, self._place(mesh))
             kwargs["standin"] = True
         tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
         out, done = self.device.communicate(lambda: KERNELS[command.kernel](*args, **kwargs), tensors)
@@ -371,114 +354,6 @@ class Worker(TrainingCommands, CheckpointCommands, RegionCommands):
             raise failed
         for tensor_id, tensor in zip(command.out_ids, out if isinstance(out, (tuple, list)) else (out,)):
             self._keep(tensor_id, tensor, done)
-
-    def handle_redistribute(self, command: wire.Redistribute) -> None:
-        mesh = self._member(command.mesh_id)
-        if mesh is None:
-            return
-        if command.grad:   # each step is recorded with its dual collective (kernels.apply_steps)
-            with torch.enable_grad():
-                return self._redistribute(command, mesh)
-        self._redistribute(command, mesh)
-
-    def _redistribute(self, command: wire.Redistribute, mesh: DeviceMesh) -> None:
-        if _local_only(command.steps):  # slices and partializing: compute, no stream hop
-            source = self._tensor(command.src_id)
-            self.tensors[command.out_id] = apply_steps(source, command.shape, mesh, command.placements,
-                                                       command.steps, self.rank, self.comm)
-            return
-        if command.src_id not in self.tensors and command.src_id in self.poisoned:
-            self.device.communicate(lambda: self._stand_in(command, mesh), ())
-            raise Poisoned(self.poisoned[command.src_id])
-        source = self._held(command.src_id)
-        out, done = self.device.communicate(
-            lambda: apply_steps(source, command.shape, mesh, command.placements, command.steps,
-                                self.rank, self.comm, donated=command.donate), (source,))
-        self._keep(command.out_id, out, done)
-
-    def _stand_in(self, command: wire.Redistribute, mesh: DeviceMesh) -> None:
-        """A poisoned input still joins its collectives, with zeros, so the peers never wait.
-
-        The peers' results are then meaningless but never readable: the poison stays on this
-        rank's output, a read gathers every rank's status, and a move to another mesh (where
-        this rank may not be) agrees on failures first. That saves a collective per redistribute."""
-        _, shape = _region_of(command.shape, mesh, command.placements, self.rank)
-        zeros = torch.zeros(shape, dtype=wire.dtype_from_name(command.dtype), device=self.device.torch_device)
-        apply_steps(zeros, command.shape, mesh, command.placements, command.steps, self.rank, self.comm)
-
-    def handle_transfer(self, command: wire.Transfer) -> None:
-        """Move a tensor to another mesh: point-to-point blocks, over NCCL between two CUDA meshes
-        and over host (Gloo) channels otherwise, so a CPU mesh and a CUDA mesh can trade too.
-
-        Every rank involved posts all its sends and receives, whatever happened to its input or
-        its part of the move (zeros stand in), so no peer waits; then one agreement over the
-        host channel poisons every output if any rank's input or part failed. A receiver thus
-        never keeps blocks that a failed sender's zeros filled in, even off the sender's mesh."""
-        src_mesh, dst_mesh = self.meshes.get(command.src_mesh_id), self.meshes.get(command.dst_mesh_id)
-        involved = tuple(sorted({r for mesh in (src_mesh, dst_mesh) if mesh is not None for r in mesh.ranks}))
-        if self.rank not in involved:
-            return
-        if src_mesh is None or dst_mesh is None:   # the controller re-announces meshes to late joiners
-            raise ProtocolError(f"rank {self.rank}: transfer between meshes #{command.src_mesh_id} and "
-                                f"#{command.dst_mesh_id}, and one of them was never defined here")
-        source, origin, failure = None, -1, None
-        if self.rank in src_mesh.ranks:
-            try:
-                source = self._held(command.src_id)
-            except Poisoned as poisoned:
-                origin = poisoned.origin
-            except KeyError as missing:
-                failure = missing
-        (out, failed_part), done = self.device.communicate(
-            lambda: self._move_blocks(command, src_mesh, dst_mesh, source, involved),
-            () if source is None else (source,))
-        failure = failure or failed_part
-        agreed = self._agree_on_failure(involved, command.seq if failure is not None else origin)
-        if failure is not None:
-            raise failure
-        if agreed >= 0:
-            raise Poisoned(agreed)
-        if out is not None:
-            self._keep(command.out_id, out, done)
-
-    def _move_blocks(self, command: wire.Transfer, src_mesh, dst_mesh, source, involved: tuple):
-        """This rank's part of plan_transfer: copy its own blocks, post every send and receive
-        at once, then place what arrived. Returns (the new local tensor, or None off dst_mesh;
-        the exception that failed this rank's part, or None). Without a source (its input
-        failed) or after a failure, zeros are sent: the move must complete for the peers."""
-        on_gpus = src_mesh.device_type == dst_mesh.device_type == "cuda"
-        channel, staging = (self.comm, self.device.torch_device) if on_gpus else (self.host_comm, "cpu")
-        dtype = wire.dtype_from_name(command.dtype)
-        moves = plan_transfer(command.shape, src_mesh, command.src_placements, dst_mesh, command.dst_placements)
-        outgoing = [(receiver, offset, box) for sender, receiver, offset, box in moves if sender == self.rank != receiver]
-        incoming = [(sender, offset, box) for sender, receiver, offset, box in moves if receiver == self.rank != sender]
-        out = wanted = sends = receives = failure = None
-        try:
-            if self.rank in dst_mesh.ranks:
-                wanted, local_shape = _region_of(command.shape, dst_mesh, command.dst_placements, self.rank)
-                out = torch.empty(local_shape, dtype=dtype, device=self.device.torch_device)
-            receives = [(sender, torch.empty(box, dtype=dtype, device=staging)) for sender, _, box in incoming]
-            if source is not None:
-                held = _region_of(command.shape, src_mesh, command.src_placements, self.rank)[0]
-                for sender, receiver, offset, box in moves:
-                    if sender == receiver == self.rank:
-                        narrow_to_box(out, offset, box, wanted).copy_(narrow_to_box(source, offset, box, held))
-                sends = [(receiver, narrow_to_box(source, offset, box, held).contiguous().to(staging))
-                         for receiver, offset, box in outgoing]
-        except Exception as error:  # out of memory, say: still take part, then report it
-            failure = error
-        if sends is None:
-            sends = [(receiver, torch.zeros(box, dtype=dtype, device=staging)) for receiver, _, box in outgoing]
-        if receives is None:
-            receives = [(sender, torch.empty(box, dtype=dtype, device=staging)) for sender, _, box in incoming]
-        channel.exchange(involved, sends, receives)
-        if failure is None and out is not None:
-            try:
-                for (_, offset, box), (_, buffer) in zip(incoming, receives):
-                    narrow_to_box(out, offset, box, wanted).copy_(buffer)
-            except Exception as error:
-                failure = error
-        return out, failure
 
     def handle_fetch(self, command: wire.Fetch) -> None:
         mesh = self._member(command.mesh_id)
@@ -525,52 +400,6 @@ class Worker(TrainingCommands, CheckpointCommands, RegionCommands):
             self.poisoned.pop(tensor_id, None)
             self.in_flight.pop(tensor_id, None)
 
-    def handle_define_graph(self, command: wire.DefineGraph) -> None:
-        graph = graphs.define(command)
-        if any(type(c) is wire.CheckpointBegin for c in graph.commands):   # every row through _run_command
-            self.graphs[command.graph_id] = graph
-            return
-        plan = straight_line.build(command.graph_id, graph.commands, graph.scratch, graph.random, KERNELS,
-                                   lambda row: straight_line.plain_row(row, PEER_KERNELS), self._region_placer)
-        self.graphs[command.graph_id] = graph._replace(plan=plan)
-
-    def _region_placer(self, mesh_id: int):
-        """How this rank places a ShardRegion on the mesh (its block), or None off the mesh."""
-        mesh = self._member(mesh_id)
-        if mesh is None:
-            return None
-        coordinate = mesh.coordinate_of(self.rank)
-        return lambda region: region.at(mesh, coordinate)
-
-    def handle_run_graph(self, command: wire.RunGraph) -> None:
-        """Each row runs as a command of its own (seq + i): its failure poisons its outputs and
-        is reported under its own seq, as in eager; the replay goes on, as a batch would."""
-        graph = self.graphs.get(command.graph_id)
-        if graph is None and command.defined_seq < self.start_seq:
-            return   # defined before this worker joined: none of the graph's meshes holds this rank
-        if graph is None:
-            raise KeyError(f"compiled graph {command.graph_id} is not on rank {self.rank} (dropped, or this "
-                           "process replaced a lost worker after the graph was defined)")
-        graphs.replay(graph, command, (self.tensors, self.poisoned, self.in_flight), self._run_command, self._failed,
-                      self._may_run_straight)
-
-    def _may_run_straight(self, first_seq: int) -> bool:
-        """Whether a replay's run of plain rows may run as its function now (graphs.py): not while
-        the profiler records each row, nor with communication in flight, whose results a row
-        would have to wait for. While it runs, the heartbeat names its first row (the rows
-        before it, run alone, each cleared busy_seq when done)."""
-        if self.profiler is not None or self.in_flight:
-            return False
-        self.busy_seq = first_seq
-        return True
-
-    def handle_drop_graph(self, command: wire.DropGraph) -> None:
-        graph = self.graphs.pop(command.graph_id, None)
-        if graph is not None and graph.plan is not None:
-            for step in graph.plan:
-                if type(step) is not int:
-                    step.forget()
-
     def handle_sync(self, command: wire.Sync) -> None:
         """Reply once the device has run everything before this command (at once on CPU)."""
         self.outgoing.append((self.device.fence(), wire.Reply(command.seq, self.rank, "ok", -1)))
@@ -609,81 +438,3 @@ def _outputs_of(command) -> tuple:
     return (command.out_id,) if hasattr(command, "out_id") else ()
 
 
-def _local_only(steps) -> bool:
-    return all(step_kind(before, after) in LOCAL_ONLY for _, before, after in steps)
-
-
-def _region_of(shape, mesh: DeviceMesh, placements, rank: int):
-    return local_region(shape, mesh, placements, mesh.coordinate_of(rank))
-
-
-def _recorded_inline(kernel, args: list, kwargs: dict, regather: bool):
-    """A plain op that records for backward (RunOp.grad): its inputs that require grad are among
-    its top-level arguments, since its kwargs are scalars. Grad mode is switched in C, without
-    torch.enable_grad()'s Python context."""
-    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    previous = _is_grad_enabled()
-    _set_grad_enabled(True)
-    try:
-        return run_recorded(kernel, inputs, args, kwargs, regather)
-    finally:
-        _set_grad_enabled(previous)
-
-
-_set_grad_enabled, _is_grad_enabled = torch._C._set_grad_enabled, torch.is_grad_enabled
-
-
-def _grad_inputs(args, kwargs) -> list:
-    """The op's local input tensors that require grad, depth-first."""
-    found = []
-    _collect_grad(args, found)
-    if kwargs:
-        _collect_grad(kwargs.values(), found)
-    return found
-
-
-def _collect_grad(values, found: list) -> None:
-    # One call per container, not per element: a recorded op's arguments are mostly scalars and
-    # shape lists, and a call for each cost 1.5-2.5 us more per op in a micro-benchmark.
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            if value.requires_grad:
-                found.append(value)
-        elif type(value) in _SEQUENCES:
-            _collect_grad(value, found)
-        elif type(value) is dict:
-            _collect_grad(value.values(), found)
-
-
-def _flat(args) -> bool:
-    return _CONTAINERS.isdisjoint(map(type, args))   # in C: this runs for every op
-
-
-_CONTAINERS = frozenset((tuple, list, dict))
-_SEQUENCES = frozenset((tuple, list))
-_SCALARS = frozenset((int, float, bool, str, type(None)))   # kwargs values a plain op may take inline
-
-
-RANK_LOCAL = (ShardRegion, PeerGroup)   # argument types each rank replaces with its own value
-
-
-def _refs_in_order(command: wire.RunOp) -> list:
-    """The command's tensor references, numbered as dispatch numbers them (args, then kwargs)."""
-    found = []
-    _map_refs((command.args, command.kwargs), found.append, lambda value: value)
-    return found
-
-
-def _map_refs(value, fn, place):
-    """Replace each TensorRef with fn(ref), depth-first (the order dispatch numbered the tensors
-    in), and each ShardRegion or PeerGroup with place(value): the wire's stand-ins for rank-local
-    values."""
-    if type(value) is TensorRef:
-        return fn(value)
-    if type(value) in (tuple, list):
-        return [_map_refs(v, fn, place) for v in value]
-    if type(value) is dict:
-        return {k: _map_refs(v, fn, place) for k, v in value.items()}
-    if type(value) in RANK_LOCAL:
-        return place(value)
-    return value
