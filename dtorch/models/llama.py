@@ -20,12 +20,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import json
-import math
 import operator
 import os
 from types import SimpleNamespace
-from typing import NamedTuple
 
 import torch
 
@@ -38,99 +35,15 @@ from ..recording import is_grad_enabled
 from ..nn.pipeline_schedule import run_schedule
 from ..nn import functional as F
 from ..utils.checkpoint import checkpoint
+from .causal_lm import CausalLMOutput, GreedyDecoding, token_count, token_loss_sum
+from .llama_config import (MESH_DIMS, LlamaSettings, check_mesh, head_dim, inverse_frequencies, kv_heads,  # noqa: F401
+                           mesh_dim as _dim, token_placements)
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaSettings", "CausalLMOutput", "MESH_DIMS"]
 
-MESH_DIMS = ("dp", "fsdp", "pp", "cp", "tp")
-_BATCH_DIMS = ("dp", "fsdp")
 
 
 ROPE_TABLES_KEPT = 64   # cos/sin tables kept per (mesh, past, seq, dtype)
-
-class LlamaSettings(SimpleNamespace):
-    """A LlamaConfig's fields with transformers' defaults, read from a config.json."""
-    DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=None, head_dim=None, hidden_act="silu",
-                    max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
-                    rope_theta=10000.0, rope_scaling=None, rope_parameters=None, attention_bias=False,
-                    mlp_bias=False, pad_token_id=None, bos_token_id=1, eos_token_id=2)
-
-    @classmethod
-    def from_json(cls, path: str) -> "LlamaSettings":
-        with open(path) as file:
-            fields = json.load(file)
-        return cls(**{**cls.DEFAULTS, **fields})
-
-
-class CausalLMOutput(NamedTuple):
-    """What transformers returns, as far as dtorch fills it: `out.logits`, `out.loss`, and
-    `out[0]` / tuple unpacking over the fields that are set (loss first when there is one)."""
-    loss: DTensor | None
-    logits: DTensor
-    past_key_values: list | None = None
-
-    def __getitem__(self, index):
-        return tuple(v for v in tuple.__iter__(self) if v is not None)[index]
-
-
-# --- configuration -----------------------------------------------------------------------------------
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _kv_heads(config) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def rope_parameters(config) -> dict:
-    """transformers 5 keeps rope settings in `rope_parameters`; 4.x in rope_theta + rope_scaling."""
-    found = getattr(config, "rope_parameters", None)
-    if found:
-        return dict(found)
-    scaling = dict(getattr(config, "rope_scaling", None) or {})
-    scaling.setdefault("rope_type", scaling.pop("type", "default"))
-    return {"rope_theta": getattr(config, "rope_theta", 10000.0), **scaling}
-
-
-def inverse_frequencies(config) -> tuple[torch.Tensor, float]:
-    """(inv_freq, attention scaling) for the rope types Llama checkpoints use (transformers'
-    formulas). A few dozen floats, computed here and uploaded once."""
-    params = rope_parameters(config)
-    kind, dim = params.get("rope_type", "default"), _head_dim(config)
-    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if kind in ("default", "dynamic"):   # dynamic equals default up to max_position_embeddings
-        return inv_freq, 1.0
-    if kind == "linear":
-        return inv_freq / params["factor"], 1.0
-    if kind == "llama3":
-        return _llama3_frequencies(inv_freq, params), 1.0
-    raise NotImplementedError(f"rope_type {kind!r} is not supported yet (default, dynamic, linear, llama3 are)")
-
-
-def _llama3_frequencies(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
-    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
-    old_context = params["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_context / low, old_context / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-# --- layout --------------------------------------------------------------------------------------
-def _dim(mesh: DeviceMesh, name: str) -> int | None:
-    names = mesh.mesh_dim_names or ()
-    return names.index(name) if name in names and mesh.shape[names.index(name)] > 1 else None
-
-
-def token_placements(mesh: DeviceMesh) -> list:
-    """Token ids (batch, sequence): batch over dp/fsdp, sequence over cp, replicated elsewhere."""
-    names = mesh.mesh_dim_names or ()
-    return [Shard(0) if n in _BATCH_DIMS else Shard(1) if n == "cp" else Replicate() for n in names] or \
-        [Replicate()] * mesh.ndim
-
 
 def _reduced(tensor: DTensor) -> DTensor:
     """Partial sums (a row-parallel output, a vocab-parallel lookup) all-reduced to Replicate."""
@@ -156,7 +69,7 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config, mesh: DeviceMesh, dtype, cp_attention: str = "ulysses"):
         super().__init__()
-        self.head_dim, self.heads, self.kv_heads = _head_dim(config), config.num_attention_heads, _kv_heads(config)
+        self.head_dim, self.heads, self.kv_heads = head_dim(config), config.num_attention_heads, kv_heads(config)
         width, bias = config.hidden_size, config.attention_bias
         common = dict(bias=bias, dtype=dtype, device_mesh=mesh)
         self.q_proj = nn.ColumnParallelLinear(width, self.heads * self.head_dim, **common)
@@ -249,7 +162,7 @@ class LlamaModel(nn.Module):
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, device_mesh=stages[-1])
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(GreedyDecoding, nn.Module):
     """transformers' LlamaForCausalLM on a dtorch mesh. `model(input_ids)` takes a torch LongTensor
     (uploaded with the batch over dp/fsdp and the sequence over cp) or a DTensor; `labels=` adds
     transformers' shifted mean cross-entropy as `.loss`."""
@@ -257,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, device_mesh: DeviceMesh, *, dtype: torch.dtype | None = None,
                  microbatches: int | None = None, cp_attention: str = "ulysses"):
         super().__init__()
-        _check_mesh(device_mesh)
+        check_mesh(device_mesh)
         if cp_attention not in ("ulysses", "ring"):
             raise ValueError(f"cp_attention must be 'ulysses' or 'ring', got {cp_attention!r}")
         self.config, self.mesh = config, device_mesh
@@ -469,78 +382,3 @@ class LlamaForCausalLM(nn.Module):
         model = cls(config, device_mesh, dtype=dtype, **kwargs)
         model.load_state_dict(directory, progress=progress, via_controller=via_controller)
         return model.eval()   # as transformers' from_pretrained: call .train() to fine-tune
-
-    # --- generation ---------------------------------------------------------------------------------------
-    def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, eos_token_id=None,
-                 pad_token_id=None, on_token=None) -> torch.Tensor:
-        """Greedy decoding with a KV cache kept on the workers (sharded over tp by heads), as
-        transformers' generate(do_sample=False): the prompt plus up to max_new_tokens tokens.
-        Finished sequences (eos) are padded with pad_token_id; reading each step's tokens is the
-        only wait, and only when there is an eos to watch for."""
-        if do_sample:
-            raise NotImplementedError("generate: only greedy decoding (do_sample=False) is implemented")
-        if _dim(self.mesh, "cp") is not None or len(self.stages) > 1:
-            raise NotImplementedError("generate: decoding runs on dp/tp layouts (cp and pp decode one token "
-                                      "at a time, which they cannot split); use a mesh without cp and pp")
-        eos = eos_token_id if eos_token_id is not None else getattr(self.config, "eos_token_id", None)
-        eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
-        pad = pad_token_id if pad_token_id is not None else getattr(self.config, "pad_token_id", None)
-        prompt = torch.as_tensor(input_ids)
-        cache: list = [[] for _ in self.model.layers]
-        tokens, finished = [], torch.zeros(prompt.shape[0], dtype=torch.bool)
-        step_input = prompt
-        for _ in range(max_new_tokens):
-            logits = self._forward_one(self._upload(step_input) if isinstance(step_input, torch.Tensor)
-                                       else step_input, cache)
-            chosen = logits[:, -1, :].argmax(-1)
-            if eos:
-                picked = chosen.to_torch()
-                if pad is not None:
-                    picked = torch.where(finished, torch.full_like(picked, pad), picked)
-                finished |= torch.isin(picked, torch.tensor(sorted(eos)))
-                tokens.append(picked)
-                if on_token:
-                    on_token(picked)
-                if finished.all():
-                    break
-                step_input = picked[:, None]
-            else:
-                tokens.append(chosen)
-                if on_token:
-                    on_token(chosen)
-                step_input = chosen.unsqueeze(1)
-        new = [t.to_torch() if isinstance(t, DTensor) else t for t in tokens]
-        return torch.cat([prompt] + [t[:, None] for t in new], dim=1)
-
-
-def _check_mesh(mesh: DeviceMesh) -> None:
-    names = mesh.mesh_dim_names
-    if mesh.ndim > 1 and not names:
-        raise ValueError(f"LlamaForCausalLM: name the dims of {mesh} (from {MESH_DIMS})")
-    unknown = [n for n in names or () if n not in MESH_DIMS]
-    if unknown:
-        raise ValueError(f"LlamaForCausalLM: mesh dim names {unknown} are not among {MESH_DIMS}")
-
-
-def causal_lm_loss(logits: DTensor, labels: DTensor, ignore_index: int = -100) -> DTensor:
-    """Mean cross-entropy over the labels that are not ignore_index, in float32 as transformers
-    computes it. With the vocabulary sharded (tp) it never gathers the logits: the max, the sum
-    of exponentials and the target's logit are each a small all-reduce over (batch, sequence)."""
-    total, count = token_losses(logits, labels, ignore_index)
-    return total / count
-
-
-def token_losses(logits: DTensor, labels: DTensor, ignore_index: int = -100) -> tuple[DTensor, DTensor]:
-    """(sum of the token losses, number of counted tokens): causal_lm_loss before its division,
-    so that microbatches add up to the batch's mean."""
-    return token_loss_sum(logits, labels, ignore_index), token_count(labels, ignore_index)
-
-
-def token_loss_sum(logits: DTensor, labels: DTensor, ignore_index: int = -100) -> DTensor:
-    """The sum of the token losses, in float32; a pending sum until it is read."""
-    return F.class_sharded_losses(logits.float(), labels, logits.ndim - 1, ignore_index).sum()
-
-
-def token_count(labels: DTensor, ignore_index: int = -100) -> DTensor:
-    """The number of counted tokens, all-reduced (a scalar)."""
-    return (labels != ignore_index).to(torch.float32).sum().reduce_partials()
