@@ -280,7 +280,10 @@ def test_scancel_of_an_sbatch_job_ends_controller_and_workers(cluster, tmp_path)
         # dtorch-launch's SIGTERM handler (atexit shutdown), within KillWait, never SIGKILLed.
         assert not wait_all_gone(pids, 10), "controller or workers still running 10 s after scancel"
         assert cluster.wait_no_jobs(20)
-        assert process.wait(60) != 0
-        assert "SLURM is ending job" in output.read_text(errors="replace")
+        # sbatch --wait's own exit status for a cancelled job is not reliable (it returned 0 once,
+        # under the full suite's load, for a job the handler ended): the output says how it ended
+        process.wait(60)
+        text = output.read_text(errors="replace")
+        assert "SLURM is ending job" in text and "\nOK" not in text, text
     finally:
         stop(process, cluster, pids)
