@@ -153,7 +153,9 @@ def _gather(module: Module, args):
         param = owner._parameters[name]
         if compute_dtype(policy, param.dtype) != param.dtype:
             module._fsdp_gathered[(id(owner), name)] = (owner, name, param)
-            owner._parameters[name] = param.to(compute_dtype(policy, param.dtype))
+            if id(param) not in copies:   # (a tied one is cast once)
+                copies[id(param)] = param.to(compute_dtype(policy, param.dtype))
+            owner._parameters[name] = copies[id(param)]
 
 
 def _gather_alone(sharded, dim: int, policy):
@@ -187,18 +189,15 @@ def _nested(placements, mesh_dim: int) -> bool:
     return any(isinstance(p, Shard) and p.dim == dim for m, p in enumerate(placements) if m != mesh_dim)
 
 
-def gather_group(shards: list, mesh, mesh_dim: int, regather: bool = True, dtype=None, reduce_dtype=None) -> list:
+def gather_group(shards: list, mesh, mesh_dim: int, regather: bool, dtype, reduce_dtype) -> list:
     """`shards` (each Shard(d) on `mesh_dim` of `mesh`, one dtype) gathered on that mesh dim by
-    one RunOp of the grouped kernel (runtime/fsdp_gather.py); recorded for backward like any op.
-    `dtype`: the gathered copies' (default: the shards'); `reduce_dtype`: the gradients'
-    reduce-scatter's (default: `dtype`)."""
-    dtype = dtype or shards[0].dtype
-    arguments = (shards, mesh, mesh_dim, regather, dtype, reduce_dtype or dtype)
+    one RunOp of the grouped kernel (runtime/fsdp_gather.py), as `dtype`; recorded for backward
+    like any op, the gradients' reduce-scatter in `reduce_dtype`."""
     recorder = profiling.active
     if recorder is not None:   # dtorch.profile: a span like an op's
         with recorder.user_span(_GATHER, "op"):
-            return _issue_gather(*arguments)
-    return _issue_gather(*arguments)
+            return _issue_gather(shards, mesh, mesh_dim, regather, dtype, reduce_dtype)
+    return _issue_gather(shards, mesh, mesh_dim, regather, dtype, reduce_dtype)
 
 
 _GATHER = "fully_shard (all-gather)"   # the op errors and profiles name

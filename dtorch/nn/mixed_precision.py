@@ -3,8 +3,9 @@
 `mixed_precision(model, torch.bfloat16)` keeps every parameter (and so its gradient and the
 optimizer's state) in its own dtype, float32 say, and runs each module's forward on copies cast to
 bfloat16: a forward pre-hook casts the parameters the module owns directly (a recorded `to`, so
-backward casts their gradients back to float32 before they accumulate), and its floating-point
-DTensor arguments, as FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) does: a float32 batch
+backward casts their gradients back to float32 before they accumulate), and the floating-point
+tensors among its positional arguments (at any depth), as FSDP2's
+MixedPrecisionPolicy(cast_forward_inputs=True) does: a float32 batch
 meets bfloat16 weights in one dtype (torch's kernels refuse two). The forward hook puts the
 Parameters back. Floating-point activations follow the weights' dtype; code that wants float32
 (a loss, a norm's statistics) casts explicitly, as dtorch.models.llama does.
@@ -59,13 +60,7 @@ def _cast(module: Module, args):
         if param is not None and param.dtype.is_floating_point and param.dtype != dtype:
             saved[name] = param
             module._parameters[name] = param.to(dtype)
-    if any(_cast_input(a, dtype) for a in args):
-        return tuple(a.to(dtype) if _cast_input(a, dtype) else a for a in args)
-    return None
-
-
-def _cast_input(value, dtype: torch.dtype) -> bool:
-    return isinstance(value, DTensor) and value.dtype.is_floating_point and value.dtype != dtype
+    return cast_floating(args, dtype)
 
 
 def _restore(module: Module, args, output):
