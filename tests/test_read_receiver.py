@@ -120,3 +120,43 @@ def test_a_remote_error_reaches_a_blocking_read(mesh4):
         quotient.to_torch()
     assert raised.value.ranks == [3]
     _blocking_reads(mesh4)   # the session goes on
+
+
+def _spun(read) -> tuple:
+    """(the value `read()` returns, how many blocking reads spun meanwhile)."""
+    before = dtorch.stats()["reads_spun"]
+    value = read()
+    return value, dtorch.stats()["reads_spun"] - before
+
+
+def test_a_read_spins_while_the_workers_are_idle(mesh4, monkeypatch):
+    """READ_SPIN_S's first rule. With a spin too short for any reply to beat, only idleness makes
+    a read spin: one issued right after synchronize() does, one issued after work does not (nor
+    does the synchronize, which waits for that work). Both read the right values."""
+    monkeypatch.setattr(reply_receiving, "READ_SPIN_S", 1e-9)
+    _blocking_reads(mesh4, 1)   # its wait outlasts the spin: "the last wait was short" is off
+    x = dtorch.arange(8., device_mesh=mesh4, placements=[Shard(0)]) * 2
+    value, spun = _spun(x.to_torch)
+    assert torch.equal(value, torch.arange(8.) * 2) and spun == 0
+    y = x + 1
+    _, spun = _spun(dtorch.synchronize)
+    assert spun == 0
+    value, spun = _spun(y.to_torch)
+    assert torch.equal(value, torch.arange(8.) * 2 + 1) and spun == 1
+    value, spun = _spun(y.to_torch)   # read after read: still idle
+    assert torch.equal(value, torch.arange(8.) * 2 + 1) and spun == 1
+
+
+def test_a_read_spins_after_a_short_wait(mesh4, monkeypatch):
+    """READ_SPIN_S's second rule: after a read whose reply came within the spin, the next read
+    spins even though work came before it; after one that waited longer, it does not."""
+    monkeypatch.setattr(reply_receiving, "READ_SPIN_S", 60.0)
+    _blocking_reads(mesh4, 1)   # answered within a minute: the last wait was short
+    x = dtorch.ones(4, 4, device_mesh=mesh4, placements=[Shard(0)]) @ dtorch.ones(4, 4, device_mesh=mesh4,
+                                                                                   placements=[Replicate()])
+    value, spun = _spun(x.to_torch)
+    assert torch.equal(value, torch.full((4, 4), 4.0)) and spun == 1
+    monkeypatch.setattr(reply_receiving, "READ_SPIN_S", 1e-9)
+    _blocking_reads(mesh4, 1)   # spun (its last wait was short), and outlasted the new spin
+    value, spun = _spun((x + 1).to_torch)
+    assert torch.equal(value, torch.full((4, 4), 5.0)) and spun == 0

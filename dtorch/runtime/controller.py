@@ -104,6 +104,11 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         self._first_valid_id = 0
         self.lost_tensors = LostTensors()
         self._reads: dict[int, object] = {}
+        # When a blocking read spins for its reply (reply_receiving.py, READ_SPIN_S):
+        self._last_work_seq = -1   # the last command other than a read (Frees go in with reads)
+        self._idle_upto = -1       # the last read every live worker has answered
+        self._last_wait_short = False   # the last blocking read's reply came within READ_SPIN_S
+        self.reads_spun = 0
         # Whoever holds the ROUTER lock drains the ROUTER and runs the message handlers: the loop
         # thread, or a thread blocked on a read (receive_here). _receive_wanted: the loop thread
         # found it taken and stopped watching the socket until someone needs it again
@@ -169,17 +174,19 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
             if capture is not None:
                 capture.record(command, site)
             self._sites[seq % SITE_RING] = (seq, site, fields[2] if command_type is wire.RunOp else command_type)
-            if read is not None:
-                self._reads[seq] = read
             if private is not None:
                 self._private[seq] = private
-            if read is None and len(self._pending) >= BATCH_LIMIT:
-                if not self._flush_now:
-                    self._flush_now = True
-                    self._loop.call_soon_threadsafe(self._flush)
-            elif read is None and not self._flush_scheduled:
-                self._flush_scheduled = True
-                self._loop.call_soon_threadsafe(self._flush_soon)
+            if read is not None:
+                self._reads[seq] = read
+            else:
+                self._last_work_seq = seq   # a read (Fetch, Sync) is not work that keeps workers busy
+                if len(self._pending) >= BATCH_LIMIT:
+                    if not self._flush_now:
+                        self._flush_now = True
+                        self._loop.call_soon_threadsafe(self._flush)
+                elif not self._flush_scheduled:
+                    self._flush_scheduled = True
+                    self._loop.call_soon_threadsafe(self._flush_soon)
         if read is not None or now - self._pending_since >= AGED_FLUSH_S:
             self._flush()   # from this thread: a read, or a batch that waited, needs no loop wake-up
         return seq

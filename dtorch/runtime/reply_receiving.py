@@ -9,7 +9,7 @@ ROUTER lock runs the handlers of worker_messages.py.
 
 A mixin of Controller (controller.py), which provides what these methods use: `sockets`,
 `_loop` and `_thread`, `_router_lock`, `_receive_wanted`, `_watching_replies`,
-`_watchdog_waiting`, `_sockets_open`, `_reads`, and `_on_message` and `_reject`
+`_watchdog_waiting`, `_sockets_open`, `_reads`, `_last_work_seq`, `_idle_upto`, `_last_wait_short`, `reads_spun`, and `_on_message` and `_reject`
 (worker_messages.py).
 """
 from __future__ import annotations
@@ -28,6 +28,16 @@ __all__ = ["ReplyReceiving", "READER_RECEIVE_S"]
 # loop thread first (125 us less per read, benchmark 3), and the loop's watchdog waits at most
 # this long for the socket.
 READER_RECEIVE_S = 0.02
+
+# A blocking read spins for its reply, for up to READ_SPIN_S, before it sleeps, when the reply is
+# likely that close: the previous blocking read's reply came within READ_SPIN_S, or every worker is
+# idle (each has answered a read issued after the last command that gives them work). A thread that
+# sleeps for a reply wakes on cold caches, and so runs the reply's handling and the next call
+# slowly (benchmark 3). A read that waits for work does not spin: the spinning thread would take a
+# core from the workers (a matmul chain then .item() took 1.3 -> 1.9 ms on 1 worker on 2 cores
+# when every read spun). This is spin-then-block with the adaptive rule of spinning mutexes: spin
+# where spinning paid last time.
+READ_SPIN_S = 0.0005
 
 
 class ReplyReceiving:
@@ -78,12 +88,20 @@ class ReplyReceiving:
                 or not self._router_lock.acquire(blocking=False)):
             return
         try:
-            deadline = time.monotonic() + (READER_RECEIVE_S if timeout is None else min(timeout, READER_RECEIVE_S))
+            started = time.monotonic()
+            deadline = started + (READER_RECEIVE_S if timeout is None else min(timeout, READER_RECEIVE_S))
+            spin = self._last_wait_short or self._last_work_seq < self._idle_upto
+            spin_until = min(deadline, started + READ_SPIN_S) if spin else 0.0
+            self.reads_spun += spin
             while self._sockets_open and not reply.done():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self.sockets.wait_for_reply(remaining):
+                now = time.monotonic()
+                if now >= deadline:
                     break
+                if not (now < spin_until and self.sockets.spin_for_reply(spin_until)):
+                    if not self.sockets.wait_for_reply(deadline - time.monotonic()):
+                        break
                 self._handle_queued()
+            self._last_wait_short = reply.done() and time.monotonic() - started < READ_SPIN_S
         finally:
             self._router_lock.release()
             if self._reads:   # this thread's read if it gave up (or was interrupted), or others'

@@ -41,7 +41,7 @@ class SessionStats:
         return {"commands_sent": self.commands_sent, "batches_sent": self.batches_sent,
                 "messages_sent": s.messages_sent,
                 "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
-                "workers": len(self.workers), "pending_reads": len(self._reads),
+                "workers": len(self.workers), "pending_reads": len(self._reads), "reads_spun": self.reads_spun,
                 "messages_rejected": self.rejections.count,
                 "redistributes_inserted": self.redistributes_inserted,
                 "local_tensors_uploaded": self.local_tensors_uploaded,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from typing import NamedTuple
 
 import zmq
@@ -121,6 +122,16 @@ class ControllerSockets:
     def wait_for_reply(self, seconds: float) -> bool:
         """Block (without the GIL) until the ROUTER may have a message, or `seconds` pass."""
         return bool(self._reply_poller.poll(max(1, round(seconds * 1000))))
+
+    def spin_for_reply(self, until: float) -> bool:
+        """Ask the ROUTER, without sleeping and holding the GIL, whether a message may be queued,
+        until time.monotonic() reaches `until`. EVENTS also runs the socket's pending commands from
+        zmq's I/O thread, which is how a message becomes visible without a poll."""
+        router, clock = self.router, time.monotonic
+        while not router.getsockopt(_EVENTS) & _POLLIN:
+            if clock() >= until:
+                return False
+        return True
 
     def drain(self):
         """Yield (sender identity, header or None, data frames) for every message queued on the
