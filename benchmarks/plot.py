@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
+from .per_op_summary import per_op_lines  # noqa: E402
 from .report import format_seconds  # noqa: E402
 from .timing import Row  # noqa: E402
 
@@ -25,10 +26,14 @@ def draw(rows: list[Row], titles: dict[str, str], path: Path) -> None:
     panels = [(title, [r for r in rows if r.benchmark == name and r.status == "ok" and r.unit == "s"])
               for name, title in titles.items()]
     panels = [(title, section) for title, section in panels if section]
-    heights = [0.6 + 0.28 * len(section) for _, section in panels]
-    figure, axes = plt.subplots(len(panels), 1, figsize=(11, sum(heights) + 0.5),
+    summary = per_op_lines(rows)
+    heights = ([0.6 + 0.28 * len(summary)] if summary else []) + [0.6 + 0.28 * len(section) for _, section in panels]
+    figure, axes = plt.subplots(len(heights), 1, figsize=(11, sum(heights) + 0.5),
                                 gridspec_kw={"height_ratios": heights}, squeeze=False)
-    for axis, (title, section) in zip(axes[:, 0], panels):
+    axes = list(axes[:, 0])
+    if summary:
+        _summary_panel(axes.pop(0), summary)
+    for axis, (title, section) in zip(axes, panels):
         _panel(axis, title, section)
     figure.tight_layout()
     figure.savefig(path, dpi=90)
@@ -44,6 +49,29 @@ def _panel(axis, title: str, section: list[Row]) -> None:
     _log_axis(axis, min(medians) / 3, max(row.p90 for row in section) * 3)
     axis.set_xlabel(f"time per {section[0].per} (median, whisker to p90; log scale)", fontsize=7)
     axis.set_title(title, fontsize=9, loc="left")
+    axis.tick_params(axis="x", labelsize=7)
+
+
+def _summary_panel(axis, lines) -> None:
+    """Per-op cost over torch eager's, one bar per system; the published figure hatched."""
+    positions = list(range(len(lines)))[::-1]
+    colors = [DTORCH_COLOR if line.label.startswith("dtorch") else OTHER_COLOR for line in lines]
+    bars = axis.barh(positions, [line.ratio for line in lines], color=colors)
+    for bar, line in zip(bars, lines):
+        if not line.measured:
+            bar.set_hatch("//")
+            bar.set_facecolor("white")
+            bar.set_edgecolor(OTHER_COLOR)
+        axis.annotate(f"{line.ratio:.2f}x", (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+                      xytext=(3, 0), textcoords="offset points", va="center", fontsize=7)
+    axis.axvline(1.0, color=REFERENCE_COLOR, linestyle="--", linewidth=1)
+    axis.set_yticks(positions, [line.label for line in lines], fontsize=7)
+    axis.set_xscale("log")
+    axis.set_xlim(min(line.ratio for line in lines) / 3, max(line.ratio for line in lines) * 4)
+    axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}x"))
+    axis.set_xlabel("per-op time over torch eager's in the same run (log scale; dashed: torch eager; "
+                    "hatched: published, not run here)", fontsize=7)
+    axis.set_title("Per-op cost against torch eager, (64, 128) elementwise chain", fontsize=9, loc="left")
     axis.tick_params(axis="x", labelsize=7)
 
 

@@ -14,22 +14,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from . import steal
-from .timing import Row
+from .per_op_summary import markdown_lines
+from .timing import Row, ratio
 
-__all__ = ["ratio", "format_seconds", "format_value", "text_table", "markdown_report", "write_json", "write_plot",
-           "machine_info", "publish"]
+__all__ = ["ratio", "format_seconds", "format_value", "text_table", "markdown_report", "write_json", "read_json",
+           "write_plot", "machine_info", "publish"]
 
 COLUMNS = ("case", "variant", "per", "median", "p90", "vs reference", "note")
 DOCS_BEGIN, DOCS_END = "<!-- results:begin -->", "<!-- results:end -->"
-
-
-def ratio(row: Row, rows: list[Row]) -> float | None:
-    if row.reference is None or row.status != "ok":
-        return None
-    for other in rows:
-        if (other.benchmark, other.case, other.variant) == (row.benchmark, *row.reference):
-            return row.median / other.median if other.status == "ok" and other.median > 0 else None
-    return None
 
 
 def format_seconds(seconds: float) -> str:
@@ -82,6 +74,7 @@ def markdown_report(rows: list[Row], titles: dict[str, str], meta: dict) -> str:
     machine = meta["machine"]
     lines = [f"Command: `{meta['command']}` ({meta['suite']} suite, {meta['duration_s']:.0f} s, {meta['date']})",
              "", "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), ""]
+    lines += markdown_lines(rows)
     for title, cells in _sections(rows, titles, meta.get("steal", {})):
         lines += [f"#### {title}", "", "| " + " | ".join(COLUMNS) + " |",
                   "|" + "---|" * len(COLUMNS)]
@@ -93,6 +86,15 @@ def markdown_report(rows: list[Row], titles: dict[str, str], meta: dict) -> str:
 def write_json(rows: list[Row], meta: dict, path: Path) -> None:
     records = [dict(asdict(row), median=row.median, p90=row.p90, ratio=ratio(row, rows)) for row in rows]
     path.write_text(json.dumps(dict(meta, rows=records), indent=1, default=_json_safe))
+
+
+def read_json(path: Path) -> tuple[list[Row], dict]:
+    """(rows, meta) as write_json saved them: a run's results, reported again without measuring."""
+    saved = json.loads(path.read_text())
+    names = set(Row.__dataclass_fields__)
+    rows = [Row(**{k: tuple(v) if k == "reference" and v is not None else v for k, v in record.items() if k in names})
+            for record in saved.pop("rows")]
+    return rows, saved
 
 
 def _json_safe(value):

@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["Row", "median", "p90", "repeat", "interleaved", "raising", "stopwatch", "guarded", "not_installed", "failed"]
+__all__ = ["Row", "ratio", "median", "p90", "repeat", "interleaved", "raising", "stopwatch", "guarded", "not_installed",
+           "failed"]
 
 
 @dataclass
@@ -32,6 +33,16 @@ class Row:
     @property
     def p90(self) -> float:
         return p90(self.samples)
+
+
+def ratio(row: Row, rows: list[Row]) -> float | None:
+    """The row's median over its reference row's, from the same run; None without one."""
+    if row.reference is None or row.status != "ok":
+        return None
+    for other in rows:
+        if (other.benchmark, other.case, other.variant) == (row.benchmark, *row.reference):
+            return row.median / other.median if other.status == "ok" and other.median > 0 else None
+    return None
 
 
 def median(samples: list[float]) -> float:

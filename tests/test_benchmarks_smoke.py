@@ -93,7 +93,9 @@ def test_every_benchmark_runs_in_smoke_mode(tmp_path):
     assert not survivors, f"processes left running after the suite (killed now): {survivors}"
     assert {r["benchmark"] for r in results["rows"]} == set(BENCHMARKS)
     assert all(r["samples"] for r in results["rows"] if r["status"] == "ok")
-    assert (tmp_path / "latest.md").read_text().count("####") == len(BENCHMARKS)
+    markdown = (tmp_path / "latest.md").read_text()
+    assert len(re.findall(r"^#### \d+\. ", markdown, re.M)) == len(BENCHMARKS)
+    assert "#### Per-op cost against torch eager" in markdown   # benchmarks 1 and 6 ran
     assert set(results["steal"]) == set(BENCHMARKS)   # each benchmark's host steal share (or null)
     assert "host steal" in finished.stdout
 
@@ -105,6 +107,45 @@ def test_ratio_uses_the_reference_from_the_same_run():
     measured = Row("b", "case", "system", "op", [4.0, 4.0, 8.0], reference=("case", "floor"))
     assert ratio(measured, [reference, measured]) == pytest.approx(2.0)
     assert ratio(reference, [reference, measured]) is None
+
+
+def test_the_per_op_summary_takes_each_systems_ratio_from_the_same_run():
+    """The summary (the plot's first panel, the results block's first table): measured systems
+    in a fixed order with their own benchmark's ratio, systems that did not run left out, and
+    DTorch's published figure last, marked as not measured; nothing at all if nothing ran."""
+    from benchmarks.per_op_summary import PUBLISHED_DTORCH, per_op_lines
+    from benchmarks.timing import Row, not_installed
+    case, eager = "(64, 128)", "torch eager (local)"
+    rows = [Row("dispatch", case, eager, "op", [2.0]),
+            Row("dispatch", case, "dtorch S(0), 4 workers", "op", [6.0], reference=(case, eager)),
+            Row("dispatch", "(1,)", "dtorch S(0), 4 workers", "op", [60.0], reference=("(1,)", eager)),
+            Row("peers", case, eager, "op", [3.0]),
+            Row("peers", case, "Monarch actor, fire-and-forget", "op", [15.0], reference=(case, eager)),
+            not_installed("peers", case, "Ray actor, fire-and-forget", "op", "ray")]
+    lines = per_op_lines(rows)
+    assert [(line.label, line.measured) for line in lines] == [
+        ("dtorch eager, 4 workers (issuing thread)", True), ("Monarch actor, fire-and-forget", True),
+        (PUBLISHED_DTORCH[0], False)]
+    assert [line.ratio for line in lines] == pytest.approx([3.0, 5.0, 8.14 / 5.94])
+    assert [line.label for line in per_op_lines(rows[3:])] == ["Monarch actor, fire-and-forget", PUBLISHED_DTORCH[0]]
+    assert per_op_lines([rows[0], rows[5]]) == per_op_lines([]) == []
+
+
+def test_a_saved_run_is_reported_again_without_measuring(tmp_path):
+    """`python -m benchmarks --from-json`: read_json gives back the rows and meta write_json saved."""
+    from benchmarks.report import markdown_report, read_json, write_json
+    from benchmarks.timing import Row, failed
+    rows = [Row("dispatch", "(1,)", "torch eager (local)", "op", [1e-6, 2e-6]),
+            Row("dispatch", "(1,)", "dtorch S(0), 4 workers", "op", [3e-6], reference=("(1,)", "torch eager (local)"),
+                note="a note"),
+            failed("peers", "(64, 128)", "Ray actor, fire-and-forget", "op", RuntimeError("no"))]
+    meta = {"steal": {"dispatch": 0.0}, "command": "python -m benchmarks", "suite": "quick", "date": "2026-12-05 10:13",
+            "duration_s": 3.0, "machine": {"cpu": "x", "cores": 2}}
+    write_json(rows, meta, tmp_path / "latest.json")
+    again, meta_again = read_json(tmp_path / "latest.json")
+    assert again == rows and meta_again == meta
+    titles = {"dispatch": "1. Dispatch", "peers": "7. Peers"}
+    assert markdown_report(again, titles, meta_again) == markdown_report(rows, titles, meta)
 
 
 def test_steal_share_is_read_from_proc_stat(tmp_path, monkeypatch):

@@ -9,8 +9,8 @@ ROUTER lock runs the handlers of worker_messages.py.
 
 A mixin of Controller (controller.py), which provides what these methods use: `sockets`,
 `_loop` and `_thread`, `_router_lock`, `_receive_wanted`, `_watching_replies`,
-`_watchdog_waiting`, `_sockets_open`, `_reads`, `_last_work_seq`, `_idle_upto`, `_last_wait_short`, `reads_spun`, and `_on_message` and `_reject`
-(worker_messages.py).
+`_watchdog_waiting`, `_sockets_open`, `_reads`, `_last_work_seq`, `_idle_upto`, `_last_wait_short`,
+`reads_spun`, and `_on_message` and `_reject` (worker_messages.py).
 """
 from __future__ import annotations
 
