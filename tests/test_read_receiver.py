@@ -147,16 +147,27 @@ def test_a_read_spins_while_the_workers_are_idle(mesh4, monkeypatch):
     assert torch.equal(value, torch.arange(8.) * 2 + 1) and spun == 1
 
 
-def test_a_read_spins_after_a_short_wait(mesh4, monkeypatch):
-    """READ_SPIN_S's second rule: after a read whose reply came within the spin, the next read
-    spins even though work came before it; after one that waited longer, it does not."""
-    monkeypatch.setattr(reply_receiving, "READ_SPIN_S", 60.0)
-    _blocking_reads(mesh4, 1)   # answered within a minute: the last wait was short
-    x = dtorch.ones(4, 4, device_mesh=mesh4, placements=[Shard(0)]) @ dtorch.ones(4, 4, device_mesh=mesh4,
-                                                                                   placements=[Replicate()])
-    value, spun = _spun(x.to_torch)
-    assert torch.equal(value, torch.full((4, 4), 4.0)) and spun == 1
+def test_a_read_spins_after_two_short_waits(mesh4, monkeypatch):
+    """READ_SPIN_S's second rule: after two reads in a row whose replies came within the spin,
+    the next read spins even though work came before it; after one that waited longer, it does
+    not, even if the read between was short (a step that logs its loss, then an idle read)."""
+    matrix = dtorch.ones(4, 4, device_mesh=mesh4, placements=[Replicate()])
     monkeypatch.setattr(reply_receiving, "READ_SPIN_S", 1e-9)
-    _blocking_reads(mesh4, 1)   # spun (its last wait was short), and outlasted the new spin
-    value, spun = _spun((x + 1).to_torch)
-    assert torch.equal(value, torch.full((4, 4), 5.0)) and spun == 0
+    _blocking_reads(mesh4, 1)   # outlasts the spin: no short wait in a row
+    monkeypatch.setattr(reply_receiving, "READ_SPIN_S", 60.0)
+    _blocking_reads(mesh4, 1)   # answered within a minute: one short wait
+    x = dtorch.ones(4, 4, device_mesh=mesh4, placements=[Shard(0)]) @ matrix
+    value, spun = _spun(x.to_torch)   # work came first, and one short wait is not enough
+    assert torch.equal(value, torch.full((4, 4), 4.0)) and spun == 0
+    value, spun = _spun((x + 1).to_torch)   # two short waits in a row now
+    assert torch.equal(value, torch.full((4, 4), 5.0)) and spun == 1
+    monkeypatch.setattr(reply_receiving, "READ_SPIN_S", 1e-9)
+    _blocking_reads(mesh4, 1)   # spun, and outlasted the new spin: the run of short waits ends
+    y = x @ matrix
+    _, spun = _spun(y.to_torch)   # the "loss": not idle, no short waits: sleeps, and waits long
+    assert spun == 0
+    monkeypatch.setattr(reply_receiving, "READ_SPIN_S", 60.0)
+    value, spun = _spun(y.to_torch)   # the "norm": idle, so it spins; one short wait in a row
+    assert torch.equal(value, torch.full((4, 4), 16.0)) and spun == 1
+    _, spun = _spun((y * 2).to_torch)   # the next step's "loss": one short wait is not enough
+    assert spun == 0

@@ -107,7 +107,7 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         # When a blocking read spins for its reply (reply_receiving.py, READ_SPIN_S):
         self._last_work_seq = -1   # the last command other than a read (Frees go in with reads)
         self._idle_upto = -1       # the last read every live worker has answered
-        self._last_wait_short = False   # the last blocking read's reply came within READ_SPIN_S
+        self._short_waits = 0      # the last blocking reads in a row whose reply came within READ_SPIN_S
         self.reads_spun = 0
         # Whoever holds the ROUTER lock drains the ROUTER and runs the message handlers: the loop
         # thread, or a thread blocked on a read (receive_here). _receive_wanted: the loop thread

@@ -9,7 +9,7 @@ ROUTER lock runs the handlers of worker_messages.py.
 
 A mixin of Controller (controller.py), which provides what these methods use: `sockets`,
 `_loop` and `_thread`, `_router_lock`, `_receive_wanted`, `_watching_replies`,
-`_watchdog_waiting`, `_sockets_open`, `_reads`, `_last_work_seq`, `_idle_upto`, `_last_wait_short`,
+`_watchdog_waiting`, `_sockets_open`, `_reads`, `_last_work_seq`, `_idle_upto`, `_short_waits`,
 `reads_spun`, and `_on_message` and `_reject` (worker_messages.py).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import traceback
 
 from ..errors import ProtocolError
 
-__all__ = ["ReplyReceiving", "READER_RECEIVE_S"]
+__all__ = ["ReplyReceiving", "READER_RECEIVE_S", "READ_SPIN_S"]
 
 # A thread blocked on a read takes replies off the ROUTER itself for up to this long, then hands
 # the socket back to the loop thread: the reply wakes only the thread that waits for it, not the
@@ -30,13 +30,16 @@ __all__ = ["ReplyReceiving", "READER_RECEIVE_S"]
 READER_RECEIVE_S = 0.02
 
 # A blocking read spins for its reply, for up to READ_SPIN_S, before it sleeps, when the reply is
-# likely that close: the previous blocking read's reply came within READ_SPIN_S, or every worker is
-# idle (each has answered a read issued after the last command that gives them work). A thread that
-# sleeps for a reply wakes on cold caches, and so runs the reply's handling and the next call
-# slowly (benchmark 3). A read that waits for work does not spin: the spinning thread would take a
-# core from the workers (a matmul chain then .item() took 1.3 -> 1.9 ms on 1 worker on 2 cores
-# when every read spun). This is spin-then-block with the adaptive rule of spinning mutexes: spin
-# where spinning paid last time.
+# likely that close: every worker is idle (each has answered a read issued after the last command
+# that gives them work), or the last SHORT_WAITS_TO_SPIN blocking reads each had their reply within
+# READ_SPIN_S. A thread that sleeps for a reply wakes on cold caches, and so runs the reply's
+# handling and the next call slowly (benchmark 3). A read that waits for work does not spin: the
+# spinning thread would take a core from the workers (a matmul chain then .item() took 1.3 -> 1.9
+# ms on 1 worker on 2 cores when every read spun). Two short waits, not one: a step that logs two
+# values (`loss.item()`, the workers busy, then `norm.item()`, idle, so short) would otherwise
+# spin in vain at every step's first read. This is spin-then-block with the adaptive rule of
+# spinning mutexes: spin where spinning paid lately.
+SHORT_WAITS_TO_SPIN = 2
 READ_SPIN_S = 0.0005
 
 
@@ -90,7 +93,7 @@ class ReplyReceiving:
         try:
             started = time.monotonic()
             deadline = started + (READER_RECEIVE_S if timeout is None else min(timeout, READER_RECEIVE_S))
-            spin = self._last_wait_short or self._last_work_seq < self._idle_upto
+            spin = self._short_waits >= SHORT_WAITS_TO_SPIN or self._last_work_seq < self._idle_upto
             spin_until = min(deadline, started + READ_SPIN_S) if spin else 0.0
             self.reads_spun += spin
             while self._sockets_open and not reply.done():
@@ -101,7 +104,8 @@ class ReplyReceiving:
                     if not self.sockets.wait_for_reply(deadline - time.monotonic()):
                         break
                 self._handle_queued()
-            self._last_wait_short = reply.done() and time.monotonic() - started < READ_SPIN_S
+            short = reply.done() and time.monotonic() - started < READ_SPIN_S
+            self._short_waits = min(self._short_waits + 1, SHORT_WAITS_TO_SPIN) if short else 0
         finally:
             self._router_lock.release()
             if self._reads:   # this thread's read if it gave up (or was interrupted), or others'
