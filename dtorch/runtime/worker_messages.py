@@ -108,8 +108,8 @@ class WorkerMessages:
             self._waiting_for_failure[read.poisoned_origin()].append(seq)
             return
         self._reads.pop(seq, None)
-        if len(read.statuses) == len(self.workers) and seq > self._idle_upto:
-            self._idle_upto = seq   # every worker (none lost) has run every command before it (READ_SPIN_S)
+        if seq > self._idle_upto and all(rank in read.statuses for rank in self.pool.live_ranks()):
+            self._idle_upto = seq   # every live worker has run every command before it (READ_SPIN_S)
 
     def _on_error_report(self, identity: bytes, report: wire.ErrorReport, data: list) -> None:
         seq, rank, op, exception_type, message, traceback_text = report
