@@ -61,8 +61,9 @@ def stats() -> dict:
     checkpoint_tensors_loaded and checkpoint_bytes_via_controller (dtorch.checkpoint: tensor bytes
     the controller read itself, 0 unless via_controller=True), checkpoint_tensors_saved and
     checkpoint_bytes_saved (dtorch.checkpoint.save: written by the workers, so
-    checkpoint_bytes_saved_via_controller is always 0), and reads_spun (blocking reads issued
-    while every worker was idle, whose reading thread spun for the reply instead of sleeping)."""
+    checkpoint_bytes_saved_via_controller is always 0), and reads_spun (blocking reads whose
+    thread spun for the reply before it slept: the workers were idle, or the last two replies came
+    quickly; dtorch/runtime/reply_receiving.py, READ_SPIN_S)."""
     return _session.controller().stats()
 
 

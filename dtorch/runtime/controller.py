@@ -105,7 +105,7 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         self.lost_tensors = LostTensors()
         self._reads: dict[int, object] = {}
         # When a blocking read spins for its reply (reply_receiving.py, READ_SPIN_S):
-        self._last_work_seq = -1   # the last command other than a read (Frees go in with reads)
+        self._last_work_seq = -1   # the last submitted command other than a read (a Free is not work)
         self._idle_upto = -1       # the last read every live worker has answered
         self._short_waits = 0      # the last blocking reads in a row whose reply came within READ_SPIN_S
         self.reads_spun = 0

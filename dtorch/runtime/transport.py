@@ -124,9 +124,9 @@ class ControllerSockets:
         return bool(self._reply_poller.poll(max(1, round(seconds * 1000))))
 
     def spin_for_reply(self, until: float) -> bool:
-        """Ask the ROUTER, without sleeping and holding the GIL, whether a message may be queued,
-        until time.monotonic() reaches `until`. EVENTS also runs the socket's pending commands from
-        zmq's I/O thread, which is how a message becomes visible without a poll."""
+        """Ask the ROUTER whether a message may be queued, again and again without sleeping (the
+        GIL kept), until time.monotonic() reaches `until`. EVENTS also runs the socket's pending
+        commands from zmq's I/O thread, which is how a message becomes visible without a poll."""
         router, clock = self.router, time.monotonic
         while not router.getsockopt(_EVENTS) & _POLLIN:
             if clock() >= until:
