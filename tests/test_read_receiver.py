@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch import Replicate, Shard
+from dtorch import Replicate, Shard, init_device_mesh
 from dtorch.errors import RemoteError
 from dtorch.runtime import cluster
 from dtorch.runtime import reply_receiving
@@ -150,13 +150,15 @@ def test_a_read_spins_while_the_workers_are_idle(mesh4, monkeypatch):
 def test_a_read_spins_after_two_short_waits(mesh4, monkeypatch):
     """READ_SPIN_S's second rule: after two reads in a row whose replies came within the spin,
     the next read spins even though work came before it; after one that waited longer, it does
-    not, even if the read between was short (a step that logs its loss, then an idle read)."""
-    matrix = dtorch.ones(4, 4, device_mesh=mesh4, placements=[Replicate()])
+    not, even if the read between was short (a step that logs its loss, then an idle read).
+    Its tensors span every worker, so that a read of one tells that they are all idle."""
+    everyone = init_device_mesh("cpu", (len(dtorch.workers()),))
+    matrix = dtorch.ones(4, 4, device_mesh=everyone, placements=[Replicate()])
     monkeypatch.setattr(reply_receiving, "READ_SPIN_S", 1e-9)
     _blocking_reads(mesh4, 1)   # outlasts the spin: no short wait in a row
     monkeypatch.setattr(reply_receiving, "READ_SPIN_S", 60.0)
     _blocking_reads(mesh4, 1)   # answered within a minute: one short wait
-    x = dtorch.ones(4, 4, device_mesh=mesh4, placements=[Shard(0)]) @ matrix
+    x = dtorch.ones(4, 4, device_mesh=everyone, placements=[Shard(0)]) @ matrix
     value, spun = _spun(x.to_torch)   # work came first, and one short wait is not enough
     assert torch.equal(value, torch.full((4, 4), 4.0)) and spun == 0
     value, spun = _spun((x + 1).to_torch)   # two short waits in a row now
