@@ -123,15 +123,17 @@ def spy_report(path: str, top: int = 25) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.issue_floor", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the floor against torch eager")
     parser.add_argument("--dtorch-loop", type=float, metavar="SECONDS", help="issue dtorch's chain this long")
+    parser.add_argument("--workers", type=int, default=4, help="workers for --dtorch-loop")
     parser.add_argument("--spy-report", metavar="RAW", help="summarize `py-spy record -f raw` output")
     args = parser.parse_args()
     if args.spy_report:
         spy_report(args.spy_report)
     elif args.dtorch_loop:
-        dtorch_loop(args.dtorch_loop)
+        dtorch_loop(args.dtorch_loop, args.workers)
     else:
-        floor()
+        floor(args.rounds)
 
 
 if __name__ == "__main__":

@@ -222,6 +222,29 @@ def test_the_read_idle_script_runs():
         assert re.search(line, result.stdout), result.stdout
 
 
+@pytest.mark.timeout(120)
+def test_the_issue_floor_script_runs(tmp_path):
+    """benchmarks.issue_floor (docs/benchmarks.md quotes it): the floor against torch eager, dtorch's
+    issue loop with its publishes timed, and the reader of py-spy's raw samples, on a stack of the
+    shape py-spy writes (only samples under the chain's line count)."""
+    def run(*args):
+        result = subprocess.run([sys.executable, "-m", "benchmarks.issue_floor", *args], cwd=ROOT,
+                                capture_output=True, text=True, timeout=100)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        return result.stdout
+    assert re.search(r"torch eager [\d.]+ us/op; bare single-controller issue [\d.]+ us/op = [\d.]+x torch eager",
+                     run("--rounds", "1"))
+    assert re.search(r"\d+ ops, [\d.]+ us/op issuing; the issuing thread published \d+ batches, \d+ us each "
+                     r"\(median\), [\d.]+% of the issue time", run("--dtorch-loop", "0.5", "--workers", "1"))
+    chain = "<module> (x.py:1);run_chain (benchmarks/chain.py:18)"
+    (tmp_path / "raw.txt").write_text(f"{chain};submit (c.py:5);send (s.py:9) 3\n{chain};submit (c.py:6) 1\n"
+                                      "<module> (x.py:1);elsewhere (e.py:2) 50\n")
+    report = run("--spy-report", str(tmp_path / "raw.txt"))
+    assert "4 samples under the chain's line" in report, report
+    assert "100.0%  submit (c.py)" in report and "75.0%  send (s.py)" in report, report
+    assert "75.0%  send (s.py:9)" in report and "25.0%  submit (c.py:6)" in report, report
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("script, rows", [
     ("issue_cpu.py", (r"issue, short function: CPU us/op min [\d.]+ median [\d.]+",
