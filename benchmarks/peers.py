@@ -38,8 +38,12 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
+RAY_VARIANTS = ("Ray actor, fire-and-forget", "Ray actor, sync round trip")
+MONARCH_VARIANTS = ("Monarch actor, fire-and-forget", "Monarch actor, sync round trip", "Monarch tensor engine, 1 proc")
+
+
 def _ray_rows(suite) -> list[Row]:
-    variants = ("Ray actor, fire-and-forget", "Ray actor, sync round trip")
+    variants = RAY_VARIANTS
     if not _installed("ray"):
         return [not_installed(NAME, CASE, v, "op", "ray") for v in variants]
     try:
@@ -92,7 +96,7 @@ MONARCH_TIMEOUT_S = 120   # a Monarch call that takes longer fails the row inste
 
 
 def _monarch_rows(suite) -> list[Row]:
-    variants = ("Monarch actor, fire-and-forget", "Monarch actor, sync round trip", "Monarch tensor engine, 1 proc")
+    variants = MONARCH_VARIANTS
     if not _installed("monarch"):
         return [not_installed(NAME, CASE, v, "op", "monarch") for v in variants]
     return _monarch_actor_rows(suite, variants[:2]) + [

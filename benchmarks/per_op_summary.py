@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from . import dispatch, peers, torch_dtensor
 from .timing import Row, ratio
 
 __all__ = ["SummaryLine", "per_op_lines", "markdown_lines", "PUBLISHED_DTORCH"]
@@ -19,12 +20,12 @@ CASE = "(64, 128)"
 PUBLISHED_DTORCH = ("DTorch, C++ engine (published: 8.14 / 5.94 us)", 8.14 / 5.94)
 # (label, benchmark, variant): the rows that give one system's per-op cost on the chain.
 MEASURED = (
-    ("dtorch eager, 4 workers (issuing thread)", "dispatch", "dtorch S(0), 4 workers"),
-    ("dtorch.compile replay, 4 workers", "dispatch", "dtorch.compile replay of a 100-op function, 4 workers"),
-    ("PyTorch DTensor under torchrun, 4 ranks", "torch_dtensor", "torch DTensor S(0), 4 ranks"),
-    ("Ray actor, fire-and-forget", "peers", "Ray actor, fire-and-forget"),
-    ("Monarch actor, fire-and-forget", "peers", "Monarch actor, fire-and-forget"),
-    ("Monarch tensor engine, 1 proc", "peers", "Monarch tensor engine, 1 proc"),
+    (f"dtorch eager, {dispatch.WORKERS} workers (issuing thread)", dispatch.NAME, dispatch.DTORCH),
+    (f"dtorch.compile replay, {dispatch.WORKERS} workers", dispatch.NAME, dispatch.COMPILED),
+    (f"PyTorch DTensor under torchrun, {torch_dtensor.RANKS} ranks", torch_dtensor.NAME, torch_dtensor.DTENSOR),
+    (peers.RAY_VARIANTS[0], peers.NAME, peers.RAY_VARIANTS[0]),
+    (peers.MONARCH_VARIANTS[0], peers.NAME, peers.MONARCH_VARIANTS[0]),
+    (peers.MONARCH_VARIANTS[2], peers.NAME, peers.MONARCH_VARIANTS[2]),
 )
 
 
