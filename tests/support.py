@@ -19,12 +19,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def alive(pid: int) -> bool:
+    """Running, not a zombie. The process may be reaped between the two checks: then its /proc
+    entry is gone, which is an answer too."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")   # the name may hold spaces
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
 
 
 def run_script(source: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -26,10 +26,12 @@ def _blocking_reads(mesh, count: int = 3) -> None:
         assert (dtorch.full((4,), float(i), device_mesh=mesh, placements=[Shard(0)]) + 1).to_torch().tolist() == [i + 1.0] * 4
 
 
-def test_a_blocking_read_needs_no_loop_thread(mesh4, monkeypatch):
-    """With the loop thread held in a callback, a blocking read still completes: its own thread
-    publishes the command and receives the replies (for as long as the read's timeout here, so
-    that workers slow to answer on a busy machine cannot hand the read back to the held loop)."""
+@pytest.fixture
+def loop_held(monkeypatch):
+    """The controller's loop thread held in a callback, for the test's length: each blocking read
+    publishes its command and receives its replies on its own thread (for as long as the read's
+    timeout here, so that workers slow to answer on a busy machine cannot hand the read back to
+    the held loop), and no watchdog tick takes the socket between two reads."""
     monkeypatch.setattr(reply_receiving, "READER_RECEIVE_S", 60.0)
     dtorch.synchronize()   # nothing earlier still runs on the workers
     loop = session.controller()._loop
@@ -41,11 +43,15 @@ def test_a_blocking_read_needs_no_loop_thread(mesh4, monkeypatch):
     loop.call_soon_threadsafe(hold)
     assert held.wait(30)
     try:
-        x = dtorch.arange(10, device_mesh=mesh4, placements=[Shard(0)]) * 3
-        assert torch.equal(x.fetch().result(timeout=30), torch.arange(10) * 3)
-        dtorch.synchronize(timeout=30)
+        yield
     finally:
         release.set()
+
+
+def test_a_blocking_read_needs_no_loop_thread(mesh4, loop_held):
+    x = dtorch.arange(10, device_mesh=mesh4, placements=[Shard(0)]) * 3
+    assert torch.equal(x.fetch().result(timeout=30), torch.arange(10) * 3)
+    dtorch.synchronize(timeout=30)
 
 
 def test_an_awaited_read_after_blocking_reads(mesh4):
@@ -129,10 +135,12 @@ def _spun(read) -> tuple:
     return value, dtorch.stats()["reads_spun"] - before
 
 
-def test_a_read_spins_while_the_workers_are_idle(mesh4, monkeypatch):
+def test_a_read_spins_while_the_workers_are_idle(mesh4, loop_held, monkeypatch):
     """READ_SPIN_S's first rule. With a spin too short for any reply to beat, only idleness makes
     a read spin: one issued right after synchronize() does, one issued after work does not (nor
-    does the synchronize, which waits for that work). Both read the right values."""
+    does the synchronize, which waits for that work). Both read the right values. The loop thread
+    is held: a read that finds the socket taken (by the watchdog's tick) leaves it to the loop and
+    neither spins nor counts its wait, which would make the counts here a matter of timing."""
     monkeypatch.setattr(reply_receiving, "READ_SPIN_S", 1e-9)
     _blocking_reads(mesh4, 1)   # its wait outlasts the spin: "the last wait was short" is off
     x = dtorch.arange(8., device_mesh=mesh4, placements=[Shard(0)]) * 2
@@ -147,11 +155,12 @@ def test_a_read_spins_while_the_workers_are_idle(mesh4, monkeypatch):
     assert torch.equal(value, torch.arange(8.) * 2 + 1) and spun == 1
 
 
-def test_a_read_spins_after_two_short_waits(mesh4, monkeypatch):
+def test_a_read_spins_after_two_short_waits(mesh4, loop_held, monkeypatch):
     """READ_SPIN_S's second rule: after two reads in a row whose replies came within the spin,
     the next read spins even though work came before it; after one that waited longer, it does
     not, even if the read between was short (a step that logs its loss, then an idle read).
-    Its tensors span every worker, so that a read of one tells that they are all idle."""
+    Its tensors span every worker, so that a read of one tells that they are all idle. The loop
+    thread is held, as in the test above."""
     everyone = init_device_mesh("cpu", (len(dtorch.workers()),))
     matrix = dtorch.ones(4, 4, device_mesh=everyone, placements=[Replicate()])
     monkeypatch.setattr(reply_receiving, "READ_SPIN_S", 1e-9)
