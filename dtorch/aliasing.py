@@ -21,7 +21,7 @@ import weakref
 
 from .ops import REGISTRY
 
-__all__ = ["VIEW_OPS", "Node", "note_view", "node_of", "aliases", "tracking_paused", "forget"]
+__all__ = ["VIEW_OPS", "Node", "note_view", "node_of", "aliases", "tracking_paused", "forget", "hand_over"]
 
 # Ops whose result is a view of their first argument in torch (when torch does not copy:
 # `aliases` decides). getitem here is basic indexing only; tensor indices copy. detach (and so
@@ -34,13 +34,24 @@ VIEW_OPS = frozenset({"getitem", "view", "reshape", "flatten", "unflatten", "squ
 class Node:
     """One tracked DTensor: its weak reference, its TensorMeta (fixed: in-place ops keep shape,
     dtype and placements), its parent node and the step (op, args after the base, kwargs,
-    output index or None) that made it from the parent, and its children by key."""
-    __slots__ = ("ref", "key", "meta", "parent", "step", "children", "_strided", "_aliases", "__weakref__")
+    output index or None) that made it from the parent, and its children by key. `keep`: the
+    hidden base a tensor changed by x.transpose_() is a view of (hand_over), held as long as
+    this node is, as torch's storage lives as long as a view of it."""
+    __slots__ = ("ref", "key", "meta", "parent", "step", "children", "keep", "_strided", "_aliases", "__weakref__")
 
     def __init__(self, obj, parent: "Node | None", step):
         self.key, self.meta, self.parent, self.step, self.children = id(obj), obj._meta, parent, step, {}
         self.ref = weakref.ref(obj, _died_callback(self.key))
-        self._strided, self._aliases = None, None
+        self._strided, self._aliases, self.keep = None, None, None
+
+    def track(self, obj) -> None:
+        """This node stands for `obj` from now on (hand_over)."""
+        old, self.key = self.key, id(obj)
+        self.ref = weakref.ref(obj, _died_callback(self.key))   # the old reference dies uncalled
+        if self.parent is not None:
+            del self.parent.children[old]
+            self.parent.children[self.key] = self
+        _NODES[self.key] = self
 
     def obj(self):
         return self.ref()
@@ -114,6 +125,18 @@ def forget(obj) -> None:
     if node is not None:
         node.ref = _gone
         prune(node)
+
+
+def hand_over(obj, holder, view) -> None:
+    """x.transpose_(0, 1) and kin (dtorch/inplace.py): `view` was just made from `obj`, and `obj`
+    takes its place, a view of its own old value, which `holder` (a hidden DTensor) now carries.
+    Views made of obj before stay views of that value, and obj's later changes reach them (torch's
+    share one storage): obj's node now stands for holder, view's for obj, which keeps holder."""
+    node, child = _NODES.pop(id(obj)), _NODES.pop(id(view))
+    assert child.parent is node, "the view must be fresh from obj"
+    node.track(holder)
+    child.track(obj)
+    child.keep = holder
 
 
 def _gone():

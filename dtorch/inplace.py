@@ -18,16 +18,18 @@ torch.Tensor has an `<op>_` method for, so a new pointwise op gets its in-place 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import capture as capturing
 from . import aliasing
 from .distributed_spec import Partial, Replicate
-from .errors import DTorchError, ShapeError, user_site
+from .errors import CompileError, DTorchError, ShapeError, user_site
 from .factories import full, rand, randn, tensor as upload
 from .ops import REGISTRY
 from .ops.indexing import WHOLE, AdvancedIndex, canonical_index
-from .recording import Leaf
+from .recording import Leaf, is_grad_enabled
 from .runtime.protocol import RequireGrad, SetGrads
 from .tensor import DTensor, call_op
 
@@ -69,9 +71,10 @@ def _dtype(dtype: torch.dtype) -> str:
             torch.bool: "Bool", torch.float16: "Half", torch.bfloat16: "BFloat16"}.get(dtype, str(dtype))
 
 
-def _rebind(target: DTensor, result: DTensor) -> None:
+def _rebind(target: DTensor, result: DTensor, release_old: bool = True) -> None:
     """target takes result's id (and its autograd history). A leaf that requires grad stays that
-    leaf, as in torch: changed under no_grad only, its gradient still bound to it on the workers."""
+    leaf, as in torch: changed under no_grad only, its gradient still bound to it on the workers.
+    `release_old` False: another object carries target's old id now (_become_view)."""
     if result is target:
         return
     leaf = target._node if type(target._node) is Leaf else None
@@ -83,7 +86,8 @@ def _rebind(target: DTensor, result: DTensor) -> None:
         capture.rebind(target, old)
     target._id, target._meta, target._seq = result._id, result._meta, result._seq
     result._controller = None          # the temporary must not free the id target now holds
-    controller.release(old)
+    if release_old:
+        controller.release(old)
     if leaf is None:
         target._node = result._node
         return
@@ -124,6 +128,70 @@ def _set_data(self: DTensor, value) -> None:
 
 
 DTensor.data = DTensor.data.setter(_set_data)
+
+
+# --- in-place view ops: x.transpose_(0, 1), x.t_(), x.unsqueeze_(0), x.squeeze_() ---------------
+def _become_view(self: DTensor, method: str, args: tuple, kwargs: dict) -> DTensor:
+    """x becomes a view of its own old value, as torch changes x's shape and strides over the same
+    storage: the views made of x before keep sharing values with it (v = x[0]; x.t_(); x.add_(1)
+    changes v), through a hidden DTensor that carries x's old id (aliasing.hand_over). Where x
+    is no view and has none, x simply takes the new tensor (its later in-place ops then write
+    back into nothing). A leaf that
+    requires grad is refused unless under no_grad, as in torch; then its .grad, of the old shape,
+    is dropped (torch keeps one that no backward can accumulate into)."""
+    leaf = self._node if type(self._node) is Leaf else None
+    if leaf is not None and is_grad_enabled():
+        raise _leaf_changed("a leaf Variable")
+    capture = capturing.active()
+    if capture is not None and self._id <= capture.start_id:
+        raise CompileError(f"x.{method}() at {user_site()}, inside compiled {capture.name}, changes the shape of a "
+                           f"tensor from before the call: a replay cannot repeat it. Write x = x.{method[:-1]}(...) "
+                           "inside, or call it outside the compiled function")
+    shared = _shares_values(self)
+    with contextlib.nullcontext() if shared else aliasing.tracking_paused():
+        view = getattr(DTensor, method[:-1])(self, *args, **kwargs)   # tracked as a view of x if shared
+    if view is self:   # x.t_() of a 0-D or 1-D tensor, as torch: nothing changes
+        return self
+    if leaf is not None and leaf.grad is not None and leaf.grad.shape != view.shape:
+        leaf.grad = leaf.bound = None
+    if not shared:   # nothing else sees x's values: x simply takes the new tensor
+        aliasing.forget(self)
+        _rebind(self, view)
+        return self
+    holder = DTensor(self._id, self._meta, self._seq, self._controller)
+    holder._node = None if leaf is not None else self._node   # the leaf stays with x
+    aliasing.hand_over(self, holder, view)
+    _rebind(self, view, release_old=False)
+    return self
+
+
+def _shares_values(tensor: DTensor) -> bool:
+    """Is `tensor` a view, or has it a live view? (else a change to it reaches nothing else)"""
+    node = aliasing.node_of(tensor)
+    return node is not None and (node.parent is not None or any(_has_live(c) for c in list(node.children.values())))
+
+
+def _detach_(self: DTensor) -> DTensor:
+    """torch's: x leaves the graph that made it (a leaf stops requiring grad); a view refuses."""
+    node = aliasing.node_of(self)
+    if node is not None and node.parent is not None and aliasing.aliases(node) and node.step[0] != "detach":
+        raise RuntimeError(f"at {user_site()}: Can't detach views in-place. Use detach() instead.")
+    if type(self._node) is Leaf:
+        return self.requires_grad_(False)
+    self._node = None
+    return self
+
+
+def _view_method(method: str):
+    def inplace_view(self, *args, **kwargs):
+        return _become_view(self, method, args, kwargs)
+    inplace_view.__name__ = method
+    inplace_view.__doc__ = f"x.{method}(...): x becomes x.{method[:-1]}(...), sharing values with its views as in torch"
+    return inplace_view
+
+
+VIEW_METHODS = {name: _view_method(name) for name in
+                ("transpose_", "swapdims_", "swapaxes_", "t_", "unsqueeze_", "squeeze_")}
 
 
 # --- aliasing: write up to the storage root, then re-derive its views ------------------------------
@@ -319,6 +387,15 @@ def _method(op_name: str):
     return method
 
 
+def _composed(name: str):
+    """x.<name>_ for a method dtorch composes of ops (dtorch/torch_methods.py: x.tril(1))."""
+    def method(self, *args, **kwargs):
+        return assign(self, getattr(DTensor, name)(self, *args, **kwargs), f"x.{name}_")
+    method.__name__ = f"{name}_"
+    method.__doc__ = f"x.{name}_(...): x = x.{name}(...) in place (x's dtype, shape and placements kept)"
+    return method
+
+
 def _unpartial(placements):
     return [Replicate() if isinstance(p, Partial) else p for p in placements]
 
@@ -381,7 +458,8 @@ def _uniform_(self, a=0.0, b=1.0, *, generator=None):
 
 
 EXTRA_METHODS = {"fill_": _fill_, "zero_": _zero_, "copy_": _copy_, "clamp_min_": _clamp_min_,
-                 "clamp_max_": _clamp_max_, "lerp_": _lerp_, "normal_": _normal_, "uniform_": _uniform_}
+                 "clamp_max_": _clamp_max_, "lerp_": _lerp_, "normal_": _normal_, "uniform_": _uniform_,
+                 "tril_": _composed("tril"), "triu_": _composed("triu"), "detach_": _detach_, **VIEW_METHODS}
 
 
 def _derived_names() -> list[str]:

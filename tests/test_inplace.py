@@ -88,7 +88,8 @@ def test_the_method_list_follows_the_registry():
     assert {"add_", "sub_", "mul_", "div_", "pow_", "neg_", "abs_", "exp_", "log_", "sqrt_", "rsqrt_", "clamp_",
             "clamp_min_", "clamp_max_", "masked_fill_", "copy_", "zero_", "fill_", "relu_", "sigmoid_", "tanh_",
             "lerp_"} <= set(INPLACE_METHODS)
-    assert not {"transpose_", "unsqueeze_", "t_"} & set(INPLACE_METHODS)   # shape changes stay refused
+    assert {"transpose_", "swapdims_", "swapaxes_", "t_", "unsqueeze_", "squeeze_", "detach_", "tril_",
+            "triu_"} <= set(INPLACE_METHODS)
 
 
 def test_extra_methods_match_torch(mesh2, mesh22):
@@ -313,10 +314,55 @@ def unfold_write(x):
     return x
 
 
+def shape_changed_in_place(x):
+    """x.t_() makes x a view of its own storage in torch: the views made before see x's later
+    changes, x sees theirs, and item assignment takes x's new shape."""
+    row, cols = x[1], x[:, 1:3]
+    x.t_()
+    x.mul_(2)
+    row.add_(1)
+    x[0] = -3.0
+    return x, row, cols
+
+
+def shape_changes_chained(x):
+    rows = x[1:3]
+    x.unsqueeze_(0)
+    x.transpose_(0, 2)      # (cols, rows, 1)
+    x.squeeze_(-1)
+    x.swapdims_(0, 1)
+    x.swapaxes_(1, 0)
+    x.add_(1)
+    rows.mul_(3)
+    return x, rows
+
+
+def shape_change_of_a_view(x):
+    tail = x[1:]
+    row = tail[0]
+    tail.transpose_(0, 1)
+    tail.mul_(2)            # x and row see it
+    row.sub_(1)             # x and tail see it
+    return x, tail, row
+
+
+def shape_change_then_base_dropped(x):
+    """Unlike orphan_with_sibling: the tensor whose storage both views share is kept (by the one
+    whose shape changed), so dtorch can follow torch."""
+    base = x * 1
+    row = base[0]
+    base.t_()
+    col = base[:, 0]        # the same elements as row
+    del base
+    row.add_(1)             # col sees it
+    return row, col
+
+
 ALIASING = [view_sees_base, base_sees_view, sibling_views, transpose_write_back, chain_of_views, chunk_and_unbind,
             narrow_and_split, reshape_views_and_copies, setitem_on_a_view, view_of_permuted_unsqueezed,
             deepcopy_does_not_alias, expand_write, orphan_with_sibling, orphan_alone, detach_and_data_share_memory,
-            diagonal_views, unfold_views, unfold_write]
+            diagonal_views, unfold_views, unfold_write, shape_changed_in_place, shape_changes_chained,
+            shape_change_of_a_view, shape_change_then_base_dropped]
 # Cases where dtorch raises AliasingError instead of torch's values, and why (docs/inplace.md).
 EXPECTED_REFUSALS = {
     "expand_write": "torch refuses it too (RuntimeError)",
@@ -400,3 +446,130 @@ def test_setting_data_shares_the_new_values_and_keeps_the_leaf(mesh2):
     assert p.dtype == torch.float64 and p.grad is None and torch.equal(p.to_torch(), expected.double())
     with pytest.raises(TypeError, match="Variable data has to be a tensor, but got int"):
         p.data = 3
+
+
+# --- in-place shape changes: x.t_(), x.transpose_(), x.unsqueeze_(), x.squeeze_() ------------------------
+SHAPE_CHANGES = [("transpose_", (0, 1), (5, 3)), ("transpose_", (0, 2), (4, 1, 3)), ("swapdims_", (1, 0), (5, 3)),
+                 ("swapaxes_", (-1, 0), (5, 3)), ("t_", (), (5, 3)), ("t_", (), (5,)), ("unsqueeze_", (1,), (5, 3)),
+                 ("unsqueeze_", (-1,), (5, 3)), ("squeeze_", (1,), (5, 1, 3)), ("squeeze_", (), (5, 1, 3)),
+                 ("squeeze_", (0,), (5, 3))]
+
+
+@pytest.mark.parametrize("method,args,shape", SHAPE_CHANGES, ids=lambda v: str(v))
+def test_inplace_shape_changes_match_torch(method, args, shape, mesh1, mesh2, mesh22):
+    """On every layout, even and uneven: x takes torch's shape and the placements the out-of-place
+    op gives, stays the same object, and shares values with a view made before, both ways; a
+    tensor with no view simply takes the new shape."""
+    g = torch.Generator().manual_seed(7)
+    values = torch.randn(*shape, generator=g)
+    for mesh, placements in layouts(mesh1, mesh2, mesh22):
+        t, x = values.clone(), upload(values, mesh, placements, g)
+        view, expected_view = x[1:3], t[1:3]
+        expected_placements = getattr(x, method[:-1])(*args).placements
+        assert getattr(x, method)(*args) is x and getattr(t, method)(*args) is t
+        where = (method, args, shape, mesh, placements)
+        assert x.shape == t.shape and x.placements == expected_placements, where
+        x.mul_(2), t.mul_(2)
+        view.add_(1), expected_view.add_(1)
+        assert_same(x.to_torch(), t), where
+        assert_same(view.to_torch(), expected_view), where
+        alone = upload(values, mesh, placements, g)
+        getattr(alone, method)(*args).add_(1)
+        assert_same(alone.to_torch(), getattr(values.clone(), method)(*args) + 1), where
+
+
+def test_inplace_shape_changes_and_autograd(mesh2):
+    """A tensor with history: the gradient flows through the change as torch's. A leaf that
+    requires grad is refused, as torch refuses it, unless under no_grad: then it stays that leaf,
+    and the next backward fills a .grad of its new shape (as after p.data = t; torch's backward
+    fails there instead)."""
+    a = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
+    weights = torch.arange(4.0)
+    x = dtorch.tensor(a, device_mesh=mesh2, placements=[Shard(0)]).requires_grad_()
+    w = dtorch.tensor(weights, device_mesh=mesh2, placements=[R])
+    ta = a.clone().requires_grad_()
+    y, ty = x * 2, ta * 2
+    y.t_(), ty.t_()
+    y.unsqueeze_(0), ty.unsqueeze_(0)
+    (y * w).sum().backward(), (ty * weights).sum().backward()
+    torch.testing.assert_close(x.grad.to_torch(), ta.grad)
+    with pytest.raises(RuntimeError, match="test_inplace.py.*leaf Variable that requires grad"):
+        x.t_()
+    assert x.shape == (4, 3)
+    with dtorch.no_grad():
+        x.t_()
+    assert x.is_leaf and x.requires_grad and x.grad is None and x.shape == (3, 4)
+    (x * w).sum().backward()   # torch fails here: its gradient accumulator keeps the old shape
+    torch.testing.assert_close(x.grad.to_torch(), weights.expand(3, 4))
+
+
+def test_detach_in_place_matches_torch(mesh2):
+    x = dtorch.randn(4, 3, device_mesh=mesh2, placements=[Shard(0)]).requires_grad_()
+    y = x * 2
+    assert y.detach_() is y and not y.requires_grad and y.grad_fn is None
+    assert x.detach_() is x and not x.requires_grad
+    z = dtorch.randn(4, 3, device_mesh=mesh2, placements=[Shard(0)]).requires_grad_() * 1
+    with pytest.raises(RuntimeError, match="test_inplace.py.*Can.t detach views in-place"):
+        z[0].detach_()
+    assert z.detach().detach_() is not None   # detach's result shares memory, yet is no view in torch
+
+
+def test_tril_and_triu_in_place(mesh2, mesh22):
+    t = torch.randn(5, 5, generator=torch.Generator().manual_seed(4))
+    for mesh, placements in ((mesh2, [Shard(0)]), (mesh2, [Shard(1)]), (mesh22, [Shard(1), R])):
+        x = dtorch.tensor(t, device_mesh=mesh, placements=placements)
+        row = x[1]
+        x.tril_(1)
+        assert torch.equal(x.to_torch(), t.tril(1)) and torch.equal(row.to_torch(), t.tril(1)[1])
+        x.triu_(-1)
+        assert torch.equal(x.to_torch(), t.tril(1).triu(-1)) and x.placements == tuple(placements)
+
+
+def test_a_shape_change_keeps_its_old_storage_only_while_needed(mesh2):
+    """The hidden tensor that carries x's old value lives while x, or a view of either, does."""
+    import gc
+    import weakref
+    from dtorch import aliasing
+    gc.collect()
+    before = len(aliasing._NODES)
+    x = dtorch.randn(8, 4, device_mesh=mesh2, placements=[Shard(0)])
+    x.t_()                      # nothing shares x's values: no hidden tensor, no node
+    assert aliasing.node_of(x) is None and x.placements == (Shard(1),)
+    x.t_()
+    row = x[0]
+    x.t_()
+    old = weakref.ref(aliasing.node_of(x).keep)
+    col = x[:, 0]
+    del x
+    row.add_(1)                 # reaches col through the kept storage
+    assert old() is not None and torch.equal(col.to_torch(), row.to_torch())
+    del row, col
+    assert old() is None and len(aliasing._NODES) == before
+
+
+def test_compiled_shape_changes(mesh2):
+    """Inside dtorch.compile: a tensor the call made may change shape in place, and replays give
+    eager's values; one from before the call is refused (a replay cannot repeat a shape change)."""
+    w = dtorch.tensor(torch.randn(4, 5), device_mesh=mesh2, placements=[R])
+
+    @dtorch.compile
+    def step(x):
+        y = x * 2
+        y.t_()
+        y.add_(1)
+        return y.t() @ w
+
+    for i in range(3):
+        t = torch.randn(4, 4, generator=torch.Generator().manual_seed(i))
+        out = step(dtorch.tensor(t, device_mesh=mesh2, placements=[Shard(0)]))
+        torch.testing.assert_close(out.to_torch(), ((t * 2).t() + 1).t() @ w.to_torch())
+    assert step.captures == 1
+
+    @dtorch.compile
+    def changes_its_argument(x):
+        x.t_()
+        return x + 1
+
+    x = dtorch.randn(4, 6, device_mesh=mesh2, placements=[Shard(0)])
+    with pytest.raises(dtorch.CompileError, match="t_.*changes the shape of a tensor from before the call"):
+        changes_its_argument(x)

@@ -3,8 +3,8 @@ write instead, so a missing op or an in-place call is never a bare AttributeErro
 names, or (worst) a flag silently ignored.
 
 In-place methods exist for dtorch's non-view ops (dtorch/inplace.py: x.add_, x[i] = v, ...);
-the rest (an in-place form of an op dtorch lacks, or one that changes x's shape such as
-x.transpose_) is refused here with what to write instead, never silently ignored.
+the rest (an in-place form of an op dtorch lacks, or one that changes x's storage such as
+x.resize_) is refused here with what to write instead, never silently ignored.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ __all__ = ["unsupported_op", "unsupported_method", "inplace_flag_refused", "refu
 INPLACE_ALTERNATIVES = {
     "bernoulli_": "x.copy_((dtorch.rand_like(x) < p).to(x.dtype))",
     "exponential_": "x.copy_(-(1 - dtorch.rand_like(x)).log() / rate)",
+    "set_": "x.data = source (x then shares source's values, as torch's set_ shares its storage)",
+    "resize_": "x = x.reshape(shape) for the same number of elements, or x = dtorch.zeros(shape, ...) for another",
 }
 
 
