@@ -30,6 +30,8 @@ from . import composites as _composites  # noqa: F401  (torch.tile(x), x.diff(),
 from . import composite_losses as _composite_losses  # noqa: F401  (F.poisson_nll_loss, F.soft_margin_loss, ...)
 from . import composite_layers as _composite_layers  # noqa: F401  (F.dropout2d, F.instance_norm, torch.cdist, ...)
 from . import composite_foreach as _composite_foreach  # noqa: F401  (torch._foreach_mul_(list, 0.9), ...)
+from . import composite_order as _composite_order  # noqa: F401  (torch.argsort, torch.quantile, ...)
+from . import composite_random as _composite_random  # noqa: F401  (torch.multinomial, x.bernoulli_(p), ...)
 from . import autograd
 from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from . import nn

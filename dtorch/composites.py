@@ -125,6 +125,14 @@ vsplit = _split_along("vsplit", lambda x: 0, 2)
 dsplit = _split_along("dsplit", lambda x: 2, 3)
 
 
+def split_with_sizes(input: DTensor, split_sizes, dim: int = 0) -> tuple:
+    return input.split(list(split_sizes), dim)
+
+
+def narrow_copy(input: DTensor, dim: int, start: int, length: int) -> DTensor:
+    return input.narrow(dim, start, length).clone()
+
+
 def diff(input: DTensor, n: int = 1, dim: int = -1, prepend=None, append=None) -> DTensor:
     """torch.diff: x[1:] - x[:-1] along `dim`, n times, after joining prepend and append (bools
     differ by xor). Two narrows of the dim: a sharded `dim` is moved as a narrow's is."""
@@ -298,6 +306,8 @@ _FUNCTIONS = {
     "broadcast_to": broadcast_to, "tile": tile, "ravel": ravel, "atleast_1d": atleast_1d, "atleast_2d": atleast_2d,
     "atleast_3d": atleast_3d, "hstack": hstack, "vstack": vstack, "row_stack": vstack, "dstack": dstack,
     "column_stack": column_stack, "tensor_split": tensor_split, "hsplit": hsplit, "vsplit": vsplit, "dsplit": dsplit,
+    "split_with_sizes": split_with_sizes, "unsafe_split": lambda input, size, dim=0: input.split(size, dim),
+    "unsafe_chunk": lambda input, chunks, dim=0: input.chunk(chunks, dim), "narrow_copy": narrow_copy,
     "diff": diff, "take_along_dim": take_along_dim, "chain_matmul": chain_matmul, "linalg_multi_dot": multi_dot,
     "kron": kron, "normalize": normalize, "cosine_similarity": cosine_similarity,
     "pairwise_distance": pairwise_distance, "one_hot": one_hot, "prelu": prelu,
@@ -323,8 +333,34 @@ def is_same_size(input: DTensor, other) -> bool:
     return tuple(input.shape) == tuple(other.shape)
 
 
+def equal(input: DTensor, other) -> bool:
+    """torch.equal: the same shape and values. A read (as .item()): the workers compare, and one
+    bool comes back."""
+    return tuple(input.shape) == tuple(other.shape) and bool(call_op("eq", (input, other), {}).all().item())
+
+
+def allclose(input: DTensor, other, rtol: float = 1e-05, atol: float = 1e-08, equal_nan: bool = False) -> bool:
+    """torch.allclose: a read, like equal."""
+    return bool(call_op("isclose", (input, other, rtol, atol, equal_nan), {}).all().item())
+
+
+def _no_conjugate_view(input: DTensor) -> DTensor:
+    """resolve_conj / resolve_neg: dtorch has no lazy conjugate or negative views, so nothing to resolve."""
+    return input
+
+
 _FUNCTIONS.update(is_floating_point=is_floating_point, is_complex=is_complex, is_signed=is_signed,
-                  is_same_size=is_same_size, numel=lambda input: input.numel())
+                  is_same_size=is_same_size, numel=lambda input: input.numel(), equal=equal, allclose=allclose,
+                  is_conj=lambda input: False, is_neg=lambda input: False, resolve_conj=_no_conjugate_view,
+                  resolve_neg=_no_conjugate_view)
+
+# Attributes torch code asks a tensor (x.is_cuda before a kernel choice, x.nbytes for a budget).
+# Global, as every other answer here: nbytes is the logical tensor's, not one shard's.
+DTensor.is_cuda = property(lambda self: self.device_mesh.device_type == "cuda")
+DTensor.is_cpu = property(lambda self: self.device_mesh.device_type == "cpu")
+DTensor.itemsize = property(lambda self: self.dtype.itemsize)
+DTensor.nbytes = property(lambda self: self.numel() * self.dtype.itemsize)
+DTensor.layout = property(lambda self: torch.strided)
 
 
 def install(functions: dict) -> None:

@@ -26,7 +26,7 @@ from . import capture as capturing
 from . import aliasing
 from .distributed_spec import Partial, Replicate
 from .errors import CompileError, DTorchError, ShapeError, user_site
-from .factories import full, rand, randn, tensor as upload
+from .factories import arange, full, rand, randn, tensor as upload
 from .ops import REGISTRY
 from .ops.indexing import WHOLE, AdvancedIndex, canonical_index
 from .recording import Leaf, is_grad_enabled
@@ -396,6 +396,27 @@ def _composed(name: str):
     return method
 
 
+def _fill_diagonal_(self, fill_value, wrap=False):
+    """torch's: the main diagonal (every index equal) set to fill_value; `wrap` restarts it below
+    a tall matrix's square every ncols + 1 rows, as torch steps through the flat storage. A mask
+    made on the workers (no index is uploaded), then one masked_fill."""
+    if self.ndim < 2:
+        raise RuntimeError("dimensions must larger than 1")
+    if self.ndim > 2 and len(set(self.shape)) != 1:
+        raise RuntimeError("all dimensions of input must be of equal length")
+    mesh = self.device_mesh
+    positions = [arange(n, device_mesh=mesh).reshape([n if d == k else 1 for d in range(self.ndim)])
+                 for k, n in enumerate(self.shape)]
+    if wrap and self.ndim == 2:
+        columns = self.shape[1]
+        mask = (positions[0] * columns + positions[1]) % (columns + 1) == 0
+    else:
+        mask = positions[0] == positions[1]
+        for other in positions[2:]:
+            mask = mask & (positions[0] == other)
+    return assign(self, call_op("masked_fill", (self, mask, fill_value), {}), "x.fill_diagonal_")
+
+
 def _unpartial(placements):
     return [Replicate() if isinstance(p, Partial) else p for p in placements]
 
@@ -459,7 +480,8 @@ def _uniform_(self, a=0.0, b=1.0, *, generator=None):
 
 EXTRA_METHODS = {"fill_": _fill_, "zero_": _zero_, "copy_": _copy_, "clamp_min_": _clamp_min_,
                  "clamp_max_": _clamp_max_, "lerp_": _lerp_, "normal_": _normal_, "uniform_": _uniform_,
-                 "tril_": _composed("tril"), "triu_": _composed("triu"), "detach_": _detach_, **VIEW_METHODS}
+                 "tril_": _composed("tril"), "triu_": _composed("triu"), "fill_diagonal_": _fill_diagonal_,
+                 "detach_": _detach_, **VIEW_METHODS}
 
 
 def _derived_names() -> list[str]:

@@ -224,7 +224,8 @@ var_mean, std_mean = _with_mean("var"), _with_mean("std")
 # alias -> the op it names (as clip is clamp): x.arccos(), torch.arccos(x) and x.arccos_() run acos
 ALIASES = {"arccos": "acos", "arcsin": "asin", "arctan": "atan", "arctan2": "atan2", "arccosh": "acosh",
            "arcsinh": "asinh", "arctanh": "atanh", "absolute": "abs", "negative": "neg", "fix": "trunc",
-           "multiply": "mul", "divide": "div", "true_divide": "div", "subtract": "sub"}
+           "multiply": "mul", "divide": "div", "true_divide": "div", "subtract": "sub", "greater": "gt",
+           "greater_equal": "ge", "less": "lt", "less_equal": "le", "not_equal": "ne", "ger": "outer"}
 # torch.nn.functional functions whose __name__ is not the op's name
 FUNCTIONAL_NAMES = {"log_sigmoid": "logsigmoid"}   # F.logsigmoid is torch._C._nn.log_sigmoid
 

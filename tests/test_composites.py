@@ -118,6 +118,30 @@ CASES = {   # name -> (inputs (g, uneven) -> torch tensors, the call on torch te
     "triplet_margin_loss": (_floats(MATRIX, MATRIX, MATRIX), lambda a, p, n: F.triplet_margin_loss(a, p, n)),
     "triplet_margin_loss swap p=1": (_floats(MATRIX, MATRIX, MATRIX),
                                      lambda a, p, n: F.triplet_margin_loss(a, p, n, p=1, swap=True, reduction="none")),
+    # order statistics (dtorch/composite_order.py)
+    "argsort": (_floats(MATRIX), lambda x: torch.argsort(x)),
+    "argsort dim 0 descending": (_floats(CUBE), lambda x: x.argsort(dim=1, descending=True)),
+    "msort": (_floats(MATRIX), lambda x: torch.msort(x)),
+    "quantile": (_floats(MATRIX), lambda x: torch.quantile(x, 0.3)),
+    "quantile along dims": (_floats(CUBE), lambda x: (x.quantile(0.75, dim=1), torch.quantile(x, 0.5, dim=-1,
+                                                                                              keepdim=True))),
+    "quantile of many q": (_with(_floats(MATRIX), lambda g, u: torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0])),
+                           lambda x, q: torch.quantile(x, q, dim=0, keepdim=True)),
+    "quantile interpolations": (_floats(MATRIX), lambda x: tuple(torch.quantile(x, 0.4, dim=1, interpolation=mode)
+                                                                 for mode in ("lower", "higher", "midpoint",
+                                                                              "nearest"))),
+    "nanquantile": (lambda g, u: [torch.where(torch.rand(_sizes(u)[:2], generator=g) < 0.3, float("nan"),
+                                              torch.randn(_sizes(u)[:2], generator=g))],
+                    lambda x: tuple(torch.nan_to_num(q, nan=-9.0) for q in (   # (the comparison's NaN)
+                        torch.nanquantile(x, 0.5, dim=1), x.nanquantile(0.2, dim=0, interpolation="higher"),
+                        torch.quantile(x, 0.5, dim=1)))),   # quantile: NaN where a row holds one
+    # torch's other spellings of dtorch's ops (dtorch/torch_methods.py, dtorch/composites.py)
+    "greater and kin": (_floats(MATRIX, MATRIX), lambda x, y: (torch.greater(x, y), x.greater_equal(0.1), x.less(y),
+                                                                torch.less_equal(x, y), x.not_equal(y))),
+    "ger": (_floats(ROW, COLUMN), lambda x, y: torch.ger(y, x)),
+    "split_with_sizes": (_floats(MATRIX), lambda x: x.split_with_sizes([1, x.shape[1] - 1], dim=1)),
+    "unsafe_chunk and unsafe_split": (_floats(MATRIX), lambda x: torch.unsafe_chunk(x, 2) + x.unsafe_split(3)),
+    "narrow_copy": (_floats(MATRIX), lambda x: x.narrow_copy(0, 1, 3)),
 }
 
 
@@ -178,6 +202,32 @@ def test_refusals_say_what_is_missing(mesh4):
         torch.hsplit(x, 2)
     with pytest.raises(RuntimeError, match="same number of dimensions"):
         torch.take_along_dim(x, dtorch.tensor(torch.tensor([0]), device_mesh=mesh4), dim=0)
+
+
+def test_reads_and_attributes_answer_as_torch(mesh4):
+    """torch.equal / allclose read one bool back; is_cuda, nbytes and kin are the logical tensor's."""
+    values = torch.randn(7, 3)
+    x = dtorch.tensor(values, device_mesh=mesh4, placements=[Shard(0)])
+    y = dtorch.tensor(values, device_mesh=mesh4, placements=[Replicate()])
+    assert torch.equal(x, y) and x.equal(y) and not torch.equal(x, y + 1) and not torch.equal(x, y[:6])
+    assert torch.allclose(x, y + 1e-7) and not x.allclose(y + 1e-3) and torch.allclose(x, y[0] * 0 + y)
+    nan = dtorch.tensor(torch.tensor([1.0, float("nan")]), device_mesh=mesh4)
+    assert not torch.allclose(nan, nan) and torch.allclose(nan, nan, equal_nan=True)
+    assert (x.is_cuda, x.is_cpu, x.nbytes, x.itemsize, x.layout) == (False, True, values.nbytes, 4, torch.strided)
+    assert not x.is_conj() and not x.is_neg() and x.resolve_conj() is x and torch.resolve_neg(x) is x
+
+
+def test_quantile_refusals_are_torchs(mesh4):
+    values = torch.randn(4, 5)
+    x = dtorch.tensor(values, device_mesh=mesh4, placements=[Shard(0)])
+    for call, message in [(lambda t: torch.quantile(t, 1.5), "q must be in the range .0, 1. but got 1.5"),
+                          (lambda t: t.quantile(torch.tensor([0.5, -0.1])), "q values must be in the range"),
+                          (lambda t: t.quantile(torch.tensor([[0.5]])), "q must be a scalar or 1D"),
+                          (lambda t: t.nanquantile(0.5, interpolation="cubic"), "interpolation must be one of"),
+                          (lambda t: t.long().quantile(0.5), "must be either float or double")]:
+        for tensor in (values, x):
+            with pytest.raises(RuntimeError, match=message):
+                call(tensor)
 
 
 def test_views_stay_views(mesh4):

@@ -573,3 +573,20 @@ def test_compiled_shape_changes(mesh2):
     x = dtorch.randn(4, 6, device_mesh=mesh2, placements=[Shard(0)])
     with pytest.raises(dtorch.CompileError, match="t_.*changes the shape of a tensor from before the call"):
         changes_its_argument(x)
+
+
+@pytest.mark.parametrize("shape", [(7, 3), (3, 7), (4, 4), (3, 3, 3)])
+def test_fill_diagonal_matches_torch(shape, mesh2, mesh22):
+    values = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
+    for mesh, placements in ((mesh2, [Shard(0)]), (mesh2, [Shard(1)]), (mesh22, [Shard(1), R]), (mesh2, [P])):
+        for wrap in (False, True):
+            t, x = values.clone(), dtorch.tensor(values, device_mesh=mesh, placements=placements)
+            row = x[0]
+            assert x.fill_diagonal_(5.0, wrap=wrap) is x and x.placements == tuple(placements)
+            t.fill_diagonal_(5.0, wrap=wrap)
+            assert torch.equal(x.to_torch(), t) and torch.equal(row.to_torch(), t[0]), (shape, placements, wrap)
+    for bad, message in ((torch.zeros(3), "dimensions must larger than 1"),
+                         (torch.zeros(2, 3, 2), "all dimensions of input must be of equal length")):
+        for tensor in (bad, dtorch.tensor(bad, device_mesh=mesh2)):
+            with pytest.raises(RuntimeError, match=message):
+                tensor.fill_diagonal_(1.0)

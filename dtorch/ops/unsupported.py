@@ -19,8 +19,6 @@ __all__ = ["unsupported_op", "unsupported_method", "inplace_flag_refused", "refu
 
 # What to write instead of an in-place method whose out-of-place twin is not an op of its own.
 INPLACE_ALTERNATIVES = {
-    "bernoulli_": "x.copy_((dtorch.rand_like(x) < p).to(x.dtype))",
-    "exponential_": "x.copy_(-(1 - dtorch.rand_like(x)).log() / rate)",
     "set_": "x.data = source (x then shares source's values, as torch's set_ shares its storage)",
     "resize_": "x = x.reshape(shape) for the same number of elements, or x = dtorch.zeros(shape, ...) for another",
 }
