@@ -74,12 +74,13 @@ class Leaf:
     state lives here: `grad` is the DTensor the workers accumulate into, in its gradient
     placements (autograd/rules.py) until it is read in the tensor's own. `bound`: the id of the
     DTensor the workers' .grad holds; an in-place op on `grad` (`p.grad.mul_(0.5)`) rebinds it to
-    a new id here only, so the next backward binds the workers' .grad to it first (autograd/engine.py)."""
-    __slots__ = ("tensor", "grad", "bound", "__weakref__")
+    a new id here only, so the next backward binds the workers' .grad to it first (autograd/engine.py).
+    `hooks`, `post_hooks`: None, or {handle id: hook} (autograd/hooks.py)."""
+    __slots__ = ("tensor", "grad", "bound", "hooks", "post_hooks", "__weakref__")
 
     def __init__(self, tensor):
         self.tensor = weakref.ref(tensor)
-        self.grad = self.bound = None
+        self.grad = self.bound = self.hooks = self.post_hooks = None
 
 
 class RetainedGrad:

@@ -6,6 +6,7 @@ from ..recording import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from ..tensor import COMPOSITES, DTensor
 from .engine import backward, backward_stages, clear_grads, grad, leaf_grad, no_sync, reduce_gradients, set_leaf_grad
 from .retained import retain_grad, retains_grad
+from . import hooks as _hooks  # noqa: F401  (installs x.register_hook, x.register_post_accumulate_grad_hook)
 from .rules import gradient_placements
 
 __all__ = ["backward", "backward_stages", "grad", "reduce_gradients", "no_sync", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",

@@ -22,6 +22,7 @@ from ..runtime.protocol import Backward, SetGrads
 from ..distributed_spec import Replicate
 from ..tensor import DTensor, call_op
 from ..ops.tensor_meta import tensor_meta
+from .hooks import has_hooks, run_hooks, run_post_hooks
 from .retained import clear_retained, retained_accumulator, retained_grad, retained_in
 from .rules import gradient_placements, reduction_buckets
 
@@ -69,6 +70,7 @@ def _backward(tensors, grad_tensors, retain_graph, create_graph, inputs) -> None
         hops, reached = _run_segment(roots, seeds, retain, only, shared, drop_hops=not retain, reduce=reduce)
         walked.append(reached)
         pending += reversed(hops)
+    run_post_hooks([leaf for reached in walked for leaf in reached.leaves])
     if not retain:
         for reached in walked:
             reached.release()
@@ -82,12 +84,15 @@ def backward_stages(loss):
     every microbatch, are run through again by the next microbatch); it goes when its tensors do."""
     pending = [tuple(_roots_and_seeds([loss], None, False, "backward"))]
     del loss   # held by pending only: its graph goes once the next stages no longer need it
+    leaves = []
     while pending:
         roots, seeds = pending.pop()
-        hops, _ = _run_segment(roots, seeds, True, None, set(), drop_hops=True)
+        hops, reached = _run_segment(roots, seeds, True, None, set(), drop_hops=True)
         pending += reversed(hops)
-        del roots, seeds, hops   # not held across the yield: this stage's graph goes now
+        leaves += reached.leaves
+        del roots, seeds, hops, reached   # not held across the yield: this stage's graph goes now
         yield
+    run_post_hooks(leaves)
 
 
 def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, allow_unused=None,
@@ -118,8 +123,11 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     with no_grad():
         for index, (tensor, out_id) in enumerate(zip(wanted, out_ids)):
             spec = tensor_meta(tensor.shape, tensor.dtype, mesh, gradient_placements(tensor.placements))
-            result = DTensor(out_id, spec, -1, controller).redistribute(placements=tensor.placements)
-            found.append(None if index in missing and not materialize_grads else result)
+            result = DTensor(out_id, spec, -1, controller)
+            if has_hooks(tensor) and index not in missing:
+                result = run_hooks(tensor, result)
+            found.append(None if index in missing and not materialize_grads
+                         else result.redistribute(placements=tensor.placements))
     return tuple(found)
 
 
@@ -284,9 +292,10 @@ def _run_segment(roots, seeds, retain: bool, only, shared: set, drop_hops: bool,
     retain = retain or any(id(node) in shared for node in reached.nodes)
     controller = roots[0]._controller
     leaves = sorted(reached.leaves, key=lambda t: t._id)   # creation order: the buckets' order
-    buckets = reduction_buckets(leaves, mesh.shape) if reduce and not reached.hops else []
+    hooked = {i for i, leaf in enumerate(leaves) if has_hooks(leaf)}   # their gradient comes apart
+    buckets = _buckets(leaves, hooked, mesh.shape) if reduce and not reached.hops else []
     reduced = {i: dims for dims, members in buckets for i in members}
-    grads = [_accumulator(leaf, reduced.get(i, ())) for i, leaf in enumerate(leaves)]
+    grads = [_accumulator(leaf, reduced.get(i, ()), fresh=i in hooked) for i, leaf in enumerate(leaves)]
     # intermediates the user called retain_grad() on: after the leaves (the buckets number those)
     kept = retained_in(reached.nodes) if only is None else []
     kept_grads = [retained_accumulator(tensor, record) for tensor, record in kept]
@@ -300,6 +309,8 @@ def _run_segment(roots, seeds, retain: bool, only, shared: set, drop_hops: bool,
         grads[i]._seq = seq
     for holder, grad in zip([leaf._node for leaf in leaves] + [record for _, record in kept], grads + kept_grads):
         holder.bound = grad._id   # each worker's .grad is now the tensor under that id
+    for i in sorted(hooked):
+        _accumulate_hooked(leaves[i], grads[i], seq)
     if reached.hops:   # a landed tensor's gradient is taken, not kept accumulating on its leaf
         controller.submit(SetGrads, tuple(hop.landed._id for hop in reached.hops), (-1,) * len(reached.hops))
     continuations = [_hop_back(hop, landed_id, controller) for hop, landed_id in zip(reached.hops, landed_ids)]
@@ -310,25 +321,55 @@ def _run_segment(roots, seeds, retain: bool, only, shared: set, drop_hops: bool,
     return continuations, reached
 
 
-def _accumulator(tensor: DTensor, reduced_dims: tuple = ()) -> DTensor:
+def _buckets(leaves: list, hooked: set, mesh_shape: tuple) -> list:
+    """rules.reduction_buckets over the leaves without hooks, numbered in `leaves`."""
+    plain = [i for i in range(len(leaves)) if i not in hooked]
+    if not hooked:
+        return reduction_buckets(leaves, mesh_shape)
+    return [(dims, [plain[j] for j in members])
+            for dims, members in reduction_buckets([leaves[i] for i in plain], mesh_shape)]
+
+
+def _accumulate_hooked(tensor: DTensor, incoming: DTensor, seq: int) -> None:
+    """A leaf with hooks: its .grad becomes the old one plus the hooks' result on this backward's
+    gradient (autograd/hooks.py), in gradient placements."""
+    leaf, wanted = tensor._node, gradient_placements(tensor.placements)
+    incoming._seq = seq
+    grad = run_hooks(tensor, incoming)
+    with no_grad():
+        total = grad if leaf.grad is None else leaf.grad + grad
+        if total.placements != wanted:
+            total = total.redistribute(placements=wanted)
+    if leaf.bound == total._id:   # no hook and no old gradient: the Backward bound it already
+        leaf.grad = total
+    else:
+        _bind(tensor, leaf, total)
+
+
+def _accumulator(tensor: DTensor, reduced_dims: tuple = (), fresh: bool = False) -> DTensor:
     """The DTensor a leaf's gradient accumulates into on the workers, in gradient placements: a
     gradient read since the last backward (hence reduced) goes back to them first. With
     `reduced_dims` the backward all-reduces it over those dims: what it returns is then a new
-    DTensor, Replicate there, that the caller binds after the Backward (the workers bind it there)."""
+    DTensor, Replicate there, that the caller binds after the Backward (the workers bind it there).
+    `fresh`: a new DTensor whatever .grad holds, for this backward's gradient alone (hooks)."""
     leaf, wanted = tensor._node, gradient_placements(tensor.placements)
     _touch(leaf)   # a capture's backward builds on this gradient (or on none): a replay needs the same
-    if leaf.grad is not None and leaf.bound != leaf.grad._id:   # an in-place op on .grad rebound it here
-        _bind(tensor, leaf, leaf.grad)                          # only: the workers' .grad follows first
-    if leaf.grad is not None and leaf.grad.placements != wanted:
-        with no_grad():
-            _bind(tensor, leaf, leaf.grad.redistribute(placements=wanted))
-    if not reduced_dims and leaf.grad is not None:
-        return leaf.grad
+    if fresh and leaf.bound is not None:   # torch's engine would add into the workers' .grad in place
+        tensor._controller.submit(SetGrads, (tensor._id,), (-1,))
+        leaf.bound = None
+    if not fresh:
+        if leaf.grad is not None and leaf.bound != leaf.grad._id:   # an in-place op on .grad rebound it
+            _bind(tensor, leaf, leaf.grad)                          # here only: the workers' .grad follows first
+        if leaf.grad is not None and leaf.grad.placements != wanted:
+            with no_grad():
+                _bind(tensor, leaf, leaf.grad.redistribute(placements=wanted))
+        if not reduced_dims and leaf.grad is not None:
+            return leaf.grad
     placements = [Replicate() if dim in reduced_dims else p for dim, p in enumerate(wanted)]
     controller = tensor._controller
     made = DTensor(controller.new_id(), tensor_meta(tensor.shape, tensor.dtype, tensor.device_mesh, placements),
                    -1, controller)
-    if not reduced_dims:
+    if not (reduced_dims or fresh):
         leaf.grad = made
     return made
 
