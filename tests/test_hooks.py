@@ -132,3 +132,24 @@ def test_hook_refusals(mesh4):
     x.register_hook(lambda grad: grad.sum(0))
     with pytest.raises(RuntimeError, match="has changed the size of value"):
         (x * 2).sum().backward()
+
+
+def test_hooks_in_strict_mode(mesh4):
+    """The engine's own moves are explicit: a hook that keeps the gradient's placements works
+    in strict mode, where nothing is inserted."""
+    w = torch.randn(5, 3, generator=torch.Generator().manual_seed(5))
+    p, t = _pair(w, mesh4, [R])
+    p.register_hook(lambda grad: grad * 0.5)
+    t.register_hook(lambda grad: grad * 0.5)
+    x = dtorch.ones(8, 5, device_mesh=mesh4, placements=[Shard(0)])
+    before = dtorch.is_strict()
+    dtorch.set_strict(True)
+    try:
+        for _ in range(2):
+            (x @ p).sum().backward()
+            p.grad   # read: reduced to Replicate, so the next backward's sum needs a move back
+    finally:
+        dtorch.set_strict(before)
+    for _ in range(2):
+        (torch.ones(8, 5) @ t).sum().backward()
+    torch.testing.assert_close(p.grad.to_torch(), t.grad)

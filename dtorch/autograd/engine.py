@@ -335,11 +335,13 @@ def _accumulate_hooked(tensor: DTensor, incoming: DTensor, seq: int) -> None:
     gradient (autograd/hooks.py), in gradient placements."""
     leaf, wanted = tensor._node, gradient_placements(tensor.placements)
     incoming._seq = seq
-    grad = run_hooks(tensor, incoming)
-    with no_grad():
-        total = grad if leaf.grad is None else leaf.grad + grad
+    total = run_hooks(tensor, incoming)
+    with no_grad():   # each side moved explicitly: strict mode refuses an inserted move
         if total.placements != wanted:
             total = total.redistribute(placements=wanted)
+        if leaf.grad is not None:
+            old = leaf.grad if leaf.grad.placements == wanted else leaf.grad.redistribute(placements=wanted)
+            total = old + total
     if leaf.bound == total._id:   # no hook and no old gradient: the Backward bound it already
         leaf.grad = total
     else:
