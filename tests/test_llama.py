@@ -105,6 +105,28 @@ def test_generate_equals_transformers_token_for_token(layout, reference, session
     assert torch.equal(model.generate(prompt, max_new_tokens=8, eos_token_id=None), expected)
 
 
+def test_sampled_generation_is_the_same_on_every_layout_and_stays_in_the_top_k(reference, session):
+    """do_sample=True: for one dtorch.manual_seed the same tokens on every layout, each among the
+    top_k of transformers' own logits for its prefix; top_k=1 is greedy decoding."""
+    prompt = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(5))
+    runs = []
+    for layout in ("single", "tp2", "dp2xtp2"):
+        model = loaded(reference, mesh_for(layout))
+        dtorch.manual_seed(7)
+        runs.append(model.generate(prompt, max_new_tokens=8, eos_token_id=None, do_sample=True, temperature=1.5,
+                                   top_k=4, top_p=0.95))
+        assert torch.equal(model.generate(prompt, max_new_tokens=4, eos_token_id=None, do_sample=True, top_k=1),
+                           model.generate(prompt, max_new_tokens=4, eos_token_id=None))
+    assert all(torch.equal(run, runs[0]) for run in runs), runs
+    tokens = runs[0]
+    with torch.no_grad():
+        logits = reference(tokens).logits
+    for position in range(5, tokens.shape[1]):
+        top = logits[:, position - 1].topk(4).indices
+        assert (top == tokens[:, position, None]).any(-1).all(), position
+    assert not torch.equal(tokens, model.generate(prompt, max_new_tokens=8, eos_token_id=None))   # not greedy
+
+
 def test_generate_stops_at_eos_like_transformers(reference, session):
     model = loaded(reference, mesh_for("tp2"))
     prompt = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(4))

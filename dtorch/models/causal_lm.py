@@ -1,7 +1,8 @@
 """What a causal language model returns, how its loss is counted and how it decodes: the output
 tuple (as transformers' CausalLMOutputWithPast, as far as dtorch fills it), the token
 cross-entropy, whole (causal_lm_loss) or as a sum and a count that microbatches add up
-(token_losses), and greedy generation with a KV cache on the workers (GreedyDecoding)."""
+(token_losses), and generation with a KV cache on the workers, greedy or sampled (GreedyDecoding;
+sampling.py draws the tokens)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -11,6 +12,7 @@ import torch
 from ..nn import functional as F
 from ..tensor import DTensor
 from .llama_config import mesh_dim
+from .sampling import sample_next
 
 __all__ = ["CausalLMOutput", "GreedyDecoding", "causal_lm_loss", "token_losses", "token_loss_sum", "token_count"]
 
@@ -55,13 +57,14 @@ class GreedyDecoding:
     `cache`, a list per layer), `_upload(ids)`, `mesh`, `stages`, `model.layers` and `config`."""
 
     def generate(self, input_ids, max_new_tokens: int = 20, do_sample: bool = False, eos_token_id=None,
-                 pad_token_id=None, on_token=None) -> torch.Tensor:
-        """Greedy decoding with a KV cache kept on the workers (sharded over tp by heads), as
-        transformers' generate(do_sample=False): the prompt plus up to max_new_tokens tokens.
+                 pad_token_id=None, on_token=None, temperature: float = 1.0, top_k: int | None = 50,
+                 top_p: float = 1.0, generator=None) -> torch.Tensor:
+        """Decoding with a KV cache kept on the workers (sharded over tp by heads), as
+        transformers' generate: the prompt plus up to max_new_tokens tokens, each the most likely
+        one (do_sample=False) or drawn after transformers' temperature, top_k and top_p
+        (do_sample=True, from dtorch's random stream: dtorch.manual_seed, or `generator`).
         Finished sequences (eos) are padded with pad_token_id; reading each step's tokens is the
         only wait, and only when there is an eos to watch for."""
-        if do_sample:
-            raise NotImplementedError("generate: only greedy decoding (do_sample=False) is implemented")
         if mesh_dim(self.mesh, "cp") is not None or len(self.stages) > 1:
             raise NotImplementedError("generate: decoding runs on dp/tp layouts (cp and pp decode one token "
                                       "at a time, which they cannot split); use a mesh without cp and pp")
@@ -75,7 +78,8 @@ class GreedyDecoding:
         for _ in range(max_new_tokens):
             logits = self._forward_one(self._upload(step_input) if isinstance(step_input, torch.Tensor)
                                        else step_input, cache)
-            chosen = logits[:, -1, :].argmax(-1)
+            last = logits[:, -1, :]
+            chosen = sample_next(last, temperature, top_k, top_p, generator) if do_sample else last.argmax(-1)
             if eos:
                 picked = chosen.to_torch()
                 if pad is not None:
