@@ -83,14 +83,11 @@ def run_hooks(tensor: DTensor, grad: DTensor) -> DTensor:
 
 def run_post_hooks(tensors) -> None:
     """After a backward: each reached leaf's post-accumulate hooks, once, in creation order."""
-    seen = set()
-    for tensor in sorted(tensors, key=lambda t: t._id):
-        leaf = tensor._node
-        if type(leaf) is Leaf and leaf.post_hooks and id(leaf) not in seen:
-            seen.add(id(leaf))
-            with no_grad():
-                for hook in list(leaf.post_hooks.values()):
-                    hook(tensor)
+    hooked = {id(t._node): t for t in tensors if type(t._node) is Leaf and t._node.post_hooks}
+    for tensor in sorted(hooked.values(), key=lambda t: t._id):
+        with no_grad():
+            for hook in list(tensor._node.post_hooks.values()):
+                hook(tensor)
 
 
 def _name(hook) -> str:
