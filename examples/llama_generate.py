@@ -1,10 +1,11 @@
-"""Greedy generation with dtorch's Llama on a tensor-parallel (and data-parallel) mesh.
+"""Generation with dtorch's Llama on a tensor-parallel (and data-parallel) mesh, greedy or sampled.
 
     python3 examples/llama_generate.py                      # a small random Llama on 2 local CPU workers
     python3 examples/llama_generate.py --tp 4 --tokens 64   # 4-way tensor parallel
     python3 examples/llama_generate.py --model ./my-llama   # a transformers save_pretrained directory
     dtorch-launch --hostfile hosts examples/llama_generate.py --tp 8
     python3 examples/llama_generate.py --profile trace.json  # a timeline of the timed run (docs/profiling.md)
+    python3 examples/llama_generate.py --sample --top-p 0.9 --temperature 0.8   # sampled (transformers' warpers)
 
 With --model, every worker reads its own slices of the safetensors files (the directory must be
 on a filesystem every host sees); no weight passes through this process. Without it, the model is
@@ -38,6 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt (default 32)")
     parser.add_argument("--hostfile", help="start workers over SSH (as dtorch-launch does)")
     parser.add_argument("--profile", metavar="TRACE_JSON", help="record the timed generation with dtorch.profile")
+    parser.add_argument("--sample", action="store_true", help="sample (do_sample=True) instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=50)
+    parser.add_argument("--top-p", type=float, default=1.0)
     return parser.parse_args(argv)
 
 
@@ -71,7 +76,8 @@ def main(argv=None) -> None:
     recording = dtorch.profile(args.profile) if args.profile else contextlib.nullcontext()
     started = time.perf_counter()
     with recording:
-        tokens = model.generate(prompt, max_new_tokens=args.tokens, on_token=progress)
+        tokens = model.generate(prompt, max_new_tokens=args.tokens, on_token=progress, do_sample=args.sample,
+                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     elapsed = time.perf_counter() - started
     if sys.stderr.isatty():
         sys.stderr.write("\n")
