@@ -26,7 +26,7 @@ from .simulate import Symbol, placement_options, tensor_inputs, with_inputs
 __all__ = ["render"]
 
 _MESH = DeviceMesh("cpu", [0, 1, 2, 3])
-_FAMILY_ORDER = ("pointwise", "reduction", "matrix", "nn", "vision", "view", "indexing")
+_FAMILY_ORDER = ("pointwise", "reduction", "matrix", "linalg", "nn", "vision", "view", "indexing")
 # Python operators (ops/operators.py), plus spellings DTensor defines as methods of its own
 _OPERATORS = {**SPELLINGS, "matmul": "@", "getitem": "x[...]",
               "to_dtype": "x.to(dtype), x.float(), .half(), .bfloat16(), .double(), .long(), .int(), .bool()"}

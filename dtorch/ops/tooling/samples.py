@@ -4,7 +4,7 @@ the rule validator (dtorch.ops.tooling.validate) and the docs generator (dtorch.
 A sample is one torch call on whole tensors (sample_making.py); the op's registered torch
 function on the same arguments is the reference. Each op family's builders live in their own
 module (pointwise_samples.py, reduction_samples.py, matrix_samples.py, nn_samples.py,
-view_samples.py, indexing_samples.py, vision_samples.py; what several share is in
+view_samples.py, indexing_samples.py, vision_samples.py, linalg_samples.py; what several share is in
 sample_helpers.py) and are joined into one table here. `samples(op, uneven)` builds them:
 `uneven=False` sizes every dim to divide by 4, `uneven=True` leaves remainders (and empty shards
 on a 4-way split).
@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .indexing_samples import INDEXING
+from .linalg_samples import LINALG
 from .matrix_samples import MATRIX
 from .nn_samples import NN
 from .pointwise_samples import POINTWISE
@@ -24,9 +25,9 @@ from .vision_samples import VISION
 
 __all__ = ["Sample", "samples", "SAMPLED_FAMILIES", "covered_ops"]
 
-SAMPLED_FAMILIES = ("pointwise", "reduction", "matrix", "nn", "view", "indexing", "vision")
+SAMPLED_FAMILIES = ("pointwise", "reduction", "matrix", "nn", "view", "indexing", "vision", "linalg")
 
-_BUILDERS: dict[str, Callable] = {**POINTWISE, **REDUCTION, **MATRIX, **NN, **VIEW, **INDEXING, **VISION}
+_BUILDERS: dict[str, Callable] = {**POINTWISE, **REDUCTION, **MATRIX, **NN, **VIEW, **INDEXING, **VISION, **LINALG}
 
 
 def samples(op: str, uneven: bool = False, seed: int = 0) -> list[Sample]:

@@ -44,6 +44,9 @@ CONFIRMING_DRAWS = 6   # a MISSING candidate must also fit this many fresh draws
 
 # MISSING findings a rule declines on purpose, by (op, the inputs' placements on one mesh dim).
 DECLINED = {
+    **{(op, f"[P({kind})]"): "only matrix_power(A, 0) (the identity, whatever A) reads right from a Partial A; "
+       "plans do not key on the exponent's value" for op in ("matrix_power", "linalg_matrix_power")
+       for kind in ("sum", "avg", "max", "min")},
     ("mul", "[P(max)]"): "x * c keeps order only for c > 0, and plans key scalars by type, not value",
     ("mul", "[P(min)]"): "x * c keeps order only for c > 0, and plans key scalars by type, not value",
     ("div", "[P(max)]"): "x / c keeps order only for c > 0, and plans key scalars by type, not value",
