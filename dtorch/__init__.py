@@ -32,6 +32,7 @@ from . import composite_layers as _composite_layers  # noqa: F401  (F.dropout2d,
 from . import composite_foreach as _composite_foreach  # noqa: F401  (torch._foreach_mul_(list, 0.9), ...)
 from . import composite_order as _composite_order  # noqa: F401  (torch.argsort, torch.quantile, ...)
 from . import composite_random as _composite_random  # noqa: F401  (torch.multinomial, x.bernoulli_(p), ...)
+from . import composite_stats as _composite_stats  # noqa: F401  (torch.cov, torch.histc, torch.take, ...)
 from . import autograd
 from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from . import nn

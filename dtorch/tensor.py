@@ -426,6 +426,15 @@ class DTensor:
     def bool(self) -> "DTensor":
         return self.to(torch.bool)
 
+    def short(self) -> "DTensor":
+        return self.to(torch.int16)
+
+    def char(self) -> "DTensor":
+        return self.to(torch.int8)
+
+    def byte(self) -> "DTensor":
+        return self.to(torch.uint8)
+
 
 def _unlisted_placements(tensor: DTensor, mesh: DeviceMesh, mode: str) -> list:
     """redistribute_by_dict's start: what a mesh dim the dict does not list gets (None: must be listed)."""

@@ -142,6 +142,16 @@ CASES = {   # name -> (inputs (g, uneven) -> torch tensors, the call on torch te
     "split_with_sizes": (_floats(MATRIX), lambda x: x.split_with_sizes([1, x.shape[1] - 1], dim=1)),
     "unsafe_chunk and unsafe_split": (_floats(MATRIX), lambda x: torch.unsafe_chunk(x, 2) + x.unsafe_split(3)),
     "narrow_copy": (_floats(MATRIX), lambda x: x.narrow_copy(0, 1, 3)),
+    # statistics and flat indices (dtorch/composite_stats.py)
+    "cov": (_floats(MATRIX), lambda x: (torch.cov(x), x.T.cov(correction=0), torch.cov(x[0]))),
+    "cov weighted": (_with(_floats(MATRIX), lambda g, u: torch.randint(1, 4, (_sizes(u)[1],), generator=g),
+                           lambda g, u: torch.rand(_sizes(u)[1], generator=g)),
+                     lambda x, f, a: torch.cov(x, fweights=f, aweights=a)),
+    "corrcoef": (_floats(MATRIX), lambda x: torch.corrcoef(x.T)),
+    "histc": (_floats(MATRIX), lambda x: (torch.histc(x, 7), x.histc(4, -1.0, 0.5), torch.histc(x * 0, 3))),
+    "take": (_with(_floats(MATRIX), lambda g, u: torch.randint(-5, 12, (2, 3), generator=g)),
+             lambda x, i: torch.take(x, i)),
+    "diagflat": (_floats(ROW), lambda x: (torch.diagflat(x), x.diagflat(-1))),
 }
 
 
@@ -215,6 +225,8 @@ def test_reads_and_attributes_answer_as_torch(mesh4):
     assert not torch.allclose(nan, nan) and torch.allclose(nan, nan, equal_nan=True)
     assert (x.is_cuda, x.is_cpu, x.nbytes, x.itemsize, x.layout) == (False, True, values.nbytes, 4, torch.strided)
     assert not x.is_conj() and not x.is_neg() and x.resolve_conj() is x and torch.resolve_neg(x) is x
+    for cast in ("byte", "char", "short"):
+        assert torch.equal(getattr(x * 4, cast)().to_torch(), getattr(values * 4, cast)())
 
 
 def test_quantile_refusals_are_torchs(mesh4):
