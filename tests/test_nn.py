@@ -492,8 +492,14 @@ def test_torch_spellings_of_like_factories_and_new_tensor(mesh4):
     assert placed.placements == (Replicate(),) and torch.equal(placed.to_torch(), torch.tensor([1.0, 2.0]))
     with pytest.raises(dtorch.DTorchError, match="mesh"):
         torch.zeros_like(x, device="cuda")
-    with pytest.raises(dtorch.DTorchError, match="not supported"):   # (its QR, not a wrong value)
-        torch.nn.init.orthogonal_(nn.Parameter(dtorch.zeros(4, 4, device_mesh=mesh4, placements=[Shard(0)])))
+    for shape in ((4, 4), (6, 3), (3, 6)):   # torch's own code: normal_, t_, linalg.qr, diag, copy_
+        weight = nn.Parameter(dtorch.zeros(*shape, device_mesh=mesh4, placements=[Shard(0)]))
+        torch.nn.init.orthogonal_(weight, gain=2.0)
+        w = weight.to_torch()
+        gram = w @ w.T if shape[0] <= shape[1] else w.T @ w
+        assert weight.placements == (Shard(0),) and torch.allclose(gram, 4 * torch.eye(min(shape)), atol=1e-5)
+    with pytest.raises(dtorch.DTorchError, match="not supported"):   # (torch.eye(out=...), not a wrong value)
+        torch.nn.init.eye_(nn.Parameter(dtorch.zeros(4, 4, device_mesh=mesh4, placements=[Shard(0)])))
 
 
 def test_a_loop_written_the_torch_way_trains_as_torch_does(mesh4):
