@@ -231,6 +231,20 @@ COMPOSITES.update({like.__name__: _torch_spelling(like) for like in (zeros_like,
                                                                      randn_like, full_like)})
 
 
+def _torch_eye(n: int, m: int | None = None, *, out=None, dtype=None, layout=None, device=None, requires_grad=False,
+               pin_memory=False):
+    """torch.eye(n, m, out=dtensor), as torch.nn.init.eye_ writes it: the identity into `out`, in
+    place, made on its workers in its layout. Without out= there is no mesh to make it on."""
+    if out is None:
+        raise DTorchError("torch.eye reached dtorch without out=: make the identity with dtorch.eye(n, m, "
+                          "device_mesh=..., placements=...)")
+    made = eye(n, m, dtype=out.dtype, device_mesh=out.device_mesh, placements=_no_partial(out.placements))
+    return out.copy_(made)
+
+
+COMPOSITES["eye"] = _torch_eye
+
+
 def _new_tensor(self: DTensor, data, dtype=None, device=None, requires_grad: bool = False):
     """torch's x.new_tensor: `data` in x's dtype, on x's mesh (Replicate). With device= (a torch
     device, as in x.to("cpu")) a plain torch tensor in this process: torch.nn.init casts its

@@ -498,8 +498,9 @@ def test_torch_spellings_of_like_factories_and_new_tensor(mesh4):
         w = weight.to_torch()
         gram = w @ w.T if shape[0] <= shape[1] else w.T @ w
         assert weight.placements == (Shard(0),) and torch.allclose(gram, 4 * torch.eye(min(shape)), atol=1e-5)
-    with pytest.raises(dtorch.DTorchError, match="not supported"):   # (torch.eye(out=...), not a wrong value)
-        torch.nn.init.eye_(nn.Parameter(dtorch.zeros(4, 4, device_mesh=mesh4, placements=[Shard(0)])))
+    identity = nn.Parameter(dtorch.zeros(4, 6, device_mesh=mesh4, placements=[Shard(1)]))
+    torch.nn.init.eye_(identity)   # torch.eye(4, 6, out=identity)
+    assert identity.placements == (Shard(1),) and torch.equal(identity.to_torch(), torch.eye(4, 6))
 
 
 def test_a_loop_written_the_torch_way_trains_as_torch_does(mesh4):
