@@ -304,9 +304,6 @@ class DTensor:
         array = self.numpy()
         return array if dtype is None else array.astype(dtype)
 
-    def float(self) -> "DTensor":
-        return self.to(torch.float32)
-
     def __matmul__(self, other):
         return call_op("matmul", (self, other), {})
 
@@ -405,36 +402,6 @@ class DTensor:
             placements = self._meta.placements
         return self.redistribute(device_mesh, placements)
 
-    # --- casts (op coverage) ---
-    # torch's cast methods, each the one to_dtype op (its rule: dtorch/ops/pointwise.py).
-    # Defined last in the class: the names `int` and `bool` shadow the builtins in its body.
-    def double(self) -> "DTensor":
-        return self.to(torch.float64)
-
-    def half(self) -> "DTensor":
-        return self.to(torch.float16)
-
-    def bfloat16(self) -> "DTensor":
-        return self.to(torch.bfloat16)
-
-    def long(self) -> "DTensor":
-        return self.to(torch.int64)
-
-    def int(self) -> "DTensor":
-        return self.to(torch.int32)
-
-    def bool(self) -> "DTensor":
-        return self.to(torch.bool)
-
-    def short(self) -> "DTensor":
-        return self.to(torch.int16)
-
-    def char(self) -> "DTensor":
-        return self.to(torch.int8)
-
-    def byte(self) -> "DTensor":
-        return self.to(torch.uint8)
-
 
 def _unlisted_placements(tensor: DTensor, mesh: DeviceMesh, mode: str) -> list:
     """redistribute_by_dict's start: what a mesh dim the dict does not list gets (None: must be listed)."""
@@ -448,5 +415,21 @@ def _unlisted_placements(tensor: DTensor, mesh: DeviceMesh, mode: str) -> list:
     raise ValueError(f"default_placement_mode must be 'keep', 'replicate' or 'raise_error', not {mode!r}")
 
 
+# torch's cast methods, each the one to_dtype op (its rule: dtorch/ops/pointwise.py); set from a
+# table, as writing `def int` or `def bool` in the class body would shadow the builtins there.
+CASTS = {"float": torch.float32, "double": torch.float64, "half": torch.float16, "bfloat16": torch.bfloat16,
+         "long": torch.int64, "int": torch.int32, "short": torch.int16, "char": torch.int8, "byte": torch.uint8,
+         "bool": torch.bool}
+
+
+def _cast(name: str, dtype: torch.dtype):
+    def cast(self) -> DTensor:
+        return self.to(dtype)
+    cast.__name__, cast.__doc__ = name, f"x.{name}(): x.to({dtype})"
+    return cast
+
+
+for _name, _dtype in CASTS.items():
+    setattr(DTensor, _name, _cast(_name, _dtype))
 set_tensor_type(DTensor)      # the op-issuing path makes its results of it
 install_op_methods(DTensor)   # x + y, -x, x.sum(...): one call_op each
