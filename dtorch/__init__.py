@@ -22,7 +22,8 @@ from .ops.dispatch import is_strict, set_strict
 from .runtime import session as _session
 from .runtime.reads import Future
 from .tensor import DTensor, call_op
-from . import inplace as _inplace  # noqa: F401  (installs x[i] = v and the in-place methods)
+from . import inplace as _inplace  # noqa: F401  (installs x[i] = v, p.data = t, the shape changes)
+from . import inplace_methods as _inplace_methods  # noqa: F401  (installs x.add_, x.fill_, x += y, ...)
 from .inplace import AliasingError
 from . import advanced_indexing as _advanced_indexing  # noqa: F401  (x[t], x[t] = v, index_put)
 from . import torch_methods as _torch_methods  # noqa: F401  (x.t(), x.flip(0), torch.tril(x), ...)

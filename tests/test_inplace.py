@@ -19,7 +19,7 @@ import dtorch
 from dtorch import AliasingError
 from dtorch.distributed_spec import Partial, Replicate, Shard, init_device_mesh
 from dtorch.errors import ShapeError
-from dtorch.inplace import EXTRA_METHODS, INPLACE_METHODS
+from dtorch.inplace_methods import EXTRA_METHODS, INPLACE_METHODS
 from dtorch.ops.tooling.samples import samples
 from support import assert_same, placed
 
