@@ -21,19 +21,20 @@ import torch
 
 from .composites import install
 from .distributed_spec import Replicate, Shard
-from .factories import rand, randn
+from .factories import rand, rand_like, randn_like
 from .inplace import assign
 from .tensor import DTensor, call_op
 
 __all__ = ["multinomial", "bernoulli"]
 
 
-def _uniform(like: DTensor, shape: tuple, generator, placements=None) -> DTensor:
-    """U[0, 1) of `shape`, in like's floating dtype (float32 for other dtypes), on like's mesh."""
-    dtype = like.dtype if like.dtype.is_floating_point else torch.float32
-    if placements is None:
-        placements = [Replicate() if p.is_partial() else p for p in like.placements]
-    return rand(*shape, generator=generator, dtype=dtype, device_mesh=like.device_mesh, placements=placements)
+def _float(like: DTensor) -> torch.dtype:
+    return like.dtype if like.dtype.is_floating_point else torch.float32
+
+
+def _uniform(like: DTensor, generator) -> DTensor:
+    """U[0, 1) shaped and laid out as `like` (Partial dims Replicate), in a floating dtype."""
+    return rand_like(like, dtype=_float(like), generator=generator)
 
 
 def multinomial(input: DTensor, num_samples: int, replacement: bool = False, *, generator=None,
@@ -45,11 +46,13 @@ def multinomial(input: DTensor, num_samples: int, replacement: bool = False, *, 
     by_rows = [p if p == Shard(0) else Replicate() for p in probs.placements]
     if replacement:
         cumulative = probs.double().cumsum(-1)
-        targets = _uniform(cumulative, (rows, num_samples), generator, by_rows) * cumulative[:, -1:]
+        targets = rand(rows, num_samples, generator=generator, dtype=cumulative.dtype, device_mesh=probs.device_mesh,
+                       placements=by_rows) * cumulative[:, -1:]
         below = call_op("le", (cumulative.unsqueeze(1), targets.unsqueeze(-1)), {})   # (rows, draws, categories)
         picks = below.sum(-1).clamp(max=categories - 1)
     else:
-        keys = _uniform(probs, (rows, categories), generator, by_rows).log() / probs
+        keys = rand(rows, categories, generator=generator, dtype=probs.dtype, device_mesh=probs.device_mesh,
+                    placements=by_rows).log() / probs
         picks = keys.topk(num_samples, dim=-1).indices
     return picks if input.ndim == 2 else picks.squeeze(0)
 
@@ -76,7 +79,7 @@ def bernoulli(input: DTensor, p=None, *, generator=None, out=None) -> DTensor:
 
 
 def _bernoulli_draw(like: DTensor, p, generator) -> DTensor:
-    return call_op("lt", (_uniform(like, tuple(like.shape), generator), p), {}).to(like.dtype)
+    return call_op("lt", (_uniform(like, generator), p), {}).to(like.dtype)
 
 
 # --- in-place refills -----------------------------------------------------------------------------------
@@ -85,23 +88,21 @@ def _bernoulli_(self, p=0.5, *, generator=None):
 
 
 def _exponential_(self, lambd=1.0, *, generator=None):
-    return assign(self, -(-_uniform(self, tuple(self.shape), generator)).log1p() / lambd, "x.exponential_")
+    return assign(self, -(-_uniform(self, generator)).log1p() / lambd, "x.exponential_")
 
 
 def _log_normal_(self, mean=1.0, std=2.0, *, generator=None):
-    drawn = randn(*self.shape, generator=generator, dtype=self.dtype, device_mesh=self.device_mesh,
-                  placements=[Replicate() if p.is_partial() else p for p in self.placements])
-    return assign(self, (drawn * std + mean).exp(), "x.log_normal_")
+    return assign(self, (randn_like(self, generator=generator) * std + mean).exp(), "x.log_normal_")
 
 
 def _cauchy_(self, median=0.0, sigma=1.0, *, generator=None):
-    turn = (_uniform(self, tuple(self.shape), generator) - 0.5) * math.pi
+    turn = (_uniform(self, generator) - 0.5) * math.pi
     return assign(self, turn.tan() * sigma + median, "x.cauchy_")
 
 
 def _geometric_(self, p, *, generator=None):
     """The number of trials up to the first success: at least 1."""
-    failures = (-_uniform(self, tuple(self.shape), generator)).log1p() / math.log1p(-p)
+    failures = (-_uniform(self, generator)).log1p() / math.log1p(-p)
     return assign(self, failures.ceil().clamp(min=1), "x.geometric_", cast_any=True)
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from . import aliasing
-from .distributed_spec import Partial, Replicate
+from .distributed_spec import Replicate
 from .errors import user_site
-from .factories import arange, full, rand, randn, tensor as upload
+from .factories import arange, full_like, rand_like, randn_like, tensor as upload
 from .inplace import VIEW_METHODS, _dtype, _detach_, assign
 from .ops import REGISTRY
 from .tensor import DTensor, call_op
@@ -69,15 +69,10 @@ def _fill_diagonal_(self, fill_value, wrap=False):
     return assign(self, call_op("masked_fill", (self, mask, fill_value), {}), "x.fill_diagonal_")
 
 
-def _unpartial(placements):
-    return [Replicate() if isinstance(p, Partial) else p for p in placements]
-
-
 def _fill_(self, value):
     if isinstance(value, DTensor):
         return _copy_(self, value)
-    made = full(tuple(self.shape), value, dtype=self.dtype, device_mesh=self.device_mesh,
-                placements=_unpartial(self.placements))
+    made = full_like(self, value)
     return assign(self, made, "x.fill_")
 
 
@@ -117,16 +112,14 @@ def _lerp_(self, end, weight):
 def _normal_(self, mean=0.0, std=1.0, *, generator=None):
     """Refilled from dtorch's random stream (factories.randn: the same values on every layout),
     so torch.nn.init's normal_, xavier_normal_, kaiming_normal_ work on DTensors."""
-    drawn = randn(*self.shape, generator=generator, dtype=self.dtype, device_mesh=self.device_mesh,
-                  placements=_unpartial(self.placements))
+    drawn = randn_like(self, generator=generator)
     return assign(self, drawn * std + mean, "x.normal_")
 
 
 def _uniform_(self, a=0.0, b=1.0, *, generator=None):
     """Refilled from dtorch's random stream (uniform_, xavier_uniform_, kaiming_uniform_, and
     trunc_normal_ with erfinv_)."""
-    drawn = rand(*self.shape, generator=generator, dtype=self.dtype, device_mesh=self.device_mesh,
-                 placements=_unpartial(self.placements))
+    drawn = rand_like(self, generator=generator)
     return assign(self, drawn * (b - a) + a, "x.uniform_")
 
 
