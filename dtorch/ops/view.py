@@ -14,7 +14,9 @@ reduction over ranks commutes with any rearrangement of elements).
                    every block repeats into a whole block of the result).
   identity         contiguous, clone.
   joins            cat: S(d) off the cat dim (R inputs sliced to match), all-R, or all the same
-                   Partial; stack: the same, S(d) shifted past the new dim.
+                   Partial; S(d) on the cat dim too where one input alone has elements along it;
+                   a (0,) input, which torch's cat skips, in any placement. stack: the same,
+                   S(d) shifted past the new dim.
   splits           split, chunk, unbind: S(d) off the split dim; one placement for every piece.
   diagonals        diagonal: S(d) off dim1 and dim2, renumbered (the two go, the diagonal comes
                    last); diag_embed: S(d) off the last dim, renumbered around the new dim1, dim2;
@@ -241,8 +243,14 @@ _JOIN_LEGAL = "S(d) off the joined dim on every input (R inputs are sliced), all
 
 
 def join_rule(stack: bool):
-    """cat (stack=False) and stack: inputs are the tensors of the list, in order."""
+    """cat (stack=False) and stack: inputs are the tensors of the list, in order. cat skips a
+    tensor of shape (0,) whatever the others' shapes (torch's legacy empty: the seed of
+    transformers' KV cache), so its placement binds nothing: it stays as given, each rank's piece
+    is empty too. cat along a sharded dim is legal where only one input has elements along it."""
     def rule(call: Call, placements) -> Decision:
+        skipped = () if stack else _skipped_by_cat(call)
+        if skipped:
+            return _beside_skipped(rule, call, placements, skipped)
         partials = {p for p in placements if isinstance(p, Partial)}
         if partials:
             if len(partials) == 1 and all(isinstance(p, Partial) for p in placements):
@@ -253,12 +261,28 @@ def join_rule(stack: bool):
         if dim is None:
             return Decision(placements, (R,))
         joined = normalize_dim(call.param(1, "dim", 0), len(call.out_shape))
-        if not stack and dim == joined:
+        if not stack and dim == joined and sum(spec.shape[dim] > 0 for spec in call.inputs) > 1:
             raise RuleRejected(f"cat along sharded dim {dim} would interleave the inputs' shards; "
                                f"{unshard_fix(call, Shard(dim))} (for every input)", _JOIN_LEGAL)
         out_dim = dim + 1 if stack and dim >= joined else dim
         return Decision((Shard(dim),) * len(placements), (Shard(out_dim),))
     return rule
+
+
+def _skipped_by_cat(call: Call) -> tuple:
+    """The inputs of shape (0,) that torch.cat leaves out, unless all are (the result is one)."""
+    skipped = tuple(i for i, spec in enumerate(call.inputs) if tuple(spec.shape) == (0,))
+    return () if len(skipped) == len(call.inputs) else skipped
+
+
+def _beside_skipped(rule, call: Call, placements, skipped: tuple) -> Decision:
+    """`rule`'s decision for the inputs cat joins, the skipped ones kept as given."""
+    kept = [i for i in range(len(placements)) if i not in skipped]
+    decision = rule(call._replace(inputs=tuple(call.inputs[i] for i in kept)), tuple(placements[i] for i in kept))
+    required = list(placements)
+    for i, placement in zip(kept, decision.inputs):
+        required[i] = placement
+    return Decision(tuple(required), decision.outputs)
 
 
 def _split(tensor, split_size_or_sections=None, dim=0, *, split_size=None):
