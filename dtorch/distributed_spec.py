@@ -168,6 +168,44 @@ class DeviceMesh:
         ranges = [range(extent) if dim in mesh_dims else (mine[dim],) for dim, extent in enumerate(self.shape)]
         return tuple(self.rank_at(coordinate) for coordinate in itertools.product(*ranges))
 
+    # --- torch's DeviceMesh API -----------------------------------------------------------
+    # Where torch asks "which rank am I?" for the user's own branches (rank-0 logging, saving),
+    # the controller answers as the mesh's first rank, coordinate (0, ..., 0): such a branch runs
+    # once, as in one process. What torch's per-rank library code needs to build the calling
+    # rank's own shard (its coordinate, a process group) has no meaning with a single controller
+    # and raises, naming dtorch's call with the same arguments (docs/models.md).
+    @property
+    def mesh(self):
+        """The ranks as a torch int tensor of the mesh's shape, as torch's DeviceMesh.mesh."""
+        import torch   # here, not at the top: the pure layer is importable without torch
+        return torch.tensor(self._flat, dtype=torch.int).reshape(self.shape)
+
+    def get_rank(self) -> int:
+        """The rank at coordinate (0, ..., 0): the controller's part in `if mesh.get_rank() == 0:`."""
+        return self._flat[0]
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        """0: the controller's coordinate on every mesh dim (see get_rank)."""
+        if mesh_dim is None and self.ndim != 1:
+            raise MeshError(f"get_local_rank() on {self}: name the mesh dim, as torch requires on an N-D mesh")
+        if mesh_dim is not None:
+            self.dim_index(mesh_dim)
+        return 0
+
+    def get_coordinate(self):
+        raise MeshError(_per_rank_refusal("get_coordinate()", self))
+
+    def get_group(self, mesh_dim: int | str | None = None):
+        raise MeshError(_per_rank_refusal(f"get_group({'' if mesh_dim is None else repr(mesh_dim)})", self))
+
+    def get_all_groups(self):
+        raise MeshError(_per_rank_refusal("get_all_groups()", self))
+
+    @staticmethod
+    def from_group(*args, **kwargs):
+        raise MeshError("DeviceMesh.from_group(): dtorch's workers have no process group in this process; "
+                        "make the mesh with dtorch.init_device_mesh(device_type, shape, mesh_dim_names=...)")
+
     # --- sub-meshes -----------------------------------------------------------------------
     def __getitem__(self, index) -> "DeviceMesh":
         """mesh[i] / mesh[a:b] select along dim 0; mesh["name"] keeps only that dim at index 0
@@ -175,7 +213,9 @@ class DeviceMesh:
         torch's DeviceMesh answers with the calling rank's own slice instead; a single controller
         has no calling rank. mesh.unbind("tp") gives every "dp" slice, one per tp index."""
         if isinstance(index, str):
-            return self._only_dim(self.dim_index(index))
+            return self._only_dims((self.dim_index(index),))
+        if isinstance(index, tuple) and index and all(isinstance(i, str) for i in index):
+            return self._only_dims(tuple(self.dim_index(i) for i in index))
         nested = self._nested()[index]
         names = self.mesh_dim_names
         if isinstance(index, int):
@@ -203,13 +243,31 @@ class DeviceMesh:
             out.append(DeviceMesh(self.device_type, nest_ranks(ranks, shape), names))
         return out
 
-    def _only_dim(self, dim: int) -> "DeviceMesh":
-        ranks = [r for r in self._flat if all(c == 0 for i, c in enumerate(self.coordinate_of(r)) if i != dim)]
-        names = (self.mesh_dim_names[dim],) if self.mesh_dim_names else None
-        return DeviceMesh(self.device_type, ranks, names)
+    def _only_dims(self, dims: tuple[int, ...]) -> "DeviceMesh":
+        """The sub-mesh over `dims` (torch's order: as they are in this mesh) at index 0 of the rest."""
+        if list(dims) != sorted(set(dims)):
+            raise MeshError(f"mesh[{self._names_of(dims)}]: name the dims in the mesh's order, once each "
+                            f"({self.mesh_dim_names}), as torch requires")
+        ranks = [r for r in self._flat if all(c == 0 for i, c in enumerate(self.coordinate_of(r)) if i not in dims)]
+        names = self._names_of(dims) if self.mesh_dim_names else None
+        return DeviceMesh(self.device_type, nest_ranks(ranks, [self.shape[d] for d in dims]), names)
+
+    def _names_of(self, dims: Sequence[int]) -> tuple:
+        return tuple(self.mesh_dim_names[d] for d in dims) if self.mesh_dim_names else tuple(dims)
 
     def _nested(self):
         return nest_ranks(self._flat, self.shape)
+
+
+def _per_rank_refusal(call: str, mesh: DeviceMesh) -> str:
+    return (f"DeviceMesh.{call} on {mesh}: this process is the single controller, no rank of the mesh and "
+            "no member of a process group, so torch.distributed.tensor's per-rank code (distribute_tensor, "
+            "distribute_module, parallelize_module, DTensor.from_local), which builds the calling rank's own "
+            "shard, cannot run on a dtorch mesh. Write dtorch's calls with the same arguments: "
+            "dtorch.distribute_tensor(t, mesh, placements), dtorch.distribute_module(model, mesh, ...), "
+            "dtorch.nn.parallelize_module(model, mesh, plan) (which takes torch's ColwiseParallel, "
+            "RowwiseParallel, SequenceParallel, PrepareModuleInput/Output plans as they are); a collective "
+            "of your own is x.redistribute(placements=...)")
 
 
 def _flatten_nested(ranks) -> tuple[tuple[int, ...], list[int]]:

@@ -58,8 +58,12 @@ def distribute_module(module: torch.nn.Module, device_mesh: DeviceMesh | None = 
 
 def holds_local_tensors(module: torch.nn.Module) -> bool:
     """Whether any parameter or buffer of `module` (or its submodules) is a torch tensor here."""
-    return any(isinstance(t, torch.Tensor) for m in module.modules() for t in (*m._parameters.values(),
-                                                                                *m._buffers.values()))
+    return any(_is_local(t) for m in module.modules() for t in (*m._parameters.values(), *m._buffers.values()))
+
+
+def _is_local(value) -> bool:
+    """A torch tensor of this process (a DTensor is asked first: it may pass isinstance torch.Tensor)."""
+    return not isinstance(value, DTensor) and isinstance(value, torch.Tensor)
 
 
 def _adopt(module: torch.nn.Module) -> None:
@@ -77,7 +81,7 @@ def _adopt(module: torch.nn.Module) -> None:
 def _replicate_the_rest(module: torch.nn.Module, mesh: DeviceMesh, uploaded: dict) -> None:
     for members, make in ((module._parameters, _parameter), (module._buffers, _buffer)):
         for name, value in list(members.items()):
-            if isinstance(value, torch.Tensor):
+            if _is_local(value):
                 if id(value) not in uploaded:
                     uploaded[id(value)] = (value, make(value, mesh))
                 members[name] = uploaded[id(value)][1]
