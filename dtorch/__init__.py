@@ -21,6 +21,8 @@ from .rng import Generator
 from .ops.dispatch import is_strict, set_strict
 from .runtime import session as _session
 from .runtime.reads import Future
+from .sync_debug import BlockingReadError, BlockingReadWarning, get_sync_debug_mode, set_sync_debug_mode
+from . import sync_debug as _sync_debug
 from .tensor import DTensor, call_op
 from . import inplace as _inplace  # noqa: F401  (installs x[i] = v, p.data = t, the shape changes)
 from . import inplace_methods as _inplace_methods  # noqa: F401  (installs x.add_, x.fill_, x += y, ...)
@@ -67,8 +69,10 @@ def stats() -> dict:
     checkpoint_bytes_saved (dtorch.checkpoint.save: written by the workers, so
     checkpoint_bytes_saved_via_controller is always 0), and reads_spun (blocking reads whose
     thread spun for the reply before it slept: the workers were idle, or the last two replies came
-    quickly; dtorch/runtime/reply_receiving.py, READ_SPIN_S)."""
-    return _session.controller().stats()
+    quickly; dtorch/runtime/reply_receiving.py, READ_SPIN_S), blocking_reads (reads that waited on
+    the workers: to_torch(), item(), bool(x), ...) and implicit_reads (those of them that dtorch or
+    torch made on the caller's behalf; dtorch.set_sync_debug_mode names their lines)."""
+    return {**_session.controller().stats(), **_sync_debug.read_counts()}
 
 
 def synchronize(timeout: float | None = None) -> None:
@@ -98,7 +102,7 @@ for _name in _REGISTRY:
 __all__ = [
     "DTensor", "DeviceMesh", "Shard", "Replicate", "Partial", "init_device_mesh", "Future",
     "init", "init_async", "shutdown", "workers", "replace_lost_workers", "stats", "synchronize", "manual_seed",
-    "set_strict", "is_strict", "autograd", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
+    "set_strict", "is_strict", "set_sync_debug_mode", "get_sync_debug_mode", "BlockingReadError", "BlockingReadWarning", "autograd", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
     "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor", "distribute_tensor", "distribute_module",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "Tensor", "Generator",

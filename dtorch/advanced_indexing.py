@@ -17,6 +17,7 @@ from .errors import UnsupportedOpError, user_site
 from .factories import tensor as upload
 from .inplace import assign
 from .ops.indexing import _canonical_item
+from .ops.tensor_meta import is_local_tensor
 from .tensor import DTensor, call_op
 
 __all__ = ["getitem", "setitem", "index_put", "canonical_advanced_index"]
@@ -28,7 +29,7 @@ def getitem(x: DTensor, index) -> DTensor:
 
 def setitem(x: DTensor, index, value) -> None:
     mask = _dtensor_mask(index)
-    if isinstance(value, torch.Tensor):   # an explicit upload: the only way local data enters
+    if is_local_tensor(value):   # an explicit upload: the only way local data enters
         value = _replicated(x, value)
     if mask is not None:
         return assign(x, _masked_write(x, mask, value), "x[mask] = value")
@@ -40,7 +41,7 @@ def index_put(x: DTensor, indices, values, accumulate: bool = False) -> DTensor:
     """torch.Tensor.index_put: `indices` a tuple of index tensors (torch or DTensor, long or bool)."""
     if not isinstance(indices, (tuple, list)):
         raise TypeError(f"index_put takes a tuple of index tensors, not {type(indices).__name__}")
-    if isinstance(values, torch.Tensor):
+    if is_local_tensor(values):
         values = _replicated(x, values)
     canonical = canonical_advanced_index(x, tuple(indices), "index_put")
     return call_op("index_put", (x, canonical, values), {"accumulate": accumulate} if accumulate else {})
@@ -59,7 +60,7 @@ def canonical_advanced_index(x: DTensor, index, op: str) -> tuple:
     for item in items:
         if item is None or type(item) is bool:
             out.append(item)
-        elif isinstance(item, torch.Tensor) and item.dtype == torch.bool:
+        elif is_local_tensor(item) and item.dtype == torch.bool:
             out += _mask_positions(x, item, dim)
             dim += item.ndim
         elif isinstance(item, (torch.Tensor, DTensor)):
@@ -97,7 +98,7 @@ def _resolved(x: DTensor, item, op: str):
         item = torch.as_tensor(item)
         if item.numel() == 0 and item.dtype.is_floating_point:   # x[[]] indexes with an empty long tensor
             item = item.long()
-    if isinstance(item, torch.Tensor):
+    if is_local_tensor(item):
         if item.dtype.is_floating_point or item.dtype.is_complex:
             raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
         if item.dtype == torch.uint8:   # torch's deprecated byte masks
@@ -108,7 +109,7 @@ def _resolved(x: DTensor, item, op: str):
 
 
 def _fill_ellipsis(items: list, ndim: int) -> list:
-    consumed = sum(1 if not isinstance(i, torch.Tensor) or i.dtype != torch.bool else i.ndim
+    consumed = sum(1 if not is_local_tensor(i) or i.dtype != torch.bool else i.ndim
                    for i in items if i is not None and i is not Ellipsis and type(i) is not bool)
     if sum(i is Ellipsis for i in items) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")

@@ -15,6 +15,7 @@ import torch
 from .composites import install
 from .distributed_spec import Replicate
 from .factories import full, tensor as upload
+from .ops.tensor_meta import is_local_tensor
 from .tensor import DTensor, call_op
 
 __all__ = ["argsort", "msort", "quantile", "nanquantile"]
@@ -69,7 +70,7 @@ def _check(name: str, input: DTensor, q, interpolation: str, out) -> None:
                            f"Got {interpolation}")
     if isinstance(q, (torch.Tensor, DTensor)) and q.ndim > 1:
         raise RuntimeError(f"{name}() q must be a scalar or 1D tensor")
-    if isinstance(q, torch.Tensor) and not bool(((q >= 0) & (q <= 1)).all()):   # a DTensor q is not read
+    if is_local_tensor(q) and not bool(((q >= 0) & (q <= 1)).all()):   # a DTensor q is not read
         raise RuntimeError(f"{name}() q values must be in the range [0, 1]")
     if not isinstance(q, (torch.Tensor, DTensor)) and not 0 <= q <= 1:
         raise RuntimeError(f"{name}() q must be in the range [0, 1] but got {q}")

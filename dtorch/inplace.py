@@ -30,6 +30,7 @@ from .errors import CompileError, DTorchError, ShapeError, user_site
 from .factories import tensor as upload
 from .ops import REGISTRY
 from .ops.indexing import WHOLE, AdvancedIndex, canonical_index
+from .ops.tensor_meta import is_local_tensor
 from .recording import Leaf, is_grad_enabled
 from .runtime.protocol import RequireGrad, SetGrads
 from .tensor import DTensor, call_op
@@ -360,7 +361,7 @@ def _setitem(self: DTensor, index, value) -> None:
         canonical = canonical_index(index, self._meta.shape)
     except AdvancedIndex:   # index tensors, lists, masks: dtorch/advanced_indexing.py
         return self._advanced_setitem(index, value)
-    if isinstance(value, torch.Tensor):   # an explicit upload: the only way local data enters
+    if is_local_tensor(value):   # an explicit upload: the only way local data enters
         value = upload(value, device_mesh=self.device_mesh, placements=[Replicate()] * self.device_mesh.ndim)
     result = call_op("setitem", (self, canonical, value), {})
     assign(self, result, "x[index] = value")

@@ -15,6 +15,7 @@ from .errors import user_site
 from .factories import arange, full_like, rand_like, randn_like, tensor as upload
 from .inplace import VIEW_METHODS, _dtype, _detach_, assign
 from .ops import REGISTRY
+from .ops.tensor_meta import is_local_tensor
 from .tensor import DTensor, call_op
 
 __all__ = ["INPLACE_METHODS", "EXTRA_METHODS"]
@@ -85,7 +86,7 @@ def _copy_(self, src, non_blocking=False):
         # a torch tensor taking a DTensor's values (torch's load_state_dict of a dtorch model's
         # state_dict): a read, as src.to_torch() would be
         return self.copy_(src.to_torch(), non_blocking)
-    if isinstance(src, torch.Tensor):
+    if is_local_tensor(src):
         src = upload(src, device_mesh=self.device_mesh, placements=[Replicate()] * self.device_mesh.ndim)
     with aliasing.tracking_paused():
         fresh = (call_op("expand", (src, tuple(self.shape)), {}) if tuple(src.shape) != tuple(self.shape)

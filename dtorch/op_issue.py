@@ -15,11 +15,12 @@ from __future__ import annotations
 import torch
 
 from .distributed_spec import Replicate, format_placements
-from .errors import LocalTensorError, MeshError
+from .errors import LocalTensorError, MeshError, user_site
 from .ops.unsupported import is_inplace_name, unsupported_op
 from .ops import REGISTRY, cached_plan
 from .ops.dispatch import PLAIN_TYPES, is_strict, map_tensors
 from .ops.one_device import join_target
+from .ops.tensor_meta import is_local_tensor
 from .ops.operators import BINARY_OPERATORS, UNARY_OPERATORS
 from .aliasing import VIEW_OPS, note_view
 from .autocast import AUTOCAST_OPS, autocast_args
@@ -29,7 +30,7 @@ from .recording import HopNode, is_grad_enabled, record_op
 from .runtime.protocol import RunOp, dtype_name, wire_ref
 
 __all__ = ["COMPOSITES", "call_op", "install_op_methods", "land_for_backward", "note_capture_inputs", "set_tensor_type",
-           "torch_function"]
+           "torch_function", "with_local_tensors_uploaded"]
 
 # The DTensor class: results are made of it and arguments recognized by it. dtorch/tensor.py
 # sets it once the class exists (set_tensor_type): tensor.py imports this module for call_op, so
@@ -141,8 +142,35 @@ def _upload_local_tensors(args: tuple, kwargs: dict):
         controller.count_local_upload()
         # factories.py's seam: it imports tensor.py, which imports this module
         return DTensor._upload_constant(local, mesh)
-    is_local = lambda value: isinstance(value, torch.Tensor)   # noqa: E731
-    return map_tensors(args, upload, is_local), map_tensors(kwargs, upload, is_local)
+    return map_tensors(args, upload, is_local_tensor), map_tensors(kwargs, upload, is_local_tensor)
+
+
+def with_local_tensors_uploaded(composite):
+    """`composite` (Python over ops, which reads its arguments' placements and mesh) taking torch
+    tensors beside DTensors, as an op does: a loss's target or class weights, a mask. Each is
+    uploaded once, Replicate on the DTensors' mesh, before the body runs (the ops in it slice it
+    locally where their rules shard it; dtorch.stats()["local_tensors_uploaded"] counts it).
+    Strict mode refuses it, as it does for an op."""
+    def uploading(*args, **kwargs):
+        local, symbols = [], []
+        map_tensors((args, kwargs), local.append, is_local_tensor)
+        if local:
+            map_tensors((args, kwargs), symbols.append)
+        if not local or not symbols:
+            return composite(*args, **kwargs)
+        if is_strict():
+            mesh = symbols[0].device_mesh
+            raise LocalTensorError(
+                f"{composite.__name__}: a local torch.Tensor of shape {tuple(local[0].shape)} beside DTensors "
+                f"{format_placements(symbols[0].placements)} on {mesh} at {user_site()}; in strict mode upload it "
+                f"yourself as {format_placements([Replicate()] * mesh.ndim)}: dtorch.distribute_tensor(t, mesh, "
+                f"[{', '.join(['Replicate()'] * mesh.ndim)}]) (outside it dtorch does that, each call)")
+        args, kwargs = _upload_local_tensors(args, kwargs)
+        return composite(*args, **kwargs)
+    uploading.__name__, uploading.__qualname__, uploading.__doc__ = \
+        composite.__name__, composite.__qualname__, composite.__doc__
+    uploading.__wrapped__ = composite
+    return uploading
 
 
 def land_for_backward(source: DTensor, landed: DTensor) -> DTensor:

@@ -15,7 +15,7 @@ from .distributed_spec import (DeviceMesh, Partial, Placement, Placements, Repli
                                local_offset, local_shape)
 from .errors import MeshError, UnsupportedOpError, user_site
 from .ops.unsupported import NOTES, is_inplace_name, unsupported_method, unsupported_op
-from .ops.conversions import to_target
+from .ops.conversions import device_refusal, mesh_device, to_target
 from .ops.tensor_meta import TensorMeta, check_placements, shape_argument, tensor_meta
 from .op_issue import (COMPOSITES, call_op, install_op_methods, land_for_backward, note_capture_inputs, set_tensor_type,
                        torch_function)
@@ -23,6 +23,7 @@ from .redistribute import plan_redistribute, step_kind
 from .runtime import profiling, session
 from .recording import Leaf, OpNode, is_grad_enabled
 from .runtime.protocol import Redistribute, RequireGrad, Transfer, dtype_name
+from .sync_debug import note_blocking_read
 
 __all__ = ["DTensor", "call_op", "COMPOSITES"]
 
@@ -216,33 +217,43 @@ class DTensor:
         readable = self.reduce_partials()
         return readable._controller.fetch(readable)
 
-    def to_torch(self) -> torch.Tensor:
+    def _blocking_read(self, what: str) -> torch.Tensor:
+        """Every read that waits on the workers comes through here (set_sync_debug_mode's check)."""
+        note_blocking_read(what, self._meta.shape)
         return self.fetch().result()
 
+    def to_torch(self) -> torch.Tensor:
+        """A blocking read of the whole logical tensor into this process: a plain torch tensor,
+        with no autograd history (as torch's x.detach().cpu())."""
+        return self._blocking_read("to_torch()")
+
     def full_tensor(self) -> torch.Tensor:
-        return self.to_torch()
+        return self._blocking_read("full_tensor()")
+
+    def _read_item(self, what: str):
+        if self.numel() != 1:
+            raise ValueError(f"{what} needs a one-element DTensor, this one has shape {tuple(self.shape)}")
+        return self._blocking_read(what).item()
 
     def item(self):
-        if self.numel() != 1:
-            raise ValueError(f"item() needs a one-element DTensor, this one has shape {tuple(self.shape)}")
-        return self.to_torch().item()
+        return self._read_item("item()")
 
     def tolist(self):
-        return self.to_torch().tolist()
+        return self._blocking_read("tolist()").tolist()
 
     def __bool__(self) -> bool:
-        return bool(self.item())
+        return bool(self._read_item("bool(x)"))
 
     def __float__(self) -> float:
-        return float(self.item())
+        return float(self._read_item("float(x)"))
 
     def __int__(self) -> int:
-        return int(self.item())
+        return int(self._read_item("int(x)"))
 
     def __format__(self, spec: str) -> str:
         """As torch: a 0-d tensor formats as its value (f"{loss:.4f}", a blocking read like item())."""
         if self.ndim == 0:
-            return format(self.item(), spec)
+            return format(self._read_item("format(x)"), spec)
         return object.__format__(self, spec)
 
     def __reduce_ex__(self, protocol):
@@ -278,26 +289,42 @@ class DTensor:
         return call_op("clone", (self,), {})
 
     def to(self, *args, **kwargs):
-        """x.to(dtype) casts (a new DTensor). x.to("cpu"), x.to("cpu", dtype) and x.to(device="cpu")
-        are a blocking read like to_torch(): they return a torch.Tensor (torch's DTensor would
-        keep a DTensor). x.to(mesh) (or x.to(mesh, placements=[...])) moves it to another mesh:
-        the same placements when that mesh has as many dims, else Replicate. Another device is
-        refused: move to a mesh of that device instead."""
+        """As torch's DTensor: x.to(dtype) casts (a new DTensor, autograd recorded); x.to(device)
+        with the mesh's own device ("cpu" on a CPU mesh, x.to(y.device)) is x itself, and x.to(other)
+        takes other's dtype; nothing is read. x.to(mesh) (or x.to(mesh, placements=[...])) moves it
+        to another mesh: the same placements when that mesh has as many dims, else Replicate.
+        Another device type is refused with what to write: reads are only ever explicit
+        (to_torch(), item(), numpy(), ...)."""
         if args and isinstance(args[0], DeviceMesh) or "device_mesh" in kwargs:
             return self._to_mesh(*args, **kwargs)
-        device, dtype = to_target(args, kwargs)
-        if device is None:
-            return call_op("to_dtype", (self, dtype), {}) if dtype not in (None, self.dtype) else self
-        read = self.to_torch()
-        return read if dtype is None else read.to(dtype)
+        device, dtype, copy = to_target(args, kwargs)
+        if device is not None:
+            self._check_device(device, f"x.to({str(device)!r})")
+        if dtype not in (None, self.dtype):
+            return call_op("to_dtype", (self, dtype), {})
+        return call_op("clone", (self,), {}) if copy else self
 
-    def cpu(self) -> torch.Tensor:
-        """A blocking read of the whole tensor into this process, like to_torch()."""
-        return self.to_torch()
+    def _check_device(self, device: torch.device, call: str) -> None:
+        if device.type != self.device_mesh.device_type:
+            raise device_refusal(call, device, self.device_mesh)
 
-    def numpy(self):
-        """A blocking read of the whole tensor as a numpy array (to_torch().numpy())."""
-        return self.to_torch().numpy()
+    def cpu(self, memory_format=None) -> "DTensor":
+        """On a CPU mesh, x itself (torch's x.cpu() on a CPU tensor); a CUDA mesh refuses with
+        what to write. To read the values here: x.to_torch()."""
+        self._check_device(torch.device("cpu"), "x.cpu()")
+        return self
+
+    def cuda(self, device=None, non_blocking: bool = False, memory_format=None) -> "DTensor":
+        """On a CUDA mesh, x itself; a CPU mesh refuses with what to write."""
+        self._check_device(torch.device("cuda"), "x.cuda()")
+        return self
+
+    def numpy(self, *, force: bool = False):
+        """A blocking read of the whole tensor as a numpy array. As torch: refused while x
+        requires grad (read x.detach().numpy(), or numpy(force=True))."""
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+        return self._blocking_read("numpy()").numpy()
 
     def __array__(self, dtype=None, copy=None):
         """numpy.asarray(x): the same blocking read as numpy()."""
@@ -381,9 +408,10 @@ class DTensor:
     # --- DTorch's spellings (docs/migrating_from_dtorch.md) ---
     @property
     def device(self) -> torch.device:
-        """The device type of the mesh's workers, torch.device("cpu") or torch.device("cuda"): the
-        tensor lives on many devices, so no index."""
-        return torch.device(self._meta.mesh.device_type)
+        """The mesh's device, as torch's DTensor reports it: torch.device("cpu"), or
+        torch.device("cuda", 0) (each worker's shard is on its own GPU; index 0 is the first on
+        each host). x.to(x.device) and x.to(y.device) keep a DTensor."""
+        return mesh_device(self._meta.mesh)
 
     @property
     def data(self) -> "DTensor":

@@ -162,14 +162,14 @@ def test_einsum_sublist_form_on_a_2d_mesh(mesh22):
     torch.testing.assert_close(torch.einsum(x, [0, 1, 30], y, [0, 30, 51], [0, 1, 51]).to_torch(), expected)
 
 
-# --- 8. to("cpu"), cpu(), numpy(): blocking reads; to(dtype) stays a cast -------------------------
-def test_to_cpu_cpu_and_numpy_read_the_whole_tensor(mesh4):
+# --- 8. to("cpu") and cpu() keep a DTensor on a CPU mesh; numpy() is a blocking read ------------------
+def test_to_cpu_keeps_the_dtensor_and_numpy_reads_the_whole_tensor(mesh4):
     values, x = sharded(mesh4, 9, 3)
-    for read in (x.to("cpu"), x.cpu(), x.to(torch.device("cpu")), x.to(device="cpu")):
-        assert type(read) is torch.Tensor and torch.equal(read, values)
+    for same in (x.to("cpu"), x.cpu(), x.to(torch.device("cpu")), x.to(device="cpu"), x.to(x.device)):
+        assert same is x
     assert numpy.array_equal(x.numpy(), values.numpy()) and numpy.array_equal(numpy.asarray(x), values.numpy())
     as_double = x.to("cpu", torch.float64)
-    assert as_double.dtype == torch.float64 and torch.equal(as_double, values.double())
+    assert isinstance(as_double, dtorch.DTensor) and torch.equal(as_double.to_torch(), values.double())
 
 
 def test_to_dtype_stays_a_cast_and_another_device_is_refused(mesh4, mesh1):
@@ -180,8 +180,9 @@ def test_to_dtype_stays_a_cast_and_another_device_is_refused(mesh4, mesh1):
     assert isinstance(cast, dtorch.DTensor) and cast.dtype == torch.float16
     moved = x.to(mesh1)     # a move between meshes (tests/test_api_compat.py covers its forms)
     assert moved.device_mesh == mesh1 and torch.equal(moved.to_torch(), values)
-    with pytest.raises(UnsupportedOpError, match="to_torch"):
-        x.to("cuda")
+    for call in (lambda: x.to("cuda"), x.cuda, lambda: x.to("cuda:1")):
+        with pytest.raises(UnsupportedOpError, match="to_torch"):
+            call()
 
 
 # --- 9. PlacementError: concrete legal combinations and the cheapest fix ---------------------------

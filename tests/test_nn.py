@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch import Partial, Replicate, Shard, nn
+from dtorch import Partial, Replicate, Shard, UnsupportedOpError, nn
 from dtorch.distributed_spec import init_device_mesh
 
 from support import assert_same
@@ -289,9 +289,10 @@ def test_conversions_rebind_parameters(tp2, mesh1):
     model.to(mesh1)
     assert model.device_mesh == mesh1 and model[0].weight.placements == (Shard(0),)
     assert_same(model[0].weight.to_torch(), weight.to(torch.bfloat16).float(), exact=True)
-    with pytest.raises(TypeError, match="take a dtype or a DeviceMesh"):
+    assert model.to("cpu") is model and model.cpu() is model   # its mesh's own device: nothing to do
+    with pytest.raises(UnsupportedOpError, match=r"module.to\('cuda'\) at .*test_nn.py.*cuda_mesh"):
         model.to("cuda")
-    with pytest.raises(TypeError, match="lives where its mesh is"):
+    with pytest.raises(UnsupportedOpError, match=r"module.cuda\(\) at .*test_nn.py"):
         model.cuda()
 
 

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from ..runtime.file_shards import safetensors_code
+from ..ops.tensor_meta import is_local_tensor
 from ..runtime.protocol import dtype_from_name
 from ..tensor import DTensor
 from .safetensors_header import CheckpointError, read_header
@@ -138,7 +139,7 @@ def encode_value(value, key: str):
         if all(type(k) is str and not k.startswith("__") for k in value):
             return {k: encode_value(v, f"{key}.{k}") for k, v in value.items()}
         return {"__items__": [[encode_value(k, key), encode_value(v, f"{key}.{k}")] for k, v in value.items()]}
-    if isinstance(value, torch.Tensor) and value.numel() <= 1 << 16:
+    if is_local_tensor(value) and value.numel() <= 1 << 16:
         return {"__torch__": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
                 "values": value.detach().cpu().reshape(-1).tolist()}
     raise CheckpointError(f"{key!r}: cannot save a {type(value).__name__} ({str(value)[:60]}); a checkpoint holds "

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from ..nn import functional as F
+from ..ops.tensor_meta import is_local_tensor
 from ..tensor import DTensor
 from .llama_config import mesh_dim
 from .sampling import sample_next
@@ -76,7 +77,7 @@ class GreedyDecoding:
         tokens, finished = [], torch.zeros(prompt.shape[0], dtype=torch.bool)
         step_input = prompt
         for _ in range(max_new_tokens):
-            logits = self._forward_one(self._upload(step_input) if isinstance(step_input, torch.Tensor)
+            logits = self._forward_one(self._upload(step_input) if is_local_tensor(step_input)
                                        else step_input, cache)
             last = logits[:, -1, :]
             chosen = sample_next(last, temperature, top_k, top_p, generator) if do_sample else last.argmax(-1)

@@ -22,6 +22,8 @@ from .. import capture as capturing
 from ..distributed_spec import DeviceMesh
 from ..errors import UnsupportedOpError, user_site
 from ..factories import tensor as upload
+from ..ops.conversions import device_refusal
+from ..ops.tensor_meta import is_local_tensor
 from ..recording import no_grad
 from ..tensor import DTensor
 from ..runtime import session
@@ -174,18 +176,24 @@ class Module(torch.nn.Module):
     def to(self, *args, **kwargs):
         """module.to(dtype) casts floating-point tensors; module.to(device_mesh) (or
         to(device_mesh=...)) moves every tensor to another mesh of the same number of dims,
-        keeping its placements. torch devices are refused: a mesh says where tensors live."""
-        dtype, mesh = kwargs.pop("dtype", None), kwargs.pop("device_mesh", None)
+        keeping its placements. module.to(device) with its mesh's own device ("cpu" on a CPU
+        mesh, as transformers' and diffusers' code calls it) changes nothing; another device
+        type is refused with what to write (a mesh says which workers hold the tensors)."""
+        dtype, mesh, device = kwargs.pop("dtype", None), kwargs.pop("device_mesh", None), kwargs.pop("device", None)
+        kwargs.pop("non_blocking", None)
         for arg in args:
             if isinstance(arg, torch.dtype):
                 dtype = arg
             elif isinstance(arg, DeviceMesh):
                 mesh = arg
+            elif isinstance(arg, (str, torch.device)):
+                device = arg
             else:
-                raise TypeError(f"Module.to({arg!r}): dtorch modules take a dtype or a DeviceMesh; a torch "
-                                "device says nothing about which workers hold the tensors")
+                raise TypeError(f"Module.to({arg!r}): dtorch modules take a dtype, a device or a DeviceMesh")
         if kwargs:
             raise TypeError(f"Module.to: unexpected arguments {sorted(kwargs)}")
+        if device is not None:
+            self._check_device(torch.device(device), f"module.to({str(device)!r})")
         if mesh is not None:
             self._apply(lambda t: t.redistribute(mesh, t.placements) if t.device_mesh != mesh else t)
         if dtype is not None:
@@ -205,12 +213,21 @@ class Module(torch.nn.Module):
         return self.to(torch.bfloat16)
 
     def cuda(self, device=None):
-        raise TypeError("Module.cuda(): a dtorch module lives where its mesh is; build it on "
-                        "init_device_mesh('cuda', ...) or move it with module.to(cuda_mesh)")
+        """Nothing to do on a CUDA mesh; a CPU mesh refuses (build on init_device_mesh('cuda', ...),
+        or move with module.to(cuda_mesh))."""
+        self._check_device(torch.device("cuda"), "module.cuda()")
+        return self
 
     def cpu(self):
-        raise TypeError("Module.cpu(): a dtorch module lives where its mesh is; read a tensor with "
-                        "to_torch(), or move the module with module.to(cpu_mesh)")
+        """Nothing to do on a CPU mesh; a CUDA mesh refuses (read a tensor with to_torch(), or move
+        the module with module.to(cpu_mesh))."""
+        self._check_device(torch.device("cpu"), "module.cpu()")
+        return self
+
+    def _check_device(self, device: torch.device, call: str) -> None:
+        for tensor in loadable_tensors(self).values():
+            if tensor.device_mesh.device_type != device.type:
+                raise device_refusal(call, device, tensor.device_mesh)
 
     # --- loading ------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False, *,
@@ -221,8 +238,11 @@ class Module(torch.nn.Module):
         Every key, shape and dtype is checked before anything is sent, so a bad state_dict
         leaves the module as it was. torch tensors are uploaded one at a time with the target
         parameter's placements: each worker receives only its own slice. DTensors are cast and
-        redistributed to the target's mesh and placements. `assign` is accepted for torch's
-        signature; dtorch always assigns (values never change under a symbol). via_controller
+        redistributed to the target's mesh and placements. As torch's `param.copy_(value)`, the
+        values are copied into the target's own tensors: each Parameter keeps its identity (an
+        optimizer made before still holds it), and the state_dict given stays usable and
+        independent (an EMA or reference copy loaded from a model never shares its buffers).
+        `assign` is accepted for torch's signature and changes nothing. via_controller
         (a path only): read the file here and upload, for hosts that do not all see the path."""
         if isinstance(state_dict, (str, os.PathLike)):
             if _path_loader is None:
@@ -317,8 +337,13 @@ def castable(source: torch.dtype, target: torch.dtype) -> bool:
 def to_target(value, target: DTensor) -> DTensor:
     """`value` with the target's dtype, mesh and placements."""
     if isinstance(value, DTensor):
-        moved = value.to(target.dtype) if value.dtype != target.dtype else value
-        return moved.redistribute(target.device_mesh, target.placements)
+        with no_grad():
+            if value.dtype != target.dtype:   # a cast makes new buffers on the workers
+                return value.to(target.dtype).redistribute(target.device_mesh, target.placements)
+            # else a copy: the target must never take the caller's tensor, nor a redistribute's
+            # view of its buffers (R -> S(d) slices them locally), or an in-place step on one model
+            # would change the other (EMA, teacher and reference copies)
+            return value.redistribute(target.device_mesh, target.placements).clone()
     return upload(value.detach().to(target.dtype), device_mesh=target.device_mesh, placements=target.placements)
 
 
@@ -356,7 +381,7 @@ def _check_member_name(module: torch.nn.Module, name: str, kind: str) -> None:
 def _wrong_tensor_kind(name: str, value, kind: str, expected: str) -> str:
     found = type(value).__module__ + "." + type(value).__qualname__
     hint = (" A torch tensor lives in this process: upload it with dtorch.tensor(t, device_mesh=..., "
-            "placements=...) and wrap a parameter in dtorch.nn.Parameter." if isinstance(value, torch.Tensor) else "")
+            "placements=...) and wrap a parameter in dtorch.nn.Parameter." if is_local_tensor(value) else "")
     return f"cannot assign {found} as {kind} {name!r} ({expected} expected).{hint}"
 
 

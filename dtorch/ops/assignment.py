@@ -21,6 +21,7 @@ from ..distributed_spec import Partial, Shard, ShardRegion
 from .indexing import WHOLE
 from .registry import OpRow, kernel, register_family
 from .rules import Call, Decision, R, RuleRejected
+from .tensor_meta import is_local_tensor
 
 __all__ = ["ASSIGNMENT", "setitem", "torch_index", "region_dims"]
 
@@ -139,7 +140,7 @@ def setitem_region(input, index, value, *, region):
             local.append(slice(first + k0 * step - start, first + (k1 - 1) * step - start + 1, step))
             narrows[kept[in_dim]] = (k0, k1 - k0)
         in_dim += 1
-    if isinstance(value, torch.Tensor):
+    if is_local_tensor(value):
         for region_dim, (k0, length) in narrows.items():
             value_dim = region_dim - (region_ndim - value.ndim)
             if value_dim >= 0 and value.shape[value_dim] != 1:

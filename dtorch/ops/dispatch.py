@@ -17,7 +17,7 @@ from ..redistribute import plan_redistribute
 from .auto_redistribute import legal_call, takes_communication
 from .registry import PEER_KERNELS, REGISTRY, RegisteredOp
 from .rules import Call, TensorSlot, expand
-from .tensor_meta import TensorMeta, tensor_meta
+from .tensor_meta import TensorMeta, is_local_tensor, tensor_meta
 from .suggest import spell_placements_code
 from .unsupported import refuse_inplace_flag, unsupported_op
 
@@ -163,7 +163,7 @@ def _fused_moves(moves: tuple, specs: list) -> tuple:
 def _holds_torch_tensor(args, kwargs) -> bool:
     """A local torch.Tensor anywhere in the arguments (inside torch.index_put's tuple, say)."""
     found = []
-    map_tensors((args, kwargs), found.append, lambda value: isinstance(value, torch.Tensor))
+    map_tensors((args, kwargs), found.append, is_local_tensor)
     return bool(found)
 
 

@@ -13,7 +13,7 @@ import torch
 from ..distributed_spec import DeviceMesh, Placement, Shard, distinct_shard_ranks, format_placements, local_shape
 from ..errors import PlacementError
 
-__all__ = ["TensorMeta", "tensor_meta", "check_placements", "parse_shape"]
+__all__ = ["TensorMeta", "tensor_meta", "check_placements", "parse_shape", "is_local_tensor"]
 
 
 class TensorMeta(NamedTuple):
@@ -50,6 +50,12 @@ _local_shapes: dict[tuple, tuple] = {}   # (meta key, rank) -> TensorMeta.local_
 _senders: dict[int, tuple] = {}   # meta key -> TensorMeta.senders
 _keys = itertools.count()
 _lock = threading.Lock()
+
+
+def is_local_tensor(value) -> bool:
+    """A torch tensor this process holds. A DTensor answers isinstance(x, torch.Tensor) too (as
+    torch's DTensor does), so the symbol test comes first: a symbol carries a _meta."""
+    return isinstance(value, torch.Tensor) and not hasattr(value, "_meta")
 
 
 def tensor_meta(shape, dtype: torch.dtype, mesh: DeviceMesh, placements) -> TensorMeta:

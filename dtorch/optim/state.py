@@ -6,7 +6,7 @@ import torch
 
 from ..distributed_spec import Replicate
 from ..factories import full, tensor as upload
-from ..ops.tensor_meta import tensor_meta
+from ..ops.tensor_meta import is_local_tensor, tensor_meta
 from ..runtime.optim_kernels import SCALAR_STATE, initial_fill, state_names
 from ..tensor import DTensor, call_op
 
@@ -57,7 +57,7 @@ def _placed_like(value, param: DTensor, name: str, what: str) -> DTensor:
                          f"{tuple(param.shape)}")
     # as torch casts every floating state but the step to its parameter's dtype (a mu_product too)
     dtype = param.dtype if value.dtype.is_floating_point and param.dtype.is_floating_point else value.dtype
-    if isinstance(value, torch.Tensor):   # a torch.optim state_dict: uploaded as the param's shards,
+    if is_local_tensor(value):   # a torch.optim state_dict: uploaded as the param's shards,
         # from a copy: an upload sends the tensor's own memory later, and torch may step it meanwhile
         return upload(value.detach().to(dtype, copy=True), device_mesh=param.device_mesh, placements=placements)
     placed = value.redistribute(param.device_mesh, placements)
