@@ -13,6 +13,7 @@ import math
 from .composites import install, reduced_loss
 from .distributed_spec import Replicate
 from .factories import arange, full_like
+from .op_issue import with_local_tensors_uploaded
 from .tensor import DTensor, call_op
 
 __all__ = ["poisson_nll_loss", "gaussian_nll_loss", "hinge_embedding_loss", "multi_margin_loss",
@@ -139,4 +140,5 @@ _FUNCTIONS = {
 }
 
 
-install(_FUNCTIONS)
+# a plain torch target, var or weight beside DTensor inputs is uploaded once per call, as for an op
+install({name: with_local_tensors_uploaded(function) for name, function in _FUNCTIONS.items()})

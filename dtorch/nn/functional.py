@@ -18,7 +18,8 @@ from ..factories import arange, upload_replicated
 from ..runtime import session
 from ..inplace import assign
 from ..recording import no_grad
-from ..tensor import COMPOSITES, call_op
+from ..op_issue import with_local_tensors_uploaded
+from ..tensor import COMPOSITES, DTensor, call_op
 
 __all__ = ["relu", "gelu", "silu", "sigmoid", "tanh", "leaky_relu", "elu", "softplus", "softmax",
            "log_softmax", "linear", "layer_norm", "rms_norm", "embedding", "dropout", "pad",
@@ -121,7 +122,9 @@ def attention_weights(query, key, attn_mask=None, dropout_p: float = 0.0, is_cau
 def on_mesh_of(tensor, value):
     """`value` as a DTensor beside `tensor`: a torch tensor (a mask the controller holds) is
     uploaded Replicate on tensor's mesh, each call."""
-    return upload_replicated(value, tensor.device_mesh) if isinstance(value, torch.Tensor) else value
+    if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
+        return value
+    return upload_replicated(value, tensor.device_mesh)
 
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training: bool = False,
@@ -169,6 +172,9 @@ def batch_norm_with_running_stats(input, running_mean, running_var, weight=None,
 # by their class weights): data no rank knows alone, so the op's rule refuses a sharded batch and
 # the planner would gather the whole input (batch x classes) onto every rank. Here the sum stays
 # sharded and the denominator is computed alongside: one all-reduce of the two scalars instead.
+# Both read their target's placements: a plain torch target or weight (transformers' labels) is
+# uploaded first, as an op's would be (with_local_tensors_uploaded).
+@with_local_tensors_uploaded
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                   reduction="mean", label_smoothing=0.0):
     """torch.nn.functional.cross_entropy on DTensors (op 'cross_entropy')."""
@@ -176,6 +182,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
                        {"label_smoothing": label_smoothing})
 
 
+@with_local_tensors_uploaded
 def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
     """torch.nn.functional.nll_loss on DTensors (op 'nll_loss')."""
     return _class_loss("nll_loss", input, target, weight, size_average, ignore_index, reduce, reduction, {})
