@@ -36,6 +36,7 @@ from . import composite_foreach as _composite_foreach  # noqa: F401  (torch._for
 from . import composite_order as _composite_order  # noqa: F401  (torch.argsort, torch.quantile, ...)
 from . import composite_random as _composite_random  # noqa: F401  (torch.multinomial, x.bernoulli_(p), ...)
 from . import composite_stats as _composite_stats  # noqa: F401  (torch.cov, torch.histc, torch.take, ...)
+from . import composite_data_dependent as _composite_data_dependent  # noqa: F401  (torch.nonzero, x.unique(), ...)
 from . import autograd
 from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from . import nn

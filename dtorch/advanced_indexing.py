@@ -2,11 +2,14 @@
 one of ops/advanced_indexing.py (its rules live there).
 
 What the controller knows it resolves itself: a torch bool mask or a list of bools becomes its
-nonzero positions (as torch does), a 0-d torch index an int, and torch or list index tensors are
-checked against the dims and uploaded (small) as Replicate DTensors. A DTensor bool mask cannot be
-resolved without reading it: x[mask] has a shape that depends on the mask's values, so it is
-refused with what to write instead; x[mask] = v keeps x's shape and becomes a where (a scalar or a
-value broadcast over the selected rows) or a masked_scatter (one row of v per True).
+nonzero positions (as torch does), a 0-d torch index an int, and torch index tensors, lists and
+tuples of ints (torch reads a tuple inside an index as a list) are checked against the dims and
+uploaded (small) as Replicate DTensors. x[mask] with a DTensor bool mask has a shape that depends on
+the mask's values: it is a blocking read of the mask (through DTensor._blocking_read, so
+set_sync_debug_mode names it), whose positions are then uploaded and selected on the workers by the
+`index` op, so the result stays on x's mesh and gradients flow back to x. x[mask] = v keeps x's
+shape and reads nothing: a where (a scalar or a value broadcast over the selected rows) or a
+masked_scatter (one row of v per True).
 """
 from __future__ import annotations
 
@@ -84,17 +87,15 @@ def _sequence(index) -> tuple:
 
 
 def _resolved(x: DTensor, item, op: str):
-    """Lists, arrays and 0-d tensors as torch tensors, Python ints or bools; a DTensor as is."""
+    """Lists, tuples, arrays and 0-d tensors as torch tensors, Python ints or bools; a DTensor as is,
+    but for a bool mask, which is read (one blocking read) and then resolved as a torch mask."""
+    if isinstance(item, DTensor) and item.dtype == torch.bool:   # its count of Trues is the result's shape
+        item = item._blocking_read(_MASK_READS.get(op, f"{op} with a DTensor bool mask"))
     if isinstance(item, DTensor):
-        if item.dtype == torch.bool:
-            raise UnsupportedOpError(
-                f"{op} at {user_site()}: a DTensor bool mask gives a result whose shape depends on the mask's "
-                "values, which the controller does not read. Keep the shape with dtorch.where(mask, x, 0) or "
-                "x.masked_fill(~mask, 0), or read the mask first: x[mask.to_torch()]")
         if item.dtype.is_floating_point or item.dtype.is_complex:
             raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
         return item
-    if isinstance(item, list) or type(item).__module__ == "numpy":
+    if isinstance(item, (list, tuple)) or type(item).__module__ == "numpy":   # x[(0, 1), (2, 3)]: as lists
         item = torch.as_tensor(item)
         if item.numel() == 0 and item.dtype.is_floating_point:   # x[[]] indexes with an empty long tensor
             item = item.long()
@@ -106,6 +107,9 @@ def _resolved(x: DTensor, item, op: str):
         if item.ndim == 0:
             return bool(item) if item.dtype == torch.bool else int(item)
     return item
+
+
+_MASK_READS = {"x[index]": "x[mask]", "x[index] = value": "x[mask] = value"}   # the read's name
 
 
 def _fill_ellipsis(items: list, ndim: int) -> list:

@@ -70,10 +70,11 @@ class AdvancedIndex(Exception):
 
 def _check_item(item):
     """The item itself, or an int for int-like ones (numpy ints); AdvancedIndex for tensors (a
-    DTensor has `_meta`), lists, bools and arrays."""
+    DTensor has `_meta`), lists, tuples (inside an index tuple torch reads one as a list), bools
+    and arrays."""
     if item is None or item is Ellipsis or isinstance(item, slice) or type(item) is int:
         return item
-    if isinstance(item, (bool, list, torch.Tensor)) or hasattr(item, "_meta") or getattr(item, "ndim", 0):
+    if isinstance(item, (bool, list, tuple, torch.Tensor)) or hasattr(item, "_meta") or getattr(item, "ndim", 0):
         raise AdvancedIndex(item)
     if hasattr(type(item), "__index__"):
         return operator.index(item)

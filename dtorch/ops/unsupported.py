@@ -40,24 +40,6 @@ def nearest_ops(name: str, count: int = 4) -> list[str]:
 
 # Names whose refusal needs a word on what to do instead, beyond the nearest op names.
 NOTES = {
-    # nonzero: a refusal, not a read: its shape is the count of nonzeros, which no rank knows
-    # alone, and returning a DTensor would mean a read plus an upload behind one op's name
-    **dict.fromkeys(("nonzero", "argwhere", "nonzero_static"),
-                    "its shape is the number of nonzero elements, known only after reading the values: "
-                    "read them with x.to_torch().nonzero(as_tuple=...) (and upload the indices with "
-                    "dtorch.tensor(...) if needed), or keep the shape with a mask: where(mask, x, 0), "
-                    "masked_fill, (x != 0).sum()"),
-    # the same for every op whose output's shape depends on the values: no rank knows it alone
-    **dict.fromkeys(("unique", "unique_consecutive"),
-                    "its shape is the number of distinct values, known only after reading them: read "
-                    "them with x.to_torch().unique(...), or keep the shape: dtorch.sort(x) puts equal "
-                    "values side by side, (x == value).sum() counts one of them"),
-    "masked_select": "its shape is the number of True elements in the mask, known only after reading "
-                     "it: keep the shape with dtorch.where(mask, x, 0) or x.masked_fill(~mask, 0), or "
-                     "read first: x.to_torch()[mask.to_torch()]",
-    "bincount": "its length is the largest value plus one, known only after reading the values: read "
-                "them with x.to_torch().bincount(), or count a known range with "
-                "(x.unsqueeze(-1) == dtorch.arange(n, ...)).sum(0)",
     # reached only from torch.nn.functional.unfold: the tensor method x.unfold is an op (ops/view.py)
     "unfold": "it extracts sliding blocks of an image batch (im2col), which dtorch has no op for; "
               "x.unfold(dimension, size, step), torch.Tensor's sliding windows along one dim, is supported",
