@@ -165,8 +165,9 @@ def _mesh_or_one_device(device, device_mesh: DeviceMesh | None) -> DeviceMesh:
 
 
 class _TensorType(type):
-    """dtorch.Tensor is DTorch's spelling: calling it uploads (dtorch.tensor), and isinstance(x,
-    dtorch.Tensor) holds for every DTensor, so code that checks for DTorch's Tensor keeps working."""
+    """dtorch.Tensor is DTorch's spelling: calling it makes a DTensor (an upload, or empty values
+    for sizes), and isinstance(x, dtorch.Tensor) holds for every DTensor, so code that checks for
+    DTorch's Tensor keeps working."""
 
     def __instancecheck__(cls, value) -> bool:
         return isinstance(value, DTensor)
@@ -174,14 +175,58 @@ class _TensorType(type):
     def __subclasscheck__(cls, subclass) -> bool:
         return isinstance(subclass, type) and issubclass(subclass, DTensor)
 
-    def __call__(cls, data, *, dtype=None, device=None, device_mesh=None, placements=None, requires_grad=False) -> DTensor:
+    def __call__(cls, *args, dtype=None, device=None, device_mesh=None, placements=None,
+                 requires_grad=False) -> DTensor:
+        if len(args) == 1 and isinstance(args[0], DTensor):   # DTorch's copy constructor: the same tensor
+            return _existing(args[0], dtype, device, device_mesh, placements, requires_grad)
+        sizes = _sizes(args)
+        if sizes is not None:   # Tensor(), Tensor(2, 3), Tensor(torch.Size([2, 3])): uninitialized, as torch's
+            mesh = _mesh_or_one_device(device, device_mesh)
+            return empty(*sizes, dtype=dtype, device_mesh=mesh, placements=placements, requires_grad=requires_grad)
+        if len(args) != 1:
+            raise TypeError(f"dtorch.Tensor takes sizes (ints or a torch.Size) or one data argument, not "
+                            f"{', '.join(type(a).__name__ for a in args)}")
+        data = args[0]
+        if not isinstance(data, torch.Tensor) and dtype is None:   # torch.Tensor([1, 2]) is float, as DTorch's
+            dtype = torch.get_default_dtype()
         return tensor(data, dtype=dtype, device=device, device_mesh=device_mesh, placements=placements,
                       requires_grad=requires_grad)
 
 
 class Tensor(metaclass=_TensorType):
-    """dtorch.Tensor(data, device_mesh=None, placements=None): the same upload as dtorch.tensor; the
-    result is a DTensor (type(x) is DTensor), and isinstance(x, dtorch.Tensor) is True."""
+    """DTorch's (and torch's) constructor forms, each a DTensor (type(x) is DTensor; isinstance(x,
+    dtorch.Tensor) and isinstance(x, torch.Tensor) are True), on `device_mesh=` in `placements=`, or
+    without them on a one-device mesh (`device=`'s type, "cpu" by default):
+
+      dtorch.Tensor(torch_tensor)        an upload like dtorch.tensor, in the tensor's dtype
+      dtorch.Tensor([[1, 2], [3, 4]])    data (a list, tuple, number or numpy array): an upload in
+                                         the default float dtype, as torch.Tensor (dtype= to choose)
+      dtorch.Tensor(2, 3), dtorch.Tensor(torch.Size([2, 3]))
+                                         uninitialized values of that shape (dtorch.empty), float
+      dtorch.Tensor()                    an empty float tensor of shape (0,)
+      dtorch.Tensor(dtensor)             that DTensor itself (DTorch's copy constructor shares it);
+                                         moved with device_mesh= / placements=, cast with dtype=
+    """
+
+
+def _sizes(args: tuple):
+    """The shape when `args` are sizes (torch.Tensor's size forms), else None (data)."""
+    if len(args) == 1 and isinstance(args[0], torch.Size):
+        return tuple(args[0])
+    if all(type(a) is int for a in args):   # () too: Tensor() is empty; a bool is data, as in torch
+        return args if args else (0,)
+    return None
+
+
+def _existing(x: DTensor, dtype, device, device_mesh, placements, requires_grad) -> DTensor:
+    if device is not None:
+        raise DTorchError(f"dtorch.Tensor(dtensor, device={device!r}): {x} already lives on a mesh; move it with "
+                          "device_mesh= (and placements=), or x.to(mesh)")
+    if device_mesh is not None or placements is not None:
+        x = x.redistribute(device_mesh, placements)
+    if dtype is not None:
+        x = x.to(dtype)
+    return x.requires_grad_() if requires_grad else x
 
 
 def _shard_for(value: torch.Tensor, mesh: DeviceMesh, placements, rank: int) -> torch.Tensor:
