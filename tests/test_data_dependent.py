@@ -279,3 +279,33 @@ def test_tuple_index_writes_match_torch(mesh4):
         want[(0, 1), (2, 3)] = -1.0
         want[:, (4,)] = 2.0
         assert_same(x.to_torch(), want)
+
+
+def test_index_put_with_a_dtensor_mask_reads_it(mesh4):
+    value, g = _sparse((6, 4), 13)
+    rows = torch.tensor([True, False, True, False, True, True])
+    x = placed(value, mesh4, [Shard(1)], g)
+    x.index_put_((dtorch.tensor(rows, device_mesh=mesh4),), dtorch.tensor(torch.tensor(5.0), device_mesh=mesh4))
+    assert_same(x.to_torch(), value.index_put((rows,), torch.tensor(5.0)))
+
+
+def test_a_compiled_function_refuses_the_read_at_its_line(mesh4):
+    x = dtorch.tensor(torch.randn(6, 4), device_mesh=mesh4, placements=[Shard(0)])
+
+    @dtorch.compile
+    def positive_sum(x):
+        return x[x > 0].sum()
+    with pytest.raises(dtorch.CompileError, match=r"a read .*test_data_dependent.py:\d+, inside compiled"):
+        positive_sum(x)
+
+
+def test_sync_debug_warn_names_the_op_and_the_line(mesh4):
+    x = dtorch.tensor(torch.randn(7, 5), device_mesh=mesh4, placements=[Shard(0)])
+    dtorch.set_sync_debug_mode("warn")
+    try:
+        with pytest.warns(dtorch.BlockingReadWarning, match=r"torch.unique\(x\) .*test_data_dependent.py:\d+"):
+            torch.unique(x)
+        with pytest.warns(dtorch.BlockingReadWarning, match=r"x\[mask\] .*test_data_dependent.py:\d+"):
+            x[x > 0]
+    finally:
+        dtorch.set_sync_debug_mode("default")
