@@ -50,6 +50,9 @@ from . import models
 from .profile import profile
 from .compile import compile  # noqa: A001  (dtorch.compile, like torch.compile)
 
+from .tensor import refuse_the_rest as _refuse_the_rest
+_refuse_the_rest()   # last: every module above has installed its DTensor methods
+
 # init_device_mesh (pure layer) starts workers through the runtime: the one seam, installed here
 distributed_spec.set_worker_starter(_session.acquire_workers)
 

@@ -19,7 +19,7 @@ from torch.nn import _reduction
 from .distributed_spec import Replicate
 from .errors import UnsupportedOpError, user_site
 from .factories import arange
-from .tensor import COMPOSITES, DTensor, call_op
+from .tensor import COMPOSITES, DTensor, call_op, defines
 
 __all__ = ["broadcast_to", "tile", "ravel", "atleast_1d", "atleast_2d", "atleast_3d", "hstack", "vstack", "dstack",
            "column_stack", "tensor_split", "hsplit", "vsplit", "dsplit", "diff", "take_along_dim", "chain_matmul",
@@ -368,7 +368,7 @@ def install(functions: dict) -> None:
     for that name, and a DTensor method where torch.Tensor has one (composite_*.py use it too)."""
     for name, function in functions.items():
         COMPOSITES.setdefault(name, function)
-        if hasattr(torch.Tensor, name) and not hasattr(DTensor, name):
+        if hasattr(torch.Tensor, name) and not defines(name):
             setattr(DTensor, name, function)
 
 

@@ -16,7 +16,7 @@ from .factories import arange, full_like, rand_like, randn_like, tensor as uploa
 from .inplace import VIEW_METHODS, _dtype, _detach_, assign
 from .ops import REGISTRY
 from .ops.tensor_meta import is_local_tensor
-from .tensor import DTensor, call_op
+from .tensor import DTensor, call_op, defines
 
 __all__ = ["INPLACE_METHODS", "EXTRA_METHODS"]
 
@@ -160,7 +160,7 @@ def _install() -> tuple:
         if name not in DTensor.__dict__:
             setattr(DTensor, name, fn)
     for dunder, method in AUGMENTED_ASSIGNMENT.items():
-        if hasattr(DTensor, method):
+        if defines(method):
             setattr(DTensor, dunder, _augmented(method))
     return tuple(sorted([n + "_" for n in _derived_names()] + list(EXTRA_METHODS)))
 

@@ -16,7 +16,7 @@ import torch
 
 from .distributed_spec import Replicate, format_placements
 from .errors import LocalTensorError, MeshError, user_site
-from .ops.unsupported import is_inplace_name, unsupported_op
+from .ops.unsupported import is_inplace_name, unsupported_method, unsupported_op
 from .ops import REGISTRY, cached_plan
 from .ops.dispatch import PLAIN_TYPES, is_strict, map_tensors
 from .ops.one_device import join_target
@@ -314,10 +314,22 @@ def torch_function(cls, func, types, args=(), kwargs=None):
         return call_op(name, tuple(args), kwargs or {})
     if getattr(func, "__module__", None) == "torch.nn.init":   # (after the ops: no op is named like one)
         return _run_init(func, args, kwargs or {})
-    if is_inplace_name(name) and hasattr(DTensor, name):   # torch.relu_(x), torch.Tensor.add_(x, y)
+    if is_inplace_name(name) and name in DTensor.__dict__:   # torch.relu_(x), torch.Tensor.add_(x, y)
         return getattr(DTensor, name)(*args, **(kwargs or {}))
+    if name in _DESCRIPTOR_CALLS:   # x.<attribute> of torch.Tensor's that DTensor does not define
+        attribute = getattr(func.__self__, "__name__", None) or getattr(func.__self__.fget, "__name__", "?")
+        if attribute.startswith("_"):   # torch's private state (x._version, x._base): as any object lacking it
+            raise AttributeError(f"'DTensor' object has no attribute {attribute!r}")
+        raise unsupported_method(attribute, False)
+    if getattr(func, "__qualname__", "").startswith(("TensorBase.", "Tensor.")):   # x.<method>(...)
+        raise unsupported_method(name, is_inplace_name(name) and name[:-1] in DTensor.__dict__)
     module = "torch.nn.functional" if getattr(func, "__module__", "").startswith("torch.nn") else "torch"
     raise unsupported_op(name, f"{module}.{name}")
+
+
+# torch.Tensor's C attributes (x.names, x.is_xpu, ...) reach __torch_function__ as their
+# descriptor's __get__ / __set__; the refusal is an AttributeError, so hasattr probes answer False.
+_DESCRIPTOR_CALLS = frozenset({"__get__", "__set__", "__delete__"})
 
 
 def _method(op_name: str):
@@ -335,5 +347,5 @@ def install_op_methods(tensor_type: type) -> None:
     for dunder, op_name in UNARY_OPERATORS.items():
         setattr(tensor_type, dunder, lambda self, _op=op_name: call_op(_op, (self,), {}))
     for op_name, spec in REGISTRY.items():
-        if spec.method and not hasattr(tensor_type, op_name):
+        if spec.method and op_name not in tensor_type.__dict__:
             setattr(tensor_type, op_name, _method(op_name))

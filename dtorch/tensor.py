@@ -25,7 +25,7 @@ from .recording import Leaf, OpNode, is_grad_enabled
 from .runtime.protocol import Redistribute, RequireGrad, Transfer, dtype_name
 from .sync_debug import note_blocking_read
 
-__all__ = ["DTensor", "call_op", "COMPOSITES"]
+__all__ = ["DTensor", "call_op", "COMPOSITES", "defines", "refuse_the_rest"]
 
 
 # Donation: at the top of a method called on a temporary (`(a @ b).redistribute(...)`), the
@@ -46,10 +46,21 @@ def _temporary_refs() -> int:
 _TEMPORARY_REFS = _temporary_refs()
 
 
-class DTensor:
-    # __weakref__: dtorch/aliasing.py tracks views weakly (a view never keeps its base alive)
-    # _node: None, or what autograd knows of this tensor (dtorch/recording.py)
-    __slots__ = ("_id", "_meta", "_seq", "_controller", "_node", "__weakref__")
+# What every DTensor wraps, as torch's DTensor wraps a meta-device tensor: it makes
+# isinstance(x, torch.Tensor) and torch.is_tensor(x) true, and holds nothing. Its shape, dtype and
+# device are never read: DTensor's own properties answer, and torch's functions and the
+# torch.Tensor methods DTensor does not define reach __torch_function__ first.
+_WRAPPED = torch.empty((), device="meta")
+_make_subclass = torch.Tensor._make_subclass
+
+
+class DTensor(torch.Tensor):
+    # _node: None, or what autograd knows of this tensor (dtorch/recording.py). A torch.Tensor
+    # already takes weak references (dtorch/aliasing.py tracks views weakly).
+    __slots__ = ("_id", "_meta", "_seq", "_controller", "_node")
+
+    def __new__(cls, *args, **kwargs):
+        return _make_subclass(cls, _WRAPPED)
 
     def __init__(self, tensor_id: int, spec: TensorMeta, seq: int, controller):
         self._id, self._meta, self._seq, self._controller = tensor_id, spec, seq, controller
@@ -80,6 +91,20 @@ class DTensor:
 
     def numel(self) -> int:
         return self.shape.numel()
+
+    def __iter__(self):
+        """As torch: the sub-tensors along dim 0 (x.unbind(0)), each a DTensor."""
+        if not self._meta.shape:
+            raise TypeError("iteration over a 0-d tensor")
+        return iter(self.unbind(0))
+
+    def __dir__(self):
+        return object.__dir__(self)
+
+    def set_(self, *args, **kwargs):
+        """Refused with what to write. Defined here, not left to __torch_function__: torch's own
+        Tensor.set_ does not consult it, and would silently swap the wrapped meta tensor."""
+        raise unsupported_method("set_")
 
     def __len__(self) -> int:
         if not self._meta.shape:
@@ -271,13 +296,14 @@ class DTensor:
         raise unsupported_op("from_local", "DTensor.from_local")
 
     def __getattr__(self, name: str):
-        """Reached only for names DTensor lacks. A torch.Tensor name gets a clear refusal (an
-        AttributeError too); private and protocol names (_version, __deepcopy__, __array__...)
-        stay plain AttributeErrors, so copy, pickle and hasattr probes behave as usual."""
+        """Reached only for names neither DTensor nor torch.Tensor has (torch.Tensor's public
+        names DTensor lacks are _Refused). A name in NOTES gets its refusal (an AttributeError
+        too); other names stay plain AttributeErrors, so copy, pickle and hasattr probes behave
+        as usual."""
         if name.startswith("_") or not (hasattr(torch.Tensor, name) or name in NOTES):
             raise AttributeError(f"'DTensor' object has no attribute {name!r}")
         # an in-place form (x.t_()) of a method DTensor composes of ops (x.t()): say so
-        raise unsupported_method(name, is_inplace_name(name) and hasattr(DTensor, name[:-1]))
+        raise unsupported_method(name, is_inplace_name(name) and defines(name[:-1]))
 
     # copy.copy of a torch tensor shares its storage, so here it is the symbol itself (copy's
     # default would clone the slots and free the workers' buffer twice); deepcopy is a clone.
@@ -429,6 +455,37 @@ class DTensor:
         if placements is None and device_mesh.ndim == self.device_mesh.ndim:
             placements = self._meta.placements
         return self.redistribute(device_mesh, placements)
+
+
+def defines(name: str) -> bool:
+    """Whether DTensor itself has `name` (its own or installed), not only its base torch.Tensor
+    or a refusal of it."""
+    found = DTensor.__dict__.get(name)
+    return found is not None and type(found) is not _Refused
+
+
+class _Refused:
+    """A public torch.Tensor method or attribute that DTensor does not have. Reading it raises the
+    refusal with what to write: an AttributeError too, so `hasattr(x, name)` probes in library
+    code answer False, as for any object without it (torch.Tensor, the base, has every name)."""
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, tensor, owner=None):
+        if tensor is None:
+            return self
+        # an in-place form (x.t_()) of a method DTensor composes of ops (x.t()): say so
+        raise unsupported_method(self.name, is_inplace_name(self.name) and defines(self.name[:-1]))
+
+
+def refuse_the_rest() -> None:
+    """Once every module has installed its methods (dtorch/__init__.py calls this last): each
+    public torch.Tensor name DTensor still lacks reads as its refusal (_Refused)."""
+    for name in dir(torch.Tensor):
+        if not name.startswith("_") and not defines(name) and name not in DTensor.__dict__:
+            setattr(DTensor, name, _Refused(name))
 
 
 def _unlisted_placements(tensor: DTensor, mesh: DeviceMesh, mode: str) -> list:

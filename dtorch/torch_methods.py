@@ -15,7 +15,7 @@ from .distributed_spec import Replicate
 from .factories import arange, empty, full, ones, rand_like, zeros
 from .inplace import assign
 from .ops.unsupported import unsupported_op
-from .tensor import COMPOSITES, DTensor, call_op
+from .tensor import COMPOSITES, DTensor, call_op, defines
 
 __all__ = ["t", "movedim", "tril", "triu", "flip", "rot90", "roll", "select", "aminmax", "count_nonzero", "var_mean",
            "std_mean", "ALIASES", "positive", "polygamma", "threshold", "rrelu"]
@@ -295,9 +295,9 @@ def _install() -> None:
     methods.update({alias: _alias(op) for alias, op in ALIASES.items()}, positive=positive,
                    polygamma=_polygamma_method, polygamma_=_polygamma_)
     methods.update({alias + "_": getattr(DTensor, op + "_") for alias, op in ALIASES.items()
-                    if hasattr(DTensor, op + "_") and hasattr(torch.Tensor, alias + "_")})
+                    if defines(op + "_") and hasattr(torch.Tensor, alias + "_")})
     for name, method in methods.items():
-        if not hasattr(DTensor, name):
+        if not defines(name):
             setattr(DTensor, name, method)
     DTensor.mH = property(adjoint, doc="The last two dims swapped (x.mT for a real tensor).")
     DTensor.H = property(t, doc="A matrix transposed (real tensors: torch's conjugate transpose).")

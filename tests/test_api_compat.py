@@ -3,7 +3,7 @@ lists what still differs): dtorch.Tensor, dtorch.Generator, DTensor.device / .da
 to_torch_async, redistribute_by_dict's keywords, placements equal to a list, DeviceMesh.unbind(dims=),
 x.to(mesh), init_device_mesh with an int shape, the one-device-mesh rule, plus the ops whose
 layout handling is easiest to get wrong: cat of uneven shards along the cat dim, repeat_interleave,
-where with Python scalars, nonzero's refusal."""
+where with Python scalars (the ops whose shape depends on the values: tests/test_data_dependent.py)."""
 import asyncio
 
 import pytest
@@ -79,27 +79,6 @@ def test_cat_along_a_sharded_dim_in_strict_mode_names_the_fix(mesh4):
     x = _up(torch.randn(5, 3), mesh4, [Shard(0)])
     with pytest.raises(dtorch.PlacementError, match="cat along sharded dim 0"):
         dtorch.cat([x, x])
-
-
-def test_nonzero_is_refused_with_what_to_write_instead(mesh4):
-    x = _up(torch.tensor([0.0, 1.0, 0.0, 2.0]), mesh4, [Shard(0)])
-    for call in (lambda: torch.nonzero(x), lambda: x.nonzero(), lambda: x.nonzero(as_tuple=True),
-                 lambda: torch.argwhere(x)):
-        with pytest.raises(UnsupportedOpError, match=r"to_torch\(\)\.nonzero"):
-            call()
-
-
-def test_ops_whose_shape_depends_on_the_values_say_so_and_what_to_write(mesh4):
-    x = _up(torch.tensor([3.0, 1.0, 3.0, 2.0]), mesh4, [Shard(0)])
-    refusals = {"values": (lambda: torch.unique(x), lambda: x.unique(), lambda: torch.unique_consecutive(x)),
-                "True elements": (lambda: torch.masked_select(x, x > 1), lambda: x.masked_select(x > 1)),
-                "largest value": (lambda: torch.bincount(x.long()),)}
-    for what, calls in refusals.items():
-        for call in calls:
-            with pytest.raises(UnsupportedOpError, match=f"shape is|length is") as info:
-                call()
-            assert what in str(info.value) and "test_api_compat.py" in str(info.value)
-            assert "to_torch()" in str(info.value)
 
 
 # --- DTorch's spellings --------------------------------------------------------------------------

@@ -4,9 +4,10 @@ Shard, Replicate and Partial inputs, even and uneven shapes, every index form: t
 index tensors, lists, masks the controller holds, tuples mixing them with ints, slices, None and
 Ellipsis. The sweep and the validator cover the registered ops from their samples as well.
 
-Known gaps (each raises, never a wrong value): a DTensor bool mask in a read (its shape depends on
-its values); an int or a slice other than `:` on a sharded dim next to index tensors (the
-automatic redistribute replicates that dim first; strict mode raises).
+A DTensor bool mask in a read (x[mask]: its shape depends on its values) is a blocking read of the
+mask: tests/test_data_dependent.py. Known gap (it raises, never a wrong value): an int or a slice
+other than `:` on a sharded dim next to index tensors (the automatic redistribute replicates that
+dim first; strict mode raises).
 """
 from __future__ import annotations
 
@@ -133,14 +134,6 @@ def test_result_placements_follow_the_rules(mesh2, mesh22):
     assert list(x[dt].placements) == [Shard(1)] and list(x[:, dtorch.remainder(dt, 5)].placements) == [Shard(2)]
     flags = _up(torch.arange(8) % 3 == 0, mesh2, [Shard(0)])   # a bool input: P(max) (an OR) instead
     assert list(flags[t].placements) == [Partial("max")] and torch.equal(flags[t].to_torch(), torch.arange(8)[t] % 3 == 0)
-
-
-def test_a_dtensor_mask_in_a_read_is_refused_with_what_to_write(mesh2):
-    x = _up(torch.randn(4, 3), mesh2, [Shard(0)])
-    with pytest.raises(UnsupportedOpError, match=r"x\[index\] at .*test_indexing.py.*dtorch.where.*to_torch"):
-        x[x > 0]
-    with pytest.raises(UnsupportedOpError, match="index_put"):
-        x.index_put((x[:, 0] > 0,), 1.0)
 
 
 def test_bad_indices_raise_as_torch_does(mesh2):

@@ -15,7 +15,7 @@ LAYERS = [
     ("pure", ("dtorch.errors", "dtorch.distributed_spec", "dtorch.redistribute", "dtorch.rng", "dtorch.ops")),
     ("launcher", ("dtorch_launcher",)),
     ("runtime", ("dtorch.runtime",)),
-    ("frontend", ("dtorch.aliasing", "dtorch.recording", "dtorch.tensor", "dtorch.op_issue", "dtorch.factories", "dtorch.inplace",
+    ("frontend", ("dtorch.aliasing", "dtorch.recording", "dtorch.sync_debug", "dtorch.tensor", "dtorch.op_issue", "dtorch.factories", "dtorch.inplace",
                   "dtorch.advanced_indexing", "dtorch.capture", "dtorch.compile", "dtorch.autocast", "dtorch.composites",
                   "dtorch.composite_losses", "dtorch.composite_layers", "dtorch.composite_foreach")),
     ("autograd", ("dtorch.autograd",)),

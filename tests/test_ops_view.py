@@ -6,7 +6,8 @@ The placement sweep of these ops (every input placement combination on meshes (4
 sample calls in dtorch/ops/tooling/view_samples.py and indexing_samples.py; the sweep's docstring
 lists the known gaps, each refused with a PlacementError that names the redistribute to run first
 (test_known_gaps_still_refuse pins a sample). Other gaps:
-  - tensor (advanced) indexing x[idx] is tests/test_indexing.py's (a DTensor bool mask in a read raises).
+  - tensor (advanced) indexing x[idx] is tests/test_indexing.py's (x[dtensor_mask] reads the mask:
+    tests/test_data_dependent.py).
   - view(dtype) is unsupported. Views and in-place ops: tests/test_inplace.py (docs/inplace.md).
 """
 import math

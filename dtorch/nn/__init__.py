@@ -18,8 +18,8 @@ from .linear import (ColumnParallelLinear, ColumnParallelLinearWithReplicateInpu
                      RowParallelLinearWithReplicateOutput)
 from .module import IncompatibleKeys, Module
 from .normalization import GroupNorm, LayerNorm, RMSNorm
-from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
-                       SequenceParallel, parallelize_module)
+from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
+                       PrepareModuleOutput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
 from .parameter import Parameter
 from .pooling import AdaptiveAvgPool2d, AdaptiveMaxPool2d, AvgPool2d, GlobalAvgPool2d, GlobalMaxPool2d, MaxPool2d
 
@@ -28,7 +28,7 @@ __all__ = ["functional", "utils", "Module", "Parameter", "IncompatibleKeys", "Se
            "ColumnParallelLinearWithReplicateInputOutput", "RowParallelLinearWithReplicateOutput",
            "ReplicateParallelLinear", "Embedding", "EmbeddingWithReplicateOutput", "LayerNorm", "RMSNorm",
            "GroupNorm", "Dropout", "Identity", "ReLU", "GELU", "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU",
-           "Softplus", "Softmax", "LogSoftmax", "Flatten", "Unflatten", "parallelize_module", "ParallelStyle",
+           "Softplus", "Softmax", "LogSoftmax", "Flatten", "Unflatten", "parallelize_module", "ParallelStyle", "PrepareModuleInputOutput", "loss_parallel",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
            "fully_shard", "distribute_module", "mixed_precision", "MixedPrecisionPolicy", "Conv1d", "Conv2d", "Conv3d",
            "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "BatchNorm2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d",
