@@ -25,7 +25,7 @@ from .errors import CompileError
 from .recording import Leaf, is_grad_enabled
 from .runtime import protocol as wire
 from .runtime import session
-from .tensor import DTensor
+from .tensor import DTensor, new_symbol
 
 __all__ = ["compile", "CompiledFunction"]
 
@@ -96,7 +96,7 @@ class _Graph:
         for hook in self.after_replay:
             hook()
         self.replays += 1
-        outputs = [DTensor(i, meta, seq, controller) for i, meta in zip(out_ids, self.output_metas)]
+        outputs = [new_symbol(i, meta, seq, controller) for i, meta in zip(out_ids, self.output_metas)]
         for argument, output in self.rebound_arguments:   # changed in place: the caller's tensor takes it
             _take_id(inputs[argument], outputs[output])
         for tensor, final in zip(self.state, self.state_ids):
@@ -151,7 +151,12 @@ class CompiledFunction:
             return self.fn(*args, **kwargs)
         session.refuse_inside_checkpoint(f"compiled {self.name}")
         inputs, key = [], []
-        _flatten((args, kwargs), inputs, key, {})
+        if kwargs or not _distinct_dtensors(args):
+            _flatten((args, kwargs), inputs, key, {})
+        else:   # the common call, f(x, y): _flatten's key without its recursion (per replay)
+            inputs += args
+            key += [(tuple, 2), (tuple, len(args)),
+                    *[("T", t._meta.key, _grad_state(t), index) for index, t in enumerate(args)], (dict, ())]
         key.append(is_grad_enabled())
         key.append(autocast_state())
         key = tuple(key)
@@ -221,6 +226,15 @@ def _flatten(value, tensors: list, key: list, seen: dict) -> None:
                                "nor hashable, so it cannot be part of a signature; pass DTensors, numbers, "
                                "strings, or tuples, lists and dicts of them") from None
         key.append((type(value), value))
+
+
+def _distinct_dtensors(args: tuple) -> bool:
+    """Every positional argument a DTensor (not a subclass: a Parameter keys as _flatten says),
+    none passed twice."""
+    for value in args:
+        if type(value) is not DTensor:
+            return False
+    return len({id(value) for value in args}) == len(args)
 
 
 def _grad_state(tensor: DTensor):

@@ -37,11 +37,12 @@ __all__ = ["COMPOSITES", "call_op", "install_op_methods", "land_for_backward", "
 # this one cannot import tensor.py back (scripts/import_cycles.py). A module global, as the class
 # was when this code lived in tensor.py: the per-op path looks it up at the same cost.
 DTensor = None
+new_symbol = None   # DTensor(id, spec, seq, controller) without its two Python-level calls
 
 
-def set_tensor_type(tensor_type: type) -> None:
-    global DTensor
-    DTensor = tensor_type
+def set_tensor_type(tensor_type: type, maker) -> None:
+    global DTensor, new_symbol
+    DTensor, new_symbol = tensor_type, maker
 
 
 def call_op(name: str, args: tuple, kwargs: dict):
@@ -86,7 +87,7 @@ def _issue_op(name: str, args: tuple, kwargs: dict):
         out_id = controller.new_id()
         seq = controller.submit(RunOp, (out_id,), mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps,
                                 grad, moves, plan.regather)
-        result = DTensor(out_id, out_specs[0], seq, controller)
+        result = new_symbol(out_id, out_specs[0], seq, controller)
         if grad:
             record_op(nodes, (result,), out_specs[0].mesh)
     else:
@@ -94,7 +95,7 @@ def _issue_op(name: str, args: tuple, kwargs: dict):
         seq = controller.submit(RunOp, out_ids, mesh_id, name, plan.kernel, wire_args, wire_kwargs, plan.input_steps,
                                 grad, moves, plan.regather)
         # torch's own result type: torch.return_types.max keeps .values / .indices, as in torch
-        result = plan.sequence([DTensor(i, spec, seq, controller) for i, spec in zip(out_ids, out_specs)])
+        result = plan.sequence([new_symbol(i, spec, seq, controller) for i, spec in zip(out_ids, out_specs)])
         if grad:
             record_op(nodes, result, out_specs[0].mesh)
     if name in VIEW_OPS:   # views remember their base, for in-place ops (dtorch/aliasing.py)

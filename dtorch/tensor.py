@@ -25,7 +25,7 @@ from .recording import Leaf, OpNode, is_grad_enabled
 from .runtime.protocol import Redistribute, RequireGrad, Transfer, dtype_name
 from .sync_debug import note_blocking_read
 
-__all__ = ["DTensor", "call_op", "COMPOSITES", "defines", "refuse_the_rest"]
+__all__ = ["DTensor", "call_op", "COMPOSITES", "defines", "new_symbol", "refuse_the_rest"]
 
 
 # Donation: at the top of a method called on a temporary (`(a @ b).redistribute(...)`), the
@@ -516,5 +516,14 @@ def _cast(name: str, dtype: torch.dtype):
 
 for _name, _dtype in CASTS.items():
     setattr(DTensor, _name, _cast(_name, _dtype))
-set_tensor_type(DTensor)      # the op-issuing path makes its results of it
+def new_symbol(tensor_id: int, spec: TensorMeta, seq: int, controller) -> DTensor:
+    """DTensor(tensor_id, spec, seq, controller), for the per-op path: the same object without
+    the Python-level __new__ and __init__ calls (a quarter of what subclassing torch.Tensor added
+    to an op's issue, benchmarks/issue_cpu.py)."""
+    made = _make_subclass(DTensor, _WRAPPED)
+    made._id, made._meta, made._seq, made._controller, made._node = tensor_id, spec, seq, controller, None
+    return made
+
+
+set_tensor_type(DTensor, new_symbol)      # the op-issuing path makes its results of it
 install_op_methods(DTensor)   # x + y, -x, x.sum(...): one call_op each

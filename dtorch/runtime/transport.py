@@ -61,6 +61,10 @@ LOCAL = None   # ControllerSockets(host=LOCAL): ipc sockets in a private directo
 # Plain ints: pyzmq's constants are enum.IntFlag, whose `&` runs in Python (~0.7 us each); the
 # reply path tests EVENTS and RCVMORE several times per message.
 _EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+# A publish sends its frames through pyzmq's Cython send with plain int flags: send_multipart's
+# Python wrapper ORs IntFlag enums twice per message (about 1 us of enum arithmetic), which a
+# dtorch.compile replay, one message per call, paid on every call.
+_SEND, _SNDMORE = zmq.backend.Socket.send, int(zmq.SNDMORE)
 
 
 def _poller_for(socket) -> zmq.Poller:
@@ -107,7 +111,10 @@ class ControllerSockets:
 
     def publish(self, frames: list, copy: bool = True) -> None:
         # PUB with no high-water mark never blocks.
-        self.pub.send_multipart(frames, copy=copy)
+        pub, last = self.pub, frames[-1]
+        for frame in frames[:-1]:
+            _SEND(pub, frame, _SNDMORE, copy)
+        _SEND(pub, last, 0, copy)
         self.messages_sent += 1
         self.bytes_sent += sum(len(f) for f in frames)
 
