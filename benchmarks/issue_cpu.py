@@ -13,7 +13,9 @@ A standalone script (no relative imports), so that one copy measures either chec
 Rows: `z = z * 1.0001 + 1` on a (64, 128) S(0) tensor, 4,000 ops per repetition, issued from a
 short function and from a loop 300 lines into one (the controller notes each command's line:
 see docs/architecture.md, "Enqueue"); then a read of a fresh ready (1,) Replicate tensor, median
-of 300. Each prints the minimum and median over repetitions.
+of 300; then the CPU of one replay of a dtorch.compile'd 100-op chain (one RunGraph command and,
+as a replay's batch rarely waits, one published message per call). Each prints the minimum and
+median over repetitions.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import statistics
 import time
 
 OPS = 4_000
+REPLAY_OPS = 100
 FILLER_LINES = 300
 
 
@@ -53,6 +56,26 @@ def cpu_per_op(dtorch, mesh, issue, reps: int) -> list[float]:
     return samples[1:]
 
 
+def replay_cpu(dtorch, mesh, reps: int, calls: int = 2_000) -> list[float]:
+    from dtorch.distributed_spec import Shard
+
+    def chain(z):
+        for _ in range(REPLAY_OPS // 2):
+            z = z * 1.0001 + 1
+        return z
+    compiled = dtorch.compile(chain)
+    z = dtorch.zeros(64, 128, device_mesh=mesh, placements=[Shard(0)])
+    samples = []
+    for _ in range(reps + 1):   # the first captures
+        dtorch.synchronize()
+        started = time.thread_time()
+        for _ in range(calls):
+            z = compiled(z)
+        samples.append((time.thread_time() - started) / calls)
+    dtorch.synchronize()
+    return samples[1:]
+
+
 def read_latency(dtorch, mesh, reads: int = 300) -> list[float]:
     from dtorch.distributed_spec import Replicate
     source = dtorch.ones(1, device_mesh=mesh, placements=[Replicate()])
@@ -81,6 +104,9 @@ def main() -> None:
             samples = cpu_per_op(dtorch, mesh, _issuer(lines), args.reps)
             print(f"{where}  {args.workers} worker(s)  issue, {label}: CPU us/op min "
                   f"{min(samples) * 1e6:.2f} median {statistics.median(samples) * 1e6:.2f}")
+        samples = replay_cpu(dtorch, mesh, args.reps)
+        print(f"{where}  {args.workers} worker(s)  replay of a compiled {REPLAY_OPS}-op chain: CPU us/call min "
+              f"{min(samples) * 1e6:.2f} median {statistics.median(samples) * 1e6:.2f}")
         samples = read_latency(dtorch, mesh)
         print(f"{where}  {args.workers} worker(s)  read of a ready (1,) tensor: us min "
               f"{min(samples) * 1e6:.0f} median {statistics.median(samples) * 1e6:.0f}")
