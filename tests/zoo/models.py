@@ -233,8 +233,8 @@ def _conditioned_noise_batch(g):
     return _noise_batch(g, 4, 8, encoder_hidden_states=torch.randn(BATCH, 5, 32, generator=g))
 
 
-def _classifier_batch(g):
-    return {"images": torch.randn(BATCH, *IMAGE, generator=g),
+def _classifier_batch(g, size=IMAGE[1]):
+    return {"images": torch.randn(BATCH, IMAGE[0], size, size, generator=g),
             "targets": torch.randint(0, CLASSES, (BATCH,), generator=g)}
 
 
@@ -345,8 +345,9 @@ ZOO = [
     ZooModel("timm_vit", "timm", _timm("vit_tiny_patch16_224", img_size=IMAGE[1], patch_size=4, embed_dim=32, depth=2,
                                        num_heads=2), _classifier_batch, _classifier_call,
              _plan("blocks.*", ("attn.qkv", "mlp.fc1"), ("attn.proj", "mlp.fc2"))),
+    # 32x32 images: ConvNeXt's stem divides by 4 and three downsamples by 2 more
     ZooModel("timm_convnext", "timm", _timm("convnext_atto", dims=(16, 32, 48, 64), depths=(1, 1, 1, 1)),
-             _classifier_batch, _classifier_call),
+             lambda g: _classifier_batch(g, size=32), _classifier_call),
     ZooModel("torchvision_resnet", "torchvision", _torchvision_resnet, _classifier_batch, _classifier_call),
     ZooModel("torchvision_vit", "torchvision", _torchvision_vit, _classifier_batch, _classifier_call,
              _plan("encoder.layers.*", ("mlp.0",), ("mlp.3",))),

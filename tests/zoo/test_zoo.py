@@ -25,15 +25,16 @@ from dtorch.nn import parallelize_module
 from .known_gaps import KNOWN_GAPS
 from .models import ZOO, missing
 
-RTOL, ATOL = 1e-4, 1e-5
+RTOL, ATOL, SCALED_ATOL = 1e-4, 1e-5, 1e-4
 LEARNING_RATE = 0.5      # large, so that a gradient that is off shows in the updated parameters
 TORCH_STYLE_LAYOUTS = {"llama": ["tp2-torch-styles", "tp2-torch-parallelize"]}
 UNAVAILABLE = {
     "torchvision": "PyPI's torchvision wheels are CUDA builds: beside torch's CPU build their _C.so needs "
                    "libtorch_cuda.so, and `import torchvision` fails with 'operator torchvision::nms does not "
-                   "exist' (.ci/run says more)",
+                   "exist'. bash .ci/zoo_vision.sh runs these models in a venv of their own (torch 2.14.1 and "
+                   "torchvision 0.29.1, as PyPI pairs them)",
     "timm": "timm imports torchvision.ops at import (timm/layers/create_norm.py), and torchvision cannot be "
-            "installed beside torch's CPU build (.ci/run says more)",
+            "installed beside torch's CPU build. bash .ci/zoo_vision.sh runs these models in a venv of their own",
 }
 
 
@@ -84,7 +85,14 @@ def _read(value):
 
 
 def _close(got, expected, what: str) -> None:
-    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL, msg=lambda message: f"{what}: {message}")
+    """Within float32 rounding of the tensor's own scale: a sum split across ranks (a batch norm's
+    statistics, a gradient over a sharded batch) adds in another order, and its error grows with
+    the values' size, so an element near zero in a tensor of large ones gets the large ones' atol.
+    (torchvision's ResNet, batch 4 through batch norms down to 1x1: torch's own float32 gradients
+    are 6.6e-5 of their scale off float64, dtorch's dp2 ones 5.3e-5.)"""
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=max(ATOL, SCALED_ATOL * scale),
+                               msg=lambda message: f"{what}: {message}")
 
 
 def _check_outputs(spec, model, reference, batch, placed):
