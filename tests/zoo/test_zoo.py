@@ -10,7 +10,9 @@ inputs Replicate), three checks:
   no_read  forward and backward under dtorch.set_sync_debug_mode("error"): nothing in them waits
            on the workers.
 Llama also runs tp2 with torch's own styles (torch.distributed.tensor.parallel) in dtorch's
-parallelize_module, and with torch's parallelize_module itself."""
+parallelize_module. torch's parallelize_module itself runs each rank's own code (the calling
+rank's shard, its process group), which a single controller has none of: on a dtorch mesh it
+refuses and names dtorch's call with the same plan (the last test here)."""
 from __future__ import annotations
 
 import copy
@@ -27,7 +29,7 @@ from .models import ZOO, missing
 
 RTOL, ATOL, SCALED_ATOL = 1e-4, 1e-5, 1e-4
 LEARNING_RATE = 0.5      # large, so that a gradient that is off shows in the updated parameters
-TORCH_STYLE_LAYOUTS = {"llama": ["tp2-torch-styles", "tp2-torch-parallelize"]}
+TORCH_STYLE_LAYOUTS = {"llama": ["tp2-torch-styles"]}
 UNAVAILABLE = {
     "torchvision": "PyPI's torchvision wheels are CUDA builds: beside torch's CPU build their _C.so needs "
                    "libtorch_cuda.so, and `import torchvision` fails with 'operator torchvision::nms does not "
@@ -68,11 +70,9 @@ def _on_mesh(spec, layout, meshes):
         assert dtorch.distribute_module(model, mesh) is model
     elif layout == "tp2":
         parallelize_module(model, mesh, spec.tp_plan, tp_dim="tp")
-    elif layout == "tp2-torch-styles":
-        parallelize_module(model, mesh, _torch_plan(spec.tp_plan), tp_dim="tp")
     else:
-        from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
-        torch_parallelize_module(model, mesh, _torch_plan(spec.tp_plan))
+        assert layout == "tp2-torch-styles", layout
+        parallelize_module(model, mesh, _torch_plan(spec.tp_plan), tp_dim="tp")
     batch = spec.inputs(torch.Generator().manual_seed(1))
     placements = [Shard(0)] if layout == "dp2" else [Replicate()]
     placed = {key: dtorch.distribute_tensor(value, mesh, placements) for key, value in batch.items()}
@@ -153,3 +153,13 @@ def test_the_zoo_has_what_issue_42_asks():
     assert {"gpt2", "llama", "qwen2", "mistral", "phi3", "bert", "t5", "bart", "vit", "resnet", "unet2d",
             "unet2d_condition", "dit", "autoencoder_kl"} <= names
     assert all(spec.tp_plan for spec in runnable if spec.name in {"gpt2", "llama", "bert", "t5", "vit", "dit"})
+
+
+def test_torchs_own_parallelize_module_names_dtorchs_call(zoo_meshes):
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
+    spec = next(spec for spec in ZOO if spec.name == "llama")
+    model = spec.build()
+    with pytest.raises(dtorch.MeshError) as info:
+        torch_parallelize_module(model, zoo_meshes["tp2"], _torch_plan(spec.tp_plan))
+    message = str(info.value)
+    assert "get_coordinate" in message and "dtorch.nn.parallelize_module(model, mesh, plan)" in message
