@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import tempfile
 
 from ..distributed_spec import format_placements, local_region
@@ -33,7 +34,8 @@ def save(state, directory, *, timeout: float | None = None) -> None:
     checkpoint already there. Waits until the checkpoint is complete on disk; raises (and leaves
     no checkpoint at `directory`) if a worker fails or is lost meanwhile. Partial DTensors are
     reduced first, among the workers."""
-    directory = os.path.abspath(os.fspath(directory))
+    # realpath: a symlinked target keeps its link, and the checkpoint goes where it points
+    directory = os.path.realpath(os.fspath(directory))
     leaves = flatten(state)
     tensors = {key: leaf.value for key, leaf in leaves.items() if isinstance(leaf.value, DTensor)}
     for key, tensor in tensors.items():
@@ -42,7 +44,8 @@ def save(state, directory, *, timeout: float | None = None) -> None:
               for key, leaf in leaves.items() if key not in tensors}
     parent = os.path.dirname(directory)
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.saving-", dir=parent)
+    _remove_dead_stagings(directory)
+    staging = tempfile.mkdtemp(prefix=_staging_prefix(directory, os.getpid()), dir=parent)
     try:
         os.chmod(staging, 0o755)   # mkdtemp's 0700 would be the checkpoint's own mode after the rename
         entries, nbytes = _write_tensors(tensors, {key: leaves[key].path for key in tensors}, staging, timeout)
@@ -114,11 +117,40 @@ def _writers(tensor: DTensor, written: dict):
 def _write_index(staging: str, index: dict) -> None:
     """The index, last, fsynced, and the directory entry of every file made durable with it."""
     path = os.path.join(staging, INDEX_NAME)
-    with open(path, "x") as file:
-        json.dump(index, file, indent=1)
-        file.flush()
-        os.fsync(file.fileno())
+    try:
+        with open(path, "x") as file:
+            json.dump(index, file, indent=1)
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as error:   # a full disk: say which file, as the workers' errors do
+        raise OSError(error.errno, f"{error.strerror} (writing the checkpoint's index)", path) from None
     _fsync_directory(staging)
+
+
+def _staging_prefix(directory: str, pid: int) -> str:
+    """A save's working directory names its host and process, so the next save to the same
+    target can tell one whose process died (killed mid-save) from one still being written."""
+    return f".{os.path.basename(directory)}.saving-{socket.gethostname()}-{pid}-"
+
+
+def _remove_dead_stagings(directory: str) -> None:
+    """Remove what saves to `directory` from this host left behind when their process died."""
+    parent, host = os.path.dirname(directory), socket.gethostname()
+    start = f".{os.path.basename(directory)}.saving-{host}-"
+    for name in os.listdir(parent):
+        pid = name[len(start):].split("-", 1)[0] if name.startswith(start) else ""
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process: alive
+        return True
+    return True
 
 
 def _publish(staging: str, directory: str) -> None:

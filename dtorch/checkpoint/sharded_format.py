@@ -199,11 +199,39 @@ def read_index(directory) -> SavedIndex:
 def _saved_tensor(directory: str, key: str, entry: dict, headers: dict) -> SavedTensor:
     shape, dtype = tuple(entry["shape"]), dtype_from_name(entry["dtype"])
     chunks = [_chunk(directory, key, dtype, chunk, headers) for chunk in entry["chunks"]]
-    covered = sum(math.prod(chunk.shape) for chunk in chunks)
-    inside = all(0 <= o and o + s <= size for chunk in chunks for o, s, size in zip(chunk.offset, chunk.shape, shape))
-    if covered != math.prod(shape) or not inside or any(len(chunk.offset) != len(shape) for chunk in chunks):
-        raise CheckpointError(f"{directory}: the chunks of {key!r} do not tile its shape {list(shape)}")
+    problem = tiling_problem(shape, [(chunk.offset, chunk.shape) for chunk in chunks])
+    if problem:
+        raise CheckpointError(f"{os.path.join(directory, INDEX_NAME)}: the chunks of {key!r} do not tile its shape "
+                              f"{list(shape)}: {problem}")
     return SavedTensor(shape, dtype, chunks, entry.get("saved_as", "?"))
+
+
+def tiling_problem(shape: tuple, boxes: list) -> str | None:
+    """None when the (offset, shape) boxes cover `shape` exactly once, else what is wrong. Counting
+    elements is not enough: a chunk moved onto another leaves a gap the count does not see, and a
+    load would give the gap's uninitialized memory. Exact: the boxes' own boundaries cut each dim
+    into a grid, and every grid cell must be covered once (about one cell per chunk for a save's
+    shards)."""
+    for offset, size in boxes:
+        if len(offset) != len(shape) or len(size) != len(shape):
+            return f"a chunk at {list(offset)} of shape {list(size)} has another number of dims"
+        if any(o < 0 or o + s > whole for o, s, whole in zip(offset, size, shape)):
+            return f"the chunk at {list(offset)} of shape {list(size)} reaches outside it"
+    if math.prod(shape) == 0:
+        return None
+    cuts = [sorted({0, whole, *(o[d] for o, _ in boxes), *(o[d] + z[d] for o, z in boxes)})
+            for d, whole in enumerate(shape)]
+    cell = [{point: i for i, point in enumerate(c)} for c in cuts]
+    covered = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.int32)
+    for offset, size in boxes:
+        covered[tuple(slice(at[o], at[o + z]) for at, o, z in zip(cell, offset, size))] += 1
+    if (covered > 1).any():
+        at = [c[i] for c, i in zip(cuts, (covered > 1).nonzero()[0].tolist())]
+        return f"two chunks overlap at {at}"
+    if (covered == 0).any():
+        at = [c[i] for c, i in zip(cuts, (covered == 0).nonzero()[0].tolist())]
+        return f"no chunk holds the elements at {at}"
+    return None
 
 
 def _chunk(directory: str, key: str, dtype: torch.dtype, chunk: dict, headers: dict) -> Chunk:
