@@ -309,9 +309,11 @@ def init_device_mesh(device_type: str, mesh_shape: int | Sequence[int],
                      mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
     """Make a mesh over running workers. Not pure: the first mesh STARTS worker processes and a
     larger one grows the local pool, through the installed worker starter."""
-    mesh_shape = (int(mesh_shape),) if isinstance(mesh_shape, int) else tuple(int(s) for s in mesh_shape)
-    if not mesh_shape or any(s < 1 for s in mesh_shape):
-        raise MeshError(f"mesh_shape must be positive integers, got {mesh_shape}")
+    given = tuple(mesh_shape) if isinstance(mesh_shape, (tuple, list)) else (mesh_shape,)
+    # an integral value of any type (numpy's, a torch scalar) is a size; 2.7 is refused, not cut to 2
+    if not given or any(isinstance(s, bool) or not hasattr(s, "__index__") or s < 1 for s in given):
+        raise MeshError(f"init_device_mesh: mesh_shape must be positive integers, got {mesh_shape!r}")
+    mesh_shape = tuple(s.__index__() for s in given)
     if _start_workers is None:
         raise MeshError("no dtorch runtime is installed: `import dtorch` first")
     ranks = list(_start_workers(device_type, math.prod(mesh_shape)))

@@ -11,7 +11,7 @@ import torch
 
 from .distributed_spec import (DeviceMesh, Placement, Replicate, holds_partial_sum_value, init_device_mesh, local_region,
                                narrow_to_box)
-from .errors import DTorchError
+from .errors import DTorchError, ShapeError, user_site
 from .ops.tensor_meta import check_placements, parse_shape, tensor_meta
 from .rng import Generator
 from .runtime import session
@@ -71,11 +71,22 @@ def _random_call(generator) -> tuple[int, int]:
     return generator.next_call()
 
 
+def _floating_only(name: str, dtype) -> None:
+    """torch draws rand and randn in floating and complex dtypes only, and says so at the call."""
+    if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+        kernel = "check_uniform_bounds" if name == "rand" else "normal_kernel_cpu"
+        raise ShapeError(f"{name}(dtype={dtype}) at {user_site()}: \"{kernel}\" not implemented for "
+                         f"'{str(dtype)[6:]}' (torch draws {name} in floating-point dtypes only); for integers "
+                         f"write dtorch.randint(low, high, size, dtype={dtype})")
+
+
 def rand(*size, generator=None, dtype=None, device_mesh=None, placements=None, requires_grad=False) -> DTensor:
+    _floating_only("rand", dtype)
     return _factory("rand", parse_shape(size), dtype, device_mesh, placements, _random_call(generator), requires_grad)
 
 
 def randn(*size, generator=None, dtype=None, device_mesh=None, placements=None, requires_grad=False) -> DTensor:
+    _floating_only("randn", dtype)
     return _factory("randn", parse_shape(size), dtype, device_mesh, placements, _random_call(generator), requires_grad)
 
 

@@ -20,6 +20,8 @@ the workers there subscribe to it instead of to the controller; SshSpawner.close
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import os
@@ -54,13 +56,15 @@ class SshSpawner:
             raise ValueError("SshSpawner needs at least one host")
         self.hosts = list(hosts)
         self.options = options if options is not None else SshOptions()
-        self._slots = [(host, slot) for host in self.hosts for slot in range(host.slots)]
+        # where each host's ranks start: slots are counted, never one entry each (slots=999999999
+        # in a hostfile once made ~100 GB of tuples)
+        self._starts = list(itertools.accumulate((host.slots for host in self.hosts), initial=0))
         start_relay = lambda host, options, text, name: SshWorker.start(-1, host, options, text, name)  # noqa: E731
         self._relays = Relays(self.options, relays_enabled() if relay is None else relay, start_relay)
 
     @property
     def capacity(self) -> int:
-        return len(self._slots)
+        return self._starts[-1]
 
     def host_for(self, rank: int) -> str:
         return self._slot(rank)[0].name
@@ -78,7 +82,8 @@ class SshSpawner:
         return worker
 
     def ranks_on(self, host: Host) -> list[int]:
-        return [rank for rank, (slot_host, _) in enumerate(self._slots) if slot_host is host]
+        index = next(i for i, known in enumerate(self.hosts) if known is host)
+        return list(range(self._starts[index], self._starts[index + 1]))
 
     def relays(self) -> list[dict]:
         """host, pid (remote), ranks and alive of each relay started so far."""
@@ -92,7 +97,8 @@ class SshSpawner:
         if not 0 <= rank < self.capacity:
             raise IndexError(f"rank {rank} is outside the hostfile's {self.capacity} slots "
                              f"({', '.join(f'{h.name} slots={h.slots}' for h in self.hosts)})")
-        return self._slots[rank]
+        index = bisect.bisect_right(self._starts, rank) - 1
+        return self.hosts[index], rank - self._starts[index]
 
 
 class SshWorker:

@@ -238,10 +238,21 @@ def _refuse_mixed_dtypes(op: RegisteredOp, specs) -> None:
                      "dtorch.nn.mixed_precision, which cast for you)")
 
 
+# Reductions that torch refuses over an empty dim (max of nothing has no value), where its meta
+# kernels return a shape anyway (torch 2.13: torch.amax of a (0, 5) meta tensor is a () tensor):
+# for an empty input, the call runs once more on real empty CPU tensors, which hold no data, so
+# that torch's own check refuses it here, at the user's line, instead of -inf on the workers.
+_EMPTY_REFUSING_OPS = frozenset({"max", "min", "amax", "amin", "argmax", "argmin", "aminmax", "median", "nanmedian",
+                                 "mode", "kthvalue"})
+
+
 def _run_meta(op: RegisteredOp, args, kwargs, specs) -> tuple[tuple, bool]:
     _refuse_mixed_dtypes(op, specs)
     meta = lambda value: value._meta.meta()  # noqa: E731
+    empty = lambda value: torch.zeros(value._meta.shape, dtype=value._meta.dtype)  # noqa: E731
     try:
+        if op.name in _EMPTY_REFUSING_OPS and any(0 in s.shape for s in specs):
+            op.torch_fn(*map_tensors(args, empty), **map_tensors(kwargs, empty))
         result = op.torch_fn(*map_tensors(args, meta), **map_tensors(kwargs, meta))
     except Exception as error:
         shapes = ", ".join(f"{tuple(s.shape)} {str(s.dtype)[6:]}" for s in specs)

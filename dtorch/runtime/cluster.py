@@ -135,11 +135,52 @@ class ForkedWorker(LocalWorker):
                 pass
 
 
+# A local pool past this many workers needs DTORCH_MAX_LOCAL_WORKERS: init_device_mesh("cpu",
+# (1000,)) once started 1,063 processes and took 15.6 GB in 78 s before anything said no. A
+# directly started worker holds about 150 MiB once it has run an op (docs/worker_template.md);
+# forked ones share most of it, but each grows by what it computes.
+WORKER_BYTES = 150 << 20
+MIN_LOCAL_LIMIT = 64   # tests/test_scale.py's pool, on any machine with the memory for it
+
+
+def local_worker_limit() -> tuple[int, str]:
+    """(how many local workers start without an explicit setting, why that many)."""
+    given = os.environ.get("DTORCH_MAX_LOCAL_WORKERS")
+    if given:
+        return int(given), "DTORCH_MAX_LOCAL_WORKERS"
+    cores = os.cpu_count() or 1
+    limit, why = max(MIN_LOCAL_LIMIT, 8 * cores), f"8 per core on {cores} cores, at least {MIN_LOCAL_LIMIT}"
+    available = _available_memory()
+    if available is not None and available // WORKER_BYTES < limit:
+        limit = max(1, available // WORKER_BYTES)
+        why = f"{available / 2**30:.1f} GiB available at about {WORKER_BYTES >> 20} MiB per worker"
+    return limit, why
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class LocalSpawner:
     """Local workers: forked from one worker template, started on the first spawn and ended by
     close(); each started directly with DTORCH_ZYGOTE=0 or if the template cannot start."""
 
-    capacity = None  # any number of local workers
+    capacity = None  # no hostfile: the local limit is check_pool_size's
+
+    def check_pool_size(self, total: int) -> None:
+        """Refuse, before any start, a local pool larger than local_worker_limit() says fits."""
+        limit, why = local_worker_limit()
+        if total > limit:
+            raise MeshError(f"a pool of {total} local worker processes: this machine fits {limit} by default "
+                            f"({why}). Use a smaller mesh, or a hostfile of several machines (dtorch-launch "
+                            f"--hostfile); to start them here anyway, set DTORCH_MAX_LOCAL_WORKERS={total}")
 
     def __init__(self):
         self._zygote: Zygote | None = None

@@ -151,6 +151,9 @@ def _grow(device_type: str, extra: int, timeout: float) -> None:
     if capacity is not None and first + extra > capacity:
         where = getattr(_spawner, "capacity_advice", f"the hostfile has {capacity} slots: add hosts or slots to the hostfile")
         raise MeshError(f"a mesh needs {first + extra} workers but {where}")
+    check_pool_size = getattr(_spawner, "check_pool_size", None)
+    if check_pool_size is not None:
+        check_pool_size(first + extra)
     ranks = range(first, first + extra)
     devices = [device_type] * extra
     if device_type != "cpu":  # runtime/gpu_assignment.py: checks at the call, then one GPU per worker

@@ -99,3 +99,19 @@ def test_missing_ssh_client_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="OpenSSH client `ssh` is not installed"):
         SshSpawner([Host("node1")]).spawn(0, {})
+
+
+def test_slots_are_counted_never_one_entry_each():
+    """The defect: slots=999999999 in a hostfile was accepted and then materialized as one tuple
+    per slot (about 100 GB). Ranks map to hosts by arithmetic now."""
+    import tracemalloc
+    tracemalloc.start()
+    spawner = SshSpawner([Host("a", slots=2), Host("b", slots=999_999_999), Host("c", slots=1)])
+    assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    tracemalloc.stop()
+    assert spawner.capacity == 1_000_000_002
+    assert [spawner.host_for(r) for r in (0, 1, 2, 1_000_000_000, 1_000_000_001)] == ["a", "a", "b", "b", "c"]
+    assert [spawner.local_rank(r) for r in (1, 2, 1_000_000_000, 1_000_000_001)] == [1, 0, 999_999_998, 0]
+    assert spawner.ranks_on(spawner.hosts[0]) == [0, 1] and spawner.ranks_on(spawner.hosts[2]) == [1_000_000_001]
+    with pytest.raises(IndexError, match="outside the hostfile's 1000000002 slots"):
+        spawner.host_for(1_000_000_002)
