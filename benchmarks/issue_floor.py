@@ -76,21 +76,21 @@ def dtorch_loop(seconds: float, workers: int = 4) -> None:
         mesh = init_device_mesh("cpu", (workers,))
         z = dtorch.zeros(64, 128, device_mesh=mesh, placements=[Shard(0)])
         dtorch.synchronize()
-        pub = z._controller.sockets.pub
-        send, sends = pub.send_multipart, []
+        sockets = z._controller.sockets   # runtime/transport.py: every batch leaves through publish()
+        publish, sends = sockets.publish, []
 
         def timed(frames, copy=True):
             started = time.perf_counter()
-            send(frames, copy=copy)
+            publish(frames, copy=copy)
             sends.append(time.perf_counter() - started)
         issuing, ops, end = 0.0, 0, time.monotonic() + seconds
         while time.monotonic() < end:
-            pub.send_multipart = timed
+            sockets.publish = timed
             started = time.perf_counter()
             z = run_chain(z, 10_000)
             issuing += time.perf_counter() - started
             ops += 10_000
-            del pub.send_multipart
+            del sockets.publish
             dtorch.synchronize()
         print(f"{ops} ops, {issuing / ops * 1e6:.2f} us/op issuing; the issuing thread published {len(sends)} "
               f"batches, {statistics.median(sends) * 1e6:.0f} us each (median), {sum(sends) / issuing:.1%} "
