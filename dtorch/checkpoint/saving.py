@@ -20,6 +20,7 @@ from ..distributed_spec import format_placements, local_region
 from ..runtime import session
 from ..runtime.file_shards import shard_file_name
 from ..runtime.protocol import SaveShard, dtype_name
+from ..runtime.transport import process_exists
 from ..tensor import DTensor
 from .sharded_format import FORMAT, FORMAT_VERSION, INDEX_NAME, check_savable_dtype, encode_value, flatten
 
@@ -139,18 +140,9 @@ def _remove_dead_stagings(directory: str) -> None:
     start = f".{os.path.basename(directory)}.saving-{host}-"
     for name in os.listdir(parent):
         pid = name[len(start):].split("-", 1)[0] if name.startswith(start) else ""
-        if pid.isdigit() and not _process_alive(int(pid)):
+        if pid.isdigit() and not process_exists(int(pid)):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # another user's process: alive
-        return True
-    return True
 
 
 def _publish(staging: str, directory: str) -> None:

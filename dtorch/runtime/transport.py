@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import zmq
 
-__all__ = ["CurveKeys", "make_curve_keys", "ControllerSockets", "WorkerSockets", "RelaySockets", "Poller", "Again"]
+__all__ = ["CurveKeys", "make_curve_keys", "ControllerSockets", "WorkerSockets", "RelaySockets", "Poller", "Again", "process_exists"]
 
 Again = zmq.Again
 
@@ -191,14 +191,15 @@ def _remove_stale_dirs(parent: str) -> None:
             continue
         path = os.path.join(parent, name)
         try:
-            if os.stat(path).st_uid != os.getuid() or _process_exists(int(parts[1])):
+            if os.stat(path).st_uid != os.getuid() or process_exists(int(parts[1])):
                 continue
         except OSError:
             continue
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _process_exists(pid: int) -> bool:
+def process_exists(pid: int) -> bool:
+    """Whether process `pid` runs on this host (another user's counts; dtorch.checkpoint uses it too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
