@@ -151,12 +151,7 @@ class CompiledFunction:
             return self.fn(*args, **kwargs)
         session.refuse_inside_checkpoint(f"compiled {self.name}")
         inputs, key = [], []
-        if kwargs or not _distinct_dtensors(args):
-            _flatten((args, kwargs), inputs, key, {})
-        else:   # the common call, f(x, y): _flatten's key without its recursion (per replay)
-            inputs += args
-            key += [(tuple, 2), (tuple, len(args)),
-                    *[("T", t._meta.key, _grad_state(t), index) for index, t in enumerate(args)], (dict, ())]
+        _flatten((args, kwargs), inputs, key, {})
         key.append(is_grad_enabled())
         key.append(autocast_state())
         key = tuple(key)
@@ -226,15 +221,6 @@ def _flatten(value, tensors: list, key: list, seen: dict) -> None:
                                "nor hashable, so it cannot be part of a signature; pass DTensors, numbers, "
                                "strings, or tuples, lists and dicts of them") from None
         key.append((type(value), value))
-
-
-def _distinct_dtensors(args: tuple) -> bool:
-    """Every positional argument a DTensor (not a subclass: a Parameter keys as _flatten says),
-    none passed twice."""
-    for value in args:
-        if type(value) is not DTensor:
-            return False
-    return len({id(value) for value in args}) == len(args)
 
 
 def _grad_state(tensor: DTensor):

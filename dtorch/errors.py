@@ -123,7 +123,7 @@ def _package_dir(name: str) -> str:
 
 # Frames in these folders are never the user's line: dtorch's own, and torch's, which calls
 # back into dtorch through __torch_function__ (torch/overrides.py, torch/nn/functional.py, ...).
-_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, _package_dir("torch"))
+LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, _package_dir("torch"))
 
 
 def user_frame(skip: int = 0) -> tuple[str, int] | None:
@@ -140,7 +140,7 @@ def user_position(skip: int = 0) -> tuple[CodeType, int] | None:
     records one for every command, and a frame's f_lineno scans its code's line table from the
     start: 1-2 us per op from a loop in a long script or function, where this costs nothing extra."""
     frame = sys._getframe(1 + skip)
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+    while frame is not None and frame.f_code.co_filename.startswith(LIBRARY_DIRS):
         frame = frame.f_back
     return None if frame is None else (frame.f_code, frame.f_lasti)
 

@@ -18,9 +18,7 @@ import sys
 import threading
 import warnings
 
-import torch
-
-from .errors import DTorchError, format_site, user_frame
+from .errors import LIBRARY_DIRS, DTorchError, format_site, user_frame
 
 __all__ = ["set_sync_debug_mode", "get_sync_debug_mode", "note_blocking_read", "read_counts", "BlockingReadError",
            "BlockingReadWarning"]
@@ -82,8 +80,7 @@ def note_blocking_read(what: str, shape: tuple) -> None:
     warnings.warn(message, BlockingReadWarning, stacklevel=3)
 
 
-_DTORCH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_READ_METHODS = os.path.join(_DTORCH_DIR, "tensor.py")
+_READ_METHODS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensor.py")
 
 
 def _asked_by_a_library() -> bool:
@@ -91,7 +88,4 @@ def _asked_by_a_library() -> bool:
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename == _READ_METHODS:
         frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES)
-
-
-_LIBRARIES = (_DTORCH_DIR, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+    return frame is not None and frame.f_code.co_filename.startswith(LIBRARY_DIRS)
