@@ -5,7 +5,8 @@ without any worker (that is the point of a converter):
 
 or `to_torch_state_dict(CHECKPOINT_DIR)` for the nested dict itself: the state as it was saved,
 each DTensor a full torch tensor (dict keys as saved, ints included; a list that held DTensors
-comes back as a dict of its indices).
+comes back as a dict of its indices). Each chunk's crc32 is checked as it is read (`--no-verify`,
+`verify=False`: not checked); a mismatch is a CheckpointError naming the file, the key and the chunk.
 """
 from __future__ import annotations
 
@@ -15,27 +16,33 @@ import sys
 
 import torch
 
-from ..runtime.file_shards import read_region
+from ..runtime.file_shards import NO_CHECKSUM, ChecksumError, read_region
+from .safetensors_header import CheckpointError
 from .sharded_format import read_index
 
 __all__ = ["to_torch_state_dict", "convert", "main"]
 
 
-def to_torch_state_dict(directory) -> dict:
-    """The saved state, nested as it was, with every tensor read whole from its chunks."""
-    index = read_index(directory)
+def to_torch_state_dict(directory, *, verify: bool = True) -> dict:
+    """The saved state, nested as it was, with every tensor read whole from its chunks (each
+    chunk's checksum checked, unless verify=False)."""
+    index = read_index(directory, verify=verify)
     state: dict = {}
     for key, saved in index.tensors.items():
-        whole = read_region(saved.chunks, [0] * len(saved.shape), saved.shape, saved.dtype, f"tensor {key!r}")
+        chunks = saved.chunks if verify else [chunk._replace(checksum=NO_CHECKSUM) for chunk in saved.chunks]
+        try:
+            whole = read_region(chunks, [0] * len(saved.shape), saved.shape, saved.dtype, f"tensor {key!r}")
+        except (ChecksumError, EOFError) as error:   # the file changed since its header was read, or is damaged
+            raise CheckpointError(str(error)) from None
         _put(state, index.paths[key], whole.to(saved.dtype))
     for key, value in index.values.items():
         _put(state, index.paths[key], value)
     return state
 
 
-def convert(directory, out_path) -> None:
+def convert(directory, out_path, *, verify: bool = True) -> None:
     """Write the checkpoint at `directory` as one torch.save file."""
-    torch.save(to_torch_state_dict(directory), os.fspath(out_path))
+    torch.save(to_torch_state_dict(directory, verify=verify), os.fspath(out_path))
 
 
 def _put(state: dict, path: tuple, value) -> None:
@@ -50,8 +57,10 @@ def main(argv=None) -> int:
                                      description="Convert a dtorch.checkpoint.save directory to a torch.save file.")
     parser.add_argument("directory", help="the checkpoint directory (holds checkpoint.json)")
     parser.add_argument("out", help="the .pt file to write")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="do not check the chunks' checksums (read a damaged checkpoint anyway)")
     args = parser.parse_args(argv)
-    convert(args.directory, args.out)
+    convert(args.directory, args.out, verify=args.verify)
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -20,8 +20,8 @@ import torch
 from ..errors import DTorchError
 from ..runtime.file_shards import SAFETENSORS_DTYPES
 
-__all__ = ["StoredTensor", "CheckpointError", "read_header", "read_checkpoint", "checkpoint_files",
-           "SINGLE_FILE", "INDEX_FILE", "first_names"]
+__all__ = ["StoredTensor", "CheckpointError", "read_header", "read_header_and_metadata", "read_checkpoint",
+           "checkpoint_files", "SINGLE_FILE", "INDEX_FILE", "first_names"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,6 +49,11 @@ class StoredTensor(NamedTuple):
 def read_header(path: str) -> dict[str, StoredTensor]:
     """The tensors of one .safetensors file, checked against the file's size (a truncated file is
     refused here, before any worker reads it)."""
+    return read_header_and_metadata(path)[0]
+
+
+def read_header_and_metadata(path: str) -> tuple[dict[str, StoredTensor], dict]:
+    """read_header's tensors, and the file's "__metadata__" ({} if it has none)."""
     with open(path, "rb") as file:
         prefix = file.read(8)
         if len(prefix) < 8:
@@ -67,7 +72,9 @@ def read_header(path: str) -> dict[str, StoredTensor]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the header is not a JSON object")
     start = 8 + length
-    return {name: _stored(path, name, entry, start, size) for name, entry in header.items() if name != "__metadata__"}
+    metadata = header.get("__metadata__")
+    tensors = {name: _stored(path, name, entry, start, size) for name, entry in header.items() if name != "__metadata__"}
+    return tensors, metadata if isinstance(metadata, dict) else {}
 
 
 def _stored(path: str, name: str, entry, start: int, size: int) -> StoredTensor:

@@ -1,6 +1,10 @@
 """dtorch.checkpoint.save: every worker writes its own blocks of the state's DTensors into its own
 safetensors file (SaveShard); the controller writes only the index and plain values.
 
+Each chunk's crc32 is computed by the worker that writes it, over the bytes it writes, and
+recorded in its file's metadata; after the workers are done the controller copies them from the
+files' headers into the index (no reply carries them, no tensor byte reaches the controller).
+
 Atomic: the files go into a fresh sibling directory; the controller waits until every worker has
 written and fsynced its files (a Sync, which also raises any worker's error or loss), writes
 checkpoint.json last, and only then renames the directory into place. A save that fails or dies
@@ -18,10 +22,11 @@ import tempfile
 
 from ..distributed_spec import format_placements, local_region
 from ..runtime import session
-from ..runtime.file_shards import shard_file_name
+from ..runtime.file_shards import recorded_checksums, shard_file_name
 from ..runtime.protocol import SaveShard, dtype_name
 from ..runtime.transport import process_exists
 from ..tensor import DTensor
+from .safetensors_header import CheckpointError, read_header_and_metadata
 from .sharded_format import FORMAT, FORMAT_VERSION, INDEX_NAME, check_savable_dtype, encode_value, flatten
 
 __all__ = ["save", "FILE_BYTES"]
@@ -77,7 +82,22 @@ def _write_tensors(tensors: dict, paths: dict, staging: str, timeout) -> tuple[d
         for seq in seqs:
             if seq in controller.failures:
                 controller.failures[seq].reported = True
+    _record_checksums(entries, staging)
     return entries, sum(written.values())
+
+
+def _record_checksums(entries: dict, staging: str) -> None:
+    """Each chunk's crc32, as its writer recorded it in its file's metadata, into the index."""
+    recorded: dict = {}
+    for key, entry in entries.items():
+        for chunk in entry["chunks"]:
+            if chunk["file"] not in recorded:
+                metadata = read_header_and_metadata(os.path.join(staging, chunk["file"]))[1]
+                recorded[chunk["file"]] = recorded_checksums(metadata)
+            if key not in recorded[chunk["file"]]:
+                raise CheckpointError(f"{os.path.join(staging, chunk['file'])} records no crc32 for {key!r} "
+                                      "(written by a worker of another dtorch?)")
+            chunk["crc32"] = recorded[chunk["file"]][key]
 
 
 def _plan(tensors: dict, paths: dict) -> tuple[dict, list, dict]:

@@ -4,13 +4,15 @@ writing rank and SaveShard, plus `checkpoint.json`, written last:
 
     {"format": "dtorch-sharded", "version": 1,
      "tensors": {key: {"path": [...], "shape": [...], "dtype": "float32", "saved_as": "S(0), R on (2, 2)",
-                       "chunks": [{"file": "__0_0.safetensors", "offsets": [...], "shape": [...]}, ...]}},
+                       "chunks": [{"file": "__0_0.safetensors", "offsets": [...], "shape": [...],
+                                   "crc32": 2417155146}, ...]}},
      "values": {key: {"path": [...], "value": <encoded>}}}
 
 A key is the state's path joined with dots ("optim.state.0.exp_avg"); each file holds its chunks
-under their keys. The chunks of a tensor tile it. This module is the state's side: flattening a
-nested state into keys, putting loaded leaves back, encoding plain values as JSON, reading the
-index. No commands are sent from here.
+under their keys. The chunks of a tensor tile it; each chunk's crc32 (of its bytes in the file)
+is checked where it is read (an index without them, from before them, loads unchecked). This
+module is the state's side: flattening a nested state into keys, putting loaded leaves back,
+encoding plain values as JSON, reading the index. No commands are sent from here.
 """
 from __future__ import annotations
 
@@ -22,11 +24,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..runtime.file_shards import safetensors_code
+from ..runtime.file_shards import NO_CHECKSUM, recorded_checksums, safetensors_code
 from ..ops.tensor_meta import is_local_tensor
 from ..runtime.protocol import dtype_from_name
 from ..tensor import DTensor
-from .safetensors_header import CheckpointError, read_header
+from .safetensors_header import CheckpointError, read_header_and_metadata
 
 __all__ = ["INDEX_NAME", "FORMAT", "FORMAT_VERSION", "Leaf", "Chunk", "SavedTensor", "SavedIndex", "flatten",
            "fill", "encode_value", "decode_value", "read_index", "key_of", "check_savable_dtype"]
@@ -48,6 +50,7 @@ class Chunk(NamedTuple):
     dtype: torch.dtype   # as stored
     offset: tuple        # where the chunk sits in the global tensor
     shape: tuple
+    checksum: int        # the crc32 of its bytes; NO_CHECKSUM where the index records none
 
 
 class SavedTensor(NamedTuple):
@@ -167,9 +170,11 @@ def check_savable_dtype(key: str, dtype: torch.dtype) -> None:
 
 
 # --- reading the index ----------------------------------------------------------------------------
-def read_index(directory) -> SavedIndex:
+def read_index(directory, *, verify: bool = True) -> SavedIndex:
     """The checkpoint at `directory`, its index and every file's header checked (files present,
-    not truncated, chunk shapes and dtypes as the index says); CheckpointError otherwise."""
+    not truncated, chunk shapes and dtypes as the index says, and with `verify` the checksums a
+    file records as the index does: a file swapped with another, or replaced, is refused here);
+    CheckpointError otherwise."""
     directory = os.path.abspath(os.fspath(directory))
     index_path = os.path.join(directory, INDEX_NAME)
     if not os.path.isdir(directory):
@@ -186,7 +191,8 @@ def read_index(directory) -> SavedIndex:
             raise CheckpointError(f"{index_path}: format version {index.get('version')!r}; this dtorch reads "
                                   f"version {FORMAT_VERSION}")
         headers: dict = {}
-        tensors = {key: _saved_tensor(directory, key, entry, headers) for key, entry in index["tensors"].items()}
+        tensors = {key: _saved_tensor(directory, key, entry, headers, verify)
+                   for key, entry in index["tensors"].items()}
         values = {key: decode_value(entry["value"]) for key, entry in index["values"].items()}
         paths = {key: tuple(entry["path"]) for part in ("tensors", "values") for key, entry in index[part].items()}
     except CheckpointError:
@@ -196,9 +202,9 @@ def read_index(directory) -> SavedIndex:
     return SavedIndex(directory, tensors, values, paths)
 
 
-def _saved_tensor(directory: str, key: str, entry: dict, headers: dict) -> SavedTensor:
+def _saved_tensor(directory: str, key: str, entry: dict, headers: dict, verify: bool) -> SavedTensor:
     shape, dtype = tuple(entry["shape"]), dtype_from_name(entry["dtype"])
-    chunks = [_chunk(directory, key, dtype, chunk, headers) for chunk in entry["chunks"]]
+    chunks = [_chunk(directory, key, dtype, chunk, headers, verify) for chunk in entry["chunks"]]
     problem = tiling_problem(shape, [(chunk.offset, chunk.shape) for chunk in chunks])
     if problem:
         raise CheckpointError(f"{os.path.join(directory, INDEX_NAME)}: the chunks of {key!r} do not tile its shape "
@@ -234,15 +240,24 @@ def tiling_problem(shape: tuple, boxes: list) -> str | None:
     return None
 
 
-def _chunk(directory: str, key: str, dtype: torch.dtype, chunk: dict, headers: dict) -> Chunk:
+def _chunk(directory: str, key: str, dtype: torch.dtype, chunk: dict, headers: dict, verify: bool) -> Chunk:
     path = os.path.join(directory, os.path.basename(chunk["file"]))
     if path not in headers:
         if not os.path.isfile(path):
             raise CheckpointError(f"{directory}: {chunk['file']} is missing (it holds part of {key!r})")
-        headers[path] = read_header(path)
-    stored = headers[path].get(key)
+        tensors, metadata = read_header_and_metadata(path)
+        headers[path] = tensors, recorded_checksums(metadata)
+    tensors, checksums = headers[path]
+    stored = tensors.get(key)
     shape = tuple(chunk["shape"])
     if stored is None or stored.shape != shape or stored.dtype != dtype:
         found = "nothing" if stored is None else f"{stored.dtype} {list(stored.shape)}"
         raise CheckpointError(f"{path}: the index says it holds {key!r} as {dtype} {list(shape)}, it holds {found}")
-    return Chunk(path, stored.data_offset, dtype, tuple(chunk["offsets"]), shape)
+    crc = chunk.get("crc32", NO_CHECKSUM)
+    if type(crc) is not int or not (crc == NO_CHECKSUM or 0 <= crc < 1 << 32):
+        raise TypeError(f"the crc32 of a chunk of {key!r} is {crc!r}")
+    if verify and crc != NO_CHECKSUM and checksums.get(key, crc) != crc:
+        raise CheckpointError(f"{path}: the index records crc32 {crc:#010x} for the chunk of {key!r} at offsets "
+                              f"{chunk['offsets']}, the file records {checksums[key]:#010x} for it: not the file this "
+                              "save wrote (swapped with another, or replaced?). load(..., verify=False) reads it anyway")
+    return Chunk(path, stored.data_offset, dtype, tuple(chunk["offsets"]), shape, crc)

@@ -10,6 +10,11 @@ closer than GAP_LIMIT bytes (Shard(1) of a narrow matrix: many tiny runs) are re
 covering them, in CHUNK_BYTES pieces, and the block is copied out of it: there a system call per
 run costs more than reading the gap. The crossover, measured from the page cache, is between
 768 B and 2 KiB gaps (docs/checkpoint.md has the numbers).
+
+Every chunk a worker writes carries its crc32 (zlib's: the fastest checksum or hash in the
+standard library on this project's machine; docs/checkpoint.md, "Checksums", has the figures),
+recorded in the file's own metadata; the controller copies it into the checkpoint's index. A read
+checks it where the bytes are read (read_region, bottom of this file).
 """
 from __future__ import annotations
 
@@ -18,13 +23,15 @@ import json
 import math
 import os
 import struct
+import zlib
 
 import torch
 
 from ..distributed_spec import narrow_to_box
 
 __all__ = ["read_block", "block_runs", "GAP_LIMIT", "CHUNK_BYTES", "SAFETENSORS_DTYPES", "safetensors_code",
-           "shard_file_name", "write_safetensors", "read_region", "overlap"]
+           "shard_file_name", "write_safetensors", "read_region", "overlap", "checksum", "recorded_checksums",
+           "ChecksumError", "NO_CHECKSUM"]
 
 GAP_LIMIT = 1024            # bytes between runs below which the covering range is read instead
 CHUNK_BYTES = 64 << 20      # the most covering-range bytes held at once (a scratch buffer)
@@ -144,25 +151,60 @@ def shard_file_name(rank: int, file_index: int) -> str:
     return f"__{rank}_{file_index}.safetensors"
 
 
-def write_safetensors(path: str, tensors: list) -> None:
+def write_safetensors(path: str, tensors: list) -> dict[str, int]:
     """Write [(name, CPU tensor), ...] as a new safetensors file and fsync it: when this returns,
     the bytes are on disk (the controller publishes the checkpoint only after every rank got here).
-    The file must not exist: a rank never overwrites another save's file."""
-    header, position = {}, 0
+    Each tensor's crc32 goes into the file's metadata (`crc32:<name>`, where the controller reads
+    it for the index) and is returned, name -> crc32. The file must not exist: a rank never
+    overwrites another save's file."""
+    header, position, raws, crcs = {}, 0, [], {}
     for name, tensor in tensors:
-        size = tensor.numel() * tensor.element_size()
+        raws.append(_bytes_of(tensor.contiguous()))
+        crcs[name] = checksum(raws[-1])   # over the very bytes written below
         header[name] = {"dtype": _CODE_OF[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [position, position + size]}
-        position += size
-    header["__metadata__"] = {"format": "pt"}   # what transformers' and safetensors' loaders expect
+                        "data_offsets": [position, position + len(raws[-1])]}
+        position += len(raws[-1])
+    # "format": what transformers' and safetensors' loaders expect; metadata values are strings
+    header["__metadata__"] = {"format": "pt", **{_CRC_KEY + name: str(crc) for name, crc in crcs.items()}}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % _HEADER_ALIGN)
     with open(path, "xb") as file:
         file.write(struct.pack("<Q", len(raw)) + raw)
-        for _, tensor in tensors:
-            file.write(_bytes_of(tensor.contiguous()))
+        for data in raws:
+            file.write(data)
         file.flush()
         os.fsync(file.fileno())
+    return crcs
+
+
+# --- checksums: computed where the bytes are written, checked where they are read -----------------
+NO_CHECKSUM = -1     # a chunk without one (a checkpoint from before them, or load(verify=False))
+_CRC_KEY = "crc32:"  # the file's metadata key of a tensor's checksum, before its name
+
+
+class ChecksumError(ValueError):
+    """A chunk's bytes are not those that were saved (a flipped bit, a file replaced or swapped)."""
+
+
+def checksum(data) -> int:
+    """The crc32 of a bytes-like object (zlib's, which releases the GIL on large buffers)."""
+    return zlib.crc32(data)
+
+
+def recorded_checksums(metadata: dict) -> dict[str, int]:
+    """name -> crc32 of the tensors a file's metadata (its header's "__metadata__") records."""
+    return {key[len(_CRC_KEY):]: int(value) for key, value in metadata.items()
+            if key.startswith(_CRC_KEY) and isinstance(value, str) and value.isdigit()}
+
+
+def _file_checksum(fd, position: int, nbytes: int, path: str, what: str) -> int:
+    """The crc32 of `nbytes` of a file from `position`, read CHUNK_BYTES at a time."""
+    scratch, crc = bytearray(min(nbytes, CHUNK_BYTES)), 0
+    for start in range(0, nbytes, CHUNK_BYTES):
+        view = memoryview(scratch)[:min(CHUNK_BYTES, nbytes - start)]
+        _read_exact(fd, view, position + start, path, what)
+        crc = zlib.crc32(view, crc)
+    return crc
 
 
 def overlap(offset_a, box_a, offset_b, box_b):
@@ -176,28 +218,52 @@ def overlap(offset_a, box_a, offset_b, box_b):
 
 def read_region(chunks, offset, box, dtype: torch.dtype, what: str) -> torch.Tensor:
     """The block (offset, box) of a tensor saved as `chunks`, blocks that tile it:
-    ((path, data_offset, stored_dtype, chunk_offset, chunk_shape), ...). Only the bytes of the
-    chunks' parts inside the block are read. A block that one chunk covers comes back in the stored
-    dtype, as read; otherwise in `dtype`."""
+    ((path, data_offset, stored_dtype, chunk_offset, chunk_shape, crc32), ...). Only the bytes of
+    the chunks' parts inside the block are read. A block that one chunk covers comes back in the
+    stored dtype, as read; otherwise in `dtype`.
+
+    Each chunk with a crc32 (not NO_CHECKSUM) is checked by the ranks whose block holds its first
+    element: a rank that reads a chunk whole checks the bytes it read; one that needs only part of
+    it reads the rest too (a load onto another layout, once per chunk across the ranks). A
+    mismatch raises ChecksumError naming the file, the tensor and the chunk."""
     offset, box = list(offset), list(box)
     if any(length == 0 for length in box):
         return torch.empty(box, dtype=dtype)
     parts = []
-    for path, data_offset, stored_dtype, chunk_offset, chunk_shape in chunks:
-        met = overlap(offset, box, chunk_offset, chunk_shape)
+    for chunk in chunks:
+        met = overlap(offset, box, chunk[3], chunk[4])
         if met is not None:
-            parts.append((path, data_offset, stored_dtype, chunk_offset, chunk_shape, *met))
-    covered = sum(math.prod(part[-1]) for part in parts)
+            parts.append((chunk, *met))
+    covered = sum(math.prod(length) for _, _, length in parts)
     if covered != math.prod(box):
         raise ValueError(f"{what}: the saved chunks cover {covered} of the {math.prod(box)} elements of the block "
                          f"at {offset} of shape {box} (a damaged checkpoint index?)")
     if len(parts) == 1:
-        path, data_offset, stored_dtype, chunk_offset, chunk_shape, start, length = parts[0]
-        return read_block(path, data_offset, stored_dtype, chunk_shape,
-                          [s - c for s, c in zip(start, chunk_offset)], length, what)
+        return _read_part(*parts[0], what)
     out = torch.empty(box, dtype=dtype)
-    for path, data_offset, stored_dtype, chunk_offset, chunk_shape, start, length in parts:
-        piece = read_block(path, data_offset, stored_dtype, chunk_shape,
-                           [s - c for s, c in zip(start, chunk_offset)], length, what)
-        narrow_to_box(out, start, length, offset).copy_(piece)
+    for chunk, start, length in parts:
+        narrow_to_box(out, start, length, offset).copy_(_read_part(chunk, start, length, what))
     return out
+
+
+def _read_part(chunk, start, length, what: str) -> torch.Tensor:
+    """The part (start, length) of one saved chunk, in its stored dtype, its checksum checked
+    when this part holds the chunk's first element."""
+    path, data_offset, stored_dtype, chunk_offset, chunk_shape, crc = chunk
+    inside = [s - c for s, c in zip(start, chunk_offset)]
+    piece = read_block(path, data_offset, stored_dtype, chunk_shape, inside, length, what)
+    if crc == NO_CHECKSUM or any(inside):
+        return piece
+    if list(length) == list(chunk_shape):
+        found = checksum(_bytes_of(piece))
+    else:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            found = _file_checksum(fd, data_offset, math.prod(chunk_shape) * piece.element_size(), path, what)
+        finally:
+            os.close(fd)
+    if found != crc:
+        raise ChecksumError(f"{what}: checkpoint file {path}: the chunk at offsets {list(chunk_offset)} of shape "
+                            f"{list(chunk_shape)} has crc32 {found:#010x}, the index recorded {crc:#010x}: the file "
+                            "is damaged, or not the one this save wrote (load with verify=False to read it anyway)")
+    return piece

@@ -43,7 +43,7 @@ __all__ = [
     "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 16   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+VERSION = 17   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
               # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
               # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention);
               # 6: Regroup (lost ranks were replaced: communication groups of a new generation)
@@ -63,6 +63,7 @@ VERSION = 16   # 2: REGISTER carries the run's secret; 3: RunOp names the user's
               # 15: RunOp.regather (whether a gathered parameter may be gathered again in backward)
               # 16: CheckpointBegin, CheckpointEnd (activation checkpointing: the commands between
               #     them save nothing for backward, which runs them again)
+              # 17: LoadChunks' chunk rows end with the chunk's crc32 (-1: none to check)
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -294,7 +295,8 @@ class LoadChunks(NamedTuple):
     shape: tuple         # global shape
     dtype: str           # the tensor's dtype in dtorch: the stored bytes are cast to it
     placements: tuple    # each rank reads the parts of the chunks that overlap its own block
-    chunks: tuple        # ((path, data_offset, stored_dtype, offset, shape), ...): blocks tiling the tensor
+    chunks: tuple        # ((path, data_offset, stored_dtype, offset, shape, crc32), ...): blocks tiling the
+                         # tensor; crc32 -1: not checked (none recorded, or load(verify=False))
     name: str            # the tensor's key, for errors
 
 

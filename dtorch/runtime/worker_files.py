@@ -74,8 +74,9 @@ class CheckpointCommands:
 
     def handle_load_chunks(self, command: wire.LoadChunks) -> None:
         """Read this rank's block of a tensor saved as chunks (a sharded checkpoint, any layout):
-        only the parts of the chunks that overlap it."""
-        chunks = [(path, data_offset, wire.dtype_from_name(stored), chunk_offset, chunk_shape)
-                  for path, data_offset, stored, chunk_offset, chunk_shape in command.chunks]
+        only the parts of the chunks that overlap it, each chunk's crc32 checked by the ranks
+        holding its first element (file_shards.read_region)."""
+        chunks = [(path, data_offset, wire.dtype_from_name(stored), chunk_offset, chunk_shape, crc)
+                  for path, data_offset, stored, chunk_offset, chunk_shape, crc in command.chunks]
         dtype = wire.dtype_from_name(command.dtype)
         self._load_block(command, lambda offset, shape, what: read_region(chunks, offset, shape, dtype, what))
