@@ -14,6 +14,7 @@ import threading
 import time
 
 from ..errors import MeshError, StartupError, WorkerLostError
+from . import interrupts
 from .protocol import lost_worker_key
 from .local_relays import LocalRelays, local_relays_enabled
 from .zygote import Zygote, ZygoteUnavailable, zygote_enabled
@@ -332,6 +333,16 @@ class WorkerPool:
         first = min((w.busy_seq for w in hung), default=None)
         return [w for w in hung if w.busy_seq == first]
 
+    def exited(self, ranks) -> WorkerLostError | None:
+        """The first of `ranks` whose process has exited, not yet marked lost (a blocking read
+        asks, when the loop thread that marks losses has not run lately)."""
+        for rank in ranks:
+            w = self.workers.get(rank)
+            code = w.handle.poll() if w is not None and w.lost is None and w.handle is not None else None
+            if code is not None:
+                return WorkerLostError(w.rank, w.host, w.pid, f"its process exited with code {code}")
+        return None
+
     def lost_among(self, ranks) -> WorkerLostError | None:
         for rank in ranks:
             w = self.workers.get(rank)
@@ -378,11 +389,46 @@ class WorkerPool:
                     pending = [r for r in ranks if r not in reported]
                     raise StartupError(f"worker rank(s) {pending} on {sorted({self.workers[r].host for r in pending})} "
                                        f"did not register within {timeout:.0f}s")
-                self._changed.wait(min(left, 0.5))
+                self._changed.wait(min(left, 0.05))
+                interrupts.raise_pending()   # Ctrl-C while workers start (the with releases the lock)
 
-    def stop_all(self, deadline: float) -> None:
-        for w in self.workers.values():
-            stop_process(w.handle, deadline)
+    def stop_all(self, deadline: float, announce_after_s: float, describe) -> None:
+        """Wait until every worker process has exited (each runs what was issued, then its
+        Shutdown), up to `deadline`; then, or at once on a Ctrl-C meanwhile, end the rest. Once
+        the wait passes `announce_after_s`, say on stderr whom it waits for (`describe(worker)`)
+        and how to stop waiting: a shutdown never waits in silence."""
+        started = time.monotonic()
+        announced = False
+        while True:
+            running = [w for w in self.workers.values() if w.handle is not None and w.handle.poll() is None]
+            if not running:
+                return
+            now = time.monotonic()
+            if interrupts.take_pending() or now >= deadline:
+                _end_all([w.handle for w in running])
+                if announced:
+                    print(f"dtorch: ended {len(running)} worker(s)", file=sys.stderr, flush=True)
+                return
+            if not announced and now - started >= announce_after_s:
+                announced = True
+                waiting_for = "; ".join(describe(w) for w in running[:4]) + ("; ..." if len(running) > 4 else "")
+                print(f"dtorch: shutting down: waiting up to {deadline - now:.1f}s for {len(running)} worker(s) "
+                      f"to finish ({waiting_for}); press Ctrl-C to end them now", file=sys.stderr, flush=True)
+            time.sleep(0.02)
+
+
+def _end_all(handles: list) -> None:
+    """Kill every process, then reap each (a killed child would linger as a zombie)."""
+    for handle in handles:
+        try:
+            handle.kill()
+        except Exception:  # exited meanwhile
+            pass
+    for handle in handles:
+        try:
+            handle.wait(2)
+        except Exception:  # an ssh session slow to go: its worker exits on stdin EOF anyway
+            pass
 
 
 def _start_failure(worker: WorkerRecord, progress) -> str:

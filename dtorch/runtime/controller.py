@@ -23,6 +23,7 @@ import asyncio
 import collections
 import itertools
 import os
+import sys
 import threading
 import time
 import warnings
@@ -31,11 +32,11 @@ import weakref
 from ..distributed_spec import DeviceMesh
 from ..errors import (SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site,
                       user_frame, user_position)
-from . import profiling
+from . import interrupts, profiling
 from . import protocol as wire
 from .admission import Rejections, new_secret
 from .lost_tensors import LostTensors
-from .reads import FetchRead, Future, RemoteFailure, SyncRead
+from .reads import FetchRead, Future, RemoteFailure, SyncRead, wait_interruptibly
 from .rendezvous import host_store
 from .cluster import WorkerPool, WorkerRecord
 from .command_sites import SITE_RING, CommandSites
@@ -67,6 +68,12 @@ FREE_BATCH = 16
 # dead buffers on every worker.
 FREE_AT_ONCE_BYTES = 1 << 20
 HANG_TIMEOUT_S = 600.0   # one command running longer than this on a worker: reported lost and ended
+# Shutdown: workers finish what was issued; after SHUTDOWN_QUIET_S of waiting it says for whom.
+# Leaving on a Ctrl-C, it says so at once and ends them after INTERRUPTED_EXIT_S.
+SHUTDOWN_QUIET_S = 1.0
+INTERRUPTED_EXIT_S = 1.0
+LOOP_STUCK_S = 30.0
+CLOSE_TIMEOUT_S = 5.0    # shutdown waits this long for the loop thread to close the sockets      # a blocking read fails once the loop thread has not run for this long
 # Tensor ids are unique across sessions in this process, so a tensor kept from an ended session
 # can never name a tensor of the next one, even where the ownership check is bypassed.
 _TENSOR_IDS = itertools.count(1)
@@ -80,6 +87,7 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         this machine only (private ipc sockets, the rendezvous store on 127.0.0.1).
         hang_timeout_s: a worker running one command longer than this is reported lost and ended
         (default: DTORCH_HANG_TIMEOUT_S, else HANG_TIMEOUT_S; 0 turns it off)."""
+        interrupts.install()   # a Ctrl-C inside dtorch's code waits for it to return (interrupts.py)
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()   # taken before _lock, never inside it
         self._pending: list = []
@@ -117,6 +125,8 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         self._receive_wanted = False
         self._watching_replies = False   # loop thread only
         self._watchdog_waiting = False   # reading threads leave the socket to the loop's watchdog
+        self._loop_ticked = time.monotonic()   # the watchdog's latest tick (reads supervise without it)
+        self.loop_stuck_s = float(os.environ.get("DTORCH_LOOP_STUCK_S", LOOP_STUCK_S))
         self._waiting_for_failure: dict[int, list] = collections.defaultdict(list)
         self.failures: dict[int, RemoteFailure] = {}
         self._warning_registries: dict[str, dict] = {}   # file -> warnings' registry (shown once per line)
@@ -332,17 +342,31 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
 
     # --- shutdown -------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the workers, fail every read still pending, and warn about failures never read."""
+        """Stop the workers, fail every read still pending, and warn about failures never read.
+        Leaving on a Ctrl-C (the interpreter's exit after an uncaught KeyboardInterrupt), busy
+        workers get INTERRUPTED_EXIT_S, not `timeout`, and are told of at once."""
         if self.closed:
             return
         self.submit(wire.Shutdown)
         self.closed = True
-        self.pool.stop_all(time.monotonic() + timeout)
-        self._call(self._close)
+        interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+        wait_s = min(timeout, INTERRUPTED_EXIT_S) if interrupted else timeout
+        self.pool.stop_all(time.monotonic() + wait_s, 0.0 if interrupted else SHUTDOWN_QUIET_S,
+                           self._describe_busy)
+        try:
+            self._call(self._close, timeout=CLOSE_TIMEOUT_S)
+        except TimeoutError:   # a stuck loop thread (a handler that never returns): its sockets go with the process
+            print(f"dtorch: shutdown: the controller's loop thread did not answer within {CLOSE_TIMEOUT_S:g}s; "
+                  f"leaving without it. It is at:\n{self.loop_thread_stack()}", file=sys.stderr, flush=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
         self._fail_pending_reads()
         self._warn_unread_failures()
+
+    def _describe_busy(self, worker: WorkerRecord) -> str:
+        if worker.busy_seq < 0:   # from its latest heartbeat (every 0.5 s)
+            return f"rank {worker.rank}: running the commands issued before the shutdown"
+        return f"rank {worker.rank}: in {self.sites.describe(worker.busy_seq)} at its last heartbeat"
 
     def _fail_pending_reads(self) -> None:
         ended = SessionEndedError("the dtorch session was shut down before this read finished")
@@ -359,11 +383,13 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
                           f"{failure.error(failure.seq)}", UnreadFailureWarning, stacklevel=3)
 
     # --- loop thread ----------------------------------------------------------------------------
-    def _call(self, fn, *args):
+    def _call(self, fn, *args, timeout: float = 30.0):
         """Run fn on the loop thread and wait for its result (set-up and tear-down only)."""
         async def run():
             return fn(*args)
-        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(30)
+        done = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        wait_interruptibly(done, timeout)
+        return done.result(0)
 
     def _open(self, bind_host, curve) -> ControllerSockets:
         self.sockets = ControllerSockets(bind_host, curve)

@@ -36,6 +36,7 @@ class LostWorkers:
             await asyncio.sleep(WATCH_PERIOD_S)
             now = time.monotonic()
             late, ticked = now - ticked - WATCH_PERIOD_S, now
+            self._loop_ticked = now   # a blocking read watches this (reply_receiving.py)
             try:
                 self._watch_once(late)
             except Exception:  # keep watching: a silent end would leave lost workers unreported

@@ -16,6 +16,7 @@ import torch
 from ..distributed_spec import local_region, narrow_to_box
 from ..errors import DependencyError, DTorchError, RemoteError
 from ..ops.tensor_meta import TensorMeta
+from . import interrupts
 from . import protocol as wire
 
 __all__ = ["Future", "FetchRead", "SyncRead", "RemoteFailure"]
@@ -57,7 +58,8 @@ class Future(collections.abc.Coroutine):
             self._driven.close()
 
     def result(self, timeout: float | None = None):
-        return self._inner.result(self._receive_here(timeout))
+        self._wait(timeout)
+        return self._inner.result(0)
 
     def done(self) -> bool:
         if self._inner.done():
@@ -67,16 +69,19 @@ class Future(collections.abc.Coroutine):
         return False
 
     def exception(self, timeout: float | None = None):
-        return self._inner.exception(self._receive_here(timeout))
+        self._wait(timeout)
+        return self._inner.exception(0)
 
-    def _receive_here(self, timeout: float | None) -> float | None:
-        """Before blocking: take the reply off the socket on this thread if the controller lets
-        it; returns what is left of `timeout`."""
-        if self._receiver is None or self._inner.done():
-            return timeout
-        started = time.monotonic()
-        self._receiver.receive_here(self._inner, timeout)
-        return None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+    def _wait(self, timeout: float | None) -> None:
+        """Block until done or `timeout` passes (then result() raises TimeoutError). With a
+        controller: it takes the reply off the socket on this thread if it can, and the wait
+        stays interruptible and supervised (ReplyReceiving.wait_for)."""
+        if self._inner.done():
+            return
+        if self._receiver is not None:
+            self._receiver.wait_for(self._inner, timeout)
+        else:
+            wait_interruptibly(self._inner, timeout)
 
     # DTorch's TensorFuture spellings (x.to_torch_async().get()); unlike DTorch's, a result can
     # be read any number of times, so is_ready() stays True after get().
@@ -88,6 +93,25 @@ class Future(collections.abc.Coroutine):
 
     def __repr__(self) -> str:
         return f"<dtorch.Future {'done' if self.done() else 'pending'}>"
+
+
+def wait_interruptibly(inner: concurrent.futures.Future, timeout: float | None) -> None:
+    """Wait in slices, so that a Ctrl-C deferred meanwhile (interrupts.py) is raised here."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not inner.done():
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return
+        wait_done(inner, 0.05 if left is None else min(left, 0.05))
+        interrupts.raise_pending()
+
+
+def wait_done(inner: concurrent.futures.Future, seconds: float) -> None:
+    """Block until `inner` is done or `seconds` pass, whatever its outcome."""
+    try:
+        inner.exception(seconds)
+    except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+        pass
 
 
 def _waiter(inner: concurrent.futures.Future) -> asyncio.Future:
@@ -163,12 +187,20 @@ class _Read:
         return not self.waiting
 
     def fail(self, error: Exception) -> None:
-        if not self.future.done():
-            self.future._inner.set_exception(error)
+        # The loop thread and a reading thread that supervises its own read (reply_receiving.py)
+        # may settle the same read at once: the second one loses, quietly.
+        if not self.future._inner.done():
+            try:
+                self.future._inner.set_exception(error)
+            except concurrent.futures.InvalidStateError:
+                pass
 
     def succeed(self, value) -> None:
         if not self.future._inner.done():
-            self.future._inner.set_result(value)
+            try:
+                self.future._inner.set_result(value)
+            except concurrent.futures.InvalidStateError:
+                pass
 
     def poisoned_origin(self) -> int | None:
         origins = [origin for status, origin in self.statuses.values() if status == "poisoned"]

@@ -15,13 +15,16 @@ A mixin of Controller (controller.py), which provides what these methods use: `s
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import threading
 import time
 import traceback
 
-from ..errors import ProtocolError
+from ..errors import DTorchError, ProtocolError
+from . import interrupts
+from .reads import wait_done
 
-__all__ = ["ReplyReceiving", "READER_RECEIVE_S", "READ_SPIN_S"]
+__all__ = ["ReplyReceiving", "READER_RECEIVE_S", "READ_SPIN_S", "WAIT_SLICE_S"]
 
 # A thread blocked on a read takes replies off the ROUTER itself for up to this long, then hands
 # the socket back to the loop thread: the reply wakes only the thread that waits for it, not the
@@ -41,6 +44,14 @@ READER_RECEIVE_S = 0.02
 # spinning mutexes: spin where spinning paid lately.
 SHORT_WAITS_TO_SPIN = 2
 READ_SPIN_S = 0.0005
+
+# A blocking wait looks up from its reply this often: to run a Ctrl-C deferred meanwhile
+# (interrupts.py), and to do the watchdog's work for its own read when the loop thread has not
+# ticked for LOOP_QUIET_S (a worker process that exited fails the read), or fail it outright
+# once that thread has been stuck for the controller's loop_stuck_s: a read never waits forever
+# on a thread that cannot answer.
+WAIT_SLICE_S = 0.05
+LOOP_QUIET_S = 1.0
 
 
 class ReplyReceiving:
@@ -82,6 +93,45 @@ class ReplyReceiving:
             except RuntimeError:   # the loop has stopped: the session is over
                 pass
 
+    def wait_for(self, reply: concurrent.futures.Future, timeout: float | None) -> None:
+        """Block until `reply` is done or `timeout` passes, taking replies off the socket on this
+        thread when it is free (receive_here). Between slices: a deferred Ctrl-C is raised here,
+        where nothing is held, and the read is supervised without the loop thread."""
+        interrupts.install()   # IPython's kernel puts its own handler back at every cell
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not reply.done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            self.receive_here(reply, left)
+            if not reply.done():
+                wait_done(reply, WAIT_SLICE_S if left is None else min(left, WAIT_SLICE_S))
+            if not reply.done():
+                if self._reads:
+                    self.wake_receiver()
+                interrupts.raise_pending()
+                self._supervise_read(reply)
+
+    def _supervise_read(self, reply: concurrent.futures.Future) -> None:
+        """What the watchdog would do for this read, when the loop thread has not run it lately."""
+        quiet = time.monotonic() - self._loop_ticked
+        if quiet < LOOP_QUIET_S:
+            return
+        read = next((r for r in list(self._reads.values()) if r.future._inner is reply), None)
+        if read is None:
+            return
+        lost = self.pool.exited(read.waiting)
+        if lost is not None:
+            read.fail(lost)
+        elif quiet > self.loop_stuck_s:
+            read.fail(DTorchError(f"dtorch's controller loop thread has not run for {quiet:.0f}s (the limit is "
+                                  f"loop_stuck_s={self.loop_stuck_s:g}s, DTORCH_LOOP_STUCK_S), so this read cannot "
+                                  f"complete; that thread is at:\n{self.loop_thread_stack()}"))
+
+    def loop_thread_stack(self) -> str:
+        frame = sys._current_frames().get(self._thread.ident)
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(not running)"
+
     def receive_here(self, reply: concurrent.futures.Future, timeout: float | None) -> None:
         """Called by a thread about to block on a read: it takes messages off the ROUTER and
         handles them itself until its reply is in (or READER_RECEIVE_S passes), so that the
@@ -96,7 +146,7 @@ class ReplyReceiving:
             spin = self._short_waits >= SHORT_WAITS_TO_SPIN or self._last_work_seq < self._idle_upto
             spin_until = min(deadline, started + READ_SPIN_S) if spin else 0.0
             self.reads_spun += spin
-            while self._sockets_open and not reply.done():
+            while self._sockets_open and not reply.done() and not interrupts.pending():
                 now = time.monotonic()
                 if now >= deadline:
                     break
@@ -120,3 +170,4 @@ class ReplyReceiving:
                 self._reject(identity, str(error))
             except Exception:  # a bug in one handler must not stop the loop
                 traceback.print_exc()
+
