@@ -79,6 +79,54 @@ def test_worker_exception_surfaces_at_the_read_with_rank_and_user_line(mesh4):
     assert torch.equal((numerator + 1).to_torch(), torch.arange(8) + 1)  # the session goes on
 
 
+# --- a read names the first failure of its chain (Monarch's "depends on error") ------------------
+def test_a_read_names_the_first_failure_not_the_collective_that_failed_after_it(mesh4):
+    """The matmul fails on every rank (torch has no uint64 matmul on CPU). Reading its P(sum)
+    result runs a P(sum) -> R whose all-reduce fails too, with zeros standing in for the failed
+    input (Gloo reduces no uint64): the read names the matmul, and that second failure, which
+    only followed from it, is never reported."""
+    x = dtorch.tensor(torch.ones(4, 8, dtype=torch.uint64), device_mesh=mesh4, placements=[Shard(1)])
+    y = dtorch.tensor(torch.ones(8, 3, dtype=torch.uint64), device_mesh=mesh4, placements=[Shard(0)])
+    product = x @ y
+    assert product.placements == (Partial(),)
+    for read in (product, product * 2):
+        with pytest.raises(DependencyError) as info:
+            read.to_torch()
+        assert (info.value.op, info.value.seq) == ("matmul", product._seq), str(info.value)
+    dtorch.synchronize(timeout=30)   # nothing else failed
+
+
+def test_a_move_to_another_mesh_names_the_earliest_failure_of_its_ranks(mesh4, mesh1):
+    """z fails on rank 3 (the div, first) and on rank 1 (the remainder, after it). A read of z
+    names the div, and so must a read of z moved to rank 0 alone, where the ranks of the move
+    agree on one failure for it: the earliest."""
+    numerator, quotient = _failing_division(mesh4)   # rank 3
+    divisor = dtorch.tensor(torch.tensor([1, 1, 0, 1, 1, 1, 1, 1]), device_mesh=mesh4, placements=[Shard(0)])
+    rest = dtorch.remainder(numerator, divisor)       # rank 1: an integer remainder by zero
+    z = quotient + rest
+    for read in (z, z.redistribute(device_mesh=mesh1, placements=[Replicate()])):
+        with pytest.raises(DependencyError) as info:
+            read.to_torch()
+        assert (info.value.op, info.value.seq) == ("div", quotient._seq), str(info.value)
+    with pytest.raises(RemoteError, match="remainder"):
+        rest.to_torch()
+
+
+def test_a_stand_in_that_fails_too_keeps_its_inputs_failure(monkeypatch):
+    """Two in-process workers (tests/test_redistribute_failures.py): rank 1's input fails (the
+    factory, command #1), and then so does the first step of the zeros that stand in for it in
+    the redistribute's collectives. Its output still carries the factory's failure, and the
+    stand-in's is not reported: it follows from the first."""
+    from dtorch.runtime import kernels, worker as worker_module
+    from test_redistribute_failures import COMMANDS, fail_on, run_on_two_ranks
+    fail_on(monkeypatch, worker_module, "make_factory")
+    fail_on(monkeypatch, kernels, "_pad_to")
+    healthy, failed = run_on_two_ranks(COMMANDS)
+    assert failed.poisoned.get(2) == 1 and 2 not in failed.tensors
+    assert [header[2] for header in failed.sockets.sent] == [1]   # one report: the factory's
+    assert 2 in healthy.tensors and not healthy.sockets.sent
+
+
 def _warnings_of(issue, repeats: int = 1) -> tuple[list, int]:
     """The warnings shown while `issue` runs `repeats` times and its last result is read (with
     every warning shown, repeats included), and the line of `issue` that made them."""

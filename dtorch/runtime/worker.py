@@ -245,11 +245,14 @@ class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, 
         return [ref.id for ref in refs_in_order(command)]
 
     def _agree_on_failure(self, ranks: tuple, origin: int) -> int:
-        """The largest failure origin (a command seq) any of `ranks` passed, -1 for none, over
-        the host channel. Every rank involved must call it, failed or not."""
+        """The earliest failure origin (a command seq) any of `ranks` passed, -1 for none, over
+        the host channel. Every rank involved must call it, failed or not. The earliest, as a
+        read picks among its ranks' statuses (reads.FetchRead.finish): a later origin may be a
+        failure that followed from it, and a read names the first failure of its chain."""
         if len(ranks) == 1:
             return origin
-        return self.host_comm.agree_max(ranks, origin + 1) - 1
+        agreed = self.host_comm.agree_max(ranks, -origin if origin >= 0 else _NO_FAILURE)
+        return -agreed if agreed != _NO_FAILURE else -1
 
     # --- handlers: one per command ---------------------------------------------------------------
     def handle_define_mesh(self, command: wire.DefineMesh) -> None:
@@ -349,8 +352,12 @@ class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, 
             kwargs = map_refs(command.kwargs, lambda ref: None, self._place(mesh))
             kwargs["standin"] = True
         tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
-        out, done = self.device.communicate(lambda: KERNELS[command.kernel](*args, **kwargs), tensors)
-        if failed is not None:
+        try:
+            out, done = self.device.communicate(lambda: KERNELS[command.kernel](*args, **kwargs), tensors)
+        except Exception:
+            if failed is None:
+                raise
+        if failed is not None:   # even if the stand-in failed too: the input's failure comes first
             raise failed
         for tensor_id, tensor in zip(command.out_ids, out if isinstance(out, (tuple, list)) else (out,)):
             self._keep(tensor_id, tensor, done)
@@ -430,6 +437,9 @@ class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, 
             comm.regroup(command.generation, command.replaced)
 
 _ON_COMMAND_SOCKET = (wire.Batch, wire.Private, wire.Probe)   # probes need no answer once registered
+# What a rank without a failure passes to agree_max in _agree_on_failure, which agrees on the
+# earliest origin as the largest negated one: below every negated seq.
+_NO_FAILURE = -(1 << 62)
 
 
 def _outputs_of(command) -> tuple:

@@ -40,8 +40,12 @@ class MoveCommands:
                                                        command.steps, self.rank, self.comm)
             return
         if command.src_id not in self.tensors and command.src_id in self.poisoned:
-            self.device.communicate(lambda: self._stand_in(command, mesh), ())
-            raise Poisoned(self.poisoned[command.src_id])
+            origin = self.poisoned[command.src_id]
+            try:
+                self.device.communicate(lambda: self._stand_in(command, mesh), ())
+            except Exception:  # noqa: BLE001 -- the input's failure comes first: the read names it
+                pass
+            raise Poisoned(origin)
         source = self._held(command.src_id)
         out, done = self.device.communicate(
             lambda: apply_steps(source, command.shape, mesh, command.placements, command.steps,
@@ -53,7 +57,10 @@ class MoveCommands:
 
         The peers' results are then meaningless but never readable: the poison stays on this
         rank's output, a read gathers every rank's status, and a move to another mesh (where
-        this rank may not be) agrees on failures first. That saves a collective per redistribute."""
+        this rank may not be) agrees on failures first. That saves a collective per redistribute.
+        Should the stand-in fail too (a dtype the collective refuses on every rank alike), the
+        output still carries the input's failure, not a failure of its own: a read names the
+        first failure of its chain, not what followed from it."""
         _, shape = _region_of(command.shape, mesh, command.placements, self.rank)
         zeros = torch.zeros(shape, dtype=wire.dtype_from_name(command.dtype), device=self.device.torch_device)
         apply_steps(zeros, command.shape, mesh, command.placements, command.steps, self.rank, self.comm)
@@ -84,7 +91,8 @@ class MoveCommands:
         (out, failed_part), done = self.device.communicate(
             lambda: self._move_blocks(command, src_mesh, dst_mesh, source, involved),
             () if source is None else (source,))
-        failure = failure or failed_part
+        if origin < 0:   # (a part that failed with zeros for a poisoned input follows from that input)
+            failure = failure or failed_part
         agreed = self._agree_on_failure(involved, command.seq if failure is not None else origin)
         if failure is not None:
             raise failure
