@@ -12,12 +12,12 @@ import torch
 from typing import NamedTuple
 
 from ..distributed_spec import format_placements, local_shape
-from ..errors import LocalTensorError, MeshError, PlacementError, ShapeError, user_site
+from ..errors import LocalTensorError, MeshError, PlacementError, ShapeError, UnsupportedOpError, user_site
 from ..redistribute import plan_redistribute
 from .auto_redistribute import legal_call, takes_communication
 from .registry import PEER_KERNELS, REGISTRY, RegisteredOp
 from .rules import Call, TensorSlot, expand
-from .tensor_meta import TensorMeta, is_local_tensor, tensor_meta
+from .tensor_meta import TensorMeta, is_local_tensor, refuse_unordered, tensor_meta
 from .suggest import spell_placements_code
 from .unsupported import refuse_inplace_flag, unsupported_op
 
@@ -127,6 +127,7 @@ def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMet
             raise MeshError(f"{op.name}: inputs live on different meshes ({mesh} and {spec.mesh}) at "
                             f"{user_site()}; move one with x.redistribute(device_mesh=..., placements=...)")
     refuse_inplace_flag(op.name, op.torch_fn, args, kwargs)
+    _refuse_complex_scalars(op, args, kwargs)
     slot_args, slot_kwargs = _with_slots(args, kwargs)
     outputs, sequence = _infer(op, args, kwargs, specs)
     call = Call(op.name, tuple(specs), slot_args, slot_kwargs, outputs)
@@ -138,6 +139,9 @@ def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMet
     required, out_placements = expand(op.rule, call)
     input_steps = _local_input_steps(call, required)
     kernel, extra = op.local(call, required) if op.local else (op.name, {})
+    for (shape, dtype), placements in zip(outputs, out_placements):
+        if dtype.is_complex:   # (tensor_meta refuses it too, without the op's name)
+            refuse_unordered(dtype, mesh, placements, f"{op.name} of {_placements_of(call.inputs)}")
     out_specs = tuple(tensor_meta(shape, dtype, mesh, placements)
                       for (shape, dtype), placements in zip(outputs, out_placements))
     fused = () if kernel in PEER_KERNELS else _fused_moves(moves, specs)
@@ -145,6 +149,10 @@ def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMet
     regather = not any(_some_rank_empty(shape, mesh, placements)
                        for shape, placements in pieces + [(spec.shape, spec.placements) for spec in out_specs])
     return OpPlan(kernel, out_specs, input_steps, extra, sequence, moves, fused, regather)
+
+
+def _placements_of(inputs) -> str:
+    return ", ".join(format_placements(spec.placements) for spec in inputs)
 
 
 def _some_rank_empty(shape, mesh, placements) -> bool:
@@ -165,6 +173,18 @@ def _holds_torch_tensor(args, kwargs) -> bool:
     found = []
     map_tensors((args, kwargs), found.append, is_local_tensor)
     return bool(found)
+
+
+def _refuse_complex_scalars(op: RegisteredOp, args, kwargs) -> None:
+    """The wire carries no Python complex scalar (protocol's encoder refuses it), and a command
+    that cannot be encoded must never be issued: refused here, with the spelling that works."""
+    found = []
+    map_tensors((args, kwargs), found.append, lambda value: type(value) is complex)
+    if found:
+        raise UnsupportedOpError(f"{op.name}: a Python complex scalar {found[0]} at {user_site()}: dtorch does not "
+                                 f"send complex scalars to the workers yet; pass it as a tensor, "
+                                 f"torch.tensor({found[0]}) (dtorch uploads it; in strict mode use "
+                                 f"dtorch.tensor({found[0]}, device_mesh=mesh, placements=[Replicate()]))")
 
 
 def _is_symbol(value) -> bool:
@@ -238,10 +258,11 @@ def _refuse_mixed_dtypes(op: RegisteredOp, specs) -> None:
                      "dtorch.nn.mixed_precision, which cast for you)")
 
 
-# Reductions that torch refuses over an empty dim (max of nothing has no value), where its meta
-# kernels return a shape anyway (torch 2.13: torch.amax of a (0, 5) meta tensor is a () tensor):
-# for an empty input, the call runs once more on real empty CPU tensors, which hold no data, so
-# that torch's own check refuses it here, at the user's line, instead of -inf on the workers.
+# Reductions that torch refuses over an empty dim (max of nothing has no value) and for complex
+# inputs (complex numbers have no order), where its meta kernels return a shape anyway (torch
+# 2.13: torch.amax of a (0, 5) or a complex meta tensor is a tensor): for such an input, the call
+# runs once more on real CPU zeros that hold one element (expanded), so that torch's own check
+# refuses it here, at the user's line, instead of -inf or an error on the workers.
 _EMPTY_REFUSING_OPS = frozenset({"max", "min", "amax", "amin", "argmax", "argmin", "aminmax", "median", "nanmedian",
                                  "mode", "kthvalue"})
 
@@ -249,10 +270,10 @@ _EMPTY_REFUSING_OPS = frozenset({"max", "min", "amax", "amin", "argmax", "argmin
 def _run_meta(op: RegisteredOp, args, kwargs, specs) -> tuple[tuple, bool]:
     _refuse_mixed_dtypes(op, specs)
     meta = lambda value: value._meta.meta()  # noqa: E731
-    empty = lambda value: torch.zeros(value._meta.shape, dtype=value._meta.dtype)  # noqa: E731
+    zeros = lambda value: torch.zeros((), dtype=value._meta.dtype).expand(value._meta.shape)  # noqa: E731
     try:
-        if op.name in _EMPTY_REFUSING_OPS and any(0 in s.shape for s in specs):
-            op.torch_fn(*map_tensors(args, empty), **map_tensors(kwargs, empty))
+        if op.name in _EMPTY_REFUSING_OPS and any(0 in s.shape or s.dtype.is_complex for s in specs):
+            op.torch_fn(*map_tensors(args, zeros), **map_tensors(kwargs, zeros))
         result = op.torch_fn(*map_tensors(args, meta), **map_tensors(kwargs, meta))
     except Exception as error:
         shapes = ", ".join(f"{tuple(s.shape)} {str(s.dtype)[6:]}" for s in specs)

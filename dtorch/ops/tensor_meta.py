@@ -11,9 +11,9 @@ from typing import NamedTuple
 import torch
 
 from ..distributed_spec import DeviceMesh, Placement, Shard, distinct_shard_ranks, format_placements, local_shape
-from ..errors import PlacementError
+from ..errors import PlacementError, user_site
 
-__all__ = ["TensorMeta", "tensor_meta", "check_placements", "parse_shape", "is_local_tensor"]
+__all__ = ["TensorMeta", "tensor_meta", "check_placements", "parse_shape", "is_local_tensor", "refuse_unordered"]
 
 
 class TensorMeta(NamedTuple):
@@ -65,10 +65,27 @@ def tensor_meta(shape, dtype: torch.dtype, mesh: DeviceMesh, placements) -> Tens
     identity = (shape, dtype, mesh, mesh.mesh_dim_names, placements)
     found = _interned.get(identity)
     if found is None:
+        if dtype.is_complex:
+            refuse_unordered(dtype, mesh, placements)
         with _lock:
             found = _interned.setdefault(identity, TensorMeta(shape, dtype, mesh, placements, next(_keys),
                                                                _block_bytes(shape, dtype, mesh, placements)))
     return found
+
+
+def refuse_unordered(dtype: torch.dtype, mesh: DeviceMesh, placements: tuple, what: str = "") -> None:
+    """PlacementError for a complex tensor that is P(max) or P(min), at the call: a rank's part
+    of such a tensor is reduced by ordering values, and complex numbers have no order (torch.amax
+    refuses them; the workers' collectives would too, comm.reducible). Checked once per distinct
+    meta; `what` names the op where the caller knows it."""
+    unordered = [p for p in placements if p.is_partial() and p.reduce_op in ("max", "min")]
+    if unordered:
+        raise PlacementError(f"{what or 'a DTensor'}: a {str(dtype)[6:]} tensor cannot be "
+                             f"{format_placements(placements)} on {mesh} at {user_site()}: {unordered[0]!r} keeps "
+                             "the largest or smallest part, and "
+                             "complex numbers have no order (torch.amax and torch.max refuse complex tensors too). "
+                             "Complex tensors take S(d), R, P(sum) and P(avg): order by x.abs() instead, or "
+                             "redistribute a real P(max) / P(min) tensor to R before it becomes complex")
 
 
 def _block_bytes(shape: tuple, dtype: torch.dtype, mesh: DeviceMesh, placements: tuple) -> int:

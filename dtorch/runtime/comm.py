@@ -29,7 +29,7 @@ from .host_buffers import ScratchBuffers
 from .protocol import lost_worker_key
 
 __all__ = ["Communicator", "GlooCommunicator", "PeerLostError", "REDUCE_OPS", "backend_reduce_op",
-           "finish_reduction", "group_name", "holds_any"]
+           "finish_reduction", "group_name", "holds_any", "real_view", "reducible"]
 
 # --- reductions, the same on every backend -------------------------------------------------------
 # Each reduce op is one primitive of the backend; avg has none of its own on either, so it is a
@@ -49,6 +49,27 @@ def finish_reduction(tensor: torch.Tensor, reduce_op: str, ranks: tuple) -> torc
     return tensor
 
 
+# --- complex tensors, the same on every backend --------------------------------------------------
+# Neither backend carries complex numbers (Gloo: "Invalid scalar type"; NCCL has no complex
+# datatype), so every collective moves a complex tensor as its real view, torch.view_as_real: a
+# trailing dim of 2 holding the real and imaginary parts, in the same memory. A sum of complex
+# numbers is the sum of their parts, so sum and avg on that view are exactly complex sum and
+# mean; max and min have no meaning on complex numbers (torch.amax refuses them too), and the
+# controller refuses a complex P(max) or P(min) before anything is sent (tensor_meta.refuse_unordered).
+def real_view(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or for a complex one its real view in the same memory (any strides)."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+def reducible(tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+    """real_view(tensor) for a reduction by `reduce_op`: a TypeError, before any member waits,
+    for max or min of complex values (the controller's refusal makes this a last guard)."""
+    if tensor.is_complex() and REDUCE_OPS[reduce_op] != "sum":
+        raise TypeError(f"cannot reduce {tensor.dtype} tensors by {reduce_op}: complex numbers have no "
+                        "order; only sum and avg reduce complex tensors")
+    return real_view(tensor)
+
+
 class Communicator(Protocol):
     """Collectives among workers, as the worker and kernels call them; GlooCommunicator (CPU) and
     nccl.NcclCommunicator (GPUs) have exactly these.
@@ -56,7 +77,8 @@ class Communicator(Protocol):
     `ranks` is a group: a tuple of worker ranks, in mesh order, that holds this worker's rank.
     Every member calls the same methods on the same group in the same order, with tensors of the
     same shape and dtype, on the communicator's device (CPU for Gloo, this worker's GPU for NCCL).
-    `reduce_op` is a key of REDUCE_OPS: "sum", "avg", "max" or "min".
+    `reduce_op` is a key of REDUCE_OPS: "sum", "avg", "max" or "min". A complex tensor travels
+    as its real view (real_view) and reduces by sum or avg only (reducible).
 
     Failures: a collective whose peer is gone never holds the worker for good. Gloo raises
     PeerLostError on the members still waiting once the controller marks a peer lost or the
@@ -140,18 +162,20 @@ _GLOO_STACK_REDUCTIONS = {"sum": lambda t: t.sum(0, dtype=t.dtype), "max": lambd
                           "min": lambda t: t.amin(0)}
 # The dtypes Gloo carries; others (int16, uint16/32/64, float8) raise "Invalid scalar type". Moves
 # carry those as their bytes (uint8, bit for bit), and reductions run in a type that holds every
-# value, cast back after: an int16 sum then wraps as torch's own int16 arithmetic does.
+# value, cast back after: an int16 sum then wraps as torch's own int16 arithmetic does. Complex
+# tensors go as their real view (real_view), whose dtype is one of these.
 _GLOO_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-                          torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128})
+                          torch.int32, torch.int64, torch.bool})
 _GLOO_REDUCES_IN = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64,
                     **{dtype: torch.float32 for dtype in (torch.float8_e4m3fn, torch.float8_e5m2,
                                                          torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)}}
 
 
 def _gloo_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat view of `tensor` (contiguous); for a dtype Gloo lacks, of its bytes, as uint8."""
-    flat = tensor.view(-1)
-    return flat if tensor.dtype in _GLOO_DTYPES else flat.view(torch.uint8)
+    """A flat view of `tensor` (contiguous; complex as its real view); for a dtype Gloo lacks,
+    of its bytes, as uint8."""
+    flat = real_view(tensor).view(-1)
+    return flat if flat.dtype in _GLOO_DTYPES else flat.view(torch.uint8)
 
 
 def _gloo_reduction_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -283,10 +307,11 @@ class GlooCommunicator:
 
     # --- collectives over one group; every member calls the same one -------------------------
     def all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
-        wider = _gloo_reduction_dtype(tensor.dtype)
-        if wider is not tensor.dtype:
+        carried = reducible(tensor, reduce_op)
+        wider = _gloo_reduction_dtype(carried.dtype)
+        if wider is not carried.dtype:   # (never a complex tensor's view: float16 at the narrowest)
             return tensor.copy_(self.all_reduce(ranks, tensor.to(wider), reduce_op))
-        self._run(ranks, self.group(ranks).allreduce([tensor], _allreduce_options(reduce_op)))
+        self._run(ranks, self.group(ranks).allreduce([carried], _allreduce_options(reduce_op)))
         return finish_reduction(tensor, reduce_op, ranks)
 
     background_collectives = True
@@ -297,11 +322,12 @@ class GlooCommunicator:
     def start_all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str):
         """On a group of `ranks` that carries only these, so they meet in their own order
         whatever the caller's other collectives do meanwhile (Gloo's threads run them)."""
-        wider = _gloo_reduction_dtype(tensor.dtype)
-        if wider is not tensor.dtype:
+        carried = reducible(tensor, reduce_op)
+        wider = _gloo_reduction_dtype(carried.dtype)
+        if wider is not carried.dtype:
             finish_wider = self.start_all_reduce(ranks, tensor.to(wider), reduce_op)
             return lambda: tensor.copy_(finish_wider())
-        work = self.group(ranks, "background").allreduce([tensor], _allreduce_options(reduce_op))
+        work = self.group(ranks, "background").allreduce([carried], _allreduce_options(reduce_op))
 
         def finish() -> torch.Tensor:
             self._run(ranks, work)
@@ -322,8 +348,11 @@ class GlooCommunicator:
         reduce_scatter ignores a wait's timeout, so a member waiting on a lost or failed peer
         could never look up and leave. The pieces received are reduced at once, so they land
         in a kept buffer too."""
-        received = self._all_to_all(ranks, stacked, self._scratch.take("received", stacked))
+        carried = reducible(stacked, reduce_op)   # complex: reduced as real parts, then viewed back
+        received = self._all_to_all(ranks, carried, self._scratch.take("received", carried))
         reduced = _GLOO_STACK_REDUCTIONS[REDUCE_OPS[reduce_op]](received)
+        if stacked.is_complex():
+            reduced = torch.view_as_complex(reduced)
         return finish_reduction(reduced, reduce_op, ranks)
 
     def all_to_all(self, ranks: tuple, send: torch.Tensor) -> torch.Tensor:

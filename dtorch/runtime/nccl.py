@@ -32,7 +32,7 @@ import time
 import torch
 
 from . import protocol as wire
-from .comm import GlooCommunicator, backend_reduce_op, finish_reduction, group_name, holds_any
+from .comm import GlooCommunicator, backend_reduce_op, finish_reduction, group_name, holds_any, reducible
 from .gpu_assignment import cupy_missing_message
 
 __all__ = ["NcclCommunicator", "NCCL_DATATYPES", "NCCL_REDUCE_OPS", "encode_unique_id",
@@ -40,6 +40,8 @@ __all__ = ["NcclCommunicator", "NCCL_DATATYPES", "NCCL_REDUCE_OPS", "encode_uniq
 
 # ncclDataType_t and ncclRedOp_t from nccl.h (a stable ABI; cupy exports the same numbers as
 # NCCL_FLOAT32, NCCL_SUM, ...). Kept as plain numbers so this table is testable without cupy.
+# NCCL has no complex type: reductions take a complex tensor's real view (comm.reducible), and
+# every other call moves bytes (NCCL_UINT8), which carry any dtype.
 NCCL_DATATYPES = {
     torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
     torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9,
@@ -130,9 +132,10 @@ class NcclCommunicator:
         tensor = tensor.contiguous()
         if self._skips(ranks, tensor):
             return tensor
-        kind, op = _reduction(tensor, reduce_op)
+        carried = reducible(tensor, reduce_op)   # a complex tensor as its real view, in its memory
+        kind, op = _reduction(carried, reduce_op)
         with self._enqueue(ranks) as (comm, stream):
-            comm.allReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), kind, op, stream)
+            comm.allReduce(carried.data_ptr(), carried.data_ptr(), carried.numel(), kind, op, stream)
         return finish_reduction(tensor, reduce_op, ranks)
 
     background_collectives = False   # one stream, one order: see Communicator.background_collectives
@@ -162,9 +165,10 @@ class NcclCommunicator:
         if self._skips(ranks, stacked):
             return stacked[0].clone()
         output = torch.empty_like(stacked[0])
-        kind, op = _reduction(output, reduce_op)
+        carried = reducible(output, reduce_op)   # complex: the real views of both, in their memory
+        kind, op = _reduction(carried, reduce_op)
         with self._enqueue(ranks) as (comm, stream):
-            comm.reduceScatter(stacked.data_ptr(), output.data_ptr(), output.numel(), kind, op, stream)
+            comm.reduceScatter(stacked.data_ptr(), carried.data_ptr(), carried.numel(), kind, op, stream)
         return finish_reduction(output, reduce_op, ranks)
 
     def all_to_all(self, ranks: tuple, send: torch.Tensor) -> torch.Tensor:

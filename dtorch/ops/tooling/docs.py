@@ -112,6 +112,33 @@ _NOT_YET = [
 ]
 
 
+# Complex dtypes: what works through the collectives, and what is refused at the call
+# (comm.real_view and comm.reducible on the workers; tensor_meta.refuse_unordered, dispatch's
+# ordering reductions and complex scalars on the controller; tests/test_complex.py).
+_COMPLEX = [
+    "**Complex tensors** (complex64, complex128) work as in torch wherever torch's op takes them: every",
+    "redistribute (S(d), R, P(sum), P(avg); uneven shapes, N-D meshes), moves between meshes, reads, and",
+    "the ops below on complex values (`+`, `*`, `/`, `@`, `einsum`, `sum`, `mean`, `var`, `cumsum`, `vdot`,",
+    "`abs`, `exp`, ...), backward included. The workers' collectives, Gloo and NCCL alike, carry a complex",
+    "tensor as its real view (`torch.view_as_real`: real and imaginary parts side by side), so a sum or",
+    "mean over ranks is exactly complex addition. Refused at your line, before anything is sent:", "",
+    "- **`P(max)` / `P(min)` of a complex tensor**, from a factory, a redistribute or an op's result:",
+    "  complex numbers have no order (torch.amax refuses them too); PlacementError naming the placements",
+    "  and the mesh. Order by `x.abs()`.",
+    "- **ordering ops on complex inputs** (`max`, `min`, `amax`, `amin`, `argmax`, `argmin`, `median`,",
+    "  `nanmedian`, `mode`, `kthvalue`): torch's own refusal, as ShapeError at your line, not on the workers.",
+    "- **a Python complex scalar** (`x * (1 + 2j)`): the wire carries none yet; UnsupportedOpError says",
+    "  to pass `torch.tensor(1 + 2j)`, which dtorch uploads.", "",
+    "Not there yet: the complex-only ops (`x.real`, `x.imag`, `conj`, `angle`, `view_as_real`,",
+    "`view_as_complex`, `torch.complex`, `polar`, `torch.fft`) are not dtorch ops (UnsupportedOpError);",
+    "a complex value given to `dtorch.full` or `x.fill_` ends the session's workers (its command cannot",
+    "be encoded): upload it with `dtorch.tensor`. And complex128 bytes that cross the wire in a frame (an",
+    "upload, a read from several ranks) can land at an address misaligned for their 16-byte elements and",
+    "crash the process that reads them: make complex128 tensors on the workers (`x.to(torch.complex128)`)",
+    "and read them as R.", "",
+]
+
+
 def render() -> str:
     families = sorted({spec.family for spec in REGISTRY.values()},
                       key=lambda f: (_FAMILY_ORDER.index(f) if f in _FAMILY_ORDER else len(_FAMILY_ORDER), f))
@@ -120,7 +147,7 @@ def render() -> str:
              "Placements: `R` Replicate, `S(d)` Shard(d), `P(op)` Partial. A rule is written for one mesh dim",
              "and applied to every dim of an N-D mesh. The combinations listed per op are those its rule",
              "accepts as given; R -> S(d), a local slice, is done inside the op (marked *sliced* below).",
-             "See docs/adding_an_op.md to add one.", ""] + _AUTOMATIC + _MESHES + _NOT_YET
+             "See docs/adding_an_op.md to add one.", ""] + _AUTOMATIC + _MESHES + _NOT_YET + _COMPLEX
     counts = {family: sum(s.family == family for s in REGISTRY.values()) for family in families}
     lines += [f"- [{family}](#{family}): {counts[family]} ops" for family in families]
     for family in families:
