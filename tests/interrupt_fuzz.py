@@ -221,7 +221,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     summary = run(args.interrupts, args.seed, args.workers)
-    accounted = summary["interrupts_raised"] + summary["interrupts_coalesced"] == summary["interrupts_handled"]
+    accounted = (summary["interrupts_raised"] + summary["interrupts_coalesced"] == summary["interrupts_handled"]
+                 and summary["interrupts_caught"] == summary["interrupts_raised"])   # none dropped on the way
     ok = (summary["errors"] == 0 and summary["wrong_values"] == 0 and summary["session_kept"] and accounted
           and summary["interrupts_forced"] == 0)
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))

@@ -112,6 +112,7 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         self._first_valid_id = 0
         self.lost_tensors = LostTensors()
         self._reads: dict[int, object] = {}
+        self._abandoned: dict[int, set] = {}   # seq -> ranks that still answer a read a loss failed
         # When a blocking read spins for its reply (reply_receiving.py, READ_SPIN_S):
         self._last_work_seq = -1   # the last submitted command other than a read (a Free is not work)
         self._idle_upto = -1       # the last read every live worker has answered

@@ -13,9 +13,9 @@ be; so such an interrupt is deferred:
   generated code are neither: they run for whoever called them). In the user's code, or in no
   one's, the interrupt goes ahead at once, through whatever handler was installed before
   (KeyboardInterrupt at the user's line, as always). In dtorch's, it is deferred.
-- A deferred interrupt runs when dtorch's code returns to the user's (a profile hook, set only
-  while one is deferred), so the call that was interrupted completes (everything it issued
-  runs) and KeyboardInterrupt is raised at the user's line. A wait inside
+- A deferred interrupt runs when dtorch's code returns to the user's (a trace hook, set only
+  while one is deferred): the call that was interrupted completes, everything it issued runs,
+  and KeyboardInterrupt is raised at the user's line. A wait inside
   dtorch (a blocking read, start-up, shutdown) looks at `pending()` between short slices and
   gives up at a point where nothing is held (`raise_pending`).
 - A second Ctrl-C while one has been deferred for ESCAPE_AFTER_S goes ahead at once: a user who
@@ -60,7 +60,8 @@ class _Deferred:
     """The one interrupt held back, if any (main thread only: handlers run there)."""
     handler = None        # the handler that was installed before dtorch's: it runs the interrupt
     since = 0.0           # time.monotonic() of the deferral; 0.0 when none is pending
-    hooked = False        # the return hook is set
+    hooked = False        # the line hook is set
+    traced: list = []     # the frames it traces
     counts = {"seen": 0, "deferred": 0, "coalesced": 0, "forced": 0}   # since this process started
 
 
@@ -123,7 +124,7 @@ def _on_sigint(signum, frame) -> None:
         else:
             _Deferred.counts["deferred"] += 1
             _Deferred.since = now
-            _hook_returns()
+            _hook_returns(frame)
         return
     elif _Deferred.since:   # the deferred one and this one, raised as one in the user's code
         _Deferred.counts["coalesced"] += 1
@@ -167,28 +168,57 @@ def _clear() -> None:
     _Deferred.since = 0.0
     if _Deferred.hooked:
         _Deferred.hooked = False
-        if sys.getprofile() is _on_profile_event:
-            sys.setprofile(None)
+        if sys.gettrace() is _on_call:
+            sys.settrace(None)
+        for frame in _Deferred.traced:
+            frame.f_trace = None
+        _Deferred.traced.clear()
 
 
-def _hook_returns() -> None:
-    """Watch the main thread's calls and returns until it runs the user's code again. Not while
-    a profiler runs (it owns the hook): the next safe point of a wait runs it then."""
-    if sys.getprofile() is None:
-        sys.setprofile(_on_profile_event)
-        _Deferred.hooked = True
-
-
-def _on_profile_event(frame, event, arg) -> None:
-    """Run the deferred interrupt at the first call or return that is the user's code's: a dtorch
-    function returning to it, or a function it calls. Not on a destructor's return (DTensor's
-    __del__ runs inside any code the garbage collector interrupts, and an exception leaving it
-    is printed and dropped): the user's code's next call raises it instead."""
-    if not _Deferred.since:
+def _hook_returns(frame) -> None:
+    """Trace the main thread until dtorch hands back to the user's code: the outermost dtorch
+    frame over the user's code raises on its return (at the user's line that called dtorch), and
+    the user's frames on their next line or return, as do the user's functions called from here
+    on. Never a destructor's return, which the garbage collector runs inside any code and whose
+    exception is printed and dropped. Not while a debugger or coverage traces (they own the
+    hook): a wait's next safe point runs it."""
+    if sys.gettrace() is not None:
         return
-    if event == "return":
-        if frame.f_code.co_name == "__del__" or _in_dtorch(frame.f_back):
-            return
-    elif _in_dtorch(frame):
-        return
-    _run(signal.SIGINT, frame)
+    while frame is not None:
+        code = frame.f_code
+        if _traced_as_user(code):
+            _trace(frame, _on_user_event)
+        elif _owner(code.co_filename) == "dtorch" and code.co_name != "__del__" and not _in_dtorch(frame.f_back):
+            _trace(frame, _on_boundary_event)
+        frame = frame.f_back
+    sys.settrace(_on_call)
+    _Deferred.hooked = True
+
+
+def _trace(frame, tracer) -> None:
+    frame.f_trace = tracer
+    _Deferred.traced.append(frame)
+
+
+def _traced_as_user(code) -> bool:
+    """The user's code, or a script without a file (python -c, a REPL) at its top level."""
+    owner = _owner(code.co_filename)
+    return owner == "user" or (owner is None and code.co_name == "<module>" and code.co_filename.startswith("<"))
+
+
+def _on_call(frame, event, arg):
+    if event == "call" and frame.f_code.co_name != "__del__" and _owner(frame.f_code.co_filename) == "user":
+        return _on_user_event   # a function of the user's that dtorch (or the user) calls now
+    return None
+
+
+def _on_boundary_event(frame, event, arg):
+    if event == "return" and _Deferred.since:
+        _run(signal.SIGINT, frame.f_back)   # KeyboardInterrupt at the user's line that called dtorch
+    return _on_boundary_event
+
+
+def _on_user_event(frame, event, arg):
+    if event in ("line", "return") and _Deferred.since:
+        _run(signal.SIGINT, frame)   # KeyboardInterrupt at the user's next line
+    return _on_user_event
