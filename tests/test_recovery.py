@@ -202,3 +202,32 @@ def test_the_worker_regroups_its_communicator_and_its_host_channel_once_each():
     same = Recording()
     Worker(0, None, same, CpuDevice(), 0).handle_regroup(wire.Regroup(5, 3, (1,)))
     assert same.calls == [(3, (1,))]
+
+
+def test_a_survivors_late_reply_to_a_read_the_loss_failed_is_not_a_protocol_error():
+    """The read fails with WorkerLostError at once; the survivor answers it a second later, busy
+    until then: that reply is expected, so nothing is logged as a dropped message."""
+    result = run_script("""
+        import json, os, signal, dtorch
+        from dtorch.distributed_spec import init_device_mesh, Replicate, Shard
+        mesh = init_device_mesh("cpu", (2,))
+        x = dtorch.ones(8, 4, device_mesh=mesh, placements=[Shard(0)])
+        big = dtorch.ones(1500, 1500, device_mesh=init_device_mesh("cpu", (1,)), placements=[Replicate()])
+        assert x.sum().item() == 32
+        pids = [w["pid"] for w in dtorch.workers()]
+        os.kill(pids[1], signal.SIGKILL)
+        for _ in range(8):
+            big = (big @ big) / 1500       # rank 0 busy for a while
+        try:
+            (x * 2).to_torch()
+            lost = None
+        except dtorch.WorkerLostError as error:
+            lost = str(error)
+        big.to_torch()                     # rank 0 has answered the failed read by now
+        print(json.dumps({"lost": lost, "rejected": dtorch.stats().get("messages_rejected"), "pids": pids}))
+    """, timeout=120)
+    report = _report(result)
+    assert report["lost"] and "rank 1" in report["lost"]
+    assert "does not owe" not in result.stderr and "dropped a message" not in result.stderr, result.stderr
+    assert not report["rejected"], report
+    _all_ended(report["pids"])

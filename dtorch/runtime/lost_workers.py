@@ -6,7 +6,7 @@ again and refuses the tensors built on them before.
 
 A mixin of Controller (controller.py), which provides what these methods use: `pool`,
 `store`, `sites`, `hang_timeout_s`, `closed`, `failures`, `lost_tensors`,
-`generation` and `_first_valid_id`, `_mesh_ids`, `_mesh_lock` and `_lost_meshes`, `_reads`,
+`generation` and `_first_valid_id`, `_mesh_ids`, `_mesh_lock` and `_lost_meshes`, `_reads`, `_abandoned`,
 `_router_lock`, `_watchdog_waiting`, `_sockets_open`, `_pending`, `_pending_since`,
 `_released`, `_flush_scheduled`, and `submit`, `new_future`, `new_id`, `announce_meshes`,
 `_flush` and `_handle_queued` (reply_receiving.py).
@@ -73,10 +73,16 @@ class LostWorkers:
         for mesh in [m for m in self._mesh_ids if worker.rank in m.ranks]:
             self._lost_meshes[mesh] = error
             del self._mesh_ids[mesh]
+        for owed in self._abandoned.values():   # it will not answer reads abandoned before either
+            owed.discard(worker.rank)
         for seq, read in list(self._reads.items()):
             if worker.rank in read.waiting:
                 read.fail(error)
                 self._reads.pop(seq, None)
+                # The survivors still answer it: their replies are expected, not a protocol error.
+                self._abandoned[seq] = read.waiting - {worker.rank}
+        for seq in [seq for seq, owed in self._abandoned.items() if not owed]:
+            del self._abandoned[seq]
 
     # --- recovery (runtime/recovery.py drives it) ----------------------------------------------
     def settle_survivors(self, timeout: float) -> None:

@@ -7,7 +7,7 @@ that fails a check raises ProtocolError, and the caller drops it, counts it and 
 
 A mixin of Controller (controller.py), which provides what these handlers use: `sockets`,
 `workers` and `pool`, `secret`, `store_address`, `gloo_timeout_s`, `_published_upto`,
-`_reads`, `failures` and `_waiting_for_failure`, `sites`, `rejections`, `_handlers`,
+`_reads`, `_abandoned`, `failures` and `_waiting_for_failure`, `sites`, `rejections`, `_handlers`,
 `_warnings_shown`, `_warning_registries` and `_lose`.
 """
 from __future__ import annotations
@@ -85,6 +85,8 @@ class WorkerMessages:
         self._sender(identity, rank)
         read = self._reads.get(seq)
         if read is None or rank not in read.waiting:
+            if self._owed_to_abandoned(seq, rank):
+                return
             raise ProtocolError(f"a reply from rank {rank} for command #{seq}, which it does not owe")
         problem = read.check(rank, status, frames)
         if problem is not None:   # from the registered worker itself: the read cannot be trusted
@@ -93,6 +95,16 @@ class WorkerMessages:
             raise ProtocolError(problem)
         if read.add(rank, status, origin, frames):
             self._finish(seq, read)
+
+    def _owed_to_abandoned(self, seq: int, rank: int) -> bool:
+        """A survivor's reply to a read that failed when another of its ranks was lost: expected."""
+        owed = self._abandoned.get(seq)
+        if owed is None or rank not in owed:
+            return False
+        owed.discard(rank)
+        if not owed:
+            del self._abandoned[seq]
+        return True
 
     def _made_by(self, read) -> str:
         """Which command made the tensor a read's bytes do not fit, and the likely cause: torch's
