@@ -455,12 +455,36 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         # commands before this thread returns from publish, and the loop thread checks the report's
         # seq against this bound (a report under the old bound would be rejected and its read hang).
         self._published_upto = batch[-1].seq + wire.span(batch[-1])
-        self.sockets.publish(wire.encode_batch(batch[0].seq, batch))
+        try:
+            frames = wire.encode_batch(batch[0].seq, batch)
+        except Exception:   # a field the wire cannot carry (ProtocolError, msgpack's TypeError...)
+            frames = wire.encode_batch(batch[0].seq, [self._encodable(c) for c in batch])
+        self.sockets.publish(frames)
         self.commands_sent += len(batch)
         self.batches_sent += 1
         if recorder is not None:
             recorder.add("flush", "flush", profiling.LOOP, started, profiling.now(),
                          {"commands": len(batch), "first_seq": batch[0].seq})
+
+    def _encodable(self, command):
+        """`command`, or, if msgpack cannot encode one of its fields (a value no op's check
+        caught, such as a Python complex fill value), an empty Free in its seq: the workers'
+        numbering keeps no gap (a gap ends the session), and the command fails as if it had
+        failed on the workers, so the reads of its results and synchronize() raise naming it."""
+        try:
+            wire.encode_batch(command.seq, [command])
+            return command
+        except Exception as error:
+            if wire.span(command) != 1:
+                raise
+            kept = self.sites.kept(command.seq)
+            op = (kept[2] if type(kept[2]) is str else kept[2].__name__) if kept else type(command).__name__
+            self.failures[command.seq] = RemoteFailure(
+                command.seq, op, self.sites.site_of(command.seq), type(error).__name__,
+                f"dtorch cannot send this command to the workers: {error} (a Python complex number is one such "
+                "value: pass torch.tensor(value) instead)", "(on the controller: it never reached a worker)\n",
+                self.pool.live_ranks() or [0])
+            return wire.Free(command.seq, ())
 
     async def _probe(self) -> None:
         """Publish probes until every worker has registered: a worker registers only after its

@@ -785,4 +785,6 @@ def tensor_from_frame(buffer, dtype: torch.dtype, shape) -> torch.Tensor:
     if len(buffer) == 0:
         return torch.empty(tuple(shape), dtype=dtype)
     raw = torch.frombuffer(bytearray(buffer) if isinstance(buffer, bytes) else buffer, dtype=torch.uint8)
+    if raw.data_ptr() % min(dtype.itemsize, 16):   # a frame ZeroMQ placed off the dtype's alignment:
+        raw = raw.clone()                           # complex128 kernels crash on such a view
     return raw.view(dtype).reshape(tuple(shape))

@@ -129,13 +129,11 @@ _COMPLEX = [
     "  `nanmedian`, `mode`, `kthvalue`): torch's own refusal, as ShapeError at your line, not on the workers.",
     "- **a Python complex scalar** (`x * (1 + 2j)`): the wire carries none yet; UnsupportedOpError says",
     "  to pass `torch.tensor(1 + 2j)`, which dtorch uploads.", "",
-    "Not there yet: the complex-only ops (`x.real`, `x.imag`, `conj`, `angle`, `view_as_real`,",
-    "`view_as_complex`, `torch.complex`, `polar`, `torch.fft`) are not dtorch ops (UnsupportedOpError);",
-    "a complex value given to `dtorch.full` or `x.fill_` ends the session's workers (its command cannot",
-    "be encoded): upload it with `dtorch.tensor`. And complex128 bytes that cross the wire in a frame (an",
-    "upload, a read from several ranks) can land at an address misaligned for their 16-byte elements and",
-    "crash the process that reads them: make complex128 tensors on the workers (`x.to(torch.complex128)`)",
-    "and read them as R.", "",
+    "A complex value given to `dtorch.full` or `x.fill_` cannot be sent to the workers: that command",
+    "fails (RemoteError at its read, naming your line) and the session goes on; upload it with",
+    "`dtorch.tensor`. Not there yet: the complex-only ops (`x.real`, `x.imag`, `conj`, `angle`,",
+    "`view_as_real`, `view_as_complex`, `torch.complex`, `polar`, `torch.fft`) are not dtorch ops",
+    "(UnsupportedOpError).", "",
 ]
 
 
