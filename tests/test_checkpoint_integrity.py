@@ -15,7 +15,7 @@ import torch
 import dtorch
 from dtorch import Replicate, Shard
 from dtorch.checkpoint import to_torch_state_dict
-from dtorch.checkpoint.sharded_format import tiling_problem
+from dtorch.checkpoint.sharded_format import index_checksum, tiling_problem
 from dtorch.checkpoint.safetensors_header import CheckpointError, read_header, read_header_and_metadata
 from dtorch.runtime.file_shards import NO_CHECKSUM, read_region
 
@@ -31,7 +31,11 @@ def _saved(mesh, directory) -> dict:
         return json.load(file)
 
 
-def _rewrite(directory, index) -> None:
+def _rewrite(directory, index, keep_checksum: bool = False) -> None:
+    """The index edited as a faulty writer would leave it: with a crc32 that matches (so the
+    checks behind the index's own checksum are what refuses it), or with the save's crc32."""
+    if not keep_checksum and "crc32" in index:
+        index = dict(index, crc32=index_checksum(index))
     with open(os.path.join(directory, INDEX), "w") as file:
         json.dump(index, file)
 
@@ -56,6 +60,26 @@ def test_a_chunk_moved_onto_another_is_refused(mesh4, tmp_path):
     with pytest.raises(CheckpointError, match=rf"{INDEX}: the chunks of 'w' do not tile its shape \[8, 4\]: "
                                               r"two chunks overlap"):
         _load(mesh4, tmp_path)
+
+
+def test_an_index_edited_after_the_save_is_refused_by_its_own_checksum(mesh4, tmp_path):
+    """Two chunks' offsets swapped: every check of tiling and chunk bytes passes, and the rows
+    would load in each other's place; a plain value edited: it would load as edited."""
+    index = _saved(mesh4, tmp_path)
+    first, second = index["tensors"]["w"]["chunks"][:2]
+    first["offsets"], second["offsets"] = second["offsets"], first["offsets"]
+    _rewrite(tmp_path, index, keep_checksum=True)
+    with pytest.raises(CheckpointError, match=rf"{INDEX}: the index does not match the crc32 it was saved with"):
+        _load(mesh4, tmp_path)
+    swapped = _load(mesh4, tmp_path, verify=False)["w"].to_torch()   # the switch: loaded unchecked
+    assert not torch.equal(swapped, torch.arange(32.0).reshape(8, 4))
+    directory = tmp_path / "values"
+    dtorch.checkpoint.save({"step": 7, "lr": 0.5}, str(directory))
+    plain = json.loads((directory / INDEX).read_text())
+    plain["values"]["step"]["value"] = 8
+    _rewrite(directory, plain, keep_checksum=True)
+    with pytest.raises(CheckpointError, match="edited or damaged after the save"):
+        dtorch.checkpoint.load({"step": 0, "lr": 0.0}, str(directory))
 
 
 def test_a_missing_chunk_is_refused(mesh4, tmp_path):

@@ -27,7 +27,8 @@ from ..runtime.protocol import SaveShard, dtype_name
 from ..runtime.transport import process_exists
 from ..tensor import DTensor
 from .safetensors_header import CheckpointError, read_header_and_metadata
-from .sharded_format import FORMAT, FORMAT_VERSION, INDEX_NAME, check_savable_dtype, encode_value, flatten
+from .sharded_format import (FORMAT, FORMAT_VERSION, INDEX_NAME, check_savable_dtype, encode_value, flatten,
+                             index_checksum)
 
 __all__ = ["save", "FILE_BYTES"]
 
@@ -55,7 +56,8 @@ def save(state, directory, *, timeout: float | None = None) -> None:
     try:
         os.chmod(staging, 0o755)   # mkdtemp's 0700 would be the checkpoint's own mode after the rename
         entries, nbytes = _write_tensors(tensors, {key: leaves[key].path for key in tensors}, staging, timeout)
-        _write_index(staging, {"format": FORMAT, "version": FORMAT_VERSION, "tensors": entries, "values": values})
+        index = {"format": FORMAT, "version": FORMAT_VERSION, "tensors": entries, "values": values}
+        _write_index(staging, dict(index, crc32=index_checksum(index)))
         _publish(staging, directory)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

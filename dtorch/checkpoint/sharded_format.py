@@ -6,11 +6,14 @@ writing rank and SaveShard, plus `checkpoint.json`, written last:
      "tensors": {key: {"path": [...], "shape": [...], "dtype": "float32", "saved_as": "S(0), R on (2, 2)",
                        "chunks": [{"file": "__0_0.safetensors", "offsets": [...], "shape": [...],
                                    "crc32": 2417155146}, ...]}},
-     "values": {key: {"path": [...], "value": <encoded>}}}
+     "values": {key: {"path": [...], "value": <encoded>}},
+     "crc32": <of the rest of the index, canonical JSON>}
 
 A key is the state's path joined with dots ("optim.state.0.exp_avg"); each file holds its chunks
 under their keys. The chunks of a tensor tile it; each chunk's crc32 (of its bytes in the file)
-is checked where it is read (an index without them, from before them, loads unchecked). This
+is checked where it is read, and the index's own crc32 covers its every other field (plain values,
+offsets, shapes): an index edited after the save is refused (one without them, from before them,
+loads unchecked). This
 module is the state's side: flattening a nested state into keys, putting loaded leaves back,
 encoding plain values as JSON, reading the index. No commands are sent from here.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import zlib
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -190,6 +194,8 @@ def read_index(directory, *, verify: bool = True) -> SavedIndex:
         if index.get("version") != FORMAT_VERSION:
             raise CheckpointError(f"{index_path}: format version {index.get('version')!r}; this dtorch reads "
                                   f"version {FORMAT_VERSION}")
+        if verify:
+            _check_index_checksum(index_path, index)
         headers: dict = {}
         tensors = {key: _saved_tensor(directory, key, entry, headers, verify)
                    for key, entry in index["tensors"].items()}
@@ -200,6 +206,20 @@ def read_index(directory, *, verify: bool = True) -> SavedIndex:
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"{index_path}: a damaged index ({type(error).__name__}: {error})") from None
     return SavedIndex(directory, tensors, values, paths)
+
+
+def index_checksum(index: dict) -> int:
+    """The crc32 of the index without its own "crc32", as canonical JSON (sorted keys, no spaces)."""
+    rest = {key: value for key, value in index.items() if key != "crc32"}
+    return zlib.crc32(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _check_index_checksum(index_path: str, index: dict) -> None:
+    recorded = index.get("crc32")
+    if recorded is not None and recorded != index_checksum(index):
+        raise CheckpointError(f"{index_path}: the index does not match the crc32 it was saved with: it was edited or "
+                              "damaged after the save (a plain value, a chunk's offsets or shape). "
+                              "dtorch.checkpoint.load(..., verify=False) loads it unchecked")
 
 
 def _saved_tensor(directory: str, key: str, entry: dict, headers: dict, verify: bool) -> SavedTensor:
