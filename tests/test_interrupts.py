@@ -226,3 +226,48 @@ def test_a_lost_worker_is_reported_while_the_loop_thread_is_stuck(tmp_path):
     assert "READ RETURNED" not in result.stdout, result.stdout
     assert float(re.search(r"LOST_AFTER ([\d.]+)", result.stdout).group(1)) < 3, result.stdout + result.stderr
     assert "rank 1" in result.stdout and "exited" in result.stdout, result.stdout
+
+
+def test_ipython_cells_interrupted_like_jupyters_interrupt_kernel(tmp_path):
+    """IPython's kernel puts its own SIGINT handler back before every cell (ipykernel's
+    pre_handler_hook): dtorch's goes in front again (pre_run_cell), and cells interrupted 100
+    times mid-op, mid-read keep the session and its values."""
+    pytest.importorskip("IPython")
+    result = run_file(tmp_path, """
+        import os, signal, threading, time
+        from IPython.core.interactiveshell import InteractiveShell
+        import dtorch
+        from dtorch.runtime import interrupts
+        shell = InteractiveShell.instance()
+        shell.run_cell("import torch, dtorch; mesh = dtorch.init_device_mesh('cpu', (2,))")
+        cell = '''
+        ours = signal.getsignal(signal.SIGINT) is interrupts._on_sigint
+        for i in range(200):
+            x = dtorch.arange(12, device_mesh=mesh, placements=[dtorch.Shard(0)]) + i
+            assert torch.equal((x * 2).to_torch(), (torch.arange(12) + i) * 2)
+        '''
+        shell.user_ns.update(signal=signal, interrupts=interrupts)
+        def interrupt(count):
+            for _ in range(count):
+                time.sleep(0.02)
+                os.kill(os.getpid(), signal.SIGINT)
+        sender = threading.Thread(target=interrupt, args=(100,))
+        sender.start()
+        cells = interrupted = failed = 0
+        while sender.is_alive() or cells == 0:
+            signal.signal(signal.SIGINT, signal.default_int_handler)   # as ipykernel does per cell
+            outcome = shell.run_cell(cell)
+            cells += 1
+            interrupted += isinstance(outcome.error_in_exec, KeyboardInterrupt)
+            failed += outcome.error_in_exec is not None and not isinstance(outcome.error_in_exec, KeyboardInterrupt)
+            assert shell.user_ns["ours"], "dtorch's handler was not in front during the cell"
+        sender.join()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        final = shell.run_cell(cell)
+        print("CELLS", cells, "INTERRUPTED", interrupted, "FAILED", failed, "FINAL_OK", final.success)
+    """, timeout=200)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    found = re.search(r"CELLS (\d+) INTERRUPTED (\d+) FAILED (\d+) FINAL_OK (\w+)", result.stdout)
+    assert found, result.stdout[-2000:]
+    cells, interrupted, failed, final_ok = found.groups()
+    assert int(interrupted) > 10 and int(failed) == 0 and final_ok == "True", found.group(0)

@@ -87,7 +87,7 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         this machine only (private ipc sockets, the rendezvous store on 127.0.0.1).
         hang_timeout_s: a worker running one command longer than this is reported lost and ended
         (default: DTORCH_HANG_TIMEOUT_S, else HANG_TIMEOUT_S; 0 turns it off)."""
-        interrupts.install()   # a Ctrl-C inside dtorch's code waits for it to return (interrupts.py)
+        interrupts.install(again=True)   # a Ctrl-C inside dtorch's code waits for it to return (interrupts.py)
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()   # taken before _lock, never inside it
         self._pending: list = []

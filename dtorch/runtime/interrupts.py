@@ -22,9 +22,9 @@ be; so such an interrupt is deferred:
   insists on a stuck call gets their prompt back, at the cost of that session.
 
 Only SIGINT, only the main thread (where Python runs handlers), and only a handler that is a
-Python callable (SIG_DFL kills the process, SIG_IGN ignores it: nothing to defer). Installed by
-dtorch.init and again at every blocking read, since IPython's kernel puts its own back at
-every cell.
+Python callable (SIG_DFL kills the process, SIG_IGN ignores it: nothing to defer). Installed
+when the session starts (or at the first blocking read, for a session started on another
+thread), and again before every IPython cell, since IPython's kernel puts its own back.
 """
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ class _Deferred:
     """The one interrupt held back, if any (main thread only: handlers run there)."""
     handler = None        # the handler that was installed before dtorch's: it runs the interrupt
     since = 0.0           # time.monotonic() of the deferral; 0.0 when none is pending
+    installed = False     # dtorch's handler is in front (install)
     hooked = False        # the line hook is set
     traced: list = []     # the frames it traces
     counts = {"seen": 0, "deferred": 0, "coalesced": 0, "forced": 0}   # since this process started
@@ -88,18 +89,22 @@ def on_main_thread() -> bool:
     return threading.get_ident() == _MAIN_THREAD_ID
 
 
-def install() -> None:
-    """Main thread: put dtorch's SIGINT handler in front of the one installed now (idempotent;
-    a no-op elsewhere, or when SIGINT is ignored or left to kill the process)."""
+def install(again: bool = False) -> None:
+    """Main thread: put dtorch's SIGINT handler in front of the one installed now (a no-op
+    elsewhere, or when SIGINT is ignored or left to kill the process). Once it is in place, only
+    `again` looks at the handler again (a plain call costs a flag test: every blocking read
+    makes one, for a session started on another thread, as dtorch.init_async does)."""
     global _DTORCH_DIRS
-    if not on_main_thread():
+    if (_Deferred.installed and not again) or not on_main_thread():
         return
     current = signal.getsignal(signal.SIGINT)
     if current is _on_sigint or not callable(current):
+        _Deferred.installed = current is _on_sigint
         return
     _DTORCH_DIRS = _dtorch_dirs()
     _Deferred.handler = current
     signal.signal(signal.SIGINT, _on_sigint)
+    _Deferred.installed = True
     _install_for_ipython()
 
 
@@ -109,7 +114,7 @@ def _install_for_ipython() -> None:
     shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
     if shell is None or getattr(shell, "_dtorch_interrupts", False):
         return
-    shell.events.register("pre_run_cell", lambda *args: install())
+    shell.events.register("pre_run_cell", lambda *args: install(again=True))
     shell._dtorch_interrupts = True
 
 

@@ -97,7 +97,7 @@ class ReplyReceiving:
         """Block until `reply` is done or `timeout` passes, taking replies off the socket on this
         thread when it is free (receive_here). Between slices: a deferred Ctrl-C is raised here,
         where nothing is held, and the read is supervised without the loop thread."""
-        interrupts.install()   # IPython's kernel puts its own handler back at every cell
+        interrupts.install()   # a flag test, once installed (a session started on another thread)
         deadline = None if timeout is None else time.monotonic() + timeout
         while not reply.done():
             left = None if deadline is None else deadline - time.monotonic()
