@@ -7,25 +7,27 @@ table already knows which interface faces the cluster. ``--controller-address`` 
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
-import subprocess
 from collections.abc import Sequence
 
+from .host_identity import ssh_settings
 from .hostfile import Host, parse_hostfile
 from .options import SshOptions
 
 __all__ = ["address_toward", "controller_host", "resolve_host"]
 
-_SSH_CONFIG_SECONDS = 10
 _DISCARD_PORT = 9  # any port: connecting a UDP socket sends nothing, it only picks the route
 
 
 def controller_host(hostfile: str | os.PathLike | Sequence[Host], options: SshOptions | None = None) -> str:
-    """This machine's address on the route to the first host (127.0.0.1 when the hosts are local)."""
+    """This machine's address on the route to the first host (127.0.0.1 when the hosts are local,
+    also for a name that resolves to ::1, which the controller's ZeroMQ sockets do not bind)."""
     hosts = parse_hostfile(hostfile) if isinstance(hostfile, (str, os.PathLike)) else list(hostfile)
     options = options if options is not None else SshOptions.from_environment()
-    return address_toward(resolve_host(hosts[0], options))
+    address = address_toward(resolve_host(hosts[0], options))
+    return "127.0.0.1" if ipaddress.ip_address(address.split("%", 1)[0]).is_loopback else address
 
 
 def address_toward(address: str) -> str:
@@ -38,23 +40,9 @@ def address_toward(address: str) -> str:
 
 def resolve_host(host: Host, options: SshOptions) -> str:
     """The IP address ssh will connect to for ``host``, after ~/.ssh/config aliases (HostName)."""
-    name = _ssh_host_name(host, options)
+    name = ssh_settings(host, options).get("hostname") or host.name
     try:
         return socket.getaddrinfo(name, host.port or 22, type=socket.SOCK_DGRAM)[0][4][0]
-    except socket.gaierror as error:
-        raise ValueError(f"cannot resolve {host.name} ({name}) to choose the address workers connect "
+    except (OSError, UnicodeError) as error:
+        raise ValueError(f"cannot resolve {host.name[:80]} ({name[:80]}) to choose the address workers connect "
                          f"back to: {error}; pass --controller-address") from None
-
-
-def _ssh_host_name(host: Host, options: SshOptions) -> str:
-    # `ssh -G` prints the configuration ssh would use without connecting, aliases resolved.
-    try:
-        result = subprocess.run(["ssh", *options.ssh_options, "-G", host.destination],
-                                capture_output=True, text=True, timeout=_SSH_CONFIG_SECONDS)
-    except (OSError, subprocess.TimeoutExpired):
-        return host.name
-    for line in result.stdout.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "hostname" and value:
-            return value
-    return host.name

@@ -18,7 +18,7 @@ import shlex
 import signal
 import sys
 
-from .hostfile import parse_hostfile
+from .host_identity import load_hostfile
 from .options import DEFAULT_WORKER_MODULE, ENV_CONTROLLER_ADDRESS, ENV_HOSTFILE, SshOptions
 from .slurm import ENV_SLURM, Allocation
 
@@ -66,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch_environment(args: argparse.Namespace) -> dict[str, str]:
-    """The variables the runtime reads; parsing the hostfile here reports its errors up front."""
-    environment = options_from_arguments(args).to_environment()
+    """The variables the runtime reads; loading the hostfile here reports its errors up front
+    (a bad line, a name that does not resolve, a host listed twice)."""
+    options = options_from_arguments(args)
+    environment = options.to_environment()
     if args.slurm:
         if args.hostfile:
             raise ValueError("--slurm and --hostfile exclude each other: SLURM's allocation names the nodes")
@@ -75,7 +77,7 @@ def launch_environment(args: argparse.Namespace) -> dict[str, str]:
         environment[ENV_SLURM] = "1"
     if args.hostfile:
         path = os.path.abspath(args.hostfile)
-        parse_hostfile(path)
+        load_hostfile(path, options)
         environment[ENV_HOSTFILE] = path
     if args.controller_address:
         environment[ENV_CONTROLLER_ADDRESS] = args.controller_address

@@ -10,12 +10,15 @@ A host is any destination OpenSSH accepts (an alias from ~/.ssh/config, a name, 
 optionally prefixed with ``user@``. ``slots`` (default 1) is the number of workers it runs.
 ``port`` is a convenience for setups without an ssh config; ~/.ssh/config is the usual place
 for ports, users, keys and jump hosts, and everything in it applies as usual.
+
+Parsing is text only: a line written twice is refused here, and host_identity.py then refuses
+two lines that reach one host once ssh's config and name resolution are applied.
 """
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["Host", "HostfileError", "parse_hostfile", "parse_hostfile_text"]
 
@@ -24,6 +27,10 @@ __all__ = ["Host", "HostfileError", "parse_hostfile", "parse_hostfile_text"]
 _HOST_NAME = re.compile(r"^[A-Za-z0-9_.:%][A-Za-z0-9_.:%-]*$")
 _USER_NAME = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
 _KNOWN_KEYS = ("slots", "port")
+# A DNS name has at most 253 characters; ssh config aliases get room up to NI_MAXHOST (1025).
+# Without a bound a 100,000-character name reached ssh and the resolver.
+_MAX_HOST_NAME = 1024
+_SHOWN_LINE = 200   # characters of a bad line an error quotes
 
 
 class HostfileError(ValueError):
@@ -31,17 +38,23 @@ class HostfileError(ValueError):
 
     def __init__(self, path: str, line_number: int, line: str, reason: str):
         self.path, self.line_number, self.line, self.reason = path, line_number, line, reason
-        super().__init__(f"{path}:{line_number}: {reason}: {line.strip()!r}")
+        shown = line.strip()
+        shown = shown if len(shown) <= _SHOWN_LINE else f"{shown[:_SHOWN_LINE]}... ({len(shown)} characters)"
+        super().__init__(f"{path}:{line_number}: {reason}: {shown!r}")
 
 
 @dataclass(frozen=True)
 class Host:
-    """One machine of the run: ``name`` is what ssh connects to, ``slots`` how many workers it runs."""
+    """One machine of the run: ``name`` is what ssh connects to, ``slots`` how many workers it runs.
+    ``line_number`` and ``line``: where the hostfile listed it (errors quote them); 0 and "" for
+    a Host made in code."""
 
     name: str
     slots: int = 1
     user: str | None = None
     port: int | None = None
+    line_number: int = field(default=0, compare=False, repr=False)
+    line: str = field(default="", compare=False, repr=False)
 
     @property
     def destination(self) -> str:
@@ -82,15 +95,18 @@ def _parse_line(content: str, path: str, line_number: int, line: str) -> Host:
     destination, *settings = content.split()
     user, name = _split_destination(destination, fail)
     values = _parse_settings(settings, fail)
-    return Host(name=name, user=user, slots=values.get("slots", 1), port=values.get("port"))
+    return Host(name=name, user=user, slots=values.get("slots", 1), port=values.get("port"),
+                line_number=line_number, line=line)
 
 
 def _split_destination(destination: str, fail) -> tuple[str | None, str]:
     user, _, name = destination.rpartition("@")
     if user and not _USER_NAME.match(user):
-        raise fail(f"bad user name {user!r}")
+        raise fail(f"bad user name {user[:80]!r}")
     if destination.startswith("@") or not _HOST_NAME.match(name):
-        raise fail(f"bad host name {name!r} (expected [user@]host, e.g. node1 or alice@10.0.0.2)")
+        raise fail(f"bad host name {name[:80]!r} (expected [user@]host, e.g. node1 or alice@10.0.0.2)")
+    if len(name) > _MAX_HOST_NAME:
+        raise fail(f"host name of {len(name)} characters (at most {_MAX_HOST_NAME} can be resolved)")
     return user or None, name
 
 

@@ -75,16 +75,19 @@ class Relays:
         # start(host, options, stdin_text, name) -> a process handle (SshWorker.start, in ssh.py)
         self._options = dataclasses.replace(options, worker_module=RELAY_MODULE)
         self._enabled, self._start = enabled, start
-        self._by_host: dict[str, HostRelay] = {}
+        # by user, name and port: alice@node1 and bob@node1 are two hosts (hostfile.py), and one
+        # user's workers cannot enter the other's relay directory (mode 0700)
+        self._by_host: dict[tuple, HostRelay] = {}
 
     def route(self, host: Host, ranks: list[int], config: dict, environment_text: str) -> tuple[dict, HostRelay | None]:
         """The worker's config, pointed at its host's relay when it has one (starting it)."""
         if not self._wanted(host, config):
             return config, None
-        relay = self._by_host.get(host.name)
+        key = (host.destination, host.port)
+        relay = self._by_host.get(key)
         if relay is None or relay.poll() is not None:
             relay = self._launch(host, ranks, config, environment_text)
-            self._by_host[host.name] = relay
+            self._by_host[key] = relay
         return {**config, "relay_address": relay.address}, relay
 
     def _wanted(self, host: Host, config: dict) -> bool:

@@ -31,7 +31,8 @@ from collections.abc import Mapping, Sequence
 
 from .addresses import controller_host
 from .failures import explain_ssh_failure
-from .hostfile import Host, parse_hostfile
+from .host_identity import load_hostfile
+from .hostfile import Host
 from .options import ENV_HOSTFILE, SshOptions
 from .output import PID_MARKER, OutputForwarder
 from .relays import Relays, relays_enabled
@@ -241,4 +242,5 @@ def spawner_from_environment(environ: Mapping[str, str] | None = None) -> SshSpa
     path = environ.get(ENV_HOSTFILE)
     if not path:
         return None
-    return SshSpawner(parse_hostfile(path), SshOptions.from_environment(environ))
+    options = SshOptions.from_environment(environ)
+    return SshSpawner(load_hostfile(path, options), options)

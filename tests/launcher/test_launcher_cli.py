@@ -42,8 +42,10 @@ def test_options_reach_the_script_environment(tmp_path):
     script, hostfile = tmp_path / "show.py", tmp_path / "hosts"
     script.write_text(SHOW_ENVIRONMENT)
     hostfile.write_text("node1 slots=2\nnode2 slots=2\n")
+    (tmp_path / "ssh_config").write_text("")
+    # the hosts are reached through the jump host, which resolves their names (not this machine)
     result = launch("--hostfile", "hosts", "--python", "/opt/py/bin/python", "--chdir", "/srv/run",
-                    "--env", "HF_TOKEN", "--env", "NCCL_DEBUG", "--ssh-option", "-F ssh config",
+                    "--env", "HF_TOKEN", "--env", "NCCL_DEBUG", "--ssh-option", "-F ssh_config",
                     "--ssh-option", "-o ProxyJump=gateway", "--log-dir", "logs",
                     "--controller-address", "tcp://10.0.0.1:5555", "--connect-timeout", "3",
                     "show.py", "--hostfile", "not-ours", cwd=tmp_path)
@@ -55,7 +57,7 @@ def test_options_reach_the_script_environment(tmp_path):
     assert environ[ENV_CONTROLLER_ADDRESS] == "tcp://10.0.0.1:5555"
     assert SshOptions.from_environment(environ) == SshOptions(
         python="/opt/py/bin/python", chdir="/srv/run", env=["HF_TOKEN", "NCCL_DEBUG"],
-        ssh_options=["-F", "ssh", "config", "-o", "ProxyJump=gateway"], log_dir=str(tmp_path / "logs"),
+        ssh_options=["-F", "ssh_config", "-o", "ProxyJump=gateway"], log_dir=str(tmp_path / "logs"),
         connect_timeout=3.0)
 
 
@@ -70,6 +72,18 @@ def test_bad_arguments_fail_before_the_script_runs(tmp_path, arguments, message)
     (tmp_path / "show.py").write_text("print('ran')")
     result = launch(*arguments, "show.py", cwd=tmp_path)
     assert result.returncode == 2
+    assert message in result.stderr and "ran" not in result.stdout
+
+
+@pytest.mark.parametrize("hosts, message", [
+    ("127.0.0.1 slots=2\nlocalhost port=22\n", "hosts:2: localhost is the same host as line 1 ('127.0.0.1 slots=2')"),
+    ("127.0.0.1\nnode7.invalid\n", "hosts:2: cannot resolve host 'node7.invalid'"),
+])
+def test_hosts_that_cannot_work_fail_before_the_script_runs(tmp_path, hosts, message):
+    (tmp_path / "hosts").write_text(hosts)
+    (tmp_path / "show.py").write_text("print('ran')")
+    result = launch("--hostfile", "hosts", "--ssh-option", "-F /dev/null", "show.py", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert message in result.stderr and "ran" not in result.stdout
 
 

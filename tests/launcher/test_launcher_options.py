@@ -89,7 +89,7 @@ def test_ranks_fill_slots_in_hostfile_order():
 
 def test_spawner_from_environment(tmp_path):
     assert spawner_from_environment({}) is None
-    (tmp_path / "hosts").write_text("a slots=2\nb\n")
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=2 port=2201\n127.0.0.1 port=2202\n")
     environment = {ENV_HOSTFILE: str(tmp_path / "hosts"), **SshOptions(chdir="/x").to_environment()}
     spawner = spawner_from_environment(environment)
     assert spawner.capacity == 3 and spawner.options.chdir == "/x"
