@@ -407,7 +407,11 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
                 self._sockets_open = False
         if self._watching_replies:
             self._loop.remove_reader(self.sockets.reply_fd)
-        for task in self._tasks:
+        # Every task of the loop, not only _tasks: a _probe that add_workers started still sleeps
+        # when a start fails, and a task left pending as the loop stops is reported at exit as
+        # "Task was destroyed but it is pending!". Each cancellation runs before the loop's stop,
+        # which shutdown() queues after this call returns.
+        for task in asyncio.all_tasks(self._loop) - {asyncio.current_task(self._loop)}:
             task.cancel()
         self.sockets.close()
 

@@ -64,7 +64,6 @@ def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str
     hang_timeout_s: a worker running one command longer than this (a stuck kernel, a collective
     that never completes) is reported lost, naming the command and its line, and ended. Default:
     DTORCH_HANG_TIMEOUT_S, else 600 s; 0 turns the check off."""
-    global _controller, _spawner
     with _lock:
         if _controller is not None:
             if num_workers:
@@ -72,27 +71,16 @@ def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str
             return _controller
         warm_up = threading.Thread(target=warm_up_inference, name="dtorch-warm-up", daemon=True)
         warm_up.start()   # in parallel with the workers' start; joined before init returns
-        hostfile = hostfile or os.environ.get("DTORCH_HOSTFILE")
-        if slurm is None:
-            slurm = not hostfile and os.environ.get("DTORCH_SLURM") == "1"
-        if slurm:
-            _controller, _spawner = _start_slurm(controller_address, curve)
-            num_workers = num_workers or _spawner.capacity
-        elif hostfile:
-            _controller, _spawner = _start_remote(hostfile, controller_address, curve)
-            num_workers = num_workers or _spawner.capacity
-        else:
-            _controller = Controller(bind_host=controller_address or LOCAL, curve=make_curve_keys() if curve else None)
-            _spawner = LocalSpawner()
-        if hang_timeout_s is not None:
-            _controller.hang_timeout_s = hang_timeout_s
         try:
-            _grow(device_type, num_workers or 1, startup_timeout)
+            _start(num_workers, device_type, hostfile, controller_address, startup_timeout, curve,
+                   hang_timeout_s, slurm)
         except BaseException:
             shutdown()   # a first start that fails (no GPU, a bad host) leaves nothing running
             raise
         finally:
-            warm_up.join()   # no import left running beside the user's code
+            # Also on failure: a daemon thread still importing torch modules when the
+            # interpreter exits aborts it ("terminate called without an active exception").
+            warm_up.join()
         return _controller
 
 
@@ -106,14 +94,35 @@ async def init_async(num_workers: int | None = None, device_type: str = "cpu", *
     return await asyncio.get_running_loop().run_in_executor(None, call)
 
 
+def _start(num_workers, device_type, hostfile, controller_address, startup_timeout, curve, hang_timeout_s,
+           slurm) -> None:
+    global _controller, _spawner
+    hostfile = hostfile or os.environ.get("DTORCH_HOSTFILE")
+    if slurm is None:
+        slurm = not hostfile and os.environ.get("DTORCH_SLURM") == "1"
+    if slurm:
+        _controller, _spawner = _start_slurm(controller_address, curve)
+        num_workers = num_workers or _spawner.capacity
+    elif hostfile:
+        _controller, _spawner = _start_remote(hostfile, controller_address, curve)
+        num_workers = num_workers or _spawner.capacity
+    else:
+        _controller = Controller(bind_host=controller_address or LOCAL, curve=make_curve_keys() if curve else None)
+        _spawner = LocalSpawner()
+    if hang_timeout_s is not None:
+        _controller.hang_timeout_s = hang_timeout_s
+    _grow(device_type, num_workers or 1, startup_timeout)
+
+
 def _start_remote(hostfile: str, controller_address: str | None, curve: bool | None):
-    from dtorch_launcher import SshOptions, SshSpawner, controller_host, parse_hostfile
+    from dtorch_launcher import SshOptions, SshSpawner, controller_host, load_hostfile
     options = SshOptions.from_environment()
-    hosts = parse_hostfile(hostfile)
+    hosts = load_hostfile(hostfile, options)   # syntax, resolution, no host listed twice
     bind = controller_address or os.environ.get("DTORCH_CONTROLLER_ADDRESS") or controller_host(hosts, options)
     if curve is None:
         curve = not bind.startswith("127.")
-    return Controller(bind_host=bind, curve=make_curve_keys() if curve else None), SshSpawner(hosts, options)
+    spawner = SshSpawner(hosts, options)   # before the controller: a failure here leaves nothing to stop
+    return Controller(bind_host=bind, curve=make_curve_keys() if curve else None), spawner
 
 
 def _start_slurm(controller_address: str | None, curve: bool | None):
