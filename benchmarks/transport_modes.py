@@ -1,13 +1,16 @@
-"""What privacy costs: dispatch and reads of a local session on each transport.
+"""What privacy costs: dispatch and reads of a session on one machine, on each transport.
 
-    python -m benchmarks.transport_modes [--ops 2000] [--reads 200] [--mib 16]
+    python -m benchmarks.transport_modes [--ops 2000] [--reads 200] [--mib 16] [--modes tcp,tcp+curve]
 
-Modes: tcp (127.0.0.1, the old default), tcp+curve, ipc (a private 0700 directory, the default),
+Modes: tcp+curve (controller_address="127.0.0.1": every TCP session's default), tcp (the same with
+curve=False), ipc (a private 0700 directory, the default without a controller address),
 ipc+curve. Each mode starts its own 2-worker session and reports the median of a few repeats:
   dispatch   µs per op to issue a chain of small adds (the user thread only)
   chain      µs per op including the workers running them (issue + synchronize)
-  read 4 B   ms per to_torch() of a ready (1,) tensor
+  read 4 B   ms per to_torch() of a ready (1,) tensor: one round trip to the workers
   read N MiB ms per to_torch() of a ready replicated float32 tensor (bytes through the ROUTER)
+  MiB/s      N MiB divided by that time: the bandwidth of a large read
+docs/launcher.md, "Privacy", quotes its figures.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import argparse
 import statistics
 import time
 
-MODES = {"tcp": ("127.0.0.1", False), "tcp+curve": ("127.0.0.1", True),
+MODES = {"tcp+curve": ("127.0.0.1", True), "tcp": ("127.0.0.1", False),
          "ipc": (None, False), "ipc+curve": (None, True)}
 
 
@@ -38,9 +41,10 @@ def measure(address, curve: bool, ops: int, reads: int, mib: int) -> dict:
             total.append((time.perf_counter() - start) / ops * 1e6)
         small = dtorch.ones(1, device_mesh=mesh, placements=[Replicate()])
         big = dtorch.ones(mib * 1 << 18, device_mesh=mesh, placements=[Replicate()])
+        big_ms = _read_ms(dtorch, big, max(5, reads // 20))
         return {"dispatch us/op": statistics.median(issue), "chain us/op": statistics.median(total),
                 "read 4 B ms": _read_ms(dtorch, small, reads),
-                f"read {mib} MiB ms": _read_ms(dtorch, big, max(5, reads // 20))}
+                f"read {mib} MiB ms": big_ms, "MiB/s": mib / big_ms * 1e3}
     finally:
         dtorch.shutdown()
 

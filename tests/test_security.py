@@ -215,3 +215,63 @@ def test_the_rendezvous_store_listens_on_loopback_only():
     mine = [local for local in listening if int(local.rsplit(":", 1)[1], 16) == port]
     assert mine == ["0100007F:%04X" % port], mine
     del store
+
+
+# --- private by default on any transport: CURVE on every TCP session, loopback included ----------
+LOOPBACK_TCP = """
+import json, os, time, zmq, dtorch
+from dtorch.distributed_spec import init_device_mesh, Shard
+from dtorch.runtime import session
+os.environ.update(ENVIRONMENT)
+dtorch.init(num_workers=2, **OPTIONS)
+controller = session.controller()
+mesh = init_device_mesh("cpu", (2,))
+context = zmq.Context()
+listener = context.socket(zmq.SUB)   # no keys: what any local user could open on a TCP port
+listener.setsockopt(zmq.LINGER, 0)
+listener.setsockopt(zmq.SUBSCRIBE, b"")
+listener.connect(controller.sockets.command_address)
+time.sleep(0.5)
+x = dtorch.arange(8, device_mesh=mesh, placements=[Shard(0)]) * 1.0
+for _ in range(20):
+    x = x + 1
+value = x.to_torch()
+heard = bool(listener.poll(1000))
+print(json.dumps({"address": controller.sockets.command_address, "curve": controller.curve is not None,
+                  "heard": heard, "value": value.tolist()}))
+context.destroy(linger=0)
+dtorch.shutdown()
+"""
+
+
+@pytest.mark.parametrize("options, environment, curve", [
+    ({"controller_address": "127.0.0.1"}, {}, True),                        # the default
+    ({"controller_address": "127.0.0.1", "curve": False}, {}, False),       # opting out in code
+    ({"controller_address": "127.0.0.1"}, {"DTORCH_CURVE": "0"}, False),    # ... or in the environment
+    ({"controller_address": "127.0.0.1", "curve": True}, {"DTORCH_CURVE": "0"}, True),   # the argument wins
+    ({}, {}, False),                                                       # local: private ipc, no CURVE
+    ({}, {"DTORCH_CURVE": "1"}, True),
+])
+def test_a_loopback_tcp_session_is_encrypted_unless_turned_off(options, environment, curve):
+    source = LOOPBACK_TCP.replace("ENVIRONMENT", repr(environment)).replace("OPTIONS", repr(options))
+    result = run_script(source, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["value"] == [float(i + 20) for i in range(8)]
+    assert report["address"].startswith("tcp://127.0.0.1:" if options else "ipc://"), report
+    assert report["curve"] is curve, report
+    # an unauthenticated subscriber hears the commands only where CURVE is off (and on ipc,
+    # only because it runs as this user: test_another_user_can_neither_listen_nor_send)
+    assert report["heard"] is not curve, report
+
+
+def test_a_bad_dtorch_curve_value_is_refused_naming_it():
+    result = run_script("""
+        import os, dtorch
+        os.environ["DTORCH_CURVE"] = "maybe"
+        try:
+            dtorch.init(num_workers=1, controller_address="127.0.0.1")
+        except ValueError as error:
+            print("REFUSED", error)
+    """, timeout=60)
+    assert result.returncode == 0 and "REFUSED DTORCH_CURVE='maybe': expected 0" in result.stdout, result.stderr

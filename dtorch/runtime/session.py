@@ -16,7 +16,7 @@ from ..ops.dispatch import warm_up_inference
 from .cluster import LocalSpawner, worker_config
 from .controller import Controller
 from . import recovery
-from .transport import LOCAL, make_curve_keys
+from .transport import LOCAL, CurveKeys, make_curve_keys
 
 __all__ = ["controller", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random", "reserve_random",
            "replace_lost_workers"]
@@ -24,6 +24,9 @@ __all__ = ["controller", "init", "init_async", "shutdown", "acquire_workers", "w
 _lock = threading.RLock()
 _controller: Controller | None = None
 _spawner = None
+# "0" turns CURVE off for a TCP session (dtorch.init(curve=False) does the same), "1" turns it on for
+# a local ipc one; docs/launcher.md, "Privacy".
+ENV_CURVE = "DTORCH_CURVE"
 _random = {"seed": random.SystemRandom().getrandbits(63), "counter": 0}
 
 
@@ -59,8 +62,9 @@ def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str
     (default: DTORCH_SLURM=1, which dtorch-launch --slurm sets); num_workers defaults to the tasks.
     controller_address: where workers reach this process (default: detected from the hostfile;
     without one, private ipc:// sockets that only this user can open).
-    curve: encrypt and authenticate every ZeroMQ channel with fresh CURVE keys. Default: on
-    whenever the controller listens off loopback.
+    curve: encrypt and authenticate every ZeroMQ channel with fresh CURVE keys. Default: on for
+    every TCP session (a hostfile, SLURM, or a controller_address, loopback included), off for
+    the private ipc sockets of a local session; DTORCH_CURVE=0 or 1 sets it when curve is None.
     hang_timeout_s: a worker running one command longer than this (a stuck kernel, a collective
     that never completes) is reported lost, naming the command and its line, and ended. Default:
     DTORCH_HANG_TIMEOUT_S, else 600 s; 0 turns the check off."""
@@ -107,11 +111,36 @@ def _start(num_workers, device_type, hostfile, controller_address, startup_timeo
         _controller, _spawner = _start_remote(hostfile, controller_address, curve)
         num_workers = num_workers or _spawner.capacity
     else:
-        _controller = Controller(bind_host=controller_address or LOCAL, curve=make_curve_keys() if curve else None)
+        address = controller_address or LOCAL
+        _controller = Controller(bind_host=address, curve=_curve_keys(curve, tcp=address is not LOCAL))
         _spawner = LocalSpawner()
     if hang_timeout_s is not None:
         _controller.hang_timeout_s = hang_timeout_s
     _grow(device_type, num_workers or 1, startup_timeout)
+
+
+def _curve_keys(curve: bool | None, tcp: bool) -> CurveKeys | None:
+    """Fresh keys for a session with CURVE, else None. On by default for every TCP session,
+    loopback included (any local user can connect to a TCP port); off only when asked for
+    (curve=False, DTORCH_CURVE=0). A LOCAL session's ipc sockets already sit in a directory
+    only this user can enter: there it takes curve=True (or DTORCH_CURVE=1)."""
+    if curve is None:
+        curve = _curve_from_environment()
+    if curve is None:
+        curve = tcp
+    return make_curve_keys() if curve else None
+
+
+def _curve_from_environment() -> bool | None:
+    text = os.environ.get(ENV_CURVE, "").strip().lower()
+    if not text:
+        return None
+    if text in ("0", "false", "no", "off"):
+        return False
+    if text in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{ENV_CURVE}={text!r}: expected 0 (CURVE off) or 1 (CURVE on), or leave it unset "
+                     "for the default (on for every TCP session)")
 
 
 def _start_remote(hostfile: str, controller_address: str | None, curve: bool | None):
@@ -119,10 +148,8 @@ def _start_remote(hostfile: str, controller_address: str | None, curve: bool | N
     options = SshOptions.from_environment()
     hosts = load_hostfile(hostfile, options)   # syntax, resolution, no host listed twice
     bind = controller_address or os.environ.get("DTORCH_CONTROLLER_ADDRESS") or controller_host(hosts, options)
-    if curve is None:
-        curve = not bind.startswith("127.")
     spawner = SshSpawner(hosts, options)   # before the controller: a failure here leaves nothing to stop
-    return Controller(bind_host=bind, curve=make_curve_keys() if curve else None), spawner
+    return Controller(bind_host=bind, curve=_curve_keys(curve, tcp=True)), spawner
 
 
 def _start_slurm(controller_address: str | None, curve: bool | None):
@@ -131,10 +158,8 @@ def _start_slurm(controller_address: str | None, curve: bool | None):
     allocation = Allocation.from_environment()
     bind = (controller_address or os.environ.get("DTORCH_CONTROLLER_ADDRESS")
             or slurm_controller_address(allocation))
-    if curve is None:
-        curve = not bind.startswith("127.")
     spawner = SlurmSpawner(allocation, SshOptions.from_environment())
-    return Controller(bind_host=bind, curve=make_curve_keys() if curve else None), spawner
+    return Controller(bind_host=bind, curve=_curve_keys(curve, tcp=True)), spawner
 
 
 def acquire_workers(device_type: str, count: int) -> list[int]:
