@@ -73,3 +73,19 @@ def test_ssh_refused_leaves_no_pending_task():
     result = run_start("127.0.0.9 slots=2 port=1\n", catch=True, attempts=5)
     assert_clean_exit(result, 0)
     assert "CAUGHT StartupError connection to 127.0.0.9 refused" in result.stdout, result.stderr[-2000:]
+
+
+def test_a_controller_address_not_of_this_machine_is_named_and_nothing_is_left_running():
+    """192.0.2.1 (TEST-NET-1) is no address of this machine: a StartupError naming it and what
+    controller_address must be, raised before any thread starts; the script then exits 0."""
+    result = run_script("""
+        import threading, dtorch
+        try:
+            dtorch.init(num_workers=1, controller_address="192.0.2.1")
+        except dtorch.StartupError as error:
+            print("CAUGHT", error)
+        print("THREADS", sorted(t.name for t in threading.enumerate() if t.name.startswith("dtorch")))
+    """, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "CAUGHT the controller cannot listen on '192.0.2.1'" in result.stdout, result.stdout
+    assert "controller_address" in result.stdout and "THREADS []" in result.stdout, result.stdout

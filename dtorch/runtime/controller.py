@@ -88,6 +88,8 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         hang_timeout_s: a worker running one command longer than this is reported lost and ended
         (default: DTORCH_HANG_TIMEOUT_S, else HANG_TIMEOUT_S; 0 turns it off)."""
         interrupts.install(again=True)   # a Ctrl-C inside dtorch's code waits for it to return (interrupts.py)
+        # First: an address that is not this machine's fails here, before any thread is started.
+        self.store, self.store_address = host_store(bind_host or "127.0.0.1", gloo_timeout_s)
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()   # taken before _lock, never inside it
         self._pending: list = []
@@ -154,7 +156,6 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         self._handlers = {kind: getattr(self, wire.handler_name(kind, "_on_")) for kind in wire.FROM_WORKER}
         self._sockets_open = False
         # the pool before the sockets: opening them starts the loop's watchdog, which reads it
-        self.store, self.store_address = host_store(bind_host or "127.0.0.1", gloo_timeout_s)
         self.pool = WorkerPool(self._lock, self.store)
         self.workers = self.pool.workers    # rank -> WorkerRecord
         self.sockets = self._call(self._open, bind_host, curve)

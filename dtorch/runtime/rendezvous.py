@@ -12,6 +12,8 @@ import socket
 
 import torch.distributed as dist
 
+from ..errors import StartupError
+
 __all__ = ["host_store"]
 
 
@@ -20,7 +22,12 @@ def host_store(host: str, timeout_s: float) -> tuple[dist.TCPStore, str]:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
-        listener.bind((host, 0))
+        try:
+            listener.bind((host, 0))
+        except OSError as error:   # an address not of this machine (controller_address, a hostfile's)
+            raise StartupError(f"the controller cannot listen on {host!r}: {error.strerror}; controller_address "
+                               "(or DTORCH_CONTROLLER_ADDRESS) must be an address of this machine that workers "
+                               "reach") from None
         listener.listen(1024)
         port = listener.getsockname()[1]
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,

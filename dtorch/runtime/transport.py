@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import zmq
 
+from ..errors import StartupError
+
 __all__ = ["CurveKeys", "make_curve_keys", "ControllerSockets", "WorkerSockets", "RelaySockets", "Poller", "Again", "process_exists"]
 
 Again = zmq.Again
@@ -214,7 +216,10 @@ def _bind(socket: zmq.Socket, host: str | None, private_dir: str | None, name: s
         address = f"ipc://{private_dir}/{name}"
         socket.bind(address)
         return address
-    port = socket.bind_to_random_port(f"tcp://{host}")
+    try:
+        port = socket.bind_to_random_port(f"tcp://{host}")
+    except zmq.ZMQError as error:   # an address not of this machine (controller_address, a hostfile's)
+        raise StartupError(f"the controller cannot listen on {host!r}: {error}") from None
     return f"tcp://{host}:{port}"
 
 
