@@ -46,6 +46,20 @@ class CommandSites:
         """RunGraph `seq` replays commands issued at `sites` (dtorch.compile): an error in row i
         names sites[i], the line inside the compiled function."""
         self.replays.append((seq, span, sites))
+        self.forget(seq + 1, span - 1)
+
+    def forget(self, first: int, count: int) -> None:
+        """Empty the slots of `count` seqs from `first` that get no entry of their own (the rows
+        of a replay; Controller._free_released empties a Free's). Left alone, such a slot keeps
+        the entry of a command at least SITE_RING seqs older, which no lookup returns, and the
+        ring filled slot by slot towards SITE_RING entries (over 10 MB) in minutes or hours: the
+        controller's RSS creep of issue 43. A replay of more than SITE_RING rows empties every
+        other slot (a command another thread issues meanwhile may lose its line)."""
+        count = min(count, SITE_RING - 1)
+        start = first % SITE_RING
+        head = min(count, SITE_RING - start)   # up to the ring's end; the rest wraps to its start
+        self.ring[start:start + head] = [None] * head
+        self.ring[:count - head] = [None] * (count - head)
 
     def replayed_row(self, seq: int) -> tuple[int, str] | None:
         """(the replay's RunGraph seq, the row's file:line inside the compiled function) of a

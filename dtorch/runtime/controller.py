@@ -230,6 +230,9 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
             return
         free = wire.Free(self._next_seq, ids)
         self._pending.append(free)
+        # A Free has no line of its own: empty its ring slot, or the entry SITE_RING seqs older
+        # stays alive there (the creep of issue 43, command_sites.CommandSites.forget)
+        self._sites[free.seq % SITE_RING] = None
         self._next_seq += 1
         if self.capture is not None:
             self.capture.record(free, None)
