@@ -207,7 +207,9 @@ class Capture:
             "grad_output_metas": leaves["metas"],     # outputs after the rebound arguments: arguments' grads
             "random_count": random_end - self.random_start,
             "random_start": self.random_start,
-            "older_reads": older_reads - {read_id for _, read_id, _ in reads},   # read by id only
+            # read by id only (Controller.watch_release); not one dropped during the call: its release
+            # is past, and a watch on it would stay forever, one per capture (issue 43)
+            "older_reads": older_reads - dropped - {read_id for _, read_id, _ in reads},
             # one already dropped during the call (a module attribute bound to a new tensor): a
             # replay would read a freed id, so the next call captures again
             "older_dropped": bool(older_reads & dropped),
