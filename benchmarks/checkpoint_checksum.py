@@ -7,7 +7,7 @@ Measured in turns (a run of each variant, then again), medians over the turns:
                   beside it the standard library's other candidates (zlib.adler32, hashlib's
                   md5, sha1, sha256, blake2b), to show that crc32 is the one to use
   write_safetensors
-                  the writer each worker runs for a SaveShard (runtime/file_shards.py), in this
+                  the writer each worker runs for a SaveShard (runtime/worker/file_shards.py), in this
                   process, into a fresh file with its fsync: as it is (the crc32 of each block
                   first) and with the checksum replaced by a constant (what a save cost before)
   save            dtorch.checkpoint.save of 8 float32 matrices (--mib in all), S(0) on --workers
@@ -52,7 +52,7 @@ def checksum_seconds(function, buffer) -> float:
 
 def write_seconds(blocks: list, directory: str, with_checksum: bool) -> float:
     """One worker's write of `blocks` ([(name, tensor)]), the crc32 computed or not."""
-    from dtorch.runtime import file_shards
+    from dtorch.runtime.worker import file_shards
     real = file_shards.checksum
     if not with_checksum:
         file_shards.checksum = lambda data: 0
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
 
 def _save_and_load(torch, workers: int, rows: int, nbytes: int, turns: int, scratch: str) -> None:
     import dtorch
-    from dtorch.distributed_spec import Shard
+    from dtorch.spec.placements import Shard
     mesh = dtorch_session.mesh((workers,), ("dp",))
     state = {f"w{i}": dtorch.randn(rows, 4096, device_mesh=mesh, placements=[Shard(0)]) for i in range(MATRICES)}
     saves = interleaved({"save": lambda: save_seconds(dtorch, state, os.path.join(scratch, "saved"))}, turns)

@@ -27,8 +27,8 @@ def main() -> None:
     args = parser.parse_args()
     import torch
     import dtorch
-    from dtorch.distributed_spec import Replicate, Shard
-    from dtorch.tensor import call_op
+    from dtorch.spec.placements import Replicate, Shard
+    from dtorch.dtensor.tensor import call_op
     dtorch.init(num_workers=args.workers)
     try:
         mesh = dtorch.init_device_mesh("cpu", (args.workers,), mesh_dim_names=["dp"])

@@ -157,8 +157,8 @@ def measure(world: int, ops: int, reps: int, idle_s: float, reads: int = 20) -> 
     with the workers running, `reps` times with them paused while it is issued, and `reads`
     reads of ready tensors; then idle."""
     import dtorch
-    from dtorch.distributed_spec import Replicate, Shard, init_device_mesh
-    from dtorch.runtime import session
+    from dtorch.spec.placements import Replicate, Shard, init_device_mesh
+    from dtorch.runtime.controller import session
 
     from .chain import run_chain
     dtorch.init(num_workers=world)
@@ -191,7 +191,7 @@ def _program_once(mesh, ops: int, clocks: ThreadClocks, pids: list, found: dict)
     """The program with the workers running: all in, on this machine. Also the workers' own
     CPU per op (each decodes and runs every command of its mesh), their mean."""
     import dtorch
-    from dtorch.distributed_spec import Shard
+    from dtorch.spec.placements import Shard
 
     from .chain import run_chain
     z = dtorch.zeros(*SHAPE, device_mesh=mesh, placements=[Shard(0)])
@@ -217,7 +217,7 @@ def _issue_paused(mesh, ops: int, clocks: ThreadClocks, pids: list, found: dict)
     planning, queueing, publishing, and ZeroMQ writing each subscriber its copy (the commands
     wait in the sockets' queues). The workers resume (SIGCONT) and catch up before the next one."""
     import dtorch
-    from dtorch.distributed_spec import Shard
+    from dtorch.spec.placements import Shard
 
     from .chain import run_chain
     z = dtorch.zeros(*SHAPE, device_mesh=mesh, placements=[Shard(0)])

@@ -69,7 +69,7 @@ def issue_chain_once(mesh, shape, ops: int, cpu: list | None = None) -> float:
     """Seconds per op to issue the chain, starting and ending with idle workers (untimed);
     the issuing thread's CPU seconds per op go to `cpu` when given."""
     import dtorch
-    from dtorch.distributed_spec import Shard
+    from dtorch.spec.placements import Shard
     z = dtorch.zeros(*shape, device_mesh=mesh, placements=[Shard(0)])
     dtorch.synchronize()
     started = time.thread_time()
@@ -83,7 +83,7 @@ def issue_chain_once(mesh, shape, ops: int, cpu: list | None = None) -> float:
 def replay_chain_once(mesh, shape, function, calls: int) -> float:
     """Seconds per op to issue `calls` replays (the first call of a fresh function captures: untimed)."""
     import dtorch
-    from dtorch.distributed_spec import Shard
+    from dtorch.spec.placements import Shard
     from .timing import stopwatch
     z = function(dtorch.zeros(*shape, device_mesh=mesh, placements=[Shard(0)]))
     dtorch.synchronize()

@@ -16,7 +16,7 @@ def mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None):
     """A device mesh of `shape` over a pool of exactly prod(shape) local CPU workers."""
     global _world_size
     import dtorch
-    from dtorch.distributed_spec import init_device_mesh
+    from dtorch.spec.placements import init_device_mesh
     world = math.prod(shape)
     if _world_size != world:
         close()

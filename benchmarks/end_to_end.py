@@ -73,7 +73,7 @@ def _rows_for_world(suite, world: int) -> list[Row]:
 
 def _chain_and_read(mesh, ops: int, cpu_seconds: list) -> float:
     import dtorch
-    from dtorch.distributed_spec import Shard
+    from dtorch.spec.placements import Shard
     z = dtorch.zeros(*SHAPE, device_mesh=mesh, placements=[Shard(0)])
     dtorch.synchronize()
     cpu_start, elapsed = time.process_time(), stopwatch()
@@ -85,7 +85,7 @@ def _chain_and_read(mesh, ops: int, cpu_seconds: list) -> float:
 def _replays_and_read(mesh, function, ops: int) -> float:
     """Seconds per op of ops / 100 replays and the final read (the first call captures: untimed)."""
     import dtorch
-    from dtorch.distributed_spec import Shard
+    from dtorch.spec.placements import Shard
     z = function(dtorch.zeros(*SHAPE, device_mesh=mesh, placements=[Shard(0)]))
     dtorch.synchronize()
     calls = max(1, ops // COMPILED_OPS)

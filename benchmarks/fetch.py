@@ -54,7 +54,7 @@ def _dtorch_reads(world: int, reads: int):
     """A measurement: `reads` timed reads of fresh tensors on a `world`-worker pool (one more
     first, untimed); `raising` its error if the pool cannot start."""
     import dtorch
-    from dtorch.distributed_spec import Replicate
+    from dtorch.spec.placements import Replicate
     try:
         mesh = dtorch_session.mesh((world,), ("dp",))
         source = dtorch.ones(1, device_mesh=mesh, placements=[Replicate()])

@@ -45,7 +45,7 @@ def _issuer(filler_lines: int):
 
 
 def cpu_per_op(dtorch, mesh, issue, reps: int) -> list[float]:
-    from dtorch.distributed_spec import Shard
+    from dtorch.spec.placements import Shard
     samples = []
     for _ in range(reps + 1):   # the first warms the plan cache
         z = dtorch.zeros(64, 128, device_mesh=mesh, placements=[Shard(0)])
@@ -57,7 +57,7 @@ def cpu_per_op(dtorch, mesh, issue, reps: int) -> list[float]:
 
 
 def replay_cpu(dtorch, mesh, reps: int, calls: int = 2_000) -> list[float]:
-    from dtorch.distributed_spec import Shard
+    from dtorch.spec.placements import Shard
 
     def chain(z):
         for _ in range(REPLAY_OPS // 2):
@@ -77,7 +77,7 @@ def replay_cpu(dtorch, mesh, reps: int, calls: int = 2_000) -> list[float]:
 
 
 def read_latency(dtorch, mesh, reads: int = 300) -> list[float]:
-    from dtorch.distributed_spec import Replicate
+    from dtorch.spec.placements import Replicate
     source = dtorch.ones(1, device_mesh=mesh, placements=[Replicate()])
     samples = []
     for _ in range(reads + 1):
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args()
     import dtorch
-    from dtorch.distributed_spec import init_device_mesh
+    from dtorch.spec.placements import init_device_mesh
     dtorch.init(num_workers=args.workers)
     try:
         mesh = init_device_mesh("cpu", (args.workers,))

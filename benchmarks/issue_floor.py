@@ -70,7 +70,7 @@ def dtorch_loop(seconds: float, workers: int = 4) -> None:
     """Issue the chain on `workers` workers for `seconds` (for a profiler), timing each batch the
     issuing thread publishes itself."""
     import dtorch
-    from dtorch.distributed_spec import Shard, init_device_mesh
+    from dtorch.spec.placements import Shard, init_device_mesh
     dtorch.init(num_workers=workers)
     try:
         mesh = init_device_mesh("cpu", (workers,))

@@ -244,7 +244,7 @@ def _pool_size(layout: Layout) -> int:
 
 
 def _mesh(layout: Layout):
-    from dtorch.distributed_spec import init_device_mesh
+    from dtorch.spec.placements import init_device_mesh
     pool = dtorch_session.mesh((_pool_size(layout),))
     if math.prod(layout.shape) == pool.size():
         return dtorch_session.mesh(layout.shape, (layout.dim,))

@@ -38,7 +38,7 @@ def _dtorch_row(suite, case: str, shape) -> Row:
 
 def _upload(layers: int, hidden: int, batch: int):
     import dtorch
-    from dtorch.distributed_spec import Replicate, Shard
+    from dtorch.spec.placements import Replicate, Shard
     mesh = dtorch_session.mesh((DP, TP), ("dp", "tp"))
     x, weights = make_weights(layers, hidden, batch)
     upload = lambda t, placements: dtorch.tensor(t, device_mesh=mesh, placements=placements)  # noqa: E731
@@ -47,7 +47,7 @@ def _upload(layers: int, hidden: int, batch: int):
 
 
 def forward(x, weights):
-    from dtorch.distributed_spec import Replicate, Shard
+    from dtorch.spec.placements import Replicate, Shard
     for w1, w2 in weights:
         x = ((x @ w1).relu() @ w2).redistribute(placements=[Shard(0), Replicate()])
     return x

@@ -29,7 +29,7 @@ SIDE = 1024
 
 def per_op(dtorch, mesh, ops: int, reps: int) -> tuple[list, list]:
     """(CPU seconds per op, wall seconds per op) of each repetition after a warm-up."""
-    from dtorch.distributed_spec import Shard
+    from dtorch.spec.placements import Shard
     x = dtorch.randn(64, 128, device_mesh=mesh, placements=[Shard(0)])
     y = dtorch.randn(64, 128, device_mesh=mesh, placements=[Shard(1)])
     cpu, wall = [], []
@@ -46,7 +46,7 @@ def per_op(dtorch, mesh, ops: int, reps: int) -> tuple[list, list]:
 
 
 def peak_above_idle_mib(dtorch, mesh, layers: int) -> float:
-    from dtorch.distributed_spec import Replicate, Shard
+    from dtorch.spec.placements import Replicate, Shard
     pids = [w["pid"] for w in dtorch.workers()]
     weights = [dtorch.randn(SIDE, SIDE, device_mesh=mesh, placements=[Shard(0)]) for _ in range(layers)]
     h = dtorch.randn(SIDE, SIDE, device_mesh=mesh, placements=[Replicate()])
@@ -77,7 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"   # before the workers start: glibc reads it once
     import dtorch
-    from dtorch.distributed_spec import init_device_mesh
+    from dtorch.spec.placements import init_device_mesh
     dtorch.init(num_workers=4)
     try:
         mesh = init_device_mesh("cpu", (4,))

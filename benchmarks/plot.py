@@ -14,8 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 
 from .per_op_summary import per_op_lines  # noqa: E402
-from .report import format_seconds  # noqa: E402
-from .timing import Row  # noqa: E402
+from .timing import Row, format_seconds  # noqa: E402
 
 __all__ = ["draw"]
 

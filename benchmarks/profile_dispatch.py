@@ -20,7 +20,7 @@ from .dispatch import WORKERS, issue_chain_once
 
 def profile_issuing(shape: tuple, ops: int) -> cProfile.Profile:
     import dtorch
-    from dtorch.distributed_spec import Shard
+    from dtorch.spec.placements import Shard
     mesh = dtorch_session.mesh((WORKERS,), ("dp",))
     issue_chain_once(mesh, shape, 1_000)  # plans cached, workers warm
     z = dtorch.zeros(*shape, device_mesh=mesh, placements=[Shard(0)])

@@ -26,7 +26,7 @@ SHAPE = (64, 128)
 def one_chain(mesh, ops: int, profiled: bool) -> tuple[float, float, float]:
     """(issue s/op, issue-to-synchronized s/op, seconds to end the profile) for one chain."""
     import dtorch
-    from dtorch.distributed_spec import Shard
+    from dtorch.spec.placements import Shard
     z = dtorch.zeros(*SHAPE, device_mesh=mesh, placements=[Shard(0)])
     dtorch.synchronize(timeout=120)
     recording = dtorch.profile() if profiled else None

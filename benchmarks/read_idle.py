@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     print("cold code: frombuffer + reshape, median us after sleeping",
           ", ".join(f"{ms:g} ms: {cold_code_us(s):.1f}" for ms, s in zip(args.pauses_ms, pauses)), flush=True)
     import dtorch
-    from dtorch.distributed_spec import Replicate
+    from dtorch.spec.placements import Replicate
     with EchoServer(60.0) as server:
         for world in args.workers:
             mesh = dtorch_session.mesh((world,), ("dp",))

@@ -102,7 +102,7 @@ def _dtorch_row(suite, transition: Transition, nbytes: int, world: int, raw: Row
 
 def _source_and_target(transition: Transition, side: int, mesh):
     import dtorch
-    from dtorch.distributed_spec import Partial, Replicate, Shard
+    from dtorch.spec.placements import Partial, Replicate, Shard
     placement = {"P": Partial(), "R": Replicate(), "S(0)": Shard(0), "S(1)": Shard(1)}
     source = placement[transition.source]
     return (lambda: dtorch.ones(side, side, device_mesh=mesh, placements=[source])), [placement[transition.target]]

@@ -42,7 +42,7 @@ DEFAULT_SETTINGS = (
 def measure(workers: int, bursts: int) -> dict:
     """{case: [seconds per redistribute, faults per burst per worker]} in a fresh pool."""
     import dtorch
-    from dtorch.distributed_spec import Replicate, Shard, init_device_mesh
+    from dtorch.spec.placements import Replicate, Shard, init_device_mesh
     dtorch.init(num_workers=workers)
     try:
         mesh = init_device_mesh("cpu", (workers,))

@@ -15,22 +15,13 @@ from pathlib import Path
 
 from . import steal
 from .per_op_summary import markdown_lines
-from .timing import Row, ratio
+from .timing import Row, format_seconds, ratio
 
 __all__ = ["ratio", "format_seconds", "format_value", "text_table", "markdown_report", "write_json", "read_json",
            "write_plot", "machine_info", "publish"]
 
 COLUMNS = ("case", "variant", "per", "median", "p90", "vs reference", "note")
 DOCS_BEGIN, DOCS_END = "<!-- results:begin -->", "<!-- results:end -->"
-
-
-def format_seconds(seconds: float) -> str:
-    if math.isnan(seconds):
-        return "-"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
 
 
 def format_value(value: float, unit: str) -> str:

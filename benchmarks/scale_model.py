@@ -177,7 +177,7 @@ def command_sizes() -> dict:
     """Encoded size (bytes) of the command row each typical op publishes, captured from the
     controller's own batches on a 2-worker session; and a long chain's bytes per op as sent."""
     import dtorch
-    from dtorch.distributed_spec import Replicate, Shard, init_device_mesh
+    from dtorch.spec.placements import Replicate, Shard, init_device_mesh
     from dtorch.runtime import protocol as wire
     captured: list = []
     original = wire.encode_batch

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["Row", "ratio", "median", "p90", "repeat", "interleaved", "raising", "stopwatch", "guarded", "not_installed",
+__all__ = ["Row", "ratio", "format_seconds", "median", "p90", "repeat", "interleaved", "raising", "stopwatch", "guarded", "not_installed",
            "failed"]
 
 
@@ -129,3 +129,12 @@ def _print_traceback() -> None:
     import sys
     import traceback
     traceback.print_exc(file=sys.stderr)
+
+
+def format_seconds(seconds: float) -> str:
+    if math.isnan(seconds):
+        return "-"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"

@@ -24,7 +24,7 @@ MODES = {"tcp+curve": ("127.0.0.1", True), "tcp": ("127.0.0.1", False),
 
 def measure(address, curve: bool, ops: int, reads: int, mib: int) -> dict:
     import dtorch
-    from dtorch.distributed_spec import Replicate, Shard, init_device_mesh
+    from dtorch.spec.placements import Replicate, Shard, init_device_mesh
     dtorch.init(num_workers=2, controller_address=address, curve=curve)
     try:
         mesh = init_device_mesh("cpu", (2,))

@@ -14,7 +14,7 @@ alternately with PYTHONPATH on the commit before and after a change. Prints the 
 repetitions of 4,000 ops (a drifting machine only raises it) for the worker, the same ops as
 replays of a captured 100-op graph (dtorch.compile's RunGraph), decoding the batch alone, and
 plain torch, taken in turns. On a checkout whose workers run a graph of plain ops as one
-generated function (runtime/straight_line.py), the replay is also measured row by row; on one
+generated function (runtime/worker/straight_line.py), the replay is also measured row by row; on one
 whose workers run plain ops inline (Worker._ran_inline), the worker rows are also measured with
 every command on the general path (replays row by row, or as the function where there is one),
 in the same turns: A/Bs of those steps within one process.
@@ -100,8 +100,8 @@ def main() -> None:
     import zmq
     import dtorch
     from dtorch.runtime import protocol as wire
-    from dtorch.runtime.devices import CpuDevice
-    from dtorch.runtime.worker import Worker
+    from dtorch.runtime.devices.device import CpuDevice
+    from dtorch.runtime.worker.worker import Worker
     worker = Worker(0, _NoReplies(), None, CpuDevice(), start_seq=0)
     worker._execute(wire.DefineMesh(0, 0, "cpu", (1,), (0,)))
     worker._execute(wire.Factory(1, 1, 0, "zeros", SHAPE, "float32", (wire.decode_placement(0),), ()))

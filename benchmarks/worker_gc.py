@@ -3,7 +3,7 @@
     PYTHONPATH=<checkout> python benchmarks/worker_gc.py [--reps 5]
 
 Each repetition starts a fresh Python process that imports what a worker imports (torch, zmq,
-msgpack, dtorch.runtime.worker and worker_process), then:
+msgpack, dtorch.runtime.worker.worker and worker_process), then:
   as started    applies the checkout's own start-up treatment of the collector, as a worker that
                 dtorch-launch starts over ssh or slurm (or DTORCH_ZYGOTE=0) applies it
                 (worker_process._freeze_collector; nothing on a checkout without it), then times
@@ -12,7 +12,7 @@ msgpack, dtorch.runtime.worker and worker_process), then:
 Python runs a generation-2 collection on its own once enough objects have outlived two younger
 collections (a quarter of those it already tracks), so a worker that keeps building objects
 (autograd graphs, compiled graphs, tensors' tables) pays it every so often, and every peer then
-waits for it at the next collective. A worker forked from the template (runtime/zygote.py) is
+waits for it at the next collective. A worker forked from the template (runtime/processes/zygote.py) is
 frozen by the template before the fork either way.
 
 Standalone (no relative imports): run it with PYTHONPATH on any checkout. Prints the objects the

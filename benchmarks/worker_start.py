@@ -1,6 +1,6 @@
-"""9. Starting N local workers: each its own `python -m dtorch.runtime.worker_process`
+"""9. Starting N local workers: each its own `python -m dtorch.runtime.processes.worker_process`
 (DTORCH_ZYGOTE=0, the reference) against forks of the pre-imported worker template
-(dtorch/runtime/zygote.py, the default).
+(dtorch/runtime/processes/zygote.py, the default).
 
 Each measurement is a fresh controller in its own process, so nothing is warm. It reports the
 seconds from dtorch.init(num_workers=N) until every worker registered, the seconds until a
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MEASURE = textwrap.dedent("""
     import json, sys, time
     import dtorch
-    from dtorch.distributed_spec import Shard, init_device_mesh
+    from dtorch.spec.placements import Shard, init_device_mesh
     from dtorch.runtime import session
     def pss_kib(pid):
         with open(f"/proc/{pid}/smaps_rollup") as rollup:

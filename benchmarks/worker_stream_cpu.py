@@ -98,9 +98,9 @@ def record(batch: int, steps: int, compiled: bool):
 def in_process_worker(recorded: list):
     import torch.distributed as dist
     from dtorch.runtime import protocol as wire
-    from dtorch.runtime.comm import GlooCommunicator
-    from dtorch.runtime.devices import CpuDevice
-    from dtorch.runtime.worker import _ON_COMMAND_SOCKET, Worker
+    from dtorch.runtime.devices.comm import GlooCommunicator
+    from dtorch.runtime.devices.device import CpuDevice
+    from dtorch.runtime.worker.worker import _ON_COMMAND_SOCKET, Worker
     first = next(wire.decode(frames[1], _ON_COMMAND_SOCKET) for frames in recorded
                  if type(wire.decode(frames[1], _ON_COMMAND_SOCKET)) is wire.Batch)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True)

@@ -9,34 +9,36 @@ from __future__ import annotations
 
 import torch as _torch
 
-from . import distributed_spec
-from .distributed_spec import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
+from .spec import placements as _placements
+from .spec.placements import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
 from .errors import (DependencyError, DTorchError, MeshError, PlacementError, RemoteError, SessionEndedError,
                      ShapeError, StartupError, UnreadFailureWarning, UnsupportedOpError, WorkerLostError)
 from .errors import CompileError, LocalTensorError, LostTensorError
-from .factories import (arange, distribute_tensor, empty, empty_like, eye, full, full_like, linspace, ones, ones_like,
-                        rand, rand_like, randint, randn, randn_like, tensor, zeros, zeros_like)
-from .factories import Tensor
-from .rng import Generator
+from .dtensor.factories import (arange, distribute_tensor, empty, empty_like, eye, full, full_like, linspace,
+                                ones, ones_like, rand, rand_like, randint, randn, randn_like, tensor, zeros,
+                                zeros_like)
+from .dtensor.factories import Tensor
+from .spec.rng import Generator
 from .ops.dispatch import is_strict, set_strict
-from .runtime import session as _session
-from .runtime.reads import Future
-from .sync_debug import BlockingReadError, BlockingReadWarning, get_sync_debug_mode, set_sync_debug_mode
-from . import sync_debug as _sync_debug
-from .tensor import DTensor, call_op
-from . import inplace as _inplace  # noqa: F401  (installs x[i] = v, p.data = t, the shape changes)
-from . import inplace_methods as _inplace_methods  # noqa: F401  (installs x.add_, x.fill_, x += y, ...)
-from .inplace import AliasingError
-from . import advanced_indexing as _advanced_indexing  # noqa: F401  (x[t], x[t] = v, index_put)
-from . import torch_methods as _torch_methods  # noqa: F401  (x.t(), x.flip(0), torch.tril(x), ...)
-from . import composites as _composites  # noqa: F401  (torch.tile(x), x.diff(), F.normalize(x), ...)
-from . import composite_losses as _composite_losses  # noqa: F401  (F.poisson_nll_loss, F.soft_margin_loss, ...)
-from . import composite_layers as _composite_layers  # noqa: F401  (F.dropout2d, F.instance_norm, torch.cdist, ...)
-from . import composite_foreach as _composite_foreach  # noqa: F401  (torch._foreach_mul_(list, 0.9), ...)
-from . import composite_order as _composite_order  # noqa: F401  (torch.argsort, torch.quantile, ...)
-from . import composite_random as _composite_random  # noqa: F401  (torch.multinomial, x.bernoulli_(p), ...)
-from . import composite_stats as _composite_stats  # noqa: F401  (torch.cov, torch.histc, torch.take, ...)
-from . import composite_data_dependent as _composite_data_dependent  # noqa: F401  (torch.nonzero, x.unique(), ...)
+from .runtime.controller import session as _session
+from .runtime.controller.reads import Future
+from .dtensor.sync_debug import (BlockingReadError, BlockingReadWarning, get_sync_debug_mode,
+                                 set_sync_debug_mode)
+from .dtensor import sync_debug as _sync_debug
+from .dtensor.tensor import DTensor, call_op
+from .dtensor import inplace as _inplace  # noqa: F401  (installs x[i] = v, p.data = t, the shape changes)
+from .dtensor import inplace_methods as _inplace_methods  # noqa: F401  (installs x.add_, x.fill_, x += y, ...)
+from .dtensor.inplace import AliasingError
+from .dtensor import indexing as _advanced_indexing  # noqa: F401  (x[t], x[t] = v, index_put)
+from .torch_api import methods as _torch_methods  # noqa: F401  (x.t(), x.flip(0), torch.tril(x), ...)
+from .torch_api import compositions as _composites  # noqa: F401  (torch.tile(x), x.diff(), F.normalize(x), ...)
+from .torch_api import losses as _composite_losses  # noqa: F401  (F.poisson_nll_loss, F.soft_margin_loss, ...)
+from .torch_api import layers as _composite_layers  # noqa: F401  (F.dropout2d, F.instance_norm, torch.cdist, ...)
+from .torch_api import foreach as _composite_foreach  # noqa: F401  (torch._foreach_mul_(list, 0.9), ...)
+from .torch_api import order as _composite_order  # noqa: F401  (torch.argsort, torch.quantile, ...)
+from .torch_api import random_draws as _composite_random  # noqa: F401  (torch.multinomial, x.bernoulli_(p), ...)
+from .torch_api import stats as _composite_stats  # noqa: F401  (torch.cov, torch.histc, torch.take, ...)
+from .torch_api import data_dependent as _composite_data_dependent  # noqa: F401  (torch.nonzero, x.unique(), ...)
 from . import autograd
 from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from . import nn
@@ -50,11 +52,11 @@ from . import models
 from .profile import profile
 from .compile import compile  # noqa: A001  (dtorch.compile, like torch.compile)
 
-from .tensor import refuse_the_rest as _refuse_the_rest
+from .dtensor.tensor import refuse_the_rest as _refuse_the_rest
 _refuse_the_rest()   # last: every module above has installed its DTensor methods
 
 # init_device_mesh (pure layer) starts workers through the runtime: the one seam, installed here
-distributed_spec.set_worker_starter(_session.acquire_workers)
+_placements.set_worker_starter(_session.acquire_workers)
 
 init = _session.init
 init_async = _session.init_async
@@ -73,7 +75,7 @@ def stats() -> dict:
     checkpoint_bytes_saved (dtorch.checkpoint.save: written by the workers, so
     checkpoint_bytes_saved_via_controller is always 0), and reads_spun (blocking reads whose
     thread spun for the reply before it slept: the workers were idle, or the last two replies came
-    quickly; dtorch/runtime/reply_receiving.py, READ_SPIN_S), blocking_reads (reads that waited on
+    quickly; dtorch/runtime/controller/reply_receiving.py, READ_SPIN_S), blocking_reads (reads that waited on
     the workers: to_torch(), item(), bool(x), ...) and implicit_reads (those of them that dtorch or
     torch made on the caller's behalf; dtorch.set_sync_debug_mode names their lines)."""
     return {**_session.controller().stats(), **_sync_debug.read_counts()}

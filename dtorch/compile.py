@@ -7,7 +7,7 @@
 
 The first call with a signature (each DTensor argument's shape, dtype, mesh, placements and
 requires_grad, and its grad's kind; every other argument's value; grad mode; torch.autocast's
-state) runs `step` as eager code would, and records the commands it issues (dtorch/capture.py).
+state) runs `step` as eager code would, and records the commands it issues (dtorch/dtensor/compile_capture.py).
 Later calls with that signature send ONE RunGraph command: the workers run the recorded commands
 on the new arguments, and the controller builds the outputs' DTensors without running `step`'s
 Python at all.
@@ -19,13 +19,13 @@ import functools
 import itertools
 import weakref
 
-from . import capture as capturing
-from .autocast import autocast_state
+from .dtensor import compile_capture as capturing
+from .dtensor.autocast import autocast_state
 from .errors import CompileError
-from .recording import Leaf, is_grad_enabled
+from .dtensor.recording import Leaf, is_grad_enabled
 from .runtime import protocol as wire
-from .runtime import session
-from .tensor import DTensor, new_symbol
+from .runtime.controller import session
+from .dtensor.tensor import DTensor, new_symbol
 
 __all__ = ["compile", "CompiledFunction"]
 
@@ -130,7 +130,7 @@ class _ReadWatch:
 
 
 def _take_id(tensor: DTensor, source: DTensor) -> None:
-    """`tensor` holds `source`'s id from now on (what an in-place op does, dtorch/inplace.py)."""
+    """`tensor` holds `source`'s id from now on (what an in-place op does, dtorch/dtensor/inplace.py)."""
     old, tensor._id, tensor._seq = tensor._id, source._id, source._seq
     source._controller = None
     tensor._controller.release(old)

@@ -15,7 +15,7 @@ __all__ = ["explain_ssh_failure"]
 
 SSH_FAILED = 255     # ssh's own exit code for connection and authentication failures
 NOT_FOUND = 127      # POSIX shells' exit code for "command not found"
-WORKER_CANNOT_START = 2   # dtorch.runtime.worker_process._fail_start
+WORKER_CANNOT_START = 2   # dtorch.runtime.processes.worker_process._fail_start
 
 
 class _Cause(NamedTuple):

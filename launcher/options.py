@@ -23,7 +23,7 @@ __all__ = [
 ENV_HOSTFILE = "DTORCH_HOSTFILE"
 ENV_OPTIONS = "DTORCH_LAUNCH_OPTIONS"
 ENV_CONTROLLER_ADDRESS = "DTORCH_CONTROLLER_ADDRESS"
-DEFAULT_WORKER_MODULE = "dtorch.runtime.worker_process"
+DEFAULT_WORKER_MODULE = "dtorch.runtime.processes.worker_process"
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")

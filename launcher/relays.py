@@ -3,7 +3,7 @@
 ZeroMQ's PUB over TCP sends every subscriber its own copy. On a host with more than one slot the
 spawner therefore starts, with the host's first worker, one more ssh session running
 
-    exec PYTHON -m dtorch.runtime.relay
+    exec PYTHON -m dtorch.runtime.processes.relay
 
 which subscribes to the controller once (TCP, CURVE when the run has keys) and republishes the
 stream on an ipc:// socket in a new directory of mode 0700 on that host. The host's workers get
@@ -29,7 +29,7 @@ from .options import SshOptions
 __all__ = ["ENV_RELAY", "RELAY_MODULE", "HostRelay", "Relays", "relays_enabled"]
 
 ENV_RELAY = "DTORCH_RELAY"
-RELAY_MODULE = "dtorch.runtime.relay"
+RELAY_MODULE = "dtorch.runtime.processes.relay"
 # Where relays make their socket directories: short enough for a unix socket path on any host,
 # and the same on every POSIX machine (the controller picks the name, the host cannot tell it).
 SOCKET_PARENT = "/tmp"

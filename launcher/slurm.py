@@ -7,7 +7,7 @@ fill the nodes in order, and a rank's local rank is its place on its node (``cud
 Worker ``rank`` on ``node`` is one local ``srun`` process running one task:
 
     srun --jobid=J --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=NODE --exact --overlap
-         --cpus-per-task=C --chdir=DIR --job-name=dtorch-rank<R> PYTHON -m dtorch.runtime.worker_process
+         --cpus-per-task=C --chdir=DIR --job-name=dtorch-rank<R> PYTHON -m dtorch.runtime.processes.worker_process
 
 Why one step per worker rather than one step for all tasks: the runtime supervises, stops and
 replaces workers one rank at a time (poll, kill, replace_lost_workers, a pool that grows), and a

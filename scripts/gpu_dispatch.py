@@ -27,8 +27,8 @@ import torch  # noqa: E402
 
 import dtorch  # noqa: E402
 from benchmarks.chain import run_chain  # noqa: E402
-from dtorch.distributed_spec import Partial, Replicate, init_device_mesh  # noqa: E402
-from dtorch.runtime.nccl import SINGLE_RANK_VARIABLE  # noqa: E402
+from dtorch.spec.placements import Partial, Replicate, init_device_mesh  # noqa: E402
+from dtorch.runtime.devices.nccl import SINGLE_RANK_VARIABLE  # noqa: E402
 
 SHAPE = (64, 128)
 

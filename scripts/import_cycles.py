@@ -1,12 +1,13 @@
-"""The import edges among dtorch's own modules (dtorch/ and launcher/, read with ast, nothing
-imported), and the cycles in them.
+"""The import edges among dtorch's own modules (dtorch/, launcher/ and benchmarks/, read with ast,
+nothing imported), and the cycles in them.
 
     python3 scripts/import_cycles.py            # cycles among module-level imports; exit 1 if any
     python3 scripts/import_cycles.py --lazy     # imports inside functions count too
+    python3 scripts/import_cycles.py --lazy --type-only   # and those under `if TYPE_CHECKING:` (the tests' view)
     python3 scripts/import_cycles.py --edges    # every edge, then the cycles
 
 An edge a -> b means that importing a imports b: a module-level import, also under `if` or `try`,
-but not under `if TYPE_CHECKING:` (never run). `from package import name` points at
+but not under `if TYPE_CHECKING:` (never run) unless --type-only. `from package import name` points at
 package.name when that is a module, else at the package. The parent packages Python runs on the
 way (dtorch/__init__.py for every dtorch.x) are not edges: every module would import the root.
 tests/test_packaging.py fails on a cycle that its allow-list does not name.
@@ -18,7 +19,7 @@ import ast
 import sys
 from pathlib import Path
 
-PACKAGES = {"dtorch": "dtorch", "launcher": "dtorch_launcher"}  # folder -> installed name
+PACKAGES = {"dtorch": "dtorch", "launcher": "dtorch_launcher", "benchmarks": "benchmarks"}  # folder -> import name
 
 
 def module_files(source: Path) -> dict[str, Path]:
@@ -45,10 +46,12 @@ def _is_type_checking(node: ast.AST) -> bool:
 
 
 def imported_modules(tree: ast.AST, importer: str, is_package: bool, known: set[str], lazy: bool,
-                     in_function: bool = False):
-    """(imported module, whether inside a function) for each import of one of `known`."""
+                     in_function: bool = False, type_only: bool = False):
+    """(imported module, whether inside a function) for each import of one of `known`; with
+    `type_only`, the imports under `if TYPE_CHECKING:` too (they tie the modules' designs together
+    even though they never run)."""
     for node in ast.iter_child_nodes(tree):
-        if _is_type_checking(node):
+        if _is_type_checking(node) and not type_only:
             continue
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -62,16 +65,17 @@ def imported_modules(tree: ast.AST, importer: str, is_package: bool, known: set[
                     yield (target if target in known else base), in_function
         inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         if lazy or not inner:
-            yield from imported_modules(node, importer, is_package, known, lazy, inner)
+            yield from imported_modules(node, importer, is_package, known, lazy, inner, type_only)
 
 
-def import_graph(source: Path, lazy: bool = False) -> dict[str, set[str]]:
-    """Module -> the modules it imports (module-level only unless `lazy`)."""
+def import_graph(source: Path, lazy: bool = False, type_only: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules it imports (module-level only unless `lazy`; run-time imports only
+    unless `type_only`)."""
     files = module_files(source)
     graph = {}
     for module, path in files.items():
         tree = ast.parse(path.read_text(), str(path))
-        found = imported_modules(tree, module, path.name == "__init__.py", set(files), lazy)
+        found = imported_modules(tree, module, path.name == "__init__.py", set(files), lazy, type_only=type_only)
         graph[module] = {target for target, _ in found if target != module}
     return graph
 
@@ -144,9 +148,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", type=Path, default=Path(__file__).resolve().parent.parent)
     parser.add_argument("--lazy", action="store_true", help="count imports inside functions too")
+    parser.add_argument("--type-only", action="store_true", help="count imports under `if TYPE_CHECKING:` too")
     parser.add_argument("--edges", action="store_true", help="print every edge first")
     args = parser.parse_args()
-    graph = import_graph(args.source, args.lazy)
+    graph = import_graph(args.source, args.lazy, args.type_only)
     if args.edges:
         for module in sorted(graph):
             for target in sorted(graph[module]):

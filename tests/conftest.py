@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import dtorch
-from dtorch.distributed_spec import init_device_mesh
+from dtorch.spec.placements import init_device_mesh
 
 from support import alive
 import session_health

@@ -163,7 +163,7 @@ def run(interrupt_count: int, seed: int, workers: int) -> dict:
         raise KeyboardInterrupt
     signal.signal(signal.SIGINT, counting_handler)   # dtorch puts its handler in front of this one
     import dtorch
-    from dtorch.runtime import interrupts
+    from dtorch.runtime.controller import interrupts
     faulthandler.enable()
     mesh = dtorch.init_device_mesh("cpu", (workers,))
     pids = sorted(w["pid"] for w in dtorch.workers())

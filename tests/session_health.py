@@ -11,8 +11,8 @@ import traceback
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Replicate, Shard, init_device_mesh
-from dtorch.runtime import session
+from dtorch.spec.placements import Replicate, Shard, init_device_mesh
+from dtorch.runtime.controller import session
 
 PROBE_TIMEOUT_S = 60.0
 

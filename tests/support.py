@@ -11,7 +11,7 @@ import textwrap
 import torch
 
 import dtorch
-from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard
+from dtorch.spec.placements import DeviceMesh, Partial, Replicate, Shard
 from dtorch.ops.tooling.simulate import contributions
 from dtorch.ops.tensor_meta import tensor_meta
 

@@ -11,7 +11,7 @@ import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from dtorch.distributed_spec import DeviceMesh, init_device_mesh
+from dtorch.spec.placements import DeviceMesh, init_device_mesh
 from dtorch.errors import MeshError, UnsupportedOpError
 
 pytestmark = pytest.mark.timeout(120)

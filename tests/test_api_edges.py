@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import dtorch
 import dtorch.nn.functional as DF
-from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard
+from dtorch.spec.placements import DeviceMesh, Partial, Replicate, Shard
 from dtorch.errors import PlacementError, RemoteError, ShapeError, UnsupportedOpError
 from dtorch.ops.dispatch import plan_call
 from dtorch.ops.dispatch import lookup
@@ -24,7 +24,7 @@ def sharded(mesh, *shape):
     return values, dtorch.tensor(values, device_mesh=mesh, placements=[Shard(0)] + [R] * (mesh.ndim - 1))
 
 
-# --- 4. inplace=True works (x is rebound, dtorch/inplace.py); what has no in-place form is refused ----
+# --- 4. inplace=True works (x is rebound, dtorch/dtensor/inplace.py); what has no in-place form is refused ----
 INPLACE_CALLS = {
     "F.relu": (lambda x: F.relu(x, inplace=True), F.relu),
     "F.leaky_relu": (lambda x: F.leaky_relu(x, 0.1, inplace=True), lambda v: F.leaky_relu(v, 0.1)),

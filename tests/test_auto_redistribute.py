@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard
+from dtorch.spec.placements import DeviceMesh, Partial, Replicate, Shard
 from dtorch.errors import PlacementError
 from dtorch.ops import REGISTRY
 from dtorch.ops.auto_redistribute import legal_call
@@ -32,7 +32,7 @@ from dtorch.ops.dispatch import PLAN_CACHE, cached_plan, lookup, plan_call
 from dtorch.ops.tooling.samples import SAMPLED_FAMILIES, samples
 from dtorch.ops.tooling.simulate import placement_options, split_partial, tensor_inputs, with_inputs
 from dtorch.ops.tensor_meta import tensor_meta
-from dtorch.tensor import call_op
+from dtorch.dtensor.tensor import call_op
 from support import REPO, Symbol, assert_same, placed
 
 R, P = Replicate(), Partial()

@@ -1,4 +1,4 @@
-"""torch.autocast on DTensors (dtorch/autocast.py), against torch's own CPU autocast on the same
+"""torch.autocast on DTensors (dtorch/dtensor/autocast.py), against torch's own CPU autocast on the same
 inputs: the ops on torch's lower-precision list compute in the autocast dtype, those on its
 float32 list in float32, the rest in their inputs' dtypes, and backward casts the gradients back."""
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from dtorch.distributed_spec import init_device_mesh
+from dtorch.spec.placements import init_device_mesh
 from dtorch.errors import DTorchError
 
 pytestmark = pytest.mark.timeout(300)
@@ -518,8 +518,8 @@ def test_gradient_buckets_meet_the_backwards_own_collectives_on_a_2d_mesh(mesh22
     P(sum) -> R all-reduce between the layers, a tp weight's reduction over "tp"): a group of
     their own keeps every rank's order the same. One leaf per bucket makes every leaf a launch."""
     if one_leaf_per_bucket:
-        monkeypatch.setattr(dtorch.autograd.rules, "FIRST_BUCKET_BYTES", 1)
-        monkeypatch.setattr(dtorch.autograd.rules, "BUCKET_BYTES", 1)
+        monkeypatch.setattr(dtorch.autograd.placement_rules, "FIRST_BUCKET_BYTES", 1)
+        monkeypatch.setattr(dtorch.autograd.placement_rules, "BUCKET_BYTES", 1)
     torch.manual_seed(3)
     x, w1, w2, w3, s = torch.randn(6, 4), torch.randn(4, 8), torch.randn(8, 5), torch.randn(5, 5), torch.randn(5)
     dx = _up(x, mesh22, [Shard(0), Replicate()])

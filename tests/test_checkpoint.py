@@ -18,9 +18,9 @@ from dtorch.checkpoint import CheckpointError, IncompatibleKeys, TensorTarget, l
 from dtorch.checkpoint.loading import _load_shard
 from dtorch.nn.progress import ProgressBar
 from dtorch.checkpoint.safetensors_header import read_checkpoint, read_header
-from dtorch.distributed_spec import Partial, Replicate, Shard, init_device_mesh
+from dtorch.spec.placements import Partial, Replicate, Shard, init_device_mesh
 from dtorch.errors import RemoteError
-from dtorch.runtime import file_shards
+from dtorch.runtime.worker import file_shards
 
 pytestmark = pytest.mark.timeout(300)
 

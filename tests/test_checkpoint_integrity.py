@@ -17,7 +17,7 @@ from dtorch import Replicate, Shard
 from dtorch.checkpoint import to_torch_state_dict
 from dtorch.checkpoint.sharded_format import index_checksum, tiling_problem
 from dtorch.checkpoint.safetensors_header import CheckpointError, read_header, read_header_and_metadata
-from dtorch.runtime.file_shards import NO_CHECKSUM, read_region
+from dtorch.runtime.worker.file_shards import NO_CHECKSUM, read_region
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -18,7 +18,7 @@ from dtorch.checkpoint import CheckpointError, TensorTarget, load, save, to_torc
 from dtorch.checkpoint import saving
 from dtorch.checkpoint.loading import _load_shard
 from dtorch.checkpoint.safetensors_header import StoredTensor, read_header
-from dtorch.distributed_spec import Partial, Replicate, Shard
+from dtorch.spec.placements import Partial, Replicate, Shard
 from dtorch.errors import DTorchError
 
 from support import REPO, alive, placed, run_script
@@ -334,7 +334,7 @@ def test_values_that_cannot_be_saved_are_refused_before_anything_is_written(mesh
 
 KILLED_SAVE = """
     import json, os, signal, threading, time, torch, dtorch
-    from dtorch.distributed_spec import init_device_mesh, Shard
+    from dtorch.spec.placements import init_device_mesh, Shard
     EXISTING = {existing}
     mesh = init_device_mesh("cpu", (2,))
     parent = {folder!r}   # the test's tmp_path: pytest removes it

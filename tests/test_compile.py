@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Replicate, Shard
+from dtorch.spec.placements import Replicate, Shard
 from dtorch.errors import CompileError, PlacementError, RemoteError
 from dtorch.ops import REGISTRY
 from dtorch.ops.tooling.samples import SAMPLED_FAMILIES, samples
 from dtorch.ops.tooling.simulate import placement_options, tensor_inputs, with_inputs
-from dtorch.tensor import call_op
+from dtorch.dtensor.tensor import call_op
 from support import placed
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("strict")]
@@ -355,7 +355,7 @@ def test_intermediates_held_in_a_reference_cycle_are_freed_after_every_replay(me
 
 
 def _live_tensors() -> int:
-    controller = dtorch.runtime.session.controller()
+    controller = dtorch.runtime.controller.session.controller()
     controller.synchronize()
     import time
     time.sleep(1.2)   # heartbeats carry the count
@@ -388,7 +388,7 @@ def test_a_worker_that_joined_after_the_capture_skips_its_replays():
     from support import run_script
     result = run_script("""
         import json, dtorch
-        from dtorch.distributed_spec import init_device_mesh, Shard
+        from dtorch.spec.placements import init_device_mesh, Shard
         mesh = init_device_mesh("cpu", (2,))
         double = dtorch.compile(lambda x: x * 2)
         double(dtorch.ones(8, device_mesh=mesh, placements=[Shard(0)]))
@@ -408,7 +408,7 @@ def test_after_replace_lost_workers_a_compiled_function_captures_again():
     from support import run_script
     result = run_script("""
         import json, os, signal, torch, dtorch
-        from dtorch.distributed_spec import init_device_mesh, Shard
+        from dtorch.spec.placements import init_device_mesh, Shard
         mesh = init_device_mesh("cpu", (2,))
         double = dtorch.compile(lambda x: x * 2)
         double(dtorch.ones(4, device_mesh=mesh, placements=[Shard(0)]))
@@ -619,7 +619,7 @@ def test_llama_forward_and_training_step_replay_like_eager(session, shape, names
     """On fsdp the forward's rows read gathered parameters, which backward gathers again
     (kernels.saves_gathered): in a replay too."""
     transformers = pytest.importorskip("transformers")
-    from dtorch.distributed_spec import init_device_mesh
+    from dtorch.spec.placements import init_device_mesh
     from dtorch.models import LlamaForCausalLM
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Partial, Replicate, Shard
+from dtorch.spec.placements import Partial, Replicate, Shard
 from dtorch.errors import PlacementError, ShapeError, UnsupportedOpError
-from dtorch.runtime import comm, nccl
+from dtorch.runtime.devices import comm, nccl
 from support import placed
 
 R = Replicate()

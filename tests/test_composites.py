@@ -1,4 +1,4 @@
-"""torch functions that dtorch composes from its ops (dtorch/composites.py), each against torch on the
+"""torch functions that dtorch composes from its ops (dtorch/torch_api/compositions.py), each against torch on the
 same values: sharded on the first or last dim, replicated, on (4,) and (2, 2), with even and uneven
 shapes, and the gradient of every floating-point input."""
 from __future__ import annotations
@@ -118,7 +118,7 @@ CASES = {   # name -> (inputs (g, uneven) -> torch tensors, the call on torch te
     "triplet_margin_loss": (_floats(MATRIX, MATRIX, MATRIX), lambda a, p, n: F.triplet_margin_loss(a, p, n)),
     "triplet_margin_loss swap p=1": (_floats(MATRIX, MATRIX, MATRIX),
                                      lambda a, p, n: F.triplet_margin_loss(a, p, n, p=1, swap=True, reduction="none")),
-    # order statistics (dtorch/composite_order.py)
+    # order statistics (dtorch/torch_api/order.py)
     "argsort": (_floats(MATRIX), lambda x: torch.argsort(x)),
     "argsort dim 0 descending": (_floats(CUBE), lambda x: x.argsort(dim=1, descending=True)),
     "msort": (_floats(MATRIX), lambda x: torch.msort(x)),
@@ -135,14 +135,14 @@ CASES = {   # name -> (inputs (g, uneven) -> torch tensors, the call on torch te
                     lambda x: tuple(torch.nan_to_num(q, nan=-9.0) for q in (   # (the comparison's NaN)
                         torch.nanquantile(x, 0.5, dim=1), x.nanquantile(0.2, dim=0, interpolation="higher"),
                         torch.quantile(x, 0.5, dim=1)))),   # quantile: NaN where a row holds one
-    # torch's other spellings of dtorch's ops (dtorch/torch_methods.py, dtorch/composites.py)
+    # torch's other spellings of dtorch's ops (dtorch/torch_api/methods.py, dtorch/torch_api/compositions.py)
     "greater and kin": (_floats(MATRIX, MATRIX), lambda x, y: (torch.greater(x, y), x.greater_equal(0.1), x.less(y),
                                                                 torch.less_equal(x, y), x.not_equal(y))),
     "ger": (_floats(ROW, COLUMN), lambda x, y: torch.ger(y, x)),
     "split_with_sizes": (_floats(MATRIX), lambda x: x.split_with_sizes([1, x.shape[1] - 1], dim=1)),
     "unsafe_chunk and unsafe_split": (_floats(MATRIX), lambda x: torch.unsafe_chunk(x, 2) + x.unsafe_split(3)),
     "narrow_copy": (_floats(MATRIX), lambda x: x.narrow_copy(0, 1, 3)),
-    # statistics and flat indices (dtorch/composite_stats.py)
+    # statistics and flat indices (dtorch/torch_api/stats.py)
     "cov": (_floats(MATRIX), lambda x: (torch.cov(x), x.T.cov(correction=0), torch.cov(x[0]))),
     "cov weighted": (_with(_floats(MATRIX), lambda g, u: torch.randint(1, 4, (_sizes(u)[1],), generator=g),
                            lambda g, u: torch.rand(_sizes(u)[1], generator=g)),

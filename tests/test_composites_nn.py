@@ -1,5 +1,5 @@
 """torch.nn.functional losses and layers, torch._foreach_* and vector_to_parameters on DTensors
-(dtorch/composite_losses.py, composite_layers.py, composite_foreach.py, nn/utils.py), each against
+(dtorch/torch_api/losses.py, torch_api/layers.py, torch_api/foreach.py, nn/utils.py), each against
 torch on the same values: sharded on the first dim (the batch) or the last (classes, features),
 replicated, on (4,) and (2, 2), with even and uneven shapes (a batch of 7 on 4 ranks), values and
 the gradient of every floating-point input. The dropouts draw from dtorch's stream, not torch's:

@@ -15,7 +15,7 @@ import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from dtorch.runtime import session
+from dtorch.runtime.controller import session
 
 SOAK_S = float(os.environ.get("DTORCH_SOAK_S", "30"))
 

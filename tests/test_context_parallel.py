@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import DependencyError, PlacementError, Replicate, Shard
-from dtorch.distributed_spec import init_device_mesh
+from dtorch.spec.placements import init_device_mesh
 
 from support import assert_same
 

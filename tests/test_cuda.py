@@ -1,4 +1,4 @@
-"""CUDA workers (runtime/gpu_assignment.py, runtime/cuda.py, runtime/nccl.py).
+"""CUDA workers (runtime/devices/gpu_assignment.py, runtime/devices/cuda.py, runtime/devices/nccl.py).
 
 Tests marked `cuda` run the CPU suite's own checks, unchanged, with "cuda" meshes in place of the
 CPU fixtures, plus what only a GPU shows (NCCL dtypes, freed memory, RNG bits on the device, a
@@ -25,11 +25,11 @@ import test_random as cpu_random
 import test_redistribute as cpu_redistribute
 import test_runtime_ops as cpu_ops
 from support import assert_same, run_script
-from dtorch.distributed_spec import Replicate, Shard, init_device_mesh
+from dtorch.spec.placements import Replicate, Shard, init_device_mesh
 from dtorch.errors import MeshError
-from dtorch import rng
-from dtorch.runtime import cuda, gpu_assignment, nccl
-from dtorch.runtime.controller import WorkerRecord
+from dtorch.spec import rng
+from dtorch.runtime.devices import cuda, gpu_assignment, nccl
+from dtorch.runtime.controller.controller import WorkerRecord
 
 GPUS = torch.cuda.device_count()
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
@@ -199,7 +199,7 @@ def test_dropped_tensors_free_gpu_memory(cuda1):
 @pytest.mark.cuda
 @pytest.mark.parametrize("factory", ["rand", "randint", "randn"])
 def test_random_bits_on_cuda_match_cpu(cuda1, mesh4, factory):
-    """rng.py's int64 hash wraps the same way on the GPU: rand and randint are bit-identical to
+    """spec/rng.py's int64 hash wraps the same way on the GPU: rand and randint are bit-identical to
     the CPU's; randn goes through float64 log/cos, whose last bit may differ on the GPU."""
     make = {"rand": lambda **kw: dtorch.rand(33, 17, **kw), "randn": lambda **kw: dtorch.randn(33, 17, **kw),
             "randint": lambda **kw: dtorch.randint(-1000, 1000, (33, 17), **kw)}[factory]
@@ -287,7 +287,7 @@ def test_a_failed_first_start_leaves_no_session_behind():
     result = run_script("""
         import dtorch
         from dtorch.runtime import session
-        from dtorch.distributed_spec import init_device_mesh
+        from dtorch.spec.placements import init_device_mesh
         try:
             init_device_mesh("cuda", (1,))
         except dtorch.MeshError:
@@ -309,8 +309,8 @@ def test_the_cpu_path_never_imports_cupy():
     result = run_script("""
         import sys
         import dtorch
-        import dtorch.runtime.cuda, dtorch.runtime.gpu_assignment, dtorch.runtime.nccl
-        from dtorch.distributed_spec import init_device_mesh, Shard
+        import dtorch.runtime.devices.cuda, dtorch.runtime.devices.gpu_assignment, dtorch.runtime.devices.nccl
+        from dtorch.spec.placements import init_device_mesh, Shard
         mesh = init_device_mesh("cpu", (2,))
         x = dtorch.ones(4, 3, device_mesh=mesh, placements=[Shard(0)])
         assert (x + 1).redistribute(placements=[Shard(1)]).sum().item() == 24
@@ -368,7 +368,7 @@ def test_nccl_datatypes_and_reductions():
 def test_nccl_and_gloo_have_the_communicator_interface():
     """What comm.Communicator declares, each backend has, with the same parameters."""
     import inspect
-    from dtorch.runtime.comm import Communicator, GlooCommunicator
+    from dtorch.runtime.devices.comm import Communicator, GlooCommunicator
     declared = {name: member for name, member in vars(Communicator).items() if not name.startswith("_")}
     assert set(declared) == {"host", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "exchange", "regroup",
                              "agree_max", "close", "start_all_reduce", "prepare_background"}

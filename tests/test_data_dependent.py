@@ -1,5 +1,5 @@
 """Ops whose result's shape depends on the values, as documented blocking reads
-(dtorch/composite_data_dependent.py, dtorch/advanced_indexing.py): nonzero, argwhere,
+(dtorch/torch_api/data_dependent.py, dtorch/dtensor/indexing.py): nonzero, argwhere,
 nonzero_static, x[mask] with a DTensor bool mask, masked_select, unique, unique_consecutive and
 bincount, against torch on meshes (1,), (4,) and (2, 2), with Shard, Replicate and Partial inputs,
 even and uneven shapes, gradients where torch has them; set_sync_debug_mode("error") refuses each
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Partial, Replicate, Shard
+from dtorch.spec.placements import Partial, Replicate, Shard
 from support import assert_same, placed
 
 R, P = Replicate(), Partial()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Partial, Replicate, Shard, init_device_mesh
+from dtorch.spec.placements import Partial, Replicate, Shard, init_device_mesh
 from dtorch.errors import DependencyError, MeshError, PlacementError, RemoteError, ShapeError
 
 
@@ -117,7 +117,7 @@ def test_a_stand_in_that_fails_too_keeps_its_inputs_failure(monkeypatch):
     factory, command #1), and then so does the first step of the zeros that stand in for it in
     the redistribute's collectives. Its output still carries the factory's failure, and the
     stand-in's is not reported: it follows from the first."""
-    from dtorch.runtime import kernels, worker as worker_module
+    from dtorch.runtime.worker import kernels, worker as worker_module
     from test_redistribute_failures import COMMANDS, fail_on, run_on_two_ranks
     fail_on(monkeypatch, worker_module, "make_factory")
     fail_on(monkeypatch, kernels, "_pad_to")
@@ -242,7 +242,8 @@ def test_mesh_shape_must_be_positive(session):
 
 def test_version_mismatch_is_refused_with_a_reason(session):
     import zmq
-    from dtorch.runtime import protocol, session as runtime_session
+    from dtorch.runtime import protocol
+    from dtorch.runtime.controller import session as runtime_session
     controller = runtime_session.controller()
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
@@ -264,7 +265,7 @@ def test_an_error_report_that_overtakes_the_publish_call_still_reaches_the_read(
     returns from the send (CI saw it: a read of a failed replay hung). The report must count as
     one for a command that was sent."""
     import time
-    from dtorch.runtime import session as runtime_session
+    from dtorch.runtime.controller import session as runtime_session
     controller = runtime_session.controller()
     dtorch.synchronize()
     send = controller.sockets.publish

@@ -8,10 +8,10 @@ import pytest
 import torch
 import zmq
 
-from dtorch.distributed_spec import DeviceMesh, Replicate, Shard
+from dtorch.spec.placements import DeviceMesh, Replicate, Shard
 from dtorch.ops.tensor_meta import tensor_meta
-from dtorch.runtime import reads
-from dtorch.runtime.reads import FetchRead, Future
+from dtorch.runtime.controller import reads
+from dtorch.runtime.controller.reads import FetchRead, Future
 
 ONE_RANK = DeviceMesh("cpu", [0])
 TWO_RANKS = DeviceMesh("cpu", [0, 1])

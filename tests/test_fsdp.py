@@ -1,4 +1,4 @@
-"""fully_shard's grouped gather (dtorch/nn/fsdp.py, runtime/fsdp_gather.py): a module's
+"""fully_shard's grouped gather (dtorch/nn/fsdp.py, runtime/worker/fsdp_gather.py): a module's
 parameters are gathered by one command and one all-gather, their gradients reduce-scattered by
 one collective, and training equals torch's on every mesh, with uneven shapes, tp-sharded
 weights, a frozen parameter and two dtypes in one module."""
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Replicate, Shard
+from dtorch.spec.placements import Replicate, Shard
 from dtorch.errors import RemoteError
 from dtorch.nn import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module
-from dtorch.runtime import protocol, session
+from dtorch.runtime import protocol
+from dtorch.runtime.controller import session
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,13 +14,13 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dtorch.distributed_spec import DeviceMesh, Shard
+from dtorch.spec.placements import DeviceMesh, Shard
 from dtorch.errors import ProtocolError
 from dtorch.ops.tensor_meta import tensor_meta
 from dtorch.runtime import protocol as wire
-from dtorch.runtime import cluster as cluster_module
-from dtorch.runtime.controller import Controller
-from dtorch.runtime.reads import FetchRead, Future
+from dtorch.runtime.controller import cluster as cluster_module
+from dtorch.runtime.controller.controller import Controller
+from dtorch.runtime.controller.reads import FetchRead, Future
 from fuzzing import damaged, fuzz_settings
 
 pytestmark = pytest.mark.timeout(300)

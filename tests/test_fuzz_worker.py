@@ -13,12 +13,12 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dtorch.distributed_spec import Shard
+from dtorch.spec.placements import Shard
 from dtorch.errors import ProtocolError
 from dtorch.runtime import protocol as wire
-from dtorch.runtime.comm import GlooCommunicator
-from dtorch.runtime.devices import CpuDevice
-from dtorch.runtime.worker import Worker
+from dtorch.runtime.devices.comm import GlooCommunicator
+from dtorch.runtime.devices.device import CpuDevice
+from dtorch.runtime.worker.worker import Worker
 from fuzzing import damaged, fuzz_settings
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Replicate, Shard
+from dtorch.spec.placements import Replicate, Shard
 from support import assert_same
 
 R = Replicate()

@@ -1,5 +1,5 @@
 """Advanced (tensor) indexing against torch: x[t], x[t] = v, index_put(_), masked_scatter(_)
-(dtorch/advanced_indexing.py, dtorch/ops/advanced_indexing.py), on meshes (1,), (2,), (2,2) with
+(dtorch/dtensor/indexing.py, dtorch/ops/advanced_indexing.py), on meshes (1,), (2,), (2,2) with
 Shard, Replicate and Partial inputs, even and uneven shapes, every index form: torch and DTensor
 index tensors, lists, masks the controller holds, tuples mixing them with ints, slices, None and
 Ellipsis. The sweep and the validator cover the registered ops from their samples as well.
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Partial, Replicate, Shard, init_device_mesh
+from dtorch.spec.placements import Partial, Replicate, Shard, init_device_mesh
 from dtorch.errors import PlacementError, UnsupportedOpError
 from dtorch.ops.advanced_indexing import index, layout, torch_items
 from dtorch.ops.indexing import WHOLE

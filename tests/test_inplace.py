@@ -1,4 +1,4 @@
-"""In-place ops, item assignment and aliasing (dtorch/inplace.py, dtorch/aliasing.py,
+"""In-place ops, item assignment and aliasing (dtorch/dtensor/inplace.py, dtorch/dtensor/aliasing.py,
 dtorch/ops/assignment.py; docs/inplace.md), against torch on meshes (1,), (2,), (2,2).
 
 Every in-place method is tested from the op's own sample calls (dtorch/ops/tooling/samples.py):
@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import AliasingError
-from dtorch.distributed_spec import Partial, Replicate, Shard, init_device_mesh
+from dtorch.spec.placements import Partial, Replicate, Shard, init_device_mesh
 from dtorch.errors import ShapeError
-from dtorch.inplace_methods import EXTRA_METHODS, INPLACE_METHODS
+from dtorch.dtensor.inplace_methods import EXTRA_METHODS, INPLACE_METHODS
 from dtorch.ops.tooling.samples import samples
 from support import assert_same, placed
 
@@ -393,7 +393,7 @@ def test_aliasing_matches_torch_or_refuses(case, mesh1, mesh2, mesh22):
 
 def test_views_hold_their_base_weakly_and_leave_no_nodes(mesh2):
     import gc
-    from dtorch import aliasing
+    from dtorch.dtensor import aliasing
     gc.collect()
     before = len(aliasing._NODES)
     x = dtorch.randn(8, 4, device_mesh=mesh2, placements=[Shard(0)])
@@ -529,7 +529,7 @@ def test_a_shape_change_keeps_its_old_storage_only_while_needed(mesh2):
     """The hidden tensor that carries x's old value lives while x, or a view of either, does."""
     import gc
     import weakref
-    from dtorch import aliasing
+    from dtorch.dtensor import aliasing
     gc.collect()
     before = len(aliasing._NODES)
     x = dtorch.randn(8, 4, device_mesh=mesh2, placements=[Shard(0)])

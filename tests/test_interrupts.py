@@ -166,7 +166,7 @@ def test_second_ctrl_c_at_exit_ends_at_once():
 STUCK_LOOP = """
 import os, signal, threading, time
 import dtorch
-from dtorch.runtime.session import controller
+from dtorch.runtime.controller.session import controller
 mesh = dtorch.init_device_mesh("cpu", (2,))
 x = dtorch.arange(8, device_mesh=mesh, placements=[dtorch.Shard(0)])
 assert x.sum().item() == 28

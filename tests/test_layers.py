@@ -9,22 +9,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# (layer, module prefixes), lowest first. The model-level layers are placed before their code
-# exists (the models and training issues fill them in).
+# (layer, modules), lowest first. A name ending in ".*" places a package and every module under
+# it; any other name places exactly that module. Nothing has a default: a new top-level module or
+# package fails test_every_module_has_a_layer until it is placed here and in docs/architecture.md.
 LAYERS = [
-    ("pure", ("dtorch.errors", "dtorch.distributed_spec", "dtorch.redistribute", "dtorch.rng", "dtorch.ops")),
-    ("launcher", ("dtorch_launcher",)),
-    ("runtime", ("dtorch.runtime",)),
-    ("frontend", ("dtorch.aliasing", "dtorch.recording", "dtorch.sync_debug", "dtorch.tensor", "dtorch.op_issue", "dtorch.factories", "dtorch.inplace",
-                  "dtorch.advanced_indexing", "dtorch.capture", "dtorch.compile", "dtorch.autocast", "dtorch.composites",
-                  "dtorch.composite_losses", "dtorch.composite_layers", "dtorch.composite_foreach")),
-    ("autograd", ("dtorch.autograd",)),
-    ("modules", ("dtorch.nn", "dtorch.optim", "dtorch.utils")),
-    ("checkpoint", ("dtorch.checkpoint",)),
-    ("models", ("dtorch.models",)),
-    ("profile", ("dtorch.profile",)),   # dtorch.profile: records every layer's calls, used by none
+    ("pure", ("dtorch.errors", "dtorch.spec.*", "dtorch.ops.*")),
+    ("launcher", ("dtorch_launcher.*",)),
+    ("runtime: shared", ("dtorch.runtime", "dtorch.runtime.protocol", "dtorch.runtime.transport")),
+    ("runtime: devices", ("dtorch.runtime.devices.*",)),
+    ("runtime: worker", ("dtorch.runtime.worker.*",)),
+    ("runtime: processes", ("dtorch.runtime.processes.*",)),
+    ("runtime: controller", ("dtorch.runtime.controller.*",)),
+    ("dtensor", ("dtorch.dtensor.*",)),
+    ("torch api", ("dtorch.torch_api.*", "dtorch.compile")),
+    ("autograd", ("dtorch.autograd.*",)),
+    ("modules", ("dtorch.nn.*", "dtorch.optim.*", "dtorch.utils.*")),
+    ("checkpoint", ("dtorch.checkpoint.*",)),
+    ("models", ("dtorch.models.*",)),
+    ("profile", ("dtorch.profile.*",)),   # dtorch.profile: records every layer's calls, used by none
     ("public surface", ("dtorch",)),   # dtorch/__init__.py re-exports every layer
+    ("benchmarks", ("benchmarks.*",)),
 ]
+# The two processes: nothing a worker runs may import the controller's side.
+WORKER_SIDE = ("dtorch.runtime.devices", "dtorch.runtime.worker", "dtorch.runtime.processes")
+CONTROLLER_SIDE = "dtorch.runtime.controller"
 # What the pure layer must never import, whatever its place: processes, sockets, event loops.
 NOT_PURE = ("zmq", "asyncio", "subprocess", "multiprocessing")
 
@@ -36,24 +44,32 @@ def _script():
     return module
 
 
+def _places(name: str, module: str) -> bool:
+    if name.endswith(".*"):
+        package = name[:-2]
+        return module == package or module.startswith(package + ".")
+    return module == name
+
+
 def layer_of(module: str) -> int | None:
-    """The index in LAYERS of the most specific prefix naming `module`."""
-    best, best_length = None, -1
-    for index, (_, prefixes) in enumerate(LAYERS):
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_length:
-                best, best_length = index, len(prefix)
-    return best
+    """The index in LAYERS of the one entry that places `module`, or None."""
+    found = [index for index, (_, names) in enumerate(LAYERS) for name in names if _places(name, module)]
+    assert len(found) <= 1, f"{module} is placed twice in LAYERS"
+    return found[0] if found else None
+
+
+def _graph():
+    return _script().import_graph(ROOT, lazy=True, type_only=True)
 
 
 def test_every_module_has_a_layer():
-    unplaced = [m for m in _script().import_graph(ROOT, lazy=True) if layer_of(m) is None]
+    unplaced = [m for m in _graph() if layer_of(m) is None]
     assert not unplaced, f"give these modules a layer in LAYERS and docs/architecture.md: {unplaced}"
 
 
 def test_no_module_imports_a_layer_above_its_own():
     upward = [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
-              for a, targets in sorted(_script().import_graph(ROOT, lazy=True).items()) for b in sorted(targets)
+              for a, targets in sorted(_graph().items()) for b in sorted(targets)
               if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) > layer_of(a)]
     assert not upward, "imports against the layering (docs/architecture.md):\n" + "\n".join(upward)
 
@@ -72,8 +88,20 @@ def test_the_pure_layer_starts_nothing():
     assert not offenders, offenders
 
 
+def test_no_worker_module_imports_the_controller_side():
+    """Checked on its own as well as by the layers: the split of runtime/ is the split of the
+    two processes, so a worker module that imported the controller's would run its code (and
+    its imports) in every worker."""
+    crossing = [f"{a} imports {b}" for a, targets in sorted(_graph().items()) for b in sorted(targets)
+                if a.startswith(WORKER_SIDE) and b.startswith(CONTROLLER_SIDE)]
+    assert not crossing, crossing
+
+
 def test_the_layer_table_sees_an_upward_import():
     # the check itself: a runtime module importing the frontend would be refused
-    assert layer_of("dtorch.tensor") > layer_of("dtorch.runtime.worker")
-    assert layer_of("dtorch.ops.dispatch") < layer_of("dtorch.runtime.session") < layer_of("dtorch.nn.functional")
-    assert layer_of("dtorch") == len(LAYERS) - 1 and layer_of("numpy") is None
+    assert layer_of("dtorch.dtensor.tensor") > layer_of("dtorch.runtime.worker.worker")
+    assert layer_of("dtorch.ops.dispatch") < layer_of("dtorch.runtime.controller.session") < layer_of("dtorch.nn.functional")
+    assert layer_of("dtorch.runtime.worker.kernels") < layer_of("dtorch.runtime.controller.controller")
+    assert layer_of("dtorch") == len(LAYERS) - 2 and layer_of("numpy") is None
+    # nothing falls into a default layer: a new module directly under dtorch/ or runtime/ is unplaced
+    assert layer_of("dtorch.new_module") is None and layer_of("dtorch.runtime.new_module") is None

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Replicate, Shard
-from dtorch.runtime import session
+from dtorch.spec.placements import Replicate, Shard
+from dtorch.runtime.controller import session
 from support import REPO, alive, run_script
 
 
@@ -30,7 +30,7 @@ def _wait_gone(pids, seconds):
 def test_worker_killed_mid_run_raises_naming_rank_host_pid():
     result = run_script("""
         import json, os, signal, time, dtorch
-        from dtorch.distributed_spec import init_device_mesh, Shard
+        from dtorch.spec.placements import init_device_mesh, Shard
         mesh = init_device_mesh("cpu", (2,))
         x = dtorch.ones(64, 64, device_mesh=mesh, placements=[Shard(0)])
         assert x.sum().item() == 4096
@@ -58,7 +58,7 @@ def test_a_local_worker_that_cannot_start_fails_the_call_with_its_reason():
     result = run_script("""
         import torch, dtorch
         from dtorch.runtime import session
-        from dtorch.runtime.cluster import LocalSpawner
+        from dtorch.runtime.controller.cluster import LocalSpawner
         class NoGpuHere(LocalSpawner):
             def spawn(self, rank, config):
                 return super().spawn(rank, dict(config, device="cuda:0"))
@@ -76,7 +76,7 @@ def test_a_local_worker_that_cannot_start_fails_the_call_with_its_reason():
 
 
 def test_controller_sigkill_stops_every_worker_within_10s():
-    script = ("import dtorch, json, time; from dtorch.distributed_spec import init_device_mesh;"
+    script = ("import dtorch, json, time; from dtorch.spec.placements import init_device_mesh;"
               "init_device_mesh('cpu', (2,)); print(json.dumps([w['pid'] for w in dtorch.workers()]), flush=True);"
               "time.sleep(120)")
     controller = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True,
@@ -103,7 +103,7 @@ def test_controller_sigkill_stops_every_worker_within_10s():
 def test_interpreter_exit_without_shutdown_stops_workers():
     result = run_script("""
         import json, dtorch
-        from dtorch.distributed_spec import init_device_mesh
+        from dtorch.spec.placements import init_device_mesh
         init_device_mesh("cpu", (2,))
         print(json.dumps([w["pid"] for w in dtorch.workers()]))
     """)
@@ -114,7 +114,7 @@ def test_interpreter_exit_without_shutdown_stops_workers():
 def test_pool_grows_for_a_larger_mesh_and_meshes_share_workers():
     result = run_script("""
         import json, torch, dtorch
-        from dtorch.distributed_spec import init_device_mesh, Shard, Replicate
+        from dtorch.spec.placements import init_device_mesh, Shard, Replicate
         dtorch.init(num_workers=2)
         small = init_device_mesh("cpu", (2,))
         big = init_device_mesh("cpu", (3,))
@@ -156,7 +156,7 @@ def test_a_dropped_large_block_is_freed_before_the_next_command(mesh4):
     """Small dropped symbols wait for a Free of 16 (or the next flush); one whose block on each
     worker reaches FREE_AT_ONCE_BYTES goes in a Free before the next command, so a chain of large
     temporaries does not keep up to 16 dead buffers on every worker."""
-    from dtorch.runtime.controller import FREE_AT_ONCE_BYTES
+    from dtorch.runtime.controller.controller import FREE_AT_ONCE_BYTES
     controller = session.controller()
     rows = FREE_AT_ONCE_BYTES // (4 * 64) * 4   # float32 (rows, 64), S(0): one block per rank
     small = dtorch.ones(8, device_mesh=mesh4, placements=[Shard(0)])
@@ -216,7 +216,7 @@ def test_commands_are_batched_and_sent_once_for_all_workers(mesh4):
 def test_commands_leave_once_the_issuing_thread_goes_quiet(mesh4, monkeypatch):
     """No read follows: the idle-flush timer, which stays armed while ops keep coming, publishes
     the last batch once the thread stops issuing (the watchdog's safety net is off here)."""
-    from dtorch.runtime import lost_workers   # (its watchdog holds the safety net)
+    from dtorch.runtime.controller import lost_workers   # (its watchdog holds the safety net)
     monkeypatch.setattr(lost_workers, "STALE_PENDING_S", 1e9)
     controller = session.controller()
     dtorch.synchronize()
@@ -242,8 +242,8 @@ class _Recorder:
 def test_worker_reports_a_gap_in_command_numbers_instead_of_computing():
     from dtorch.errors import ProtocolError
     from dtorch.runtime import protocol as wire
-    from dtorch.runtime.devices import CpuDevice
-    from dtorch.runtime.worker import Worker
+    from dtorch.runtime.devices.device import CpuDevice
+    from dtorch.runtime.worker.worker import Worker
     sockets = _Recorder()
     worker = Worker(0, sockets, comm=None, device=CpuDevice(), start_seq=0)
     frames = wire.encode_batch(0, [wire.Free(0, ())])
@@ -255,7 +255,7 @@ def test_worker_reports_a_gap_in_command_numbers_instead_of_computing():
 
 def test_every_command_has_a_handler():
     from dtorch.runtime import protocol as wire
-    from dtorch.runtime.worker import Worker
+    from dtorch.runtime.worker.worker import Worker
     for command in wire.COMMANDS:
         assert callable(getattr(Worker, wire.handler_name(command), None)), command.__name__
 

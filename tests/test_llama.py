@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import init_device_mesh
+from dtorch.spec.placements import init_device_mesh
 from dtorch.models import LlamaForCausalLM
 from dtorch.models.llama import inverse_frequencies
 

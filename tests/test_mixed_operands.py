@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import Replicate, Shard
-from dtorch.distributed_spec import init_device_mesh
+from dtorch.spec.placements import init_device_mesh
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -10,7 +10,7 @@ import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard, UnsupportedOpError, nn
-from dtorch.distributed_spec import init_device_mesh
+from dtorch.spec.placements import init_device_mesh
 
 from support import assert_same
 

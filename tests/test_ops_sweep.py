@@ -63,13 +63,13 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Partial, Replicate, Shard, init_device_mesh
+from dtorch.spec.placements import Partial, Replicate, Shard, init_device_mesh
 from dtorch.errors import PlacementError
 from dtorch.ops import REGISTRY
 from dtorch.ops.view import RESHAPES
 from dtorch.ops.tooling.samples import SAMPLED_FAMILIES, samples
 from dtorch.ops.tooling.simulate import placement_options, tensor_inputs, with_inputs
-from dtorch.tensor import call_op
+from dtorch.dtensor.tensor import call_op
 from support import placed
 
 OPS = sorted(name for name, spec in REGISTRY.items() if spec.family in SAMPLED_FAMILIES)

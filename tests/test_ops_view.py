@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
+from dtorch.spec.placements import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
 from dtorch.errors import MeshError, PlacementError, UnsupportedOpError
 from dtorch.ops.dispatch import plan_call
 from dtorch.ops.indexing import WHOLE, AdvancedIndex, canonical_index

@@ -14,7 +14,7 @@ import torch
 
 import dtorch
 from dtorch import Replicate as R, Shard as S
-from dtorch.distributed_spec import DeviceMesh, init_device_mesh
+from dtorch.spec.placements import DeviceMesh, init_device_mesh
 from dtorch.errors import DependencyError, RemoteError
 
 pytestmark = pytest.mark.timeout(300)
@@ -326,7 +326,7 @@ def test_clip_grad_norm_commands_and_no_clip(mesh4, monkeypatch):
     set_grads(ours, theirs, 0)
     gc.collect()       # earlier tests' garbage, freed now, would add its own Free to the count
     dtorch.synchronize()
-    controller = dtorch.runtime.session.controller()
+    controller = dtorch.runtime.controller.session.controller()
     frees, free_released = [], controller._free_released
     monkeypatch.setattr(controller, "_free_released", lambda: (frees.append(1), free_released())[1])
     gc.disable()

@@ -22,7 +22,7 @@ from dtorch.ops.suggest import move_cost
 from dtorch.ops.tensor_meta import tensor_meta
 from dtorch.profile import check_trace, summarize
 from dtorch.profile.trace import CONTROLLER_PID
-from dtorch.runtime import profiling
+from dtorch.runtime.controller import profiling
 from support import run_script
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,8 +4,8 @@ import pytest
 
 from dtorch.errors import ProtocolError
 from dtorch.runtime import protocol as wire
-from dtorch.runtime.controller import Controller
-from dtorch.runtime.worker import Worker
+from dtorch.runtime.controller.controller import Controller
+from dtorch.runtime.worker.worker import Worker
 
 EXAMPLES = [wire.Batch(3, 2), wire.Private(7), wire.Probe(), wire.Register(1, "host", 42, "cpu", "s3cret"),
             wire.Welcome(5, "tcp://127.0.0.1:1234", 120.0), wire.Refused("why"), wire.Reply(9, 1, "ok", -1),
@@ -51,7 +51,7 @@ class Replies:
 
 
 def test_a_failing_kernel_is_reported_under_the_op_the_user_called():
-    from dtorch.runtime.devices import CpuDevice
+    from dtorch.runtime.devices.device import CpuDevice
     worker = Worker(0, Replies(), None, CpuDevice(), start_seq=0)
     worker._execute(wire.DefineMesh(0, 0, "cpu", (1,), (0,)))
     worker._execute(wire.Factory(1, 1, 0, "arange", (6,), "float32", (wire.decode_placement(0),), (0.0, 1.0)))
@@ -63,7 +63,7 @@ def test_a_failing_kernel_is_reported_under_the_op_the_user_called():
 
 
 def test_an_error_older_than_the_call_site_ring_says_its_line_is_gone():
-    from dtorch.runtime.command_sites import SITE_RING
+    from dtorch.runtime.controller.command_sites import SITE_RING
     controller = Controller()
 
     def issue():   # submit records the line that called its caller, as dtorch's own calls do
@@ -78,7 +78,7 @@ def test_an_error_older_than_the_call_site_ring_says_its_line_is_gone():
 
 
 def test_a_shard_region_travels_as_its_own_type():
-    from dtorch.distributed_spec import DeviceMesh, Partial, Shard, ShardRegion
+    from dtorch.spec.placements import DeviceMesh, Partial, Shard, ShardRegion
     region = ShardRegion((10, 4), (Shard(0), Partial()))
     assert wire.unpack(wire.pack({"region": region})) == {"region": region}
     mesh = DeviceMesh("cpu", [[0, 1], [2, 3]])

@@ -1,6 +1,6 @@
 """Every public constructor's result is a torch.Tensor to torch's own checks (isinstance and
 torch.is_tensor: DTensor is a torch.Tensor subclass), and dtorch.Tensor takes DTorch's (and
-torch.Tensor's) constructor forms (dtorch/factories.py), each compared with torch.Tensor."""
+torch.Tensor's) constructor forms (dtorch/dtensor/factories.py), each compared with torch.Tensor."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Replicate, Shard
+from dtorch.spec.placements import Replicate, Shard
 from support import assert_same
 
 R = Replicate()

@@ -1,4 +1,4 @@
-"""torch's sampling functions on dtorch's random stream (dtorch/composite_random.py): the
+"""torch's sampling functions on dtorch's random stream (dtorch/torch_api/random_draws.py): the
 distributions are torch's (checked on large samples from a fixed seed, with bounds of several
 standard errors), the values are the same on every layout for one dtorch.manual_seed, a
 compiled call draws what the eager call draws, and the errors are torch's."""

@@ -15,9 +15,9 @@ import torch
 import dtorch
 from dtorch import Replicate, Shard, init_device_mesh
 from dtorch.errors import RemoteError
-from dtorch.runtime import cluster
-from dtorch.runtime import reply_receiving
-from dtorch.runtime import session
+from dtorch.runtime.controller import cluster
+from dtorch.runtime.controller import reply_receiving
+from dtorch.runtime.controller import session
 
 
 def _blocking_reads(mesh, count: int = 3) -> None:

@@ -24,7 +24,7 @@ def _all_ended(pids) -> None:
 def test_a_killed_worker_is_replaced_and_its_mesh_works_again():
     report = _report(run_script("""
         import json, os, signal, time, torch, dtorch
-        from dtorch.distributed_spec import init_device_mesh, Replicate, Shard
+        from dtorch.spec.placements import init_device_mesh, Replicate, Shard
         mesh = init_device_mesh("cpu", (2,))
         solo = init_device_mesh("cpu", (1,))            # rank 0 only: survives rank 1's loss
         kept = dtorch.tensor(torch.arange(6.0), device_mesh=solo, placements=[Replicate()])
@@ -78,7 +78,7 @@ def test_a_killed_worker_is_replaced_and_its_mesh_works_again():
 def test_nothing_lost_is_a_no_op_and_later_losses_are_recovered_too():
     report = _report(run_script("""
         import json, os, signal, torch, dtorch
-        from dtorch.distributed_spec import init_device_mesh, Replicate, Shard
+        from dtorch.spec.placements import init_device_mesh, Replicate, Shard
         mesh = init_device_mesh("cpu", (2,))
         before = [w["pid"] for w in dtorch.workers()]
         noop = dtorch.replace_lost_workers()
@@ -119,7 +119,7 @@ def test_nothing_lost_is_a_no_op_and_later_losses_are_recovered_too():
 
 TRAINING = """
     import json, os, signal, torch, dtorch
-    from dtorch.distributed_spec import init_device_mesh, Replicate, Shard
+    from dtorch.spec.placements import init_device_mesh, Replicate, Shard
     mesh = init_device_mesh("cpu", (2,))
     g = torch.Generator().manual_seed(0)
     X = torch.randn(64, 8, generator=g, dtype=torch.float64)
@@ -175,7 +175,7 @@ def test_training_killed_mid_run_resumes_from_its_checkpoint_with_the_same_losse
 
 
 def test_groups_of_a_new_generation_get_new_names_and_drop_only_replaced_ranks():
-    from dtorch.runtime.comm import GlooCommunicator, group_name
+    from dtorch.runtime.devices.comm import GlooCommunicator, group_name
     assert group_name((0, 1), 0) == "0-1"          # no recovery yet: the names as before
     assert group_name((0, 1), 2) == "g2/0-1"
     comm = GlooCommunicator.__new__(GlooCommunicator)   # no store: regroup only edits the caches
@@ -187,8 +187,8 @@ def test_groups_of_a_new_generation_get_new_names_and_drop_only_replaced_ranks()
 
 def test_the_worker_regroups_its_communicator_and_its_host_channel_once_each():
     from dtorch.runtime import protocol as wire
-    from dtorch.runtime.devices import CpuDevice
-    from dtorch.runtime.worker import Worker
+    from dtorch.runtime.devices.device import CpuDevice
+    from dtorch.runtime.worker.worker import Worker
 
     class Recording:
         def __init__(self):
@@ -209,7 +209,7 @@ def test_a_survivors_late_reply_to_a_read_the_loss_failed_is_not_a_protocol_erro
     until then: that reply is expected, so nothing is logged as a dropped message."""
     result = run_script("""
         import json, os, signal, dtorch
-        from dtorch.distributed_spec import init_device_mesh, Replicate, Shard
+        from dtorch.spec.placements import init_device_mesh, Replicate, Shard
         mesh = init_device_mesh("cpu", (2,))
         x = dtorch.ones(8, 4, device_mesh=mesh, placements=[Shard(0)])
         big = dtorch.ones(1500, 1500, device_mesh=init_device_mesh("cpu", (1,)), placements=[Replicate()])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Partial, Replicate, Shard
+from dtorch.spec.placements import Partial, Replicate, Shard
 from support import assert_same, run_script
 
 R = Replicate()
@@ -29,7 +29,7 @@ def test_every_pair_on_a_1d_mesh(mesh4, shape):
 def test_every_pair_on_meshes_with_a_dim_of_one_rank(session):
     """Steps along a mesh dim of one rank move nothing (workers skip them): every pair still
     reads back equal, with the other dim's collectives in between."""
-    from dtorch.distributed_spec import init_device_mesh
+    from dtorch.spec.placements import init_device_mesh
     value = torch.randn(5, 6)
     for shape in [(1,), (2, 1), (1, 2)]:
         mesh = init_device_mesh("cpu", shape)
@@ -169,7 +169,7 @@ def test_move_to_workers_that_joined_after_the_source_mesh_was_made():
     from it names it (as a CPU mesh and a later CUDA mesh do): the controller re-announces."""
     result = run_script("""
         import torch, dtorch
-        from dtorch.distributed_spec import init_device_mesh, Shard
+        from dtorch.spec.placements import init_device_mesh, Shard
         early = init_device_mesh("cpu", (2,))
         value = torch.arange(12.0).reshape(4, 3)
         x = dtorch.tensor(value, device_mesh=early, placements=[Shard(0)])
@@ -186,7 +186,7 @@ def test_move_to_workers_that_joined_after_the_source_mesh_was_made():
 
 @pytest.fixture(scope="module")
 def mesh3d(session):
-    from dtorch.distributed_spec import init_device_mesh
+    from dtorch.spec.placements import init_device_mesh
     return init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=["pp", "dp", "tp"])
 
 

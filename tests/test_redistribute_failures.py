@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtorch.distributed_spec import Partial, Replicate, Shard
-from dtorch.runtime import kernels
-from dtorch.runtime import worker as worker_module
-from dtorch.runtime import worker_moves
+from dtorch.spec.placements import Partial, Replicate, Shard
+from dtorch.runtime.worker import kernels
+from dtorch.runtime.worker import worker as worker_module
+from dtorch.runtime.worker import moves as worker_moves
 from dtorch.runtime import protocol as wire
-from dtorch.runtime.comm import GlooCommunicator
-from dtorch.runtime.devices import CpuDevice
-from dtorch.runtime.worker import Worker
+from dtorch.runtime.devices.comm import GlooCommunicator
+from dtorch.runtime.devices.device import CpuDevice
+from dtorch.runtime.worker.worker import Worker
 
 GLOO_TIMEOUT_S = 8.0
 # S(0) -> R (all_gather), R -> P(sum) (local), P(sum) -> R (all_reduce): two collectives.
@@ -118,7 +118,7 @@ def test_a_move_failing_on_one_rank_poisons_the_result_and_frees_the_peer(monkey
     assert (kind, seq, rank, error_type) == (wire.Kind.ERROR, 3, failing, "MemoryError")
 
 
-# An op whose inserted moves ride in its own command (RunOp.moves, runtime/fused_moves.py): x and
+# An op whose inserted moves ride in its own command (RunOp.moves, runtime/worker/fused_moves.py): x and
 # y are S(1); both move S(1) -> S(0) (an all-to-all each) before the add.
 TO_ROWS = ((0, Shard(1), Shard(0)),)
 FUSED = [(wire.DefineMesh, 0, "cpu", (2,), (0, 1)),

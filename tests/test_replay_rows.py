@@ -1,5 +1,5 @@
 """A worker's three routes for plain ops, in process: a replay of a compiled graph (RunGraph) runs
-its rows as one generated function where they all qualify (runtime/straight_line.py); otherwise
+its rows as one generated function where they all qualify (runtime/worker/straight_line.py); otherwise
 rows, and the commands of an eager batch, run inline when plain (Worker._ran_inline) and through
 the general per-command path (Worker._execute) when not. Every route must leave the same tensors,
 the same poison and the same error reports; and the values must be torch's on the same inputs.
@@ -8,10 +8,10 @@ import pytest
 import torch
 import zmq
 
-from dtorch.distributed_spec import Replicate, ShardRegion
+from dtorch.spec.placements import Replicate, ShardRegion
 from dtorch.runtime import protocol as wire
-from dtorch.runtime.devices import CpuDevice
-from dtorch.runtime.worker import Worker
+from dtorch.runtime.devices.device import CpuDevice
+from dtorch.runtime.worker.worker import Worker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -322,7 +322,7 @@ def test_while_a_function_runs_the_heartbeat_names_its_first_row(monkeypatch):
 def test_a_run_python_will_not_compile_goes_row_by_row(monkeypatch):
     """The safety net under the checks: a run whose source is refused leaves its rows alone, and
     the graph still replays (here every row: no plan)."""
-    from dtorch.runtime import straight_line
+    from dtorch.runtime.worker import straight_line
 
     def refuse(self, name, scratch):
         raise SyntaxError("refused")

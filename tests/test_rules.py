@@ -3,11 +3,11 @@ import pytest
 import torch
 
 import dtorch.ops  # noqa: F401  (registers the families)
-from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard, ShardRegion
+from dtorch.spec.placements import DeviceMesh, Partial, Replicate, Shard, ShardRegion
 from dtorch.errors import PlacementError, ShapeError
 from dtorch.ops.dispatch import plan_call
 from dtorch.ops.dispatch import lookup
-from dtorch.redistribute import plan_redistribute, step_kind
+from dtorch.spec.redistribute import plan_redistribute, step_kind
 from support import Symbol
 
 R, P = Replicate(), Partial()
@@ -302,7 +302,7 @@ def test_reduction_buckets_newest_first_by_dims_and_dtype_within_budget(monkeypa
     """autograd.rules.reduction_buckets: which leaves' gradients a backward all-reduces, over
     which mesh dims, in which launch order (pure: no workers)."""
     from types import SimpleNamespace
-    from dtorch.autograd import rules
+    from dtorch.autograd import placement_rules as rules
 
     def leaf(placements, numel, dtype=torch.float32):
         return SimpleNamespace(placements=placements, numel=lambda: numel, dtype=dtype)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import Partial, Replicate, Shard
+from dtorch.spec.placements import Partial, Replicate, Shard
 from dtorch.errors import PlacementError
 from support import assert_same
 

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
-from dtorch.distributed_spec import Partial, Replicate, Shard
-from dtorch.runtime.kernels import DifferentiableStep, _all_gather, _Regather, pack_saved, saves_gathered, unpack_saved
+from dtorch.spec.placements import Partial, Replicate, Shard
+from dtorch.runtime.worker.kernels import (DifferentiableStep, _all_gather, _Regather, pack_saved,
+                                           saves_gathered, unpack_saved)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,7 +76,7 @@ class _OneRankComm:
 def test_only_a_redistribute_of_gathers_alone_is_gathered_again_in_backward():
     """apply_steps lets backward gather a leaf's buffer again only when every step is a gather:
     a slice or a partialize after it leaves the buffer's views on some ranks only (a hang)."""
-    from dtorch.runtime.kernels import _only_gathers
+    from dtorch.runtime.worker.kernels import _only_gathers
     mesh = SimpleNamespace(shape=(2, 2))
     assert _only_gathers([(0, Shard(0), Replicate())], mesh)
     assert _only_gathers([(0, Shard(0), Replicate()), (1, Shard(1), Replicate())], mesh)
@@ -133,7 +134,7 @@ def test_a_gathered_group_is_gathered_again_once_in_backward_and_dropped_after_i
     """fully_shard's grouped gather: the ops that save its members (two linears, one of them
     twice) make backward gather the whole group again ONCE, at the first unpack; the group's
     own backward (the reduce-scatter) drops what it gathered. Gradients equal torch's."""
-    from dtorch.runtime.fsdp_gather import _GatheredGroup, _Layout
+    from dtorch.runtime.worker.fsdp_gather import _GatheredGroup, _Layout
     peers = _OnePeer()
     shards = [torch.randn(6, 4, requires_grad=True), torch.randn(3, 6, requires_grad=True)]
     layout = _Layout([((0, 0), [6, 4]), ((0, 0), [3, 6])], [0, 0], peers, torch.float32, "cpu")
@@ -158,7 +159,7 @@ def test_a_group_gathered_again_is_dropped_when_backward_never_reaches_its_node(
     """autograd.grad with respect to an input only, the graph retained: the group's own node
     never runs, so the end of the backward pass drops what it gathered (it stayed while the graph
     lived: 64 MiB more per worker for four 2048 x 2048 layers in a probe)."""
-    from dtorch.runtime.fsdp_gather import _GatheredGroup, _Layout
+    from dtorch.runtime.worker.fsdp_gather import _GatheredGroup, _Layout
     peers = _OnePeer()
     shard = torch.randn(6, 4, requires_grad=True)
     layout = _Layout([((0, 0), [6, 4])], [0], peers, torch.float32, "cpu")

@@ -1,5 +1,5 @@
 """64 local workers on one small machine (issue 15, part 2), and the worker template they fork
-from (dtorch/runtime/zygote.py): what they compute equals torch, a killed one is reported within
+from (dtorch/runtime/processes/zygote.py): what they compute equals torch, a killed one is reported within
 5 s, and after shutdown or a killed controller no process is left, the template included.
 
 Every test runs a fresh controller in a subprocess with a hard timeout (support.run_script), so a
@@ -59,7 +59,7 @@ def _wait_gone(pids, seconds: float) -> list:
 def test_64_workers_seed_example_every_redistribute_and_a_read():
     result = run_script(REPORT + """
     import json, time, torch, dtorch
-    from dtorch.distributed_spec import init_device_mesh, Partial, Replicate, Shard
+    from dtorch.spec.placements import init_device_mesh, Partial, Replicate, Shard
     started = time.monotonic()
     mesh = init_device_mesh("cpu", (64,))
     start_s = time.monotonic() - started
@@ -94,7 +94,7 @@ def test_64_workers_seed_example_every_redistribute_and_a_read():
     report = _report(result)
     assert all(report["checks"].values()) and len(report["checks"]) == 9, report["checks"]
     assert len(report["workers"]) == 64 and report["template"] is not None
-    # ranks 16-63 subscribe through three relays (runtime/local_relays.py): 19 subscribers, not 64
+    # ranks 16-63 subscribe through three relays (runtime/processes/local_relays.py): 19 subscribers, not 64
     assert [r[:2] for r in report["relays"]] == [[16, 32], [32, 48], [48, 64]], report["relays"]
     relay_pids = [r[2] for r in report["relays"]]
     assert not _wait_gone(report["workers"] + [report["template"]] + relay_pids, 10), "processes outlived shutdown"
@@ -104,7 +104,7 @@ def test_64_workers_seed_example_every_redistribute_and_a_read():
 def test_a_local_relay_killed_among_64_workers_is_reported_as_its_ranks_loss_within_5s():
     result = run_script(REPORT + """
     import json, dtorch
-    from dtorch.distributed_spec import init_device_mesh, Shard
+    from dtorch.spec.placements import init_device_mesh, Shard
     mesh = init_device_mesh("cpu", (64,))
     x = dtorch.ones(128, 4, device_mesh=mesh, placements=[Shard(0)])
     assert x.sum().item() == 512
@@ -125,7 +125,7 @@ def test_a_local_relay_killed_among_64_workers_is_reported_as_its_ranks_loss_wit
 def test_a_worker_killed_among_64_is_reported_within_5s():
     result = run_script(REPORT + """
     import json, dtorch
-    from dtorch.distributed_spec import init_device_mesh, Shard
+    from dtorch.spec.placements import init_device_mesh, Shard
     mesh = init_device_mesh("cpu", (64,))
     x = dtorch.ones(128, 4, device_mesh=mesh, placements=[Shard(0)])
     assert x.sum().item() == 512
@@ -145,7 +145,7 @@ def test_a_worker_killed_among_64_is_reported_within_5s():
 def test_workers_are_forked_from_one_single_threaded_template():
     result = run_script(REPORT + """
     import json, os, dtorch
-    from dtorch.distributed_spec import init_device_mesh, Shard
+    from dtorch.spec.placements import init_device_mesh, Shard
     mesh = init_device_mesh("cpu", (2,))
     workers, template = processes()
     parents = [int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) for pid in workers]
@@ -167,7 +167,7 @@ def test_workers_are_forked_from_one_single_threaded_template():
 def test_dtorch_zygote_0_starts_workers_directly():
     result = subprocess.run([sys.executable, "-c", (
         "import json, os, dtorch; from dtorch.runtime import session;"
-        "from dtorch.distributed_spec import init_device_mesh; init_device_mesh('cpu', (2,));"
+        "from dtorch.spec.placements import init_device_mesh; init_device_mesh('cpu', (2,));"
         "parents = [int(open(f'/proc/{w[\"pid\"]}/stat').read().rsplit(')', 1)[1].split()[1]) for w in dtorch.workers()];"
         "print(json.dumps({'parents': parents, 'me': os.getpid(), 'template': session._spawner._zygote}))")],
         cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -178,7 +178,7 @@ def test_dtorch_zygote_0_starts_workers_directly():
 
 def test_controller_sigkill_ends_the_template_and_its_workers_within_10s():
     script = (REPORT.replace("\n    ", "\n") + "\nimport json, time, dtorch\n"
-              "from dtorch.distributed_spec import init_device_mesh\ninit_device_mesh('cpu', (3,))\n"
+              "from dtorch.spec.placements import init_device_mesh\ninit_device_mesh('cpu', (3,))\n"
               "workers, template = processes()\nprint(json.dumps(workers + [template]), flush=True)\ntime.sleep(120)\n")
     controller = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True,
                                   env={**os.environ, "PYTHONPATH": REPO})
@@ -198,7 +198,7 @@ def test_a_killed_template_leaves_running_workers_working_and_is_replaced():
     forks from a new template."""
     result = run_script(REPORT + """
     import json, os, signal, time, dtorch
-    from dtorch.distributed_spec import init_device_mesh, Shard
+    from dtorch.spec.placements import init_device_mesh, Shard
     mesh = init_device_mesh("cpu", (2,))
     workers, template = processes()
     os.kill(template, signal.SIGKILL)
@@ -217,6 +217,6 @@ def test_a_killed_template_leaves_running_workers_working_and_is_replaced():
 
 
 def test_a_template_that_cannot_start_says_why():
-    from dtorch.runtime.zygote import Zygote, ZygoteUnavailable
+    from dtorch.runtime.processes.zygote import Zygote, ZygoteUnavailable
     with pytest.raises(ZygoteUnavailable, match="exited or stayed silent"):
         Zygote(dict(os.environ), python="/bin/false")

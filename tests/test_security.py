@@ -6,7 +6,7 @@ from support import run_script
 
 PROBE = """
 import json, time, torch, zmq, dtorch
-from dtorch.distributed_spec import init_device_mesh, Shard
+from dtorch.spec.placements import init_device_mesh, Shard
 from dtorch.runtime import session, protocol as wire
 
 dtorch.init(num_workers=2, curve=True)
@@ -133,7 +133,7 @@ print(json.dumps({"heard": False, "answers": [], "sent": 0, "connect_errors": er
 # the given user, a computation and its read while the intruder is at work.
 CONTROLLER = r"""
 import json, os, stat, subprocess, sys, torch, dtorch
-from dtorch.distributed_spec import init_device_mesh, Shard
+from dtorch.spec.placements import init_device_mesh, Shard
 from dtorch.runtime import session
 user, intruder, raw_intruder = sys.argv[1], sys.argv[2], sys.argv[3]
 mesh = init_device_mesh("cpu", (2,))
@@ -207,7 +207,7 @@ def test_the_same_user_without_the_secret_gets_nothing_accepted():
 
 
 def test_the_rendezvous_store_listens_on_loopback_only():
-    from dtorch.runtime.rendezvous import host_store
+    from dtorch.runtime.controller.rendezvous import host_store
     store, address = host_store("127.0.0.1", 5)
     port = int(address.rsplit(":", 1)[1])
     listening = [line.split()[1] for name in ("/proc/net/tcp", "/proc/net/tcp6")
@@ -220,7 +220,7 @@ def test_the_rendezvous_store_listens_on_loopback_only():
 # --- private by default on any transport: CURVE on every TCP session, loopback included ----------
 LOOPBACK_TCP = """
 import json, os, time, zmq, dtorch
-from dtorch.distributed_spec import init_device_mesh, Shard
+from dtorch.spec.placements import init_device_mesh, Shard
 from dtorch.runtime import session
 os.environ.update(ENVIRONMENT)
 dtorch.init(num_workers=2, **OPTIONS)

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from dtorch.distributed_spec import (DeviceMesh, Partial, Replicate, Shard, chunk_bounds, distinct_shard_ranks,
-                                     format_placements, holds_partial_sum_value, local_region, narrow_to_box,
-                                     nest_ranks)
+from dtorch.spec.placements import (DeviceMesh, Partial, Replicate, Shard, chunk_bounds,
+                                    distinct_shard_ranks, format_placements, holds_partial_sum_value,
+                                    local_region, narrow_to_box, nest_ranks)
 from dtorch.errors import MeshError, PlacementError
 
 
@@ -76,7 +76,7 @@ def test_a_whole_value_under_partial_sum_lives_on_coordinate_zero():
 
 
 def test_init_device_mesh_starts_workers_through_the_installed_starter():
-    import dtorch.distributed_spec as spec
+    import dtorch.spec.placements as spec
     asked, installed = [], spec._start_workers
     spec.set_worker_starter(lambda device_type, count: asked.append((device_type, count)) or [7, 5, 3, 1])
     try:

@@ -59,7 +59,7 @@ def test_a_mesh_size_that_is_not_an_integer_is_refused(shape):
 def test_a_local_pool_past_the_limit_needs_an_explicit_setting(monkeypatch):
     """The defect: init_device_mesh("cpu", (1000,)) started 1,063 processes and took 15.6 GB,
     with no guard. Refused before anything starts, saying how many fit, why, and the setting."""
-    from dtorch.runtime.cluster import LocalSpawner, local_worker_limit
+    from dtorch.runtime.controller.cluster import LocalSpawner, local_worker_limit
     monkeypatch.delenv("DTORCH_MAX_LOCAL_WORKERS", raising=False)
     limit, why = local_worker_limit()
     assert limit >= 1 and why
@@ -72,7 +72,7 @@ def test_a_local_pool_past_the_limit_needs_an_explicit_setting(monkeypatch):
 
 
 def test_a_mesh_past_the_local_limit_is_refused_before_any_start(session):
-    import dtorch.runtime.session as sessions
+    import dtorch.runtime.controller.session as sessions
     before = len(sessions.controller().workers)
     with pytest.raises(MeshError, match="DTORCH_MAX_LOCAL_WORKERS=100000"):
         dtorch.init_device_mesh("cpu", (100_000,))

@@ -1,4 +1,4 @@
-"""torch's tensor methods that dtorch composes from its ops (dtorch/torch_methods.py), each against
+"""torch's tensor methods that dtorch composes from its ops (dtorch/torch_api/methods.py), each against
 torch on the same values: sharded on either dim, replicated, uneven, on (4,) and (2, 2); the
 torch.* spellings; gradients of the ones that move values."""
 from __future__ import annotations
@@ -57,7 +57,7 @@ CASES = {   # name -> (the call, on a torch tensor or a DTensor alike)
     "count_nonzero dim": lambda x: torch.count_nonzero(x.clamp(min=0), dim=0),
     "var_mean": lambda x: torch.var_mean(x, 1),
     "std_mean": lambda x: torch.std_mean(x, dim=0, keepdim=True),
-    # torch's aliases of registry ops (dtorch/torch_methods.py ALIASES)
+    # torch's aliases of registry ops (dtorch/torch_api/methods.py ALIASES)
     "arccos": lambda x: x.tanh().arccos(),
     "torch.arcsin": lambda x: torch.arcsin(x.tanh()),
     "arctan": lambda x: x.arctan(),

@@ -16,7 +16,7 @@ from torch.distributed.tensor import parallel as tp
 
 import dtorch
 from dtorch import MeshError, PlacementError, Replicate, Shard, nn
-from dtorch.distributed_spec import DeviceMesh, init_device_mesh
+from dtorch.spec.placements import DeviceMesh, init_device_mesh
 from dtorch.nn.parallel import from_torch_style, loss_parallel
 
 from support import assert_same

@@ -15,7 +15,7 @@ import pytest
 
 import dtorch
 from dtorch.checkpoint import save, to_torch_state_dict
-from dtorch.distributed_spec import init_device_mesh
+from dtorch.spec.placements import init_device_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_llama.py"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.distributed_spec import init_device_mesh
+from dtorch.spec.placements import init_device_mesh
 
 transformers = pytest.importorskip("transformers")
 from dtorch.models import LlamaForCausalLM   # noqa: E402

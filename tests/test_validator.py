@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dtorch.ops  # noqa: F401  (registers the families)
-from dtorch.distributed_spec import DeviceMesh, Partial, Replicate, Shard
+from dtorch.spec.placements import DeviceMesh, Partial, Replicate, Shard
 from dtorch.ops.registry import REGISTRY, RegisteredOp
 from dtorch.ops.rules import Decision, R, RuleRejected
 from dtorch.ops.tooling.samples import SAMPLED_FAMILIES

@@ -1,4 +1,4 @@
-"""dtorch.models.vision (AlexNet, ResNet) and the vision layers against torchvision-style torch
+"""dtorch.models.convnets (AlexNet, ResNet) and the vision layers against torchvision-style torch
 definitions written here, with the same weights: eval and training mode (BatchNorm with the
 global batch's statistics, running statistics updated as torch does) on data-parallel layouts."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 
 import dtorch
 from dtorch import Shard, nn
-from dtorch.distributed_spec import init_device_mesh
-from dtorch.models.vision import AlexNet, BasicBlock, Bottleneck, ResNet
+from dtorch.spec.placements import init_device_mesh
+from dtorch.models.convnets import AlexNet, BasicBlock, Bottleneck, ResNet
 
 from support import assert_same
 
@@ -141,7 +141,7 @@ def test_batchnorm_with_the_batch_sharded_uses_the_global_batch(mesh4):
 def test_batchnorm_trains_step_after_step_as_torch(mesh4, momentum):
     """The running statistics were rebound to outputs that carried the step's autograd graph, so
     the second step's backward reached into the first's ("backward through the graph a second
-    time"): any training loop over dtorch.models.vision's ResNet. They are updated in place now,
+    time"): any training loop over dtorch.models.convnets's ResNet. They are updated in place now,
     without history, and a compiled step replays (momentum=None: captured again each call)."""
     layer, reference = nn.BatchNorm2d(3, momentum=momentum, device_mesh=mesh4), T.BatchNorm2d(3, momentum=momentum)
     step = dtorch.compile(lambda x: (layer(x) * x).sum().backward())

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtorch.distributed_spec import Partial, Replicate, Shard
-from dtorch.redistribute import plan_redistribute
+from dtorch.spec.placements import Partial, Replicate, Shard
+from dtorch.spec.redistribute import plan_redistribute
 from dtorch.runtime import protocol as wire
-from dtorch.runtime.comm import GlooCommunicator
-from dtorch.runtime.devices import CpuDevice
-from dtorch.runtime.worker import Worker
+from dtorch.runtime.devices.comm import GlooCommunicator
+from dtorch.runtime.devices.device import CpuDevice
+from dtorch.runtime.worker.worker import Worker
 
 
 class LoggingDevice(CpuDevice):

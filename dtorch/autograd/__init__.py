@@ -2,12 +2,12 @@
 rules (docs/autograd.md). Installs DTensor.backward, DTensor.grad and DTensor.retain_grad."""
 from __future__ import annotations
 
-from ..recording import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
-from ..tensor import COMPOSITES, DTensor
+from ..dtensor.recording import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+from ..dtensor.tensor import COMPOSITES, DTensor
 from .engine import backward, backward_stages, clear_grads, grad, leaf_grad, no_sync, reduce_gradients, set_leaf_grad
 from .retained import retain_grad, retains_grad
 from . import hooks as _hooks  # noqa: F401  (installs x.register_hook, x.register_post_accumulate_grad_hook)
-from .rules import gradient_placements
+from .placement_rules import gradient_placements
 
 __all__ = ["backward", "backward_stages", "grad", "reduce_gradients", "no_sync", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
            "gradient_placements"]
@@ -15,7 +15,7 @@ __all__ = ["backward", "backward_stages", "grad", "reduce_gradients", "no_sync",
 
 def _tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:
     """x.backward(gradient=None): gradients accumulate into the leaves' .grad (torch's semantics;
-    the placements each gradient has: dtorch/autograd/rules.py)."""
+    the placements each gradient has: dtorch/autograd/placement_rules.py)."""
     backward([self], None if gradient is None else [gradient], retain_graph, create_graph, inputs)
 
 

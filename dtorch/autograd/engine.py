@@ -2,7 +2,7 @@
 
 The controller never replays the graph op by op: the workers recorded it with torch's autograd
 while running the forward (RunOp `grad`), so the controller only walks its small node graph
-(dtorch/recording.py) to find the leaves to bind and the pipeline hops to cross. A graph on one
+(dtorch/dtensor/recording.py) to find the leaves to bind and the pipeline hops to cross. A graph on one
 mesh is one command. A graph that crosses meshes (pipeline stages) is one command per stage and
 hop, depth first: the last stage's backward, its gradient moved back to the previous stage, that
 stage's backward, and so on; each stage's workers run their own commands in order, so stage s
@@ -14,17 +14,17 @@ import contextlib
 import threading
 
 from ..errors import user_site
-from ..factories import ones
-from ..recording import HopNode, Leaf, OpNode, no_grad
-from ..runtime import profiling, session
-from .. import capture as capturing
+from ..dtensor.factories import ones
+from ..dtensor.recording import HopNode, Leaf, OpNode, no_grad
+from ..runtime.controller import profiling, session
+from ..dtensor import compile_capture as capturing
 from ..runtime.protocol import Backward, SetGrads
-from ..distributed_spec import Replicate
-from ..tensor import DTensor, call_op
+from ..spec.placements import Replicate
+from ..dtensor.tensor import DTensor, call_op
 from ..ops.tensor_meta import tensor_meta
 from .hooks import has_hooks, run_hooks, run_post_hooks
 from .retained import clear_retained, retained_accumulator, retained_grad, retained_in
-from .rules import gradient_placements, reduction_buckets
+from .placement_rules import gradient_placements, reduction_buckets
 
 __all__ = ["backward", "backward_stages", "grad", "leaf_grad", "set_leaf_grad", "clear_grads", "reduce_gradients",
            "no_sync"]

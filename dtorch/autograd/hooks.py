@@ -18,8 +18,8 @@ from collections import OrderedDict
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import UnsupportedOpError, user_site
-from ..recording import Leaf, no_grad
-from ..tensor import DTensor
+from ..dtensor.recording import Leaf, no_grad
+from ..dtensor.tensor import DTensor
 
 __all__ = ["register_hook", "register_post_accumulate_grad_hook", "has_hooks", "run_hooks", "run_post_hooks"]
 

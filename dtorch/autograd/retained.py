@@ -5,18 +5,18 @@ The workers do the keeping: a Backward command lists the retained tensors among 
 each worker calls torch's own `retain_grad()` on its local tensor before its engine runs, so the
 local `.grad` accumulates across backward calls exactly as torch's does. The controller's part
 is a leaf's: a DTensor symbol for that gradient, in gradient placements (a Replicate
-intermediate's gradient is a pending P(sum) until read, autograd/rules.py), reduced to the
+intermediate's gradient is a pending P(sum) until read, autograd/placement_rules.py), reduced to the
 tensor's own placements when `x.grad` is read.
 """
 from __future__ import annotations
 
-from .. import capture as capturing
+from ..dtensor import compile_capture as capturing
 from ..errors import user_site
 from ..ops.tensor_meta import tensor_meta
-from ..recording import HopNode, Leaf, RetainedGrad, no_grad
+from ..dtensor.recording import HopNode, Leaf, RetainedGrad, no_grad
 from ..runtime.protocol import SetGrads
-from ..tensor import DTensor
-from .rules import gradient_placements
+from ..dtensor.tensor import DTensor
+from .placement_rules import gradient_placements
 
 __all__ = ["retain_grad", "retains_grad", "retained_in", "retained_accumulator", "retained_grad",
            "clear_retained"]

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from ..runtime.file_shards import NO_CHECKSUM, ChecksumError, read_region
+from ..runtime.worker.file_shards import NO_CHECKSUM, ChecksumError, read_region
 from .safetensors_header import CheckpointError
 from .sharded_format import read_index
 

@@ -1,5 +1,5 @@
 """Loading a safetensors checkpoint into DTensors: the controller reads headers only and sends one
-LoadShard per tensor; each worker reads its own block from the file (runtime/file_shards.py).
+LoadShard per tensor; each worker reads its own block from the file (runtime/worker/file_shards.py).
 Tensor bytes never pass through the controller, except with via_controller=True, the fallback for
 hosts that do not all see the checkpoint's path.
 """
@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import os
 
-from ..factories import tensor as upload
+from ..dtensor.factories import tensor as upload
 from ..ops.tensor_meta import tensor_meta
-from ..runtime import session
-from ..runtime.file_shards import read_block
+from ..runtime.controller import session
+from ..runtime.worker.file_shards import read_block
 from ..runtime.protocol import LoadShard, dtype_name
 from ..nn.module import SYNC_BYTES
 from ..nn.progress import ProgressBar
-from ..tensor import DTensor
+from ..dtensor.tensor import DTensor
 from .matching import IncompatibleKeys, TensorTarget, as_target, match
 from .safetensors_header import StoredTensor, read_checkpoint
 

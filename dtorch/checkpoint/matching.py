@@ -13,7 +13,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Placement, Replicate
+from ..spec.placements import DeviceMesh, Placement, Replicate
 from ..nn.module import IncompatibleKeys, castable
 from ..ops.tensor_meta import check_placements
 from .safetensors_header import CheckpointError, StoredTensor, first_names

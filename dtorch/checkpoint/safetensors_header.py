@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import DTorchError
-from ..runtime.file_shards import SAFETENSORS_DTYPES
+from ..runtime.worker.file_shards import SAFETENSORS_DTYPES
 
 __all__ = ["StoredTensor", "CheckpointError", "read_header", "read_header_and_metadata", "read_checkpoint",
            "checkpoint_files", "SINGLE_FILE", "INDEX_FILE", "first_names"]

@@ -20,12 +20,12 @@ import shutil
 import socket
 import tempfile
 
-from ..distributed_spec import format_placements, local_region
-from ..runtime import session
-from ..runtime.file_shards import recorded_checksums, shard_file_name
+from ..spec.placements import format_placements, local_region
+from ..runtime.controller import session
+from ..runtime.worker.file_shards import recorded_checksums, shard_file_name
 from ..runtime.protocol import SaveShard, dtype_name
 from ..runtime.transport import process_exists
-from ..tensor import DTensor
+from ..dtensor.tensor import DTensor
 from .safetensors_header import CheckpointError, read_header_and_metadata
 from .sharded_format import (FORMAT, FORMAT_VERSION, INDEX_NAME, check_savable_dtype, encode_value, flatten,
                              index_checksum)

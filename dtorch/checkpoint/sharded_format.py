@@ -28,10 +28,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..runtime.file_shards import NO_CHECKSUM, recorded_checksums, safetensors_code
+from ..runtime.worker.file_shards import NO_CHECKSUM, recorded_checksums, safetensors_code
 from ..ops.tensor_meta import is_local_tensor
 from ..runtime.protocol import dtype_from_name
-from ..tensor import DTensor
+from ..dtensor.tensor import DTensor
 from .safetensors_header import CheckpointError, read_header_and_metadata
 
 __all__ = ["INDEX_NAME", "FORMAT", "FORMAT_VERSION", "Leaf", "Chunk", "SavedTensor", "SavedIndex", "flatten",

@@ -1,7 +1,7 @@
 """dtorch.checkpoint.load: a checkpoint that save wrote, loaded onto the layout of the state it
 fills. The controller reads the index and the files' headers and checks every key, shape and cast
 first; then one LoadChunks per tensor, with which each rank of the target layout reads the parts of
-the saved chunks that overlap its own block (runtime/file_shards.py read_region), checking each
+the saved chunks that overlap its own block (runtime/worker/file_shards.py read_region), checking each
 chunk's crc32 where it reads it. Tensor bytes never pass through the controller.
 
 With verification on (the default) load waits for the workers' reads, so that a chunk whose bytes
@@ -12,10 +12,10 @@ from __future__ import annotations
 from ..errors import RemoteError
 from ..nn.module import castable
 from ..ops.tensor_meta import tensor_meta
-from ..runtime import session
-from ..runtime.file_shards import NO_CHECKSUM
+from ..runtime.controller import session
+from ..runtime.worker.file_shards import NO_CHECKSUM
 from ..runtime.protocol import LoadChunks, dtype_name
-from ..tensor import DTensor
+from ..dtensor.tensor import DTensor
 from .safetensors_header import CheckpointError, first_names
 from .sharded_format import SavedIndex, SavedTensor, fill, flatten, read_index
 

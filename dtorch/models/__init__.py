@@ -1,7 +1,7 @@
 """dtorch.models: model zoo built from dtorch.nn (llama: transformers' LlamaForCausalLM on any
 dp/fsdp/pp/cp/tp layout; vision: torchvision's AlexNet and ResNet, data parallel)."""
-from . import llama, vision
+from . import llama, convnets as vision
 from .llama import LlamaForCausalLM
-from .vision import AlexNet, ResNet, resnet18, resnet50
+from .convnets import AlexNet, ResNet, resnet18, resnet50
 
 __all__ = ["llama", "vision", "LlamaForCausalLM", "AlexNet", "ResNet", "resnet18", "resnet50"]

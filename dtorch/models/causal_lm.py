@@ -11,7 +11,7 @@ import torch
 
 from ..nn import functional as F
 from ..ops.tensor_meta import is_local_tensor
-from ..tensor import DTensor
+from ..dtensor.tensor import DTensor
 from .llama_config import mesh_dim
 from .sampling import sample_next
 

@@ -26,12 +26,12 @@ from types import SimpleNamespace
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Replicate, Shard
-from ..factories import full_like, tensor as upload
-from ..tensor import DTensor, call_op
+from ..spec.placements import DeviceMesh, Replicate, Shard
+from ..dtensor.factories import full_like, tensor as upload
+from ..dtensor.tensor import DTensor, call_op
 from .. import nn
 from ..autograd import backward, no_grad
-from ..recording import is_grad_enabled
+from ..dtensor.recording import is_grad_enabled
 from ..nn.pipeline_schedule import run_schedule
 from ..nn import functional as F
 from ..utils.checkpoint import checkpoint

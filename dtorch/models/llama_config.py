@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Replicate, Shard
+from ..spec.placements import DeviceMesh, Replicate, Shard
 
 __all__ = ["LlamaSettings", "MESH_DIMS", "head_dim", "kv_heads", "rope_parameters", "inverse_frequencies",
            "mesh_dim", "token_placements", "check_mesh"]

@@ -1,6 +1,6 @@
 """What generate(do_sample=True) draws the next token from: transformers' sampling warpers, in
 its order (temperature, top-k, top-p), on the last position's logits, then one draw per sequence
-with torch.multinomial on dtorch's random stream (dtorch/composite_random.py). The tokens are the
+with torch.multinomial on dtorch's random stream (dtorch/torch_api/random_draws.py). The tokens are the
 same on every layout for one dtorch.manual_seed; they are not transformers' tokens for the same
 seed (the generators differ), though the distribution they come from is (tests/test_sampling.py).
 With the vocabulary sharded (tp), top-k and top-p sort it whole, as the sort op's rule says: one
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tensor import DTensor
+from ..dtensor.tensor import DTensor
 
 __all__ = ["sampling_scores", "sample_next"]
 

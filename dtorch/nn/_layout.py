@@ -7,10 +7,10 @@ import math
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Placement, Replicate
+from ..spec.placements import DeviceMesh, Placement, Replicate
 from ..errors import MeshError
-from ..factories import rand
-from ..tensor import DTensor
+from ..dtensor.factories import rand
+from ..dtensor.tensor import DTensor
 
 __all__ = ["tp_mesh_dim", "placements_with", "move_mesh_dim", "uniform", "fan_in_bound", "require_mesh"]
 

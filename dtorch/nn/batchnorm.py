@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Replicate
-from ..factories import ones, tensor as upload, zeros
-from ..recording import no_grad
+from ..spec.placements import DeviceMesh, Replicate
+from ..dtensor.factories import ones, tensor as upload, zeros
+from ..dtensor.recording import no_grad
 from . import functional as F
 from ._layout import require_mesh
 from .module import Module

@@ -9,8 +9,8 @@ import math
 import torch
 from torch.nn.modules.utils import _ntuple
 
-from ..distributed_spec import DeviceMesh, Replicate
-from ..tensor import call_op
+from ..spec.placements import DeviceMesh, Replicate
+from ..dtensor.tensor import call_op
 from ._layout import fan_in_bound, require_mesh, uniform
 from .module import Module
 from .parameter import Parameter

@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from ..distributed_spec import DeviceMesh
-from ..factories import upload_replicated
-from ..tensor import DTensor
+from ..spec.placements import DeviceMesh
+from ..dtensor.factories import upload_replicated
+from ..dtensor.tensor import DTensor
 from .module import Module
 from .parameter import Parameter
 

@@ -7,8 +7,8 @@ from typing import Literal
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Placement, Replicate, Shard
-from ..factories import arange, randn
+from ..spec.placements import DeviceMesh, Placement, Replicate, Shard
+from ..dtensor.factories import arange, randn
 from . import functional as F
 from ._layout import move_mesh_dim, placements_with, require_mesh, tp_mesh_dim
 from .module import Module

@@ -6,7 +6,7 @@ gathered copies: a pre-forward hook gathers every managed parameter and puts the
 place, a forward hook puts the sharded Parameter back and drops the copy.
 
 The gather is ONE command and one all-gather per module (per mesh and dtype among its
-parameters: runtime/fsdp_gather.py), as FSDP2 gathers a module's parameters into one flat buffer,
+parameters: runtime/worker/fsdp_gather.py), as FSDP2 gathers a module's parameters into one flat buffer,
 not one collective per parameter: each collective costs a fixed latency, and a Llama block has
 nine parameters. Backward needs no hook: the gather's dual is one reduce-scatter of all the
 module's gradients, so each gradient arrives already sharded like its Parameter, and an
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import weakref
 
-from ..distributed_spec import PeerGroup, Replicate, Shard, ShardRegion
+from ..spec.placements import PeerGroup, Replicate, Shard, ShardRegion
 from ..errors import MeshError, user_site
 from ..ops.tensor_meta import tensor_meta
-from ..recording import OpNode, is_grad_enabled
-from ..runtime import profiling, session
+from ..dtensor.recording import OpNode, is_grad_enabled
+from ..runtime.controller import profiling, session
 from ..runtime.protocol import RunOp
-from ..op_issue import note_capture_inputs
-from ..tensor import DTensor
+from ..dtensor.op_issue import note_capture_inputs
+from ..dtensor.tensor import DTensor
 from .mixed_precision import cast_floating, check_policy, compute_dtype, reduce_dtype_of
 from .module import Module
 from .parameter import Parameter
@@ -191,7 +191,7 @@ def _nested(placements, mesh_dim: int) -> bool:
 
 def gather_group(shards: list, mesh, mesh_dim: int, regather: bool, dtype, reduce_dtype) -> list:
     """`shards` (each Shard(d) on `mesh_dim` of `mesh`, one dtype) gathered on that mesh dim by
-    one RunOp of the grouped kernel (runtime/fsdp_gather.py), as `dtype`; recorded for backward
+    one RunOp of the grouped kernel (runtime/worker/fsdp_gather.py), as `dtype`; recorded for backward
     like any op, the gradients' reduce-scatter in `reduce_dtype`."""
     recorder = profiling.active
     if recorder is not None:   # dtorch.profile: a span like an op's

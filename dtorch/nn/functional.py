@@ -12,14 +12,14 @@ import math
 import torch
 from torch.nn._reduction import legacy_get_string
 
-from ..distributed_spec import Replicate, Shard
+from ..spec.placements import Replicate, Shard
 from ..errors import UnsupportedOpError
-from ..factories import arange, upload_replicated
-from ..runtime import session
-from ..inplace import assign
-from ..recording import no_grad
-from ..op_issue import with_local_tensors_uploaded
-from ..tensor import COMPOSITES, DTensor, call_op
+from ..dtensor.factories import arange, upload_replicated
+from ..runtime.controller import session
+from ..dtensor.inplace import assign
+from ..dtensor.recording import no_grad
+from ..dtensor.op_issue import with_local_tensors_uploaded
+from ..dtensor.tensor import COMPOSITES, DTensor, call_op
 
 __all__ = ["relu", "gelu", "silu", "sigmoid", "tanh", "leaky_relu", "elu", "softplus", "softmax",
            "log_softmax", "linear", "layer_norm", "rms_norm", "embedding", "dropout", "pad",
@@ -40,7 +40,7 @@ def _forward(name: str):
 
 def _with_inplace(name: str, position: int):
     """torch's `inplace` flag (by keyword or at `position`): the op runs out of place and the
-    input is rebound to its result (dtorch/inplace.py)."""
+    input is rebound to its result (dtorch/dtensor/inplace.py)."""
     def function(*args, **kwargs):
         inplace = kwargs.pop("inplace", False)
         if len(args) > position:

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Placement, Replicate, Shard
+from ..spec.placements import DeviceMesh, Placement, Replicate, Shard
 from . import functional as F
 from ._layout import fan_in_bound, move_mesh_dim, placements_with, require_mesh, tp_mesh_dim, uniform
 from .module import Module

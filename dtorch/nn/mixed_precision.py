@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tensor import DTensor
+from ..dtensor.tensor import DTensor
 from .module import Module
 
 __all__ = ["mixed_precision", "MixedPrecisionPolicy"]

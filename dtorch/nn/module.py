@@ -18,15 +18,15 @@ from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
 
-from .. import capture as capturing
-from ..distributed_spec import DeviceMesh
+from ..dtensor import compile_capture as capturing
+from ..spec.placements import DeviceMesh
 from ..errors import UnsupportedOpError, user_site
-from ..factories import tensor as upload
+from ..dtensor.factories import tensor as upload
 from ..ops.conversions import device_refusal
 from ..ops.tensor_meta import is_local_tensor
-from ..recording import no_grad
-from ..tensor import DTensor
-from ..runtime import session
+from ..dtensor.recording import no_grad
+from ..dtensor.tensor import DTensor
+from ..runtime.controller import session
 from .parameter import Parameter
 from .progress import ProgressBar
 

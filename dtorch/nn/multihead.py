@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedOpError
-from ..tensor import COMPOSITES
+from ..dtensor.tensor import COMPOSITES
 from . import functional as F
 
 __all__ = ["multi_head_attention_forward"]

@@ -7,8 +7,8 @@ import numbers
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Replicate
-from ..factories import ones, zeros
+from ..spec.placements import DeviceMesh, Replicate
+from ..dtensor.factories import ones, zeros
 from . import functional as F
 from ._layout import require_mesh
 from .module import Module

@@ -28,9 +28,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Partial, Placement, Replicate, Shard
+from ..spec.placements import DeviceMesh, Partial, Placement, Replicate, Shard
 from ..errors import MeshError, PlacementError
-from ..tensor import DTensor
+from ..dtensor.tensor import DTensor
 from ._layout import move_mesh_dim
 from .distribute import distribute_module, holds_local_tensors
 from .embedding import Embedding

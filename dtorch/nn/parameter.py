@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import autograd as _autograd  # noqa: F401  (a Parameter's .grad and backward)
-from ..tensor import DTensor
+from ..dtensor.tensor import DTensor
 
 __all__ = ["Parameter"]
 

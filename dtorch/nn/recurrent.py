@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed_spec import Replicate, Shard
+from ..spec.placements import Replicate, Shard
 from ..errors import LocalTensorError, UnsupportedOpError, user_site
-from ..factories import upload_replicated, zeros
+from ..dtensor.factories import upload_replicated, zeros
 from ..ops.dispatch import is_strict
-from ..tensor import COMPOSITES, DTensor
+from ..dtensor.tensor import COMPOSITES, DTensor
 from . import functional as F
 
 __all__ = ["rnn_tanh", "rnn_relu", "gru", "lstm", "rnn_tanh_cell", "rnn_relu_cell", "gru_cell", "lstm_cell"]

@@ -18,8 +18,8 @@ import torch
 
 from ..autograd import reduce_gradients
 from ..optim.grads import total_norm, update_grads
-from ..recording import no_grad
-from ..tensor import DTensor, call_op
+from ..dtensor.recording import no_grad
+from ..dtensor.tensor import DTensor, call_op
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "get_total_norm", "vector_to_parameters"]
 

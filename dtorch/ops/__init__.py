@@ -3,7 +3,7 @@
 Importing this package registers every family; nothing here imports zmq or asyncio."""
 from . import view, indexing, matrix, nn, pointwise, reduction  # noqa: F401  (each registers its table, in this order)
 from . import losses  # noqa: F401  (torch.nn.functional's losses: family "nn")
-from . import assignment  # noqa: F401  (x[index] = value as an op: dtorch/inplace.py)
+from . import assignment  # noqa: F401  (x[index] = value as an op: dtorch/dtensor/inplace.py)
 from . import vision, vision_norm  # noqa: F401  (family "vision": conv2d, pools, interpolate, norms)
 from . import advanced_indexing  # noqa: F401  (x[tensor index], index_put, masked_scatter)
 from . import linalg  # noqa: F401  (family "linalg": det, inverse, solve, eigh, qr, svd, ... over batch dims)

@@ -1,5 +1,5 @@
 """PURE: advanced (tensor) indexing as ops: `index` (x[t]), `index_put` (x[t] = v, torch.index_put)
-and `masked_scatter`. dtorch/advanced_indexing.py turns the user's index (torch tensors, lists,
+and `masked_scatter`. dtorch/dtensor/indexing.py turns the user's index (torch tensors, lists,
 bool masks, DTensors) into the canonical one these ops take: a tuple of ints >= 0, None, Python
 bools, slices as (start, stop, step) (WHOLE for `:`) and integer index tensors, one entry per
 input dim or fewer (missing trailing dims are `:`; torch.index_put passes only tensors).
@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..distributed_spec import Partial, Shard, ShardRegion, narrow_to_box
+from ..spec.placements import Partial, Shard, ShardRegion, narrow_to_box
 from ..errors import UnsupportedOpError
 from .indexing import WHOLE
 from .registry import OpRow, kernel, register_family

@@ -1,5 +1,5 @@
 """PURE: item assignment as an op. `setitem(x, index, value)` is the out-of-place form of
-`x[index] = value` (a new tensor; dtorch/inplace.py rebinds x to it). The index is the canonical
+`x[index] = value` (a new tensor; dtorch/dtensor/inplace.py rebinds x to it). The index is the canonical
 basic index of `canonical_index` (ints, slices, None); the value a scalar or a tensor that
 broadcasts to the indexed region.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed_spec import Partial, Shard, ShardRegion
+from ..spec.placements import Partial, Shard, ShardRegion
 from .indexing import WHOLE
 from .registry import OpRow, kernel, register_family
 from .rules import Call, Decision, R, RuleRejected
@@ -151,6 +151,6 @@ def setitem_region(input, index, value, *, region):
 
 ASSIGNMENT = {
     "setitem": OpRow(setitem, _setitem_rule, _setitem_local, method=False,
-                     doc="x[index] = value: use the operator (dtorch/inplace.py rebinds x)"),
+                     doc="x[index] = value: use the operator (dtorch/dtensor/inplace.py rebinds x)"),
 }
 register_family("indexing", ASSIGNMENT)

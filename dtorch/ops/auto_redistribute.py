@@ -15,8 +15,8 @@ would not accept as given; None means no layout was found and the caller raises 
 """
 from __future__ import annotations
 
-from ..distributed_spec import Replicate
-from ..redistribute import LOCAL_ONLY, plan_redistribute, step_kind
+from ..spec.placements import Replicate
+from ..spec.redistribute import LOCAL_ONLY, plan_redistribute, step_kind
 from .rules import Call, Refusal, Rule, try_expand
 from .suggest import cheapest_combination, legal_combinations
 from .tensor_meta import tensor_meta

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed_spec import DeviceMesh
+from ..spec.placements import DeviceMesh
 from ..errors import UnsupportedOpError, user_site
 
 __all__ = ["to_target", "mesh_device", "device_refusal"]

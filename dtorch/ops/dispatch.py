@@ -11,9 +11,9 @@ from numbers import Number
 import torch
 from typing import NamedTuple
 
-from ..distributed_spec import format_placements, local_shape
+from ..spec.placements import format_placements, local_shape
 from ..errors import LocalTensorError, MeshError, PlacementError, ShapeError, UnsupportedOpError, user_site
-from ..redistribute import plan_redistribute
+from ..spec.redistribute import plan_redistribute
 from .auto_redistribute import legal_call, takes_communication
 from .registry import PEER_KERNELS, REGISTRY, RegisteredOp
 from .rules import Call, TensorSlot, expand

@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..distributed_spec import Partial, Shard
+from ..spec.placements import Partial, Shard
 from ..errors import UnsupportedOpError
 from .registry import OpRow, register_family
 from .rules import (Call, Decision, R, RuleRejected, common_shard_dim, follow_rule, normalize_dim, off_dim,
@@ -65,7 +65,7 @@ def canonical_index(index, shape) -> tuple:
 
 class AdvancedIndex(Exception):
     """Raised by canonical_index for an index with tensors, lists or bools: the caller takes the
-    advanced path (dtorch/advanced_indexing.py, ops/advanced_indexing.py) instead of getitem's."""
+    advanced path (dtorch/dtensor/indexing.py, ops/advanced_indexing.py) instead of getitem's."""
 
 
 def _check_item(item):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed_spec import Shard
+from ..spec.placements import Shard
 from .registry import OpRow, register_family
 from .rules import Call, Decision, R, RuleRejected
 

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..distributed_spec import Partial, Shard
+from ..spec.placements import Partial, Shard
 from .nn import letters_decision
 from .partial_laws import Laws, partial_output
 from .pointwise import shard_decision

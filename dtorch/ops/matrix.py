@@ -24,7 +24,7 @@ import string
 
 import torch
 
-from ..distributed_spec import Partial, Shard
+from ..spec.placements import Partial, Shard
 from .pointwise import shard_decision
 from .registry import OpRow, register_family
 from .rules import Call, Decision, R, RuleRejected

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import rng
-from ..distributed_spec import Partial, PeerGroup, Shard, ShardRegion
+from ..spec import rng
+from ..spec.placements import Partial, PeerGroup, Shard, ShardRegion
 from ..errors import UnsupportedOpError
 from .matrix import einsum_decision
 from . import ring_attention  # noqa: F401  (registers the ring kernel that _attention_local selects)

@@ -6,7 +6,7 @@ different meshes is refused (MeshError), and so is every case in strict mode
 """
 from __future__ import annotations
 
-from ..distributed_spec import DeviceMesh
+from ..spec.placements import DeviceMesh
 
 __all__ = ["join_target"]
 

@@ -1,5 +1,5 @@
 """PURE: Python's operators on a DTensor, each a row (dunder method, op it calls, how docs/ops.md
-spells it). op_issue.py installs the dunders; ops/tooling/docs.py shows the spellings.
+spells it). dtensor/op_issue.py installs the dunders; ops/tooling/docs.py shows the spellings.
 
 A reflected operator (2 - x reaches x.__rsub__(2)) calls an op whose first operand is the DTensor:
 rsub, rdiv, rpow, rfloor_divide and rremainder swap the operands back; add, mul and the bitwise ops commute."""

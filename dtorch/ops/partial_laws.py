@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..distributed_spec import Partial
+from ..spec.placements import Partial
 from .rules import Call, TensorSlot
 
 __all__ = ["Laws", "NONE", "partial_output"]

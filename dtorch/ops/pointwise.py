@@ -24,7 +24,7 @@ from numbers import Number
 import torch
 import torch.nn.functional as F
 
-from ..distributed_spec import Partial, Shard
+from ..spec.placements import Partial, Shard
 from ..errors import UnsupportedOpError
 from .partial_laws import NONE, Laws, partial_output
 from .registry import OpRow, register_family
@@ -141,7 +141,7 @@ def _rrelu_signs(call: Call) -> tuple:
 
 def _rrelu_rule(call: Call, placements) -> Decision:
     """leaky_relu with slope (lower + upper) / 2; training=True only through F.rrelu, which draws
-    the slopes from dtorch's random stream (torch_methods.py)"""
+    the slopes from dtorch's random stream (torch_api/methods.py)"""
     if call.param(3, "training", False):
         raise UnsupportedOpError("dtorch.rrelu(..., training=True): the op itself would draw torch's random "
                                  "slopes on each worker; call torch.nn.functional.rrelu(x, training=True) "

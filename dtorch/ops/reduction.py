@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..distributed_spec import Partial, Shard
+from ..spec.placements import Partial, Shard
 from .pointwise import POINTWISE
 from .registry import OpRow, kernel, register_family
 from .rules import Call, Decision, R, RuleRejected, TensorSlot

@@ -9,7 +9,7 @@ causal mask compares global positions (torch's top-left alignment), so a key blo
 a query block's future is skipped (it still travels on). Nothing is ever gathered: memory per
 rank is one extra key/value block.
 
-The peers object (a resolved distributed_spec.PeerGroup) supplies the ring: `index`, `size`,
+The peers object (a resolved placements.PeerGroup) supplies the ring: `index`, `size`,
 `blocks` (every member's (offset, shape) of q, k and v) and `pass_along`. On a worker it is
 backed by the communicator; in the rule simulator, by queues between threads.
 """

@@ -9,10 +9,11 @@ which names the legal alternatives; `expand` turns that into a PlacementError fo
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
-from ..distributed_spec import Partial, Placement, Replicate, Shard, format_placements
+from ..spec.placements import Partial, Placement, Replicate, Shard, format_placements
 from ..errors import PlacementError, user_site
+from .rule_call import Call, Decision, Rule, RuleRejected, TensorSlot
 from .suggest import cheapest_fix, describe_legal, legal_combinations, placement_code
 
 __all__ = ["Call", "Decision", "RuleRejected", "Rule", "expand", "try_expand", "Refusal", "TensorSlot", "R", "all_replicate", "shard_of",
@@ -20,46 +21,6 @@ __all__ = ["Call", "Decision", "RuleRejected", "Rule", "expand", "try_expand", "
            "off_dim"]
 
 R = Replicate()
-
-
-class TensorSlot(NamedTuple):
-    """Stands in for the k-th tensor argument inside Call.args / Call.kwargs."""
-    index: int
-
-
-class Call(NamedTuple):
-    op: str
-    inputs: tuple          # TensorMeta per tensor argument, in order of appearance
-    args: tuple            # positional args, tensors replaced by TensorSlot
-    kwargs: dict
-    outputs: tuple         # ((shape, dtype), ...) from meta inference
-
-    def param(self, position: int, name: str, default=None):
-        if name in self.kwargs:
-            return self.kwargs[name]
-        return self.args[position] if position < len(self.args) else default
-
-    @property
-    def out_shape(self) -> tuple:
-        return self.outputs[0][0]
-
-    @property
-    def mesh(self):
-        return self.inputs[0].mesh
-
-
-class Decision(NamedTuple):
-    inputs: tuple          # required placement per input on this mesh dim
-    outputs: tuple         # placement per output on this mesh dim
-
-
-class RuleRejected(Exception):
-    def __init__(self, reason: str, legal: str):
-        super().__init__(reason)
-        self.reason, self.legal = reason, legal
-
-
-Rule = Callable[[Call, tuple], Decision]
 
 
 class Refusal(NamedTuple):

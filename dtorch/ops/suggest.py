@@ -11,15 +11,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING
-
 import torch
 
-from ..distributed_spec import Partial, Placement, Replicate, Shard, format_placements
-from ..redistribute import LOCAL_ONLY, plan_redistribute, step_kind
-
-if TYPE_CHECKING:   # rules.py imports this module to word its refusals; only its types are needed here
-    from .rules import Call, Rule
+from ..spec.placements import Partial, Placement, Replicate, Shard, format_placements
+from ..spec.redistribute import LOCAL_ONLY, plan_redistribute, step_kind
+from .rule_call import Call, Rule
 
 __all__ = ["legal_combinations", "cheapest_combination", "cheapest_fix", "describe_legal", "spell_placements_code", "placement_code",
            "MOVE_COST"]

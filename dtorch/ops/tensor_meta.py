@@ -1,6 +1,6 @@
 """PURE: TensorMeta, what the controller knows about a tensor without its data (a DTensor's
 `_meta`), interned so the hot path can key caches on one small integer instead of hashing shapes
-and placements every call. ("spec" now names only distributed_spec, the seed's module path.)"""
+and placements every call. ("spec" now names only spec.placements, the seed's module path.)"""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +10,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..distributed_spec import DeviceMesh, Placement, Shard, distinct_shard_ranks, format_placements, local_shape
+from ..spec.placements import (DeviceMesh, Placement, Shard, distinct_shard_ranks, format_placements,
+                               local_shape)
 from ..errors import PlacementError, user_site
 
 __all__ = ["TensorMeta", "tensor_meta", "check_placements", "parse_shape", "is_local_tensor", "refuse_unordered"]

@@ -2,7 +2,7 @@
 write instead, so a missing op or an in-place call is never a bare AttributeError, a wall of op
 names, or (worst) a flag silently ignored.
 
-In-place methods exist for dtorch's non-view ops (dtorch/inplace.py: x.add_, x[i] = v, ...);
+In-place methods exist for dtorch's non-view ops (dtorch/dtensor/inplace.py: x.add_, x[i] = v, ...);
 the rest (an in-place form of an op dtorch lacks, or one that changes x's storage such as
 x.resize_) is refused here with what to write instead, never silently ignored.
 """
@@ -80,7 +80,7 @@ def _inplace_method(name: str, spelled: str, error: type, out_of_place_method: b
     elif base in REGISTRY:   # a view op: its in-place form changes x's shape, not its values
         advice = (f"It changes x's shape or layout in place, which dtorch does not do: write "
                   f"{f'x = x.{base}(...)' if REGISTRY[base].method else f'x = dtorch.{base}(x, ...)'} instead.")
-    elif out_of_place_method:   # composed of ops (dtorch/torch_methods.py: x.t(), x.swapaxes())
+    elif out_of_place_method:   # composed of ops (dtorch/torch_api/methods.py: x.t(), x.swapaxes())
         advice = f"Write x = x.{base}(...) instead: the same values in a new tensor."
     else:
         advice = f"dtorch has no {base} op yet either.{_nearest_hint(base)}"

@@ -24,7 +24,7 @@ reduction over ranks commutes with any rearrangement of elements).
                    would put a row's diagonal element on another rank.
   windows          unfold (x.unfold(dimension, size, step)): S(d) off `dimension` (the windows'
                    trailing dim is new); a sharded `dimension` would cut windows at shard edges.
-  Both are views, as in torch (dtorch/aliasing.py): a write to `x.diagonal()` reaches x through
+  Both are views, as in torch (dtorch/dtensor/aliasing.py): a write to `x.diagonal()` reaches x through
   diagonal_scatter (input S(d) off dim1 and dim2 with src sharded on d's diagonal dim, R, a Partial
   pair); a write through `x.unfold(...)` is refused (docs/inplace.md).
 """
@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from ..distributed_spec import Partial, Shard, local_region
+from ..spec.placements import Partial, Shard, local_region
 from .registry import OpRow, kernel, register_family
 from .rules import (Call, Decision, R, RuleRejected, common_shard_dim, follow_rule, normalize_dim, off_dim,
                     unshard_fix)
@@ -338,7 +338,7 @@ _SCATTER_DIAGONAL_LEGAL = ("input S(d) off dim1 and dim2 with src S(d's dim in t
 
 def _diagonal_scatter_rule(call: Call, placements) -> Decision:
     """torch.diagonal_scatter(input, src, offset, dim1, dim2): input with its diagonal replaced by
-    src (dtorch/inplace.py writes `x.diagonal()`'s in-place changes back with it). A shard of a
+    src (dtorch/dtensor/inplace.py writes `x.diagonal()`'s in-place changes back with it). A shard of a
     kept dim holds its rows of both; a Partial pair adds up to the whole when both are the same."""
     p, q = placements
     ndim = len(call.inputs[0].shape)

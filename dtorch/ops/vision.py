@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..distributed_spec import Partial, Shard, local_region
+from ..spec.placements import Partial, Shard, local_region
 from .partial_laws import Laws, partial_output
 from .registry import OpRow, kernel, register_family
 from .rules import Call, Decision, R, RuleRejected, TensorSlot, unshard_fix

@@ -13,7 +13,7 @@ training mode across ranks:
 
 torch's F.batch_norm(training=True) updates running_mean/var in place. The registry op has no
 in-place outputs, so it refuses that form: F.batch_norm (torch's or dtorch.nn.functional's) runs
-batch_norm_from_moments and rebinds the running statistics to the new ones (dtorch/inplace.py),
+batch_norm_from_moments and rebinds the running statistics to the new ones (dtorch/dtensor/inplace.py),
 and dtorch.nn.functional.batch_norm_with_running_stats returns them instead.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..distributed_spec import Partial, Shard
+from ..spec.placements import Partial, Shard
 from ..errors import UnsupportedOpError
 from .partial_laws import Laws, partial_output
 from .registry import OpRow, kernel, register_family

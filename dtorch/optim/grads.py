@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 
-from ..distributed_spec import Partial, Replicate
+from ..spec.placements import Partial, Replicate
 from ..ops.tensor_meta import tensor_meta
-from ..runtime import session
+from ..runtime.controller import session
 from ..runtime.protocol import GradNorm, UpdateGrads
-from ..tensor import DTensor
+from ..dtensor.tensor import DTensor
 
 __all__ = ["total_norm", "update_grads", "by_mesh"]
 

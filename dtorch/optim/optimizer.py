@@ -1,7 +1,7 @@
 """The optimizer base: torch.optim.Optimizer's bookkeeping (param_groups, state, hooks, what
 torch's lr schedulers read and write) over DTensor parameters, with one OptimizerStep command
 per param group and mesh per step. The update itself runs on the workers
-(runtime/optim_kernels.py): state lives there, sharded like its parameter, and the controller
+(runtime/worker/optim_kernels.py): state lives there, sharded like its parameter, and the controller
 holds only symbols for it and each parameter's step count.
 """
 from __future__ import annotations
@@ -10,12 +10,12 @@ from collections import defaultdict
 
 import torch
 
-from .. import capture as capturing
+from ..dtensor import compile_capture as capturing
 from ..autograd import clear_grads, reduce_gradients
-from ..runtime import profiling, session
-from ..runtime.optim_kernels import state_names
+from ..runtime.controller import profiling, session
+from ..runtime.worker.optim_kernels import state_names
 from ..runtime.protocol import OptimizerStep
-from ..tensor import DTensor
+from ..dtensor.tensor import DTensor
 from .grads import by_mesh, update_grads
 from .state import buffer_meta, pack_state, unpack_state
 

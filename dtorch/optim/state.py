@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed_spec import Replicate
-from ..factories import full, tensor as upload
+from ..spec.placements import Replicate
+from ..dtensor.factories import full, tensor as upload
 from ..ops.tensor_meta import is_local_tensor, tensor_meta
-from ..runtime.optim_kernels import SCALAR_STATE, initial_fill, state_names
-from ..tensor import DTensor, call_op
+from ..runtime.worker.optim_kernels import SCALAR_STATE, initial_fill, state_names
+from ..dtensor.tensor import DTensor, call_op
 
 __all__ = ["pack_state", "unpack_state", "init_state", "buffer_meta"]
 

@@ -14,7 +14,7 @@ import os
 import warnings
 
 from ..errors import DTorchError
-from ..runtime import profiling, session
+from ..runtime.controller import profiling, session
 from .trace import Clock, WorkerRecording, build_trace
 
 __all__ = ["profile"]

@@ -19,7 +19,7 @@ import collections
 from typing import Callable, NamedTuple
 
 from ..errors import ProtocolError
-from ..runtime import profiling
+from ..runtime.controller import profiling
 
 __all__ = ["Clock", "WorkerRecording", "build_trace", "check_trace", "CONTROLLER_PID", "FORMAT"]
 
@@ -63,7 +63,7 @@ class Clock(NamedTuple):
 class WorkerRecording(NamedTuple):
     rank: int
     label: str
-    rows: tuple      # runtime/worker_profiling.py: one row per command
+    rows: tuple      # runtime/worker/profiling.py: one row per command
     clock: Clock
 
 
@@ -144,7 +144,7 @@ def _pack(spans: list) -> dict:
 
 # --- the workers ---------------------------------------------------------------------------------
 def _check_rows(rank: int, rows) -> None:
-    """A worker's rows have the shape runtime/worker_profiling.py sends; ProtocolError otherwise."""
+    """A worker's rows have the shape runtime/worker/profiling.py sends; ProtocolError otherwise."""
     if type(rows) is not tuple or not all(type(r) is tuple and len(r) == ROW_FIELDS for r in rows):
         raise ProtocolError(f"rank {rank} sent profile rows of an unknown shape: {str(rows)[:120]}")
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import msgpack
 import torch
 
-from ..distributed_spec import Partial, PeerGroup, Placement, Replicate, Shard, ShardRegion
+from ..spec.placements import Partial, PeerGroup, Placement, Replicate, Shard, ShardRegion
 from ..errors import ProtocolError
 
 __all__ = [
@@ -166,7 +166,7 @@ class Redistribute(NamedTuple):
     shape: tuple         # global shape: nested uneven shards need it to size each step
     dtype: str           # a rank whose input failed joins the collectives with zeros of it
     placements: tuple    # placements before the first step
-    steps: tuple         # ((mesh_dim, before, after), ...) from dtorch.redistribute
+    steps: tuple         # ((mesh_dim, before, after), ...) from dtorch.spec.redistribute
     grad: bool = False   # record it for backward: each collective step gets its dual in backward
     donate: bool = False  # the source is a temporary nothing else reads: a P -> R may reduce in place
 
@@ -232,7 +232,7 @@ class Backward(NamedTuple):
     retain_graph: bool
     buckets: tuple = ()  # ((mesh dims, (input index, ...)), ...): leaves whose gradients this rank
                          #   all-reduces over the group along those dims, bucket by bucket in this
-                         #   order, while the backward runs (runtime/grad_buckets.py)
+                         #   order, while the backward runs (runtime/worker/grad_buckets.py)
 
 
 class OptimizerStep(NamedTuple):
@@ -302,7 +302,7 @@ class LoadChunks(NamedTuple):
 
 class Profile(NamedTuple):
     """dtorch.profile: every live worker answers with a Reply whose one data frame is
-    pack([clock_ns]) (on) or pack([clock_ns, rows]) (off; rows: runtime/worker_profiling.py)."""
+    pack([clock_ns]) (on) or pack([clock_ns, rows]) (off; rows: runtime/worker/profiling.py)."""
     seq: int
     on: bool             # True: record every command after this one (again while on: a clock
                          # ping, recording goes on); False: stop, and send what was recorded
@@ -344,7 +344,7 @@ class DropGraph(NamedTuple):
 class CheckpointBegin(NamedTuple):
     """dtorch.utils.checkpoint: the RunOps and Redistributes from here to the matching
     CheckpointEnd run without recording for backward, and backward runs them again from the
-    tensors they read from before (runtime/checkpoint_regions.py). Regions nest: an inner pair
+    tensors they read from before (runtime/worker/checkpoint_regions.py). Regions nest: an inner pair
     belongs to the outer region."""
     seq: int
 
@@ -355,7 +355,7 @@ class CheckpointEnd(NamedTuple):
     seq: int
 
 
-# What a checkpoint region may hold (runtime/checkpoint_regions.py): ops and redistributes, run
+# What a checkpoint region may hold (runtime/worker/checkpoint_regions.py): ops and redistributes, run
 # again in backward; what makes or reads tensors as it would outside (a factory's, an upload's
 # output is an input of the region); frees, fences and flags. Anything else (a backward, an
 # optimizer step, a move to another mesh, a replay) is refused by the controller at the user's

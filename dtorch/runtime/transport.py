@@ -245,7 +245,7 @@ class WorkerSockets:
 
     def __init__(self, command_address: str, reply_address: str, rank: int, topics: list[bytes],
                  keys: dict | None = None, relayed: bool = False):
-        """relayed: commands come from this host's relay (runtime/relay.py) over an ipc socket
+        """relayed: commands come from this host's relay (runtime/processes/relay.py) over an ipc socket
         in a directory only this user can enter, which never leaves the host: no CURVE on the SUB.
         Replies and heartbeats always go straight to the controller, with CURVE when it is on."""
         self.context = zmq.Context()
@@ -292,7 +292,7 @@ class WorkerSockets:
 
 
 class RelaySockets:
-    """A host's relay (runtime/relay.py): one SUB to the controller's PUB (TCP, with CURVE when
+    """A host's relay (runtime/processes/relay.py): one SUB to the controller's PUB (TCP, with CURVE when
     the run has keys) subscribed to the topics of every rank on this host, and one PUB bound on
     an ipc:// socket in `directory` (mode 0700, made by the relay) that the host's workers
     connect to. `forward()` copies every message, frames unchanged, so the workers' sequence

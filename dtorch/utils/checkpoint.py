@@ -7,7 +7,7 @@ for backward, and backward runs it again, as torch.utils.checkpoint does.
 The controller marks the commands fn issues with a CheckpointBegin and a CheckpointEnd. The
 workers run them without recording, keep only the tensors the region read from before it, and
 make what it returns the outputs of one autograd node whose backward runs the region's commands
-again (runtime/checkpoint_regions.py says why it is one node). Backward then costs the region's
+again (runtime/worker/checkpoint_regions.py says why it is one node). Backward then costs the region's
 forward once more, collectives included (an fsdp layer gathers its parameters again, as FSDP
 with activation checkpointing does), and nothing the controller does per op changes.
 
@@ -26,10 +26,10 @@ import functools
 import torch.utils.checkpoint as torch_checkpoint
 
 from ..nn.module import Module
-from ..recording import is_grad_enabled
+from ..dtensor.recording import is_grad_enabled
 from ..runtime import protocol as wire
-from ..runtime import session
-from ..tensor import DTensor
+from ..runtime.controller import session
+from ..dtensor.tensor import DTensor
 
 __all__ = ["checkpoint"]
 

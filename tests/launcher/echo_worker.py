@@ -1,4 +1,4 @@
-"""Stand-in for dtorch.runtime.worker_process in the launcher tests: same stdin contract, no runtime.
+"""Stand-in for dtorch.runtime.processes.worker_process in the launcher tests: same stdin contract, no runtime.
 
 Reads ONE JSON line from stdin, prints a report of what it received and where it runs, then
 waits for stdin EOF (the controller or the ssh connection is gone) and exits, like the real worker.

@@ -55,7 +55,7 @@ def main() -> None:
     except dtorch.StartupError as error:
         print(f"STARTUP {time.monotonic() - started:.1f} {error}", flush=True)
         return
-    secret = dtorch.runtime.session.controller().secret
+    secret = dtorch.runtime.controller.session.controller().secret
     print("CONTROLLER " + json.dumps({"pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
                                       "secret": secret.hex() if isinstance(secret, bytes) else str(secret)}), flush=True)
     print("WORKERS " + json.dumps([{k: w[k] for k in ("rank", "host", "pid")} for w in dtorch.workers()]),

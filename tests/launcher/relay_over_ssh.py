@@ -21,7 +21,7 @@ import torch
 
 import dtorch
 from dtorch import Replicate, Shard, init_device_mesh
-from dtorch.runtime import session
+from dtorch.runtime.controller import session
 
 
 def tcp_bytes(port: int, counter: str = "bytes_sent") -> dict:

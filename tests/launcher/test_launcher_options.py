@@ -15,7 +15,7 @@ def test_defaults_mirror_the_controller(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     options = SshOptions()
     assert (options.python, options.chdir) == (sys.executable, str(tmp_path))
-    assert options.worker_module == "dtorch.runtime.worker_process"
+    assert options.worker_module == "dtorch.runtime.processes.worker_process"
 
 
 def test_environment_round_trip():
@@ -64,7 +64,7 @@ def test_remote_command_quotes_paths_and_carries_no_values():
     options = SshOptions(python="/opt/my python/bin/python", chdir="/srv/it's here", env=["SECRET"])
     command = remote_command(options)
     assert shlex.quote("/srv/it's here") in command
-    assert command.endswith(f"exec {shlex.quote('/opt/my python/bin/python')} -m dtorch.runtime.worker_process")
+    assert command.endswith(f"exec {shlex.quote('/opt/my python/bin/python')} -m dtorch.runtime.processes.worker_process")
     assert "SECRET" not in command
 
 

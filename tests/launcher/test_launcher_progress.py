@@ -74,7 +74,7 @@ def test_more_workers_than_slots_is_an_error():
     (127, "bash: line 1: /opt/py: No such file or directory", "python '/opt/py' not found on node2"),
     (1, "sh: 1: cd: can't cd to /srv/x", "cannot enter the working directory on node2"),
     (1, "bash: line 1: cd: /srv/x: No such file or directory", "cannot enter the working directory on node2"),
-    (1, "/opt/py: No module named dtorch", "/opt/py on node2 cannot import dtorch.runtime.worker_process"),
+    (1, "/opt/py: No module named dtorch", "/opt/py on node2 cannot import dtorch.runtime.processes.worker_process"),
     (255, "Connection to node2 closed by remote host.", "ssh connection to node2 was lost"),
     (3, "Traceback (most recent call last):\n  ...\nRuntimeError: boom",
      "worker on node2 exited with code 3: RuntimeError: boom"),

@@ -1,4 +1,4 @@
-"""Per-host relays under dtorch-launch (launcher/relays.py, dtorch/runtime/relay.py), through
+"""Per-host relays under dtorch-launch (launcher/relays.py, dtorch/runtime/processes/relay.py), through
 the real sshd servers on 127.0.0.2 / 127.0.0.3: results, the one-copy-per-host byte count,
 losses and teardown."""
 import json
@@ -120,7 +120,7 @@ def test_controller_sigkill_ends_every_worker_and_relay(sshd_hosts, tmp_path):
 def start_relay(upstream: str, curve, directory: str, ranks=(0, 1)):
     config = {"upstream": upstream, "curve": curve, "ranks": list(ranks), "directory": directory,
               "controller_timeout": 6.0}
-    relay = subprocess.Popen([sys.executable, "-m", "dtorch.runtime.relay"], stdin=subprocess.PIPE,
+    relay = subprocess.Popen([sys.executable, "-m", "dtorch.runtime.processes.relay"], stdin=subprocess.PIPE,
                              stderr=subprocess.PIPE, cwd=REPOSITORY, text=True)
     relay.stdin.write(json.dumps(config) + "\n")
     relay.stdin.flush()

@@ -57,7 +57,7 @@ def test_outside_an_allocation_the_error_says_how_to_get_one():
 def test_srun_argv_holds_no_secret_and_pins_every_count():
     allocation = Allocation("7", ("n1", "n2"), (2, 2))
     argv = srun_command(allocation, "n2", 3, SshOptions(python="/opt/py", chdir="/work"))
-    assert argv[0] == "srun" and argv[-3:] == ["/opt/py", "-m", "dtorch.runtime.worker_process"]
+    assert argv[0] == "srun" and argv[-3:] == ["/opt/py", "-m", "dtorch.runtime.processes.worker_process"]
     for flag in ("--jobid=7", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--nodelist=n2", "--exact",
                  "--overlap", "--cpus-per-task=1", "--chdir=/work", "--job-name=dtorch-rank3"):
         assert flag in argv
@@ -65,10 +65,10 @@ def test_srun_argv_holds_no_secret_and_pins_every_count():
 
 def test_srun_failures_name_rank_node_and_cause():
     missing = explain_srun_failure(1, "n2", "7", 2, "slurmstepd: error: execve(): /opt/py: No such file or "
-                                   "directory", "/opt/py", "dtorch.runtime.worker_process")
+                                   "directory", "/opt/py", "dtorch.runtime.processes.worker_process")
     assert "rank 1 on n2" in missing and "'/opt/py' not found" in missing
     other = explain_srun_failure(0, "n1", "7", 1, "srun: error: Unable to create step for job 7: Invalid node name",
-                                 "python3", "dtorch.runtime.worker_process")
+                                 "python3", "dtorch.runtime.processes.worker_process")
     assert "rank 0 on n1" in other and "job 7" in other and "Invalid node name" in other
 
 

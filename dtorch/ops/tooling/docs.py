@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from ...distributed_spec import DeviceMesh, format_placements
+from ...spec.placements import DeviceMesh, format_placements
 from ...errors import DTorchError
 from ..dispatch import plan_call
 from ..operators import SPELLINGS
@@ -93,14 +93,14 @@ _NOT_YET = [
     "",
     "**Ops whose shape depends on the values are blocking reads**, documented as such: `nonzero` /",
     "`argwhere` / `nonzero_static`, `x[mask]` with a DTensor bool mask, `masked_select`, `unique` /",
-    "`unique_consecutive` and `bincount` (dtorch/composite_data_dependent.py). Each reads the least it",
+    "`unique_consecutive` and `bincount` (dtorch/torch_api/data_dependent.py). Each reads the least it",
     "needs (the mask, the values, or `bincount`'s minimum and maximum) through the one read path, so",
     "`dtorch.stats()` counts it and `dtorch.set_sync_debug_mode(\"warn\" | \"error\")` names its line; the",
     "selection then runs on the workers (`x[mask]` and `masked_select` use the `index` op, so the result",
     "stays on x's mesh and gradients reach x; positions and `unique`'s results are Replicate). To keep a",
     "step free of reads, keep the shape (`dtorch.where(mask, x, 0)`, `x.masked_fill(~mask, 0)`). Writes",
     "read nothing (`x[mask] = v` is a `where` or a `masked_scatter`).", "",
-    "**Composed from the ops below** (dtorch/torch_methods.py; each follows the rules of the ops it uses,",
+    "**Composed from the ops below** (dtorch/torch_api/methods.py; each follows the rules of the ops it uses,",
     "tested against torch in tests/test_torch_methods.py): `t`, `H`, `mH`, `adjoint`, `swapaxes` / `swapdims`,",
     "`movedim` / `moveaxis`, `view_as`, `reshape_as`, `expand_as`, `type_as`, `new_zeros` / `new_ones` /",
     "`new_full` / `new_empty` (Replicate on the tensor's mesh), `clip`, `x.where(cond, y)`, `tril` / `triu`",

@@ -1,7 +1,7 @@
 """PURE: ranks simulated on this CPU, for the validator and the docs: no worker processes.
 
 Each rank's local inputs are cut with the same local-shape math the workers use
-(distributed_spec.local_region); Partial inputs are split into random contributions, including
+(placements.local_region); Partial inputs are split into random contributions, including
 the awkward ones real programs make (-inf in a max from an empty shard, nan only as inf + -inf);
 each rank runs the same kernel the workers would (registry.KERNELS); `matches` reads the ranks'
 results back through output placements the way a read or redistribute would.
@@ -16,8 +16,8 @@ import warnings
 
 import torch
 
-from ...distributed_spec import (REDUCE_OPS, DeviceMesh, Partial, PeerGroup, Replicate, Shard, ShardRegion,
-                                 local_region, narrow_to_box, nest_ranks)
+from ...spec.placements import (REDUCE_OPS, DeviceMesh, Partial, PeerGroup, Replicate, Shard, ShardRegion,
+                                local_region, narrow_to_box, nest_ranks)
 from ..dispatch import map_tensors
 from .samples import Sample
 

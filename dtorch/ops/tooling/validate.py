@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...distributed_spec import DeviceMesh, format_placements
+from ...spec.placements import DeviceMesh, format_placements
 from ...errors import PlacementError
 from ..dispatch import plan_call
 from ..registry import KERNELS, REGISTRY, RegisteredOp

@@ -1,0 +1,264 @@
+"""The process-wide session: one controller, its worker pool, and the random-number state.
+
+The first mesh (or dtorch.init) starts it; a larger mesh later grows the local pool; shutdown()
+or interpreter exit stops every worker.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import random
+import threading
+
+from ...errors import MeshError, SessionEndedError, user_site
+from ...ops.dispatch import warm_up_inference
+from .cluster import LocalSpawner, worker_config
+from .controller import Controller
+from . import recovery
+from ..transport import LOCAL, CurveKeys, make_curve_keys
+
+__all__ = ["controller", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random", "reserve_random",
+           "replace_lost_workers"]
+
+_lock = threading.RLock()
+_controller: Controller | None = None
+_spawner = None
+# "0" turns CURVE off for a TCP session (dtorch.init(curve=False) does the same), "1" turns it on for
+# a local ipc one; docs/launcher.md, "Privacy".
+ENV_CURVE = "DTORCH_CURVE"
+_random = {"seed": random.SystemRandom().getrandbits(63), "counter": 0}
+
+
+def controller() -> Controller:
+    """This process's one Controller (the session): the name every caller uses for it."""
+    active = _controller
+    if active is None:
+        raise SessionEndedError("no dtorch session (none started yet, or dtorch.shutdown() ended it): build a mesh "
+                                "with init_device_mesh(...) or call dtorch.init()")
+    return active
+
+
+def refuse_inside_checkpoint(what: str) -> None:
+    """Raise at the user's line when `what` (a backward, an optimizer step, a compiled call, a
+    move to another mesh) is called inside dtorch.utils.checkpoint's function: before it changes
+    anything, here or on the workers (a worker refuses such a command too, as a backstop). At
+    these entries, not in Controller.submit: the per-op path pays nothing for it."""
+    active = _controller
+    if active is not None and active.checkpoint_depth:
+        raise RuntimeError(f"{what} at {user_site()} cannot run inside dtorch.utils.checkpoint's function: the "
+                           "function runs again in backward, and only its ops and redistributes can (not a backward, "
+                           "an optimizer step, a move to another mesh or a compiled function's call); call it outside "
+                           "the checkpointed function")
+
+
+def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str | None = None,
+         controller_address: str | None = None, startup_timeout: float = 120.0,
+         curve: bool | None = None, hang_timeout_s: float | None = None, slurm: bool | None = None) -> Controller:
+    """Start the controller and `num_workers` workers (default: the hostfile's slots, or 1).
+
+    hostfile: start workers over SSH (also set by dtorch-launch through DTORCH_HOSTFILE).
+    slurm: inside a SLURM allocation (salloc, sbatch), one worker per task, each started with srun
+    (default: DTORCH_SLURM=1, which dtorch-launch --slurm sets); num_workers defaults to the tasks.
+    controller_address: where workers reach this process (default: detected from the hostfile;
+    without one, private ipc:// sockets that only this user can open).
+    curve: encrypt and authenticate every ZeroMQ channel with fresh CURVE keys. Default: on for
+    every TCP session (a hostfile, SLURM, or a controller_address, loopback included), off for
+    the private ipc sockets of a local session; DTORCH_CURVE=0 or 1 sets it when curve is None.
+    hang_timeout_s: a worker running one command longer than this (a stuck kernel, a collective
+    that never completes) is reported lost, naming the command and its line, and ended. Default:
+    DTORCH_HANG_TIMEOUT_S, else 600 s; 0 turns the check off."""
+    with _lock:
+        if _controller is not None:
+            if num_workers:
+                acquire_workers(device_type, num_workers)
+            return _controller
+        warm_up = threading.Thread(target=warm_up_inference, name="dtorch-warm-up", daemon=True)
+        warm_up.start()   # in parallel with the workers' start; joined before init returns
+        try:
+            _start(num_workers, device_type, hostfile, controller_address, startup_timeout, curve,
+                   hang_timeout_s, slurm)
+        except BaseException:
+            shutdown()   # a first start that fails (no GPU, a bad host) leaves nothing running
+            raise
+        finally:
+            # Also on failure: a daemon thread still importing torch modules when the
+            # interpreter exits aborts it ("terminate called without an active exception").
+            warm_up.join()
+        return _controller
+
+
+async def init_async(num_workers: int | None = None, device_type: str = "cpu", **options) -> Controller:
+    """`await dtorch.init_async(...)`: dtorch.init on a worker thread, so an asyncio program's
+    loop keeps running while workers start. Later meshes of at most this many workers are
+    instant; a larger mesh grows the pool (blocking), so ask for enough here."""
+    import asyncio
+    import functools
+    call = functools.partial(init, num_workers, device_type, **options)
+    return await asyncio.get_running_loop().run_in_executor(None, call)
+
+
+def _start(num_workers, device_type, hostfile, controller_address, startup_timeout, curve, hang_timeout_s,
+           slurm) -> None:
+    global _controller, _spawner
+    hostfile = hostfile or os.environ.get("DTORCH_HOSTFILE")
+    if slurm is None:
+        slurm = not hostfile and os.environ.get("DTORCH_SLURM") == "1"
+    if slurm:
+        _controller, _spawner = _start_slurm(controller_address, curve)
+        num_workers = num_workers or _spawner.capacity
+    elif hostfile:
+        _controller, _spawner = _start_remote(hostfile, controller_address, curve)
+        num_workers = num_workers or _spawner.capacity
+    else:
+        address = controller_address or LOCAL
+        _controller = Controller(bind_host=address, curve=_curve_keys(curve, tcp=address is not LOCAL))
+        _spawner = LocalSpawner()
+    if hang_timeout_s is not None:
+        _controller.hang_timeout_s = hang_timeout_s
+    _grow(device_type, num_workers or 1, startup_timeout)
+
+
+def _curve_keys(curve: bool | None, tcp: bool) -> CurveKeys | None:
+    """Fresh keys for a session with CURVE, else None. On by default for every TCP session,
+    loopback included (any local user can connect to a TCP port); off only when asked for
+    (curve=False, DTORCH_CURVE=0). A LOCAL session's ipc sockets already sit in a directory
+    only this user can enter: there it takes curve=True (or DTORCH_CURVE=1)."""
+    if curve is None:
+        curve = _curve_from_environment()
+    if curve is None:
+        curve = tcp
+    return make_curve_keys() if curve else None
+
+
+def _curve_from_environment() -> bool | None:
+    text = os.environ.get(ENV_CURVE, "").strip().lower()
+    if not text:
+        return None
+    if text in ("0", "false", "no", "off"):
+        return False
+    if text in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{ENV_CURVE}={text!r}: expected 0 (CURVE off) or 1 (CURVE on), or leave it unset "
+                     "for the default (on for every TCP session)")
+
+
+def _start_remote(hostfile: str, controller_address: str | None, curve: bool | None):
+    from dtorch_launcher import SshOptions, SshSpawner, controller_host, load_hostfile
+    options = SshOptions.from_environment()
+    hosts = load_hostfile(hostfile, options)   # syntax, resolution, no host listed twice
+    bind = controller_address or os.environ.get("DTORCH_CONTROLLER_ADDRESS") or controller_host(hosts, options)
+    spawner = SshSpawner(hosts, options)   # before the controller: a failure here leaves nothing to stop
+    return Controller(bind_host=bind, curve=_curve_keys(curve, tcp=True)), spawner
+
+
+def _start_slurm(controller_address: str | None, curve: bool | None):
+    from dtorch_launcher import Allocation, SlurmSpawner, SshOptions
+    from dtorch_launcher.slurm import slurm_controller_address
+    allocation = Allocation.from_environment()
+    bind = (controller_address or os.environ.get("DTORCH_CONTROLLER_ADDRESS")
+            or slurm_controller_address(allocation))
+    spawner = SlurmSpawner(allocation, SshOptions.from_environment())
+    return Controller(bind_host=bind, curve=_curve_keys(curve, tcp=True)), spawner
+
+
+def acquire_workers(device_type: str, count: int) -> list[int]:
+    """Ranks for a mesh of `count` devices, starting or growing the pool when needed."""
+    with _lock:
+        if _controller is None:
+            init(num_workers=count, device_type=device_type)
+        ranks = _ranks_of(device_type)
+        if len(ranks) < count:
+            _grow(device_type, count - len(ranks), 120.0)
+            ranks = _ranks_of(device_type)
+        return ranks[:count]
+
+
+def _ranks_of(device_type: str) -> list[int]:
+    return sorted(r for r, w in _controller.workers.items()
+                  if w.device.split(":")[0] == device_type and w.lost is None)
+
+
+def _grow(device_type: str, extra: int, timeout: float) -> None:
+    capacity = getattr(_spawner, "capacity", None)
+    first = len(_controller.workers)
+    if capacity is not None and first + extra > capacity:
+        where = getattr(_spawner, "capacity_advice", f"the hostfile has {capacity} slots: add hosts or slots to the hostfile")
+        raise MeshError(f"a mesh needs {first + extra} workers but {where}")
+    check_pool_size = getattr(_spawner, "check_pool_size", None)
+    if check_pool_size is not None:
+        check_pool_size(first + extra)
+    ranks = range(first, first + extra)
+    devices = [device_type] * extra
+    if device_type != "cpu":  # runtime/devices/gpu_assignment.py: checks at the call, then one GPU per worker
+        from ..devices import gpu_assignment
+        devices = gpu_assignment.assign_devices(device_type, ranks, _controller, _spawner)
+    threads = max(1, (os.cpu_count() or 1) // max(1, first + extra))
+    handles = []
+    for rank, device in zip(ranks, devices):
+        config = worker_config(_controller, rank, device, threads, _controller.curve_for_worker(),
+                               gloo_host="auto" if capacity is not None else "127.0.0.1")
+        handles.append(_spawner.spawn(rank, config))
+    _controller.add_workers(handles, device_type)
+    _controller.wait_registered([h.rank for h in handles], timeout, _progress(handles))
+    _controller.announce_meshes()
+
+
+def replace_lost_workers(timeout: float = 120.0) -> list[dict]:
+    """Start a new process for each lost worker, keeping its rank (locally, or over SSH on the
+    same hostfile slot), so meshes that named the rank work again. Tensors that lived on a
+    mesh holding a lost rank are refused from then on (LostTensorError: rebuild them, e.g. from a
+    checkpoint); tensors on meshes of surviving ranks only stay valid. Returns one dict per
+    replaced rank: rank, host, pid (the new process), lost_pid, reason; [] if none was lost.
+    docs/launcher.md, "Recovering from a lost worker"."""
+    with _lock:
+        return recovery.replace_lost_workers(controller(), _spawner, timeout, _progress)
+
+
+def _progress(handles):
+    """The live start-up display for workers on remote hosts (local ones start in a second)."""
+    if isinstance(_spawner, LocalSpawner):
+        return None
+    from dtorch_launcher import Host, StartupProgress
+    # The hosts of THESE workers: a replaced rank or a grown pool may start on any host, while
+    # StartupProgress fills the hosts it is given from the first one.
+    per_host = collections.Counter(handle.host for handle in handles)
+    return StartupProgress(len(handles), [Host(name, slots=count) for name, count in per_host.items()])
+
+
+def shutdown() -> None:
+    """Stop every worker and the controller. A later mesh starts a fresh session."""
+    global _controller, _spawner
+    with _lock:
+        controller, spawner, _controller, _spawner = _controller, _spawner, None, None
+    if controller is not None:
+        controller.shutdown()
+    if getattr(spawner, "close", None):   # the local worker template or the hosts' relays, once the workers are gone
+        spawner.close()
+
+
+def workers() -> list[dict]:
+    """rank, host, pid, device, alive, live_tensors and rss_bytes of every worker in the pool
+    (the last two from its latest heartbeat, every 0.5 s: they lag the commands just issued)."""
+    return [w.as_dict() for _, w in sorted(controller().workers.items())]
+
+
+def manual_seed(seed: int) -> None:
+    """Make random factories reproducible: values depend on the seed and call order only."""
+    _random["seed"], _random["counter"] = int(seed), 0
+
+
+def next_random() -> tuple[int, int]:
+    return reserve_random(1)
+
+
+def reserve_random(count: int) -> tuple[int, int]:
+    """(seed, first counter) of `count` consecutive random calls on the global stream (a
+    dtorch.compile replay takes as many as its capture drew)."""
+    with _lock:
+        counter = _random["counter"]
+        _random["counter"] = counter + count
+        return _random["seed"], counter
+
+
+atexit.register(shutdown)

@@ -1,0 +1,214 @@
+"""A worker's compiled graphs (dtorch.compile): the commands one captured call issued, kept under
+a graph id and run again by one RunGraph command.
+
+A replay runs the captured commands unchanged, with the capture's own tensor ids. Only the ids at
+the edges move: before the rows run, each capture input id is bound to the tensor RunGraph names;
+after, each capture output id moves to its RunGraph out id, and every id the call made and dropped
+(scratch) is freed. Ids the capture found already bound (the user still holds an input or an
+output of the first call) are set aside for the replay and put back after it, so a replay never
+disturbs a live tensor. That includes a RunGraph input id that is one of the graph's own (the
+caller passes back what the first call returned, `state = step(state)`): it is bound as its input
+first, then set aside; and the moves at the end take every value out before writing any. Ids the
+call made and left alive (gradients, optimizer state) are "persistent": each replay writes them
+in place, as the capture did. A tensor from before the call that the call changed in place (an
+EMA) is bound by the id it holds, which is such a persistent id: the rows write it, and the bound
+input does not move back over it; the captured input id, left with the old value, is dropped.
+
+What changes from call to call travels in RunGraph: the global random stream's seed and how far
+its counter moved (random rows draw fresh numbers, equal to eager's), and each optimizer row's
+step count.
+
+The rows run by the graph's plan where the worker built one (runs of plain rows as generated
+functions, straight_line.py), else one by one through the worker's per-command path; either way
+the id tables end as running the rows one by one leaves them."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .. import protocol as wire
+from . import straight_line
+
+
+class Graph(NamedTuple):
+    commands: list        # decoded rows, seqs as captured
+    inputs: tuple
+    outputs: tuple
+    scratch: tuple
+    random: frozenset     # row indexes that drew from the global random stream
+    steps: tuple          # row indexes of OptimizerStep rows, in RunGraph.step_shifts order
+    rows: tuple           # per row, (its command type, its fields after seq): a replay's commands are
+                          # built from these with one tuple.__new__ each (NamedTuple._replace costs ~1 us)
+    edges: frozenset      # inputs, outputs and scratch: ids a replay sets aside if they are bound
+    plan: tuple | None = None   # its steps: runs of plain rows as functions, other rows alone (straight_line.py)
+
+
+def define(command: wire.DefineGraph) -> Graph:
+    commands = wire.decode_rows(command.rows)
+    rows = range(len(commands))
+    if not all(i in rows for i in command.random + command.steps):
+        raise ValueError(f"graph {command.graph_id}: a random or step row index outside its {len(commands)} rows")
+    if not all(type(commands[i]) is wire.OptimizerStep for i in command.steps):
+        raise ValueError(f"graph {command.graph_id}: a step row that is not an OptimizerStep")
+    return Graph(commands, command.inputs, command.outputs, command.scratch, frozenset(command.random), command.steps,
+                 tuple((type(c), tuple(c)[1:]) for c in commands),
+                 frozenset(command.inputs + command.outputs + command.scratch))
+
+
+def _check(graph: Graph, run: wire.RunGraph) -> None:
+    if run.span != len(graph.commands):
+        raise ValueError(f"RunGraph spans {run.span} commands; graph {run.graph_id} holds {len(graph.commands)}")
+    if len(run.step_shifts) != len(graph.steps):
+        raise ValueError(f"RunGraph gives {len(run.step_shifts)} step shifts for {len(graph.steps)} optimizer rows")
+    if len(run.input_ids) != len(graph.inputs) or len(run.out_ids) != len(graph.outputs):
+        raise ValueError(f"RunGraph names {len(run.input_ids)} inputs and {len(run.out_ids)} outputs; graph "
+                         f"{run.graph_id} takes {len(graph.inputs)} and gives {len(graph.outputs)}")
+
+
+def replay_commands(graph: Graph, run: wire.RunGraph) -> list:
+    """The rows as commands of this replay: row i as seq run.seq + i, random and step rows shifted."""
+    _check(graph, run)
+    new, first = tuple.__new__, run.seq
+    commands = [new(kind, (first + i,) + fields) for i, (kind, fields) in enumerate(graph.rows)]
+    for i in graph.random:
+        commands[i] = _shift_random(commands[i], run.seed, run.random_shift)
+    for i, shift in zip(graph.steps, run.step_shifts):
+        commands[i] = _shift_steps(commands[i], shift)
+    return commands
+
+
+def replay_command(graph: Graph, run: wire.RunGraph, i: int):
+    """Row i alone as a command of this replay, as replay_commands makes it."""
+    kind, fields = graph.rows[i]
+    command = tuple.__new__(kind, (run.seq + i,) + fields)
+    if i in graph.random:
+        return _shift_random(command, run.seed, run.random_shift)
+    if i in graph.steps:
+        return _shift_steps(command, run.step_shifts[graph.steps.index(i)])
+    return command
+
+
+def _shift_steps(command: wire.OptimizerStep, shift: int) -> wire.OptimizerStep:
+    return command._replace(steps=tuple(s + shift for s in command.steps))
+
+
+def _shift_random(command, seed: int, shift: int):
+    """A random factory's args start (seed, counter, ...); a random op (dropout) takes seed and
+    counter as kwargs or as its last two positional args (dtorch/dtensor/compile_capture.py)."""
+    if type(command) is wire.Factory:
+        _, counter, *rest = command.args
+        return command._replace(args=(seed, counter + shift, *rest))
+    if "counter" in command.kwargs:
+        return command._replace(kwargs=dict(command.kwargs, seed=seed, counter=command.kwargs["counter"] + shift))
+    *rest, _, counter = command.args
+    return command._replace(args=(*rest, seed, counter + shift))
+
+
+class Bindings:
+    """The worker's id tables (tensors, poisoned, in flight) around one replay."""
+
+    def __init__(self, tables: tuple):
+        self.tables = tables
+        self.set_aside: list = []
+
+    def set_aside_ids(self, ids) -> None:
+        # Most ids are bound nowhere: find the few that are, in C (filter), then move those.
+        bound = set()
+        for table in self.tables:
+            if table:
+                bound.update(filter(table.__contains__, ids))
+        for tensor_id in bound:
+            self.set_aside.append((tensor_id, tuple(table.pop(tensor_id, _NONE) for table in self.tables)))
+
+    def copy_all(self, pairs: list) -> None:
+        """table[target] = table[source] for every (source, target) pair at once: every source
+        is read before any target is written, so a target that is another pair's source (a
+        caller's id equal to one of the graph's own) cannot change what that pair copies."""
+        for table in self.tables:
+            if table:
+                values = [(target, table.get(source, _NONE)) for source, target in pairs]
+                table.update((target, value) for target, value in values if value is not _NONE)
+
+    def move_all(self, pairs: list) -> list:
+        """Take each (source, target) pair's entries out of the tables, all sources first; returns
+        them for write(), which puts them at the targets."""
+        return [[(target, table.pop(source, _NONE)) for source, target in pairs] if table else ()
+                for table in self.tables]
+
+    def write(self, taken: list) -> None:
+        for table, values in zip(self.tables, taken):
+            table.update((target, value) for target, value in values if value is not _NONE)
+
+    def drop(self, ids) -> None:
+        for table in self.tables:
+            if table:
+                for tensor_id in [*filter(table.__contains__, ids)]:
+                    del table[tensor_id]
+
+    def put_back(self) -> None:
+        for tensor_id, held in self.set_aside:
+            for table, value in zip(self.tables, held):
+                if value is not _NONE:
+                    table[tensor_id] = value
+
+
+_NONE = object()
+
+
+def _run_plan(graph: Graph, run: wire.RunGraph, tensors: dict, execute, fail, straight) -> None:
+    """Each step in turn: a row through `execute`, a run of rows as its function where
+    `straight(seq of its first row)` allows. If a function's row raises, what the rows before it made goes into the
+    table, that row fails as a command would, and every row after it runs one by one."""
+    one_by_one = lambda rows: [execute(replay_command(graph, run, i)) for i in rows]   # noqa: E731
+    for step in graph.plan:
+        if type(step) is int:
+            execute(replay_command(graph, run, step))
+            continue
+        stopped = step.run(tensors) if straight(run.seq + step.rows.start) else (straight_line.LOADING, None, None)
+        if stopped is None:
+            continue
+        row, error, made = stopped
+        if row == straight_line.LOADING:   # not run: an input is missing (the per-command path words why)
+            one_by_one(step.rows)
+            continue
+        tensors.update(made)
+        fail(replay_command(graph, run, row), error)
+        one_by_one(range(row + 1, len(graph.rows)))
+        return
+
+
+def replay(graph: Graph, run: wire.RunGraph, tables: tuple, execute, fail, straight) -> None:
+    """Run one replay: by graph.plan where the graph has one, else row by row through `execute`
+    (the worker's own per-command path: its errors, poison and profiling apply to each row as to
+    any command). `fail(command, error)` is the worker's handling of a command that raised (for
+    a row of a run's function); `straight(seq)` says whether a run starting at that seq may take
+    its function now."""
+    _check(graph, run)
+    bindings = Bindings(tables)
+    bindings.set_aside_ids(graph.edges.difference(run.input_ids))
+    bindings.copy_all(list(zip(run.input_ids, graph.inputs)))
+    # A caller's id that is also one the graph makes (the caller passes back the tensor an
+    # in-place op of the first call rebound, whose id is the graph's output): bound as its input
+    # now, it steps aside too, so the rows that write that id do not overwrite the caller's tensor.
+    bindings.set_aside_ids(graph.edges.intersection(run.input_ids).difference(graph.inputs))
+    tensors = tables[0]
+    held = {given: tensors.get(given) for given in run.input_ids if given not in graph.edges}
+    if graph.plan is not None:
+        _run_plan(graph, run, tensors, execute, fail, straight)
+    else:
+        for command in replay_commands(graph, run):
+            execute(command)
+    # The caller's input ids follow their captured ids (a row may have written an input in place:
+    # an optimizer step), unless the rows wrote the caller's id itself: a tensor from before the
+    # call that the call changed in place (an EMA) is passed as its old id and written at its
+    # persistent one, which is what the caller holds. The outputs go to their new ids; all taken
+    # out first, since a caller's id can be one of the graph's.
+    follows = [(captured, given) for captured, given in zip(graph.inputs, run.input_ids)
+               if captured != given and (given not in held or tensors.get(given) is held[given])]
+    taken = bindings.move_all(follows + list(zip(graph.outputs, run.out_ids)))
+    bindings.drop(graph.scratch)
+    # A captured input id that did not follow (the rows wrote the caller's id: an EMA, a gradient
+    # replaced by the backward) holds the old value, which the caller no longer names: dropped.
+    bindings.drop([captured for captured, given in zip(graph.inputs, run.input_ids)
+                   if captured != given and captured not in run.input_ids])
+    bindings.put_back()
+    bindings.write(taken)
