@@ -29,7 +29,7 @@ import sys
 _CHILD = """
 import gc, json, sys, time
 import msgpack, torch, zmq
-from dtorch.runtime import worker, worker_process
+from dtorch.runtime.worker import worker; from dtorch.runtime.processes import worker_process
 if sys.argv[1] == "as started":
     getattr(worker_process, "_freeze_collector", lambda: None)()
 tracked = len(gc.get_objects())

@@ -30,7 +30,7 @@ MEASURE = textwrap.dedent("""
     import json, sys, time
     import dtorch
     from dtorch.spec.placements import Shard, init_device_mesh
-    from dtorch.runtime import session
+    from dtorch.runtime.controller import session
     def pss_kib(pid):
         with open(f"/proc/{pid}/smaps_rollup") as rollup:
             return next(int(line.split()[1]) for line in rollup if line.startswith("Pss:"))

@@ -286,7 +286,7 @@ def test_a_failed_first_start_leaves_no_session_behind():
         pytest.skip(f"torch sees {GPUS} GPU(s)")
     result = run_script("""
         import dtorch
-        from dtorch.runtime import session
+        from dtorch.runtime.controller import session
         from dtorch.spec.placements import init_device_mesh
         try:
             init_device_mesh("cuda", (1,))

@@ -81,7 +81,7 @@ def test_interrupt_inside_dtorch_code_raises_when_the_call_returns(tmp_path):
     result = run_file(tmp_path, """
         import os, signal, sys, textwrap, time, traceback
         import torch, dtorch
-        from dtorch.runtime import controller as controller_module
+        from dtorch.runtime.controller import controller as controller_module
         mesh = dtorch.init_device_mesh("cpu", (2,))
         x = dtorch.arange(8, device_mesh=mesh, placements=[dtorch.Shard(0)])
         original = controller_module.Controller.submit
@@ -237,7 +237,7 @@ def test_ipython_cells_interrupted_like_jupyters_interrupt_kernel(tmp_path):
         import os, signal, threading, time
         from IPython.core.interactiveshell import InteractiveShell
         import dtorch
-        from dtorch.runtime import interrupts
+        from dtorch.runtime.controller import interrupts
         shell = InteractiveShell.instance()
         shell.run_cell("import torch, dtorch; mesh = dtorch.init_device_mesh('cpu', (2,))")
         cell = '''

@@ -57,7 +57,7 @@ def test_a_local_worker_that_cannot_start_fails_the_call_with_its_reason():
     the StartupError, and the process has exited."""
     result = run_script("""
         import torch, dtorch
-        from dtorch.runtime import session
+        from dtorch.runtime.controller import session
         from dtorch.runtime.controller.cluster import LocalSpawner
         class NoGpuHere(LocalSpawner):
             def spawn(self, rank, config):

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(170)
 # The script's last line is one JSON object; the pids of every worker and of the template let
 # the test check that nothing outlives the controller.
 REPORT = """
-    from dtorch.runtime import session
+    from dtorch.runtime.controller import session
     def processes():
         template = session._spawner._zygote
         return [w["pid"] for w in dtorch.workers()], template.pid if template else None
@@ -166,7 +166,7 @@ def test_workers_are_forked_from_one_single_threaded_template():
 
 def test_dtorch_zygote_0_starts_workers_directly():
     result = subprocess.run([sys.executable, "-c", (
-        "import json, os, dtorch; from dtorch.runtime import session;"
+        "import json, os, dtorch; from dtorch.runtime.controller import session;"
         "from dtorch.spec.placements import init_device_mesh; init_device_mesh('cpu', (2,));"
         "parents = [int(open(f'/proc/{w[\"pid\"]}/stat').read().rsplit(')', 1)[1].split()[1]) for w in dtorch.workers()];"
         "print(json.dumps({'parents': parents, 'me': os.getpid(), 'template': session._spawner._zygote}))")],

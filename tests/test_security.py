@@ -7,7 +7,7 @@ from support import run_script
 PROBE = """
 import json, time, torch, zmq, dtorch
 from dtorch.spec.placements import init_device_mesh, Shard
-from dtorch.runtime import session, protocol as wire
+from dtorch.runtime.controller import session; from dtorch.runtime import protocol as wire
 
 dtorch.init(num_workers=2, curve=True)
 mesh = init_device_mesh("cpu", (2,))
@@ -134,7 +134,7 @@ print(json.dumps({"heard": False, "answers": [], "sent": 0, "connect_errors": er
 CONTROLLER = r"""
 import json, os, stat, subprocess, sys, torch, dtorch
 from dtorch.spec.placements import init_device_mesh, Shard
-from dtorch.runtime import session
+from dtorch.runtime.controller import session
 user, intruder, raw_intruder = sys.argv[1], sys.argv[2], sys.argv[3]
 mesh = init_device_mesh("cpu", (2,))
 controller = session.controller()
@@ -221,7 +221,7 @@ def test_the_rendezvous_store_listens_on_loopback_only():
 LOOPBACK_TCP = """
 import json, os, time, zmq, dtorch
 from dtorch.spec.placements import init_device_mesh, Shard
-from dtorch.runtime import session
+from dtorch.runtime.controller import session
 os.environ.update(ENVIRONMENT)
 dtorch.init(num_workers=2, **OPTIONS)
 controller = session.controller()

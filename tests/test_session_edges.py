@@ -118,7 +118,7 @@ def test_a_stall_of_the_whole_machine_loses_no_worker():
     report = _report(run_script("""
         import json, os, signal, threading, time, dtorch
         from dtorch import init_device_mesh, Shard
-        from dtorch.runtime import cluster, session
+        from dtorch.runtime.controller import cluster, session
         mesh = init_device_mesh("cpu", (2,))
         x = dtorch.ones(8, device_mesh=mesh, placements=[Shard(0)])
         assert x.sum().item() == 8
@@ -152,7 +152,7 @@ def test_a_stall_longer_than_the_workers_silence_limit_loses_no_worker(workers_s
     report = _report(run_script(f"""
         import json, os, signal, threading, time, dtorch
         from dtorch import init_device_mesh, Shard
-        from dtorch.runtime import session
+        from dtorch.runtime.controller import session
         mesh = init_device_mesh("cpu", (2,))
         x = dtorch.ones(8, device_mesh=mesh, placements=[Shard(0)])
         assert x.sum().item() == 8
