@@ -3,7 +3,7 @@ rules (docs/autograd.md). Installs DTensor.backward, DTensor.grad and DTensor.re
 from __future__ import annotations
 
 from ..dtensor.recording import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
-from ..dtensor.tensor import COMPOSITES, DTensor
+from ..dtensor import api
 from .engine import backward, backward_stages, clear_grads, grad, leaf_grad, no_sync, reduce_gradients, set_leaf_grad
 from .retained import retain_grad, retains_grad
 from . import hooks as _hooks  # noqa: F401  (installs x.register_hook, x.register_post_accumulate_grad_hook)
@@ -29,11 +29,12 @@ def _torch_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_gr
     return grad(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused, materialize_grads)
 
 
-DTensor.backward = _tensor_backward
+api.register_method("backward", _tensor_backward)
 # torch.autograd.grad / torch.autograd.backward on DTensors (both check __torch_function__)
-COMPOSITES.update(grad=_torch_grad, backward=backward)
-DTensor.grad = property(leaf_grad, set_leaf_grad, doc="The accumulated gradient, in this tensor's placements "
-                        "(None before a backward reaches it); leaves that require grad keep one, and "
-                        "intermediates after retain_grad().")
-DTensor.retain_grad = retain_grad
-DTensor.retains_grad = property(retains_grad, doc="True for an intermediate after retain_grad().")
+api.register_functions(dict(grad=_torch_grad, backward=backward))
+api.register_method("grad", property(leaf_grad, set_leaf_grad,
+                                     doc="The accumulated gradient, in this tensor's placements (None before "
+                                         "a backward reaches it); leaves that require grad keep one, and "
+                                         "intermediates after retain_grad()."))
+api.register_method("retain_grad", retain_grad)
+api.register_method("retains_grad", property(retains_grad, doc="True for an intermediate after retain_grad()."))

@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import UnsupportedOpError, user_site
 from ..dtensor.recording import Leaf, no_grad
+from ..dtensor import api
 from ..dtensor.tensor import DTensor
 
 __all__ = ["register_hook", "register_post_accumulate_grad_hook", "has_hooks", "run_hooks", "run_post_hooks"]
@@ -94,5 +95,5 @@ def _name(hook) -> str:
     return repr(getattr(hook, "__name__", hook))
 
 
-DTensor.register_hook = register_hook
-DTensor.register_post_accumulate_grad_hook = register_post_accumulate_grad_hook
+api.register_methods({"register_hook": register_hook,
+                      "register_post_accumulate_grad_hook": register_post_accumulate_grad_hook})

@@ -16,7 +16,8 @@ from ..ops.tensor_meta import check_placements, parse_shape, tensor_meta
 from ..spec.rng import Generator
 from ..runtime.controller import session
 from ..runtime.protocol import Factory, Upload, dtype_name, tensor_frame
-from .tensor import COMPOSITES, DTensor
+from . import api
+from .tensor import DTensor
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor", "Tensor",
            "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"]
@@ -141,7 +142,7 @@ def upload_replicated(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     return tensor(local, device_mesh=mesh, placements=[Replicate()] * mesh.ndim)
 
 
-DTensor._upload_constant = staticmethod(upload_replicated)
+api.register_method("_upload_constant", staticmethod(upload_replicated))
 
 
 def _owned(value: torch.Tensor, data) -> torch.Tensor:
@@ -283,8 +284,8 @@ def _torch_spelling(like):
     return make
 
 
-COMPOSITES.update({like.__name__: _torch_spelling(like) for like in (zeros_like, ones_like, empty_like, rand_like,
-                                                                     randn_like, full_like)})
+api.register_functions({like.__name__: _torch_spelling(like) for like in (zeros_like, ones_like, empty_like, rand_like,
+                                                                         randn_like, full_like)})
 
 
 def _torch_eye(n: int, m: int | None = None, *, out=None, dtype=None, layout=None, device=None, requires_grad=False,
@@ -298,7 +299,7 @@ def _torch_eye(n: int, m: int | None = None, *, out=None, dtype=None, layout=Non
     return out.copy_(made)
 
 
-COMPOSITES["eye"] = _torch_eye
+api.register_function("eye", _torch_eye)
 
 
 def _new_tensor(self: DTensor, data, dtype=None, device=None, requires_grad: bool = False):
@@ -312,6 +313,6 @@ def _new_tensor(self: DTensor, data, dtype=None, device=None, requires_grad: boo
                   requires_grad=requires_grad)
 
 
-DTensor.new_tensor = _new_tensor   # here, not in dtensor/tensor.py: it builds with this module's upload
+api.register_method("new_tensor", _new_tensor)   # here, not in dtensor/tensor.py: it builds with this module's upload
 
 

@@ -21,6 +21,7 @@ from .factories import tensor as upload
 from .inplace import assign
 from ..ops.indexing import _canonical_item
 from ..ops.tensor_meta import is_local_tensor
+from . import api
 from .tensor import DTensor, call_op
 
 __all__ = ["getitem", "setitem", "index_put", "canonical_advanced_index"]
@@ -175,7 +176,9 @@ def _masked_write(x: DTensor, mask: DTensor, value) -> DTensor:
                              f"rows of shape {list(rows)}; use x.masked_scatter_(mask, source)")
 
 
-DTensor._advanced_getitem = getitem             # dtensor/tensor.py's seam for x[t]
-DTensor._advanced_setitem = setitem             # dtensor/inplace.py's seam for x[t] = v
-DTensor.index_put = index_put
-DTensor.index_put_ = _index_put_   # masked_scatter and masked_scatter_ come from the registry row
+api.register_methods({
+    "_advanced_getitem": getitem,    # dtensor/tensor.py's seam for x[t]
+    "_advanced_setitem": setitem,    # dtensor/inplace.py's seam for x[t] = v
+    "index_put": index_put,
+    "index_put_": _index_put_,       # masked_scatter and masked_scatter_ come from the registry row
+})

@@ -33,6 +33,7 @@ from ..ops.indexing import WHOLE, AdvancedIndex, canonical_index
 from ..ops.tensor_meta import is_local_tensor
 from .recording import Leaf, is_grad_enabled
 from ..runtime.protocol import RequireGrad, SetGrads
+from . import api
 from .tensor import DTensor, call_op
 
 __all__ = ["AliasingError", "assign", "VIEW_METHODS"]
@@ -103,7 +104,7 @@ def _leaf_changed(what: str) -> RuntimeError:
                         "(change it under dtorch.no_grad(), as in torch)")
 
 
-DTensor._assign = lambda self, result, op: assign(self, result, op)   # dtensor/tensor.py's inplace=True seam
+api.register_method("_assign", lambda self, result, op: assign(self, result, op))   # dtensor/tensor.py's inplace=True seam
 
 
 def _set_data(self: DTensor, value) -> None:
@@ -129,7 +130,7 @@ def _set_data(self: DTensor, value) -> None:
     aliasing.note_view("detach", (value,), {}, self)
 
 
-DTensor.data = DTensor.data.setter(_set_data)
+api.register_method("data", DTensor.data.setter(_set_data), over_class_body=True)
 
 
 # --- in-place view ops: x.transpose_(0, 1), x.t_(), x.unsqueeze_(0), x.squeeze_() ---------------
@@ -367,4 +368,4 @@ def _setitem(self: DTensor, index, value) -> None:
     assign(self, result, "x[index] = value")
 
 
-DTensor.__setitem__ = _setitem
+api.register_method("__setitem__", _setitem)

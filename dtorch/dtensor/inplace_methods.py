@@ -1,6 +1,6 @@
 """The in-place methods of DTensor (docs/inplace.md): `<op>_` for every registered non-view op
 that torch.Tensor has an `<op>_` for (a new pointwise op gets its in-place form for free), the
-ones composed of ops or refilled from dtorch's random stream (fill_, copy_, lerp_, normal_,
+ones composed of ops or refilled from dtorch's random stream (fill_, copy_, normal_,
 tril_, fill_diagonal_, ...), the shape changes and detach_ (dtorch/dtensor/inplace.py), and `x += y`.
 Each computes its value as ordinary ops and hands it to inplace.assign, which rebinds x and
 keeps every tensor sharing its values current.
@@ -16,7 +16,8 @@ from .factories import arange, full_like, rand_like, randn_like, tensor as uploa
 from .inplace import VIEW_METHODS, _dtype, _detach_, assign
 from ..ops import REGISTRY
 from ..ops.tensor_meta import is_local_tensor
-from .tensor import DTensor, call_op, defines
+from . import api
+from .tensor import DTensor, call_op
 
 __all__ = ["INPLACE_METHODS", "EXTRA_METHODS"]
 
@@ -94,22 +95,6 @@ def _copy_(self, src, non_blocking=False):
     return assign(self, fresh, "x.copy_", cast_any=True)
 
 
-def _clamp_min_(self, min):
-    return assign(self, call_op("clamp", (self, min), {}), "x.clamp_min_")
-
-
-def _clamp_max_(self, max):
-    return assign(self, call_op("clamp", (self,), {"max": max}), "x.clamp_max_")
-
-
-def _lerp_(self, end, weight):
-    """torch's two-sided formula for a scalar weight: exact at both ends."""
-    if isinstance(weight, DTensor):
-        return assign(self, self + weight * (end - self), "x.lerp_")
-    result = self + weight * (end - self) if weight < 0.5 else end - (end - self) * (1 - weight)
-    return assign(self, result, "x.lerp_")
-
-
 def _normal_(self, mean=0.0, std=1.0, *, generator=None):
     """Refilled from dtorch's random stream (factories.randn: the same values on every layout),
     so torch.nn.init's normal_, xavier_normal_, kaiming_normal_ work on DTensors."""
@@ -124,8 +109,8 @@ def _uniform_(self, a=0.0, b=1.0, *, generator=None):
     return assign(self, drawn * (b - a) + a, "x.uniform_")
 
 
-EXTRA_METHODS = {"fill_": _fill_, "zero_": _zero_, "copy_": _copy_, "clamp_min_": _clamp_min_,
-                 "clamp_max_": _clamp_max_, "lerp_": _lerp_, "normal_": _normal_, "uniform_": _uniform_,
+# (clamp_min_, clamp_max_ and lerp_ are derived from their registry ops, as every <op>_ below.)
+EXTRA_METHODS = {"fill_": _fill_, "zero_": _zero_, "copy_": _copy_, "normal_": _normal_, "uniform_": _uniform_,
                  "tril_": _composed("tril"), "triu_": _composed("triu"), "fill_diagonal_": _fill_diagonal_,
                  "detach_": _detach_, **VIEW_METHODS}
 
@@ -154,14 +139,14 @@ def _augmented(method: str):
 
 def _install() -> tuple:
     for name in _derived_names():
-        if name + "_" not in DTensor.__dict__:
-            setattr(DTensor, name + "_", _method(name))
+        if not api.in_class_body(name + "_"):
+            api.register_method(name + "_", _method(name))
     for name, fn in EXTRA_METHODS.items():
-        if name not in DTensor.__dict__:
-            setattr(DTensor, name, fn)
+        if not api.in_class_body(name):
+            api.register_method(name, fn)
     for dunder, method in AUGMENTED_ASSIGNMENT.items():
-        if defines(method):
-            setattr(DTensor, dunder, _augmented(method))
+        if api.has_method(method):
+            api.register_method(dunder, _augmented(method))
     return tuple(sorted([n + "_" for n in _derived_names()] + list(EXTRA_METHODS)))
 
 

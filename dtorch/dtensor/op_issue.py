@@ -4,11 +4,11 @@ one-device mesh joined to the others' mesh), turns the plan's inserted redistrib
 fused into the op's command (or Redistribute commands before it), puts the arguments on the wire,
 records the op for autograd, submits it and returns the output symbol(s). It never waits.
 DTensor's op methods (x + y, x.sum()) and torch's functions on DTensors (torch_function, with
-the COMPOSITES that dtorch writes as Python over ops) are installed on the class from here.
+the compositions that dtorch writes as Python over ops, dtensor/api.py's TORCH_FUNCTIONS) are
+registered from here.
 
 This runs for every op: keep it free of extra calls and attribute lookups (docs/benchmarks.md
-measures it). dtorch/dtensor/tensor.py re-exports call_op and COMPOSITES, which most of dtorch imports
-from there.
+measures it). dtorch/dtensor/tensor.py re-exports call_op, which most of dtorch imports from there.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from ..ops.dispatch import PLAIN_TYPES, is_strict, map_tensors
 from ..ops.one_device import join_target
 from ..ops.tensor_meta import is_local_tensor
 from ..ops.operators import BINARY_OPERATORS, UNARY_OPERATORS
+from . import api
 from .aliasing import VIEW_OPS, note_view
 from .autocast import AUTOCAST_OPS, autocast_args
 from . import compile_capture as capturing
@@ -282,9 +283,10 @@ def _join_one_device_inputs(args: tuple, kwargs: dict):
 
 
 # torch functions that reach dtorch as a Python function over ops rather than straight as the
-# registry op of their name: cross_entropy's mean over a sharded batch is a sharded sum over a
-# count (dtorch/nn/functional.py), torch.zeros_like(x) is a factory (dtorch/dtensor/factories.py).
-COMPOSITES: dict = {}
+# registry op of their name (registered in dtensor/api.py): cross_entropy's mean over a sharded
+# batch is a sharded sum over a count (dtorch/nn/functional.py), torch.zeros_like(x) is a factory
+# (dtorch/dtensor/factories.py).
+COMPOSITES = api.TORCH_FUNCTIONS   # read on every torch call: a module global, one lookup
 
 
 def _run_init(func, args: tuple, kwargs: dict):
@@ -344,9 +346,9 @@ def install_op_methods(tensor_type: type) -> None:
     """Give DTensor a method per Python operator (x + y, -x) and per registry op that torch has
     as a method (x.sum(...)), each one call_op; methods the class defines itself stay."""
     for dunder, op_name in BINARY_OPERATORS.items():
-        setattr(tensor_type, dunder, lambda self, other, _op=op_name: call_op(_op, (self, other), {}))
+        api.register_method(dunder, lambda self, other, _op=op_name: call_op(_op, (self, other), {}))
     for dunder, op_name in UNARY_OPERATORS.items():
-        setattr(tensor_type, dunder, lambda self, _op=op_name: call_op(_op, (self,), {}))
+        api.register_method(dunder, lambda self, _op=op_name: call_op(_op, (self,), {}))
     for op_name, spec in REGISTRY.items():
-        if spec.method and op_name not in tensor_type.__dict__:
-            setattr(tensor_type, op_name, _method(op_name))
+        if spec.method and not api.in_class_body(op_name):
+            api.register_method(op_name, _method(op_name))

@@ -17,15 +17,16 @@ from ..errors import MeshError, UnsupportedOpError, user_site
 from ..ops.unsupported import NOTES, is_inplace_name, unsupported_method, unsupported_op
 from ..ops.conversions import device_refusal, mesh_device, to_target
 from ..ops.tensor_meta import TensorMeta, check_placements, shape_argument, tensor_meta
-from .op_issue import (COMPOSITES, call_op, install_op_methods, land_for_backward, note_capture_inputs,
-                       set_tensor_type, torch_function)
+from . import api
+from .op_issue import (call_op, install_op_methods, land_for_backward, note_capture_inputs, set_tensor_type,
+                       torch_function)
 from ..spec.redistribute import plan_redistribute, step_kind
 from ..runtime.controller import profiling, session
 from .recording import Leaf, OpNode, is_grad_enabled
 from ..runtime.protocol import Redistribute, RequireGrad, Transfer, dtype_name
 from .sync_debug import note_blocking_read
 
-__all__ = ["DTensor", "call_op", "COMPOSITES", "defines", "new_symbol", "refuse_the_rest"]
+__all__ = ["DTensor", "call_op", "defines", "new_symbol", "refuse_the_rest"]
 
 
 # Donation: at the top of a method called on a temporary (`(a @ b).redistribute(...)`), the
@@ -458,10 +459,9 @@ class DTensor(torch.Tensor):
 
 
 def defines(name: str) -> bool:
-    """Whether DTensor itself has `name` (its own or installed), not only its base torch.Tensor
-    or a refusal of it."""
-    found = DTensor.__dict__.get(name)
-    return found is not None and type(found) is not _Refused
+    """Whether DTensor itself has `name` (its class body, or registered in dtensor/api.py), not
+    only its base torch.Tensor or a refusal of it."""
+    return api.has_method(name)
 
 
 class _Refused:
@@ -481,11 +481,9 @@ class _Refused:
 
 
 def refuse_the_rest() -> None:
-    """Once every module has installed its methods (dtorch/__init__.py calls this last): each
+    """Once every module has registered its methods (dtorch/__init__.py calls this last): each
     public torch.Tensor name DTensor still lacks reads as its refusal (_Refused)."""
-    for name in dir(torch.Tensor):
-        if not name.startswith("_") and not defines(name) and name not in DTensor.__dict__:
-            setattr(DTensor, name, _Refused(name))
+    api.seal(_Refused)
 
 
 def _unlisted_placements(tensor: DTensor, mesh: DeviceMesh, mode: str) -> list:
@@ -498,6 +496,9 @@ def _unlisted_placements(tensor: DTensor, mesh: DeviceMesh, mode: str) -> list:
     if mode in ("replicate", "raise_error"):
         return [Replicate() if mode == "replicate" else None] * mesh.ndim
     raise ValueError(f"default_placement_mode must be 'keep', 'replicate' or 'raise_error', not {mode!r}")
+
+
+api.bind(DTensor)   # what the class body defines; everything else is registered in dtensor/api.py
 
 
 # torch's cast methods, each the one to_dtype op (its rule: dtorch/ops/pointwise.py); set from a
@@ -514,8 +515,7 @@ def _cast(name: str, dtype: torch.dtype):
     return cast
 
 
-for _name, _dtype in CASTS.items():
-    setattr(DTensor, _name, _cast(_name, _dtype))
+api.register_methods({name: _cast(name, dtype) for name, dtype in CASTS.items()})
 def new_symbol(tensor_id: int, spec: TensorMeta, seq: int, controller) -> DTensor:
     """DTensor(tensor_id, spec, seq, controller), for the per-op path: the same object without
     the Python-level __new__ and __init__ calls (a quarter of what subclassing torch.Tensor added

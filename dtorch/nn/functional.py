@@ -19,7 +19,8 @@ from ..runtime.controller import session
 from ..dtensor.inplace import assign
 from ..dtensor.recording import no_grad
 from ..dtensor.op_issue import with_local_tensors_uploaded
-from ..dtensor.tensor import COMPOSITES, DTensor, call_op
+from ..dtensor import api
+from ..dtensor.tensor import DTensor, call_op
 
 __all__ = ["relu", "gelu", "silu", "sigmoid", "tanh", "leaky_relu", "elu", "softplus", "softmax",
            "log_softmax", "linear", "layer_norm", "rms_norm", "embedding", "dropout", "pad",
@@ -277,5 +278,5 @@ def _ratio_of_sums(numerator, denominator):
 
 # torch.nn.functional's spellings reach these too: torch.nn.Dropout and torch.nn.BatchNorm2d (a
 # module of the user's own, dtorch.nn.distribute_module) run on DTensors unchanged
-COMPOSITES.update(cross_entropy=cross_entropy, nll_loss=nll_loss, dropout=dropout, batch_norm=batch_norm,
-                  scaled_dot_product_attention=scaled_dot_product_attention)
+api.register_functions(dict(cross_entropy=cross_entropy, nll_loss=nll_loss, dropout=dropout, batch_norm=batch_norm,
+                            scaled_dot_product_attention=scaled_dot_product_attention))

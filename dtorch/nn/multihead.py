@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedOpError
-from ..dtensor.tensor import COMPOSITES
+from ..dtensor import api
 from . import functional as F
 
 __all__ = ["multi_head_attention_forward"]
@@ -117,4 +117,4 @@ def _refuse_legacy(bias_k, bias_v, add_zero_attn, static_k, static_v) -> None:
                                  "F.scaled_dot_product_attention")
 
 
-COMPOSITES["multi_head_attention_forward"] = multi_head_attention_forward
+api.register_function("multi_head_attention_forward", multi_head_attention_forward)

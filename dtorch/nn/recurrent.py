@@ -2,7 +2,7 @@
 (`torch.rnn_tanh`, `rnn_relu`, `gru`, `lstm` and the `*_cell` forms, which the modules' own
 forward calls with its flat list of weights) written over dtorch ops.
 
-Each kernel reaches dtorch whole through __torch_function__ (op_issue.COMPOSITES); here it is the
+Each kernel reaches dtorch whole through __torch_function__ (dtensor/api.py's TORCH_FUNCTIONS); here it is the
 loop torch's CPU kernel runs (aten/src/ATen/native/RNN.cpp), step for step: the input's share of
 every step's gates in one linear over the whole sequence, then per step the hidden state's
 linear and the gates in torch's order (LSTM i, f, g, o with the projection h = W_hr h; GRU r, z, n
@@ -25,7 +25,8 @@ from ..spec.placements import Replicate, Shard
 from ..errors import LocalTensorError, UnsupportedOpError, user_site
 from ..dtensor.factories import upload_replicated, zeros
 from ..ops.dispatch import is_strict
-from ..dtensor.tensor import COMPOSITES, DTensor
+from ..dtensor import api
+from ..dtensor.tensor import DTensor
 from . import functional as F
 
 __all__ = ["rnn_tanh", "rnn_relu", "gru", "lstm", "rnn_tanh_cell", "rnn_relu_cell", "gru_cell", "lstm_cell"]
@@ -193,6 +194,6 @@ def _refuse_packing(*args, **kwargs):
     raise _packed_sequence_error("torch.nn.utils.rnn.pack_padded_sequence of a DTensor")
 
 
-COMPOSITES.update(rnn_tanh=rnn_tanh, rnn_relu=rnn_relu, gru=gru, lstm=lstm, rnn_tanh_cell=rnn_tanh_cell,
-                  rnn_relu_cell=rnn_relu_cell, gru_cell=gru_cell, lstm_cell=lstm_cell,
-                  _pack_padded_sequence=_refuse_packing)
+api.register_functions(dict(rnn_tanh=rnn_tanh, rnn_relu=rnn_relu, gru=gru, lstm=lstm, rnn_tanh_cell=rnn_tanh_cell,
+                            rnn_relu_cell=rnn_relu_cell, gru_cell=gru_cell, lstm_cell=lstm_cell,
+                            _pack_padded_sequence=_refuse_packing))

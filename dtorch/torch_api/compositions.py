@@ -6,7 +6,7 @@
 Each is written with the registry's ops, so placement rules, automatic redistributes, autograd,
 dtorch.compile and aliasing apply as to the ops it uses: `broadcast_to` is an expand, `ravel` a
 reshape and `tensor_split`'s pieces are narrows, all views as in torch (dtorch/dtensor/aliasing.py).
-They reach dtorch through __torch_function__ (op_issue.COMPOSITES) and, where torch.Tensor has
+They reach dtorch through __torch_function__ (dtensor/api.py's TORCH_FUNCTIONS) and, where torch.Tensor has
 the method, as DTensor methods. tests/test_composites.py checks each against torch.
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ from torch.nn import _reduction
 from ..spec.placements import Replicate
 from ..errors import UnsupportedOpError, user_site
 from ..dtensor.factories import arange
-from ..dtensor.tensor import COMPOSITES, DTensor, call_op, defines
+from ..dtensor import api
+from ..dtensor.tensor import DTensor, call_op
 
 __all__ = ["broadcast_to", "tile", "ravel", "atleast_1d", "atleast_2d", "atleast_3d", "hstack", "vstack", "dstack",
            "column_stack", "tensor_split", "hsplit", "vsplit", "dsplit", "diff", "take_along_dim", "chain_matmul",
@@ -356,20 +357,13 @@ _FUNCTIONS.update(is_floating_point=is_floating_point, is_complex=is_complex, is
 
 # Attributes torch code asks a tensor (x.is_cuda before a kernel choice, x.nbytes for a budget).
 # Global, as every other answer here: nbytes is the logical tensor's, not one shard's.
-DTensor.is_cuda = property(lambda self: self.device_mesh.device_type == "cuda")
-DTensor.is_cpu = property(lambda self: self.device_mesh.device_type == "cpu")
-DTensor.itemsize = property(lambda self: self.dtype.itemsize)
-DTensor.nbytes = property(lambda self: self.numel() * self.dtype.itemsize)
-DTensor.layout = property(lambda self: torch.strided)
+api.register_methods({
+    "is_cuda": property(lambda self: self.device_mesh.device_type == "cuda"),
+    "is_cpu": property(lambda self: self.device_mesh.device_type == "cpu"),
+    "itemsize": property(lambda self: self.dtype.itemsize),
+    "nbytes": property(lambda self: self.numel() * self.dtype.itemsize),
+    "layout": property(lambda self: torch.strided),
+})
 
 
-def install(functions: dict) -> None:
-    """Make each of `functions` (torch's name -> its composition) what __torch_function__ runs
-    for that name, and a DTensor method where torch.Tensor has one (composite_*.py use it too)."""
-    for name, function in functions.items():
-        COMPOSITES.setdefault(name, function)
-        if hasattr(torch.Tensor, name) and not defines(name):
-            setattr(DTensor, name, function)
-
-
-install(_FUNCTIONS)
+api.register_torch_spellings(_FUNCTIONS)

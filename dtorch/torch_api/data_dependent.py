@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .compositions import install
+from ..dtensor.api import register_torch_spellings
 from ..spec.placements import Partial, Replicate, format_placements
 from ..errors import UnsupportedOpError, user_site
 from ..dtensor.factories import tensor as upload
@@ -154,5 +154,5 @@ def _refuse_out(out, op: str, tensor: DTensor) -> None:
             f"result = {op}(...) instead")
 
 
-install({"nonzero": nonzero, "nonzero_static": nonzero_static, "argwhere": argwhere, "masked_select": masked_select, "unique": unique,
+register_torch_spellings({"nonzero": nonzero, "nonzero_static": nonzero_static, "argwhere": argwhere, "masked_select": masked_select, "unique": unique,
          "unique_consecutive": unique_consecutive, "bincount": bincount})

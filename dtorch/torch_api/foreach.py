@@ -1,7 +1,7 @@
 """torch._foreach_* on lists of DTensors (EMA updates, hand-written optimizers): each is a loop of
 the one-tensor op over the list, in place where torch's is (dtorch/dtensor/inplace.py), so every
 element keeps its placements. torch hands a list holding a DTensor to __torch_function__ under
-the function's own name (`_foreach_mul_`), which finds these in op_issue.COMPOSITES.
+the function's own name (`_foreach_mul_`), which finds these in dtensor/api.py's TORCH_FUNCTIONS.
 
 The second operand may be what torch takes: one scalar, a list of scalars, a list of tensors or
 one tensor. In-place forms return the list and the others a tuple, as torch's do. tests/test_composites_nn.py checks
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .compositions import install
+from ..dtensor.api import register_torch_spellings
 from ..dtensor.tensor import DTensor
 
 __all__ = ["FOREACH", "group_by_device_and_dtype"]
@@ -80,7 +80,7 @@ FOREACH = {f"_foreach_{method}{'_' if inplace else ''}": build(method, inplace)
 FOREACH.update(_foreach_copy_=_foreach_copy_, _foreach_zero_=_foreach_zero_, _foreach_norm=_foreach_norm)
 
 
-install(FOREACH)
+register_torch_spellings(FOREACH)
 
 
 # --- torch's grouping of foreach lists ------------------------------------------------------------

@@ -7,14 +7,14 @@ The dropouts draw their masks from dtorch's random stream as F.dropout does (a p
 dtorch.manual_seed, the call order and the global index), so a run reproduces under any
 placements, but the masks differ from torch's own generator's. Everything else follows torch's
 formula, so values and gradients agree with torch's. They reach dtorch through
-__torch_function__ (op_issue.COMPOSITES), as dtorch/torch_api/compositions.py's do; tests/test_composites_nn.py
+__torch_function__ (dtensor/api.py's TORCH_FUNCTIONS), as dtorch/torch_api/compositions.py's do; tests/test_composites_nn.py
 checks each against torch.
 """
 from __future__ import annotations
 
 import math
 
-from .compositions import install
+from ..dtensor.api import register_torch_spellings
 from ..spec.placements import Replicate, Shard
 from ..dtensor.factories import ones
 from ..dtensor.inplace import assign
@@ -231,4 +231,4 @@ _FUNCTIONS = {
 }
 
 
-install(_FUNCTIONS)
+register_torch_spellings(_FUNCTIONS)

@@ -3,14 +3,15 @@
 
 Each follows torch's own formula (ATen's Loss.cpp and torch/nn/functional.py), so values and
 gradients agree with torch's; placement rules, automatic redistributes and autograd are those of
-the ops used. They reach dtorch through __torch_function__ (op_issue.COMPOSITES), as
+the ops used. They reach dtorch through __torch_function__ (dtensor/api.py's TORCH_FUNCTIONS), as
 dtorch/torch_api/compositions.py's do. tests/test_composites_nn.py checks each against torch.
 """
 from __future__ import annotations
 
 import math
 
-from .compositions import install, reduced_loss
+from ..dtensor.api import register_torch_spellings
+from .compositions import reduced_loss
 from ..spec.placements import Replicate
 from ..dtensor.factories import arange, full_like
 from ..dtensor.op_issue import with_local_tensors_uploaded
@@ -141,4 +142,4 @@ _FUNCTIONS = {
 
 
 # a plain torch target, var or weight beside DTensor inputs is uploaded once per call, as for an op
-install({name: with_local_tensors_uploaded(function) for name, function in _FUNCTIONS.items()})
+register_torch_spellings({name: with_local_tensors_uploaded(function) for name, function in _FUNCTIONS.items()})

@@ -5,7 +5,7 @@ torch's aliases (`torch.arccos`, `x.divide`), `F.rrelu(x, training=True)`...
 
 Each is written with the registry's ops (so placement rules, automatic redistributes, autograd
 and dtorch.compile apply as to the ops it uses) and installed on DTensor; the torch.* spellings
-reach the same code through __torch_function__ (op_issue.COMPOSITES). tests/test_torch_methods.py
+reach the same code through __torch_function__ (dtensor/api.py's TORCH_FUNCTIONS). tests/test_torch_methods.py
 checks each against torch on sharded, replicated and uneven inputs."""
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from ..spec.placements import Replicate
 from ..dtensor.factories import arange, empty, full, ones, rand_like, zeros
 from ..dtensor.inplace import assign
 from ..ops.unsupported import unsupported_op
-from ..dtensor.tensor import COMPOSITES, DTensor, call_op, defines
+from ..dtensor import api
+from ..dtensor.tensor import DTensor, call_op
 
 __all__ = ["t", "movedim", "tril", "triu", "flip", "rot90", "roll", "select", "aminmax", "count_nonzero", "var_mean",
            "std_mean", "ALIASES", "positive", "polygamma", "threshold", "rrelu"]
@@ -295,18 +296,17 @@ def _install() -> None:
     methods.update({alias: _alias(op) for alias, op in ALIASES.items()}, positive=positive,
                    polygamma=_polygamma_method, polygamma_=_polygamma_)
     methods.update({alias + "_": getattr(DTensor, op + "_") for alias, op in ALIASES.items()
-                    if defines(op + "_") and hasattr(torch.Tensor, alias + "_")})
-    for name, method in methods.items():
-        if not defines(name):
-            setattr(DTensor, name, method)
-    DTensor.mH = property(adjoint, doc="The last two dims swapped (x.mT for a real tensor).")
-    DTensor.H = property(t, doc="A matrix transposed (real tensors: torch's conjugate transpose).")
-    COMPOSITES.update(t=t, adjoint=adjoint, swapaxes=DTensor.transpose, swapdims=DTensor.transpose, movedim=movedim,
-                      moveaxis=movedim, clip=DTensor.clamp, tril=tril, triu=triu, flip=flip, fliplr=methods["fliplr"],
-                      flipud=methods["flipud"], rot90=rot90, unfold=_unfold_spelled, roll=roll, select=select,
-                      aminmax=aminmax, count_nonzero=count_nonzero, var_mean=var_mean, std_mean=std_mean,
-                      positive=positive, polygamma=polygamma, threshold=threshold, _threshold=threshold, rrelu=rrelu)
-    COMPOSITES.update({alias: _alias(op) for alias, op in {**ALIASES, **FUNCTIONAL_NAMES}.items()})
+                    if api.has_method(op + "_") and hasattr(torch.Tensor, alias + "_")})
+    api.register_methods({name: method for name, method in methods.items() if not api.in_class_body(name)})
+    api.register_method("mH", property(adjoint, doc="The last two dims swapped (x.mT for a real tensor)."))
+    api.register_method("H", property(t, doc="A matrix transposed (real tensors: torch's conjugate transpose)."))
+    api.register_functions(dict(
+        t=t, adjoint=adjoint, swapaxes=DTensor.transpose, swapdims=DTensor.transpose, movedim=movedim,
+        moveaxis=movedim, clip=DTensor.clamp, tril=tril, triu=triu, flip=flip, fliplr=methods["fliplr"],
+        flipud=methods["flipud"], rot90=rot90, unfold=_unfold_spelled, roll=roll, select=select,
+        aminmax=aminmax, count_nonzero=count_nonzero, var_mean=var_mean, std_mean=std_mean,
+        positive=positive, polygamma=polygamma, threshold=threshold, _threshold=threshold, rrelu=rrelu))
+    api.register_functions({alias: _alias(op) for alias, op in {**ALIASES, **FUNCTIONAL_NAMES}.items()})
 
 
 _install()

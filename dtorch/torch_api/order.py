@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .compositions import install
+from ..dtensor.api import register_torch_spellings
 from ..spec.placements import Replicate
 from ..dtensor.factories import full, tensor as upload
 from ..ops.tensor_meta import is_local_tensor
@@ -113,4 +113,4 @@ def _arrange(result: DTensor, input: DTensor, q, dim, keepdim: bool) -> DTensor:
     return result
 
 
-install({"argsort": argsort, "msort": msort, "quantile": quantile, "nanquantile": nanquantile})
+register_torch_spellings({"argsort": argsort, "msort": msort, "quantile": quantile, "nanquantile": nanquantile})

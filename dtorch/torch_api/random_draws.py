@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .compositions import install
+from ..dtensor.api import register_methods, register_torch_spellings
 from ..spec.placements import Replicate, Shard
 from ..dtensor.factories import rand, rand_like, randn_like
 from ..dtensor.inplace import assign
@@ -106,8 +106,7 @@ def _geometric_(self, p, *, generator=None):
     return assign(self, failures.ceil().clamp(min=1), "x.geometric_", cast_any=True)
 
 
-for _name, _method in {"bernoulli_": _bernoulli_, "exponential_": _exponential_, "log_normal_": _log_normal_,
-                       "cauchy_": _cauchy_, "geometric_": _geometric_}.items():
-    setattr(DTensor, _name, _method)
+register_methods({"bernoulli_": _bernoulli_, "exponential_": _exponential_, "log_normal_": _log_normal_,
+                  "cauchy_": _cauchy_, "geometric_": _geometric_})
 
-install({"multinomial": multinomial, "bernoulli": bernoulli})
+register_torch_spellings({"multinomial": multinomial, "bernoulli": bernoulli})

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .compositions import install
+from ..dtensor.api import register_torch_spellings
 from ..dtensor.factories import zeros
 from ..dtensor.tensor import DTensor, call_op
 
@@ -94,4 +94,4 @@ def diagflat(input: DTensor, offset: int = 0) -> DTensor:
     return call_op("diag", (input.reshape(-1), offset), {})
 
 
-install({"cov": cov, "corrcoef": corrcoef, "histc": histc, "take": take, "diagflat": diagflat})
+register_torch_spellings({"cov": cov, "corrcoef": corrcoef, "histc": histc, "take": take, "diagflat": diagflat})
