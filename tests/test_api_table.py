@@ -84,3 +84,28 @@ def test_every_registration_names_its_module():
                if not (site.endswith(tuple(f":{n}" for n in range(1, 100000))) and ".py:" in site)]
     assert not unnamed
     assert dtorch.DTensor is DTensor and api.TORCH_FUNCTIONS["zeros_like"] is not None
+
+
+def _capture_calls(tree: ast.AST) -> set[str]:
+    """Methods called on a capture: `capture.x(...)` or `<...>.capture.x(...)`."""
+    called = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if ((isinstance(owner, ast.Name) and owner.id == "capture")
+                    or (isinstance(owner, ast.Attribute) and owner.attr == "capture")):
+                called.add(node.func.attr)
+    return called
+
+
+def test_the_layers_feed_a_capture_only_through_its_hooks():
+    """dtorch.compile's capture has one documented interface (compile_capture.CaptureHooks): the
+    modules that feed it call nothing else on it."""
+    from dtorch.dtensor.compile_capture import Capture, CaptureHooks
+    hooks = {name for name in vars(CaptureHooks) if not name.startswith("_")}
+    assert hooks <= set(vars(Capture)) and len(hooks) == 8
+    owners = {ROOT / "dtorch" / "dtensor" / "compile_capture.py", ROOT / "dtorch" / "compile.py"}
+    stray = {f"{path.relative_to(ROOT)}: capture.{name}" for path in sorted((ROOT / "dtorch").rglob("*.py"))
+             if path not in owners for name in _capture_calls(ast.parse(path.read_text())) - hooks}
+    assert not stray, f"calls on a capture outside CaptureHooks (add the hook there, documented): {sorted(stray)}"
+    assert _capture_calls(ast.parse("capture.finish()\nself.controller.capture.check()\nother.x()")) == {"finish", "check"}

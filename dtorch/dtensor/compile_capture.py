@@ -27,13 +27,13 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 from ..errors import CompileError, format_site
 from ..runtime import protocol as wire
 from ..runtime.controller import session
 
-__all__ = ["Capture", "active", "RANDOM_FACTORIES", "RANDOM_OPS"]
+__all__ = ["Capture", "CaptureHooks", "active", "RANDOM_FACTORIES", "RANDOM_OPS"]
 
 RANDOM_FACTORIES = ("rand", "randn", "randint")   # Factory args: (seed, counter, ...)
 RANDOM_OPS = ("dropout",)   # RunOp: seed and counter as kwargs, or as the last two positional args
@@ -45,7 +45,45 @@ _REFUSED = (wire.LoadShard, wire.LoadChunks, wire.SaveShard, wire.Profile, wire.
 _NOT_REPLAYED = (wire.DefineMesh,)   # a mesh is defined once, for good
 
 
-def active():
+class CaptureHooks(Protocol):
+    """Everything the rest of dtorch tells a capture in progress: the one interface between
+    dtorch.compile and the layers that feed it (tests/test_api_table.py holds every call site
+    outside this module and compile.py to these names). A module reaches the capture through
+    `active()` (or the controller's `capture`, for the two calls made under its lock) and calls
+    only these; a new kind of Python state a replay must restore is a new hook here, documented
+    with its caller, not a method called ad hoc.
+
+    Callers: the controller (check, record); dtensor/op_issue.py (note_inputs, also through
+    note_capture_inputs for dtensor/tensor.py's redistribute and nn/fsdp.py's gather);
+    dtensor/inplace.py (rebind); autograd/engine.py (touch_leaf); nn/module.py (note_module);
+    optim/optimizer.py (guard, optimizer_step). autograd/retained.py only asks `active()`."""
+
+    def check(self, command_type, site, read, private) -> None:
+        """Before the controller numbers a command: refuse what a replay could not repeat."""
+
+    def record(self, command, site) -> None:
+        """After the controller numbered a command (under its lock): keep it with its line."""
+
+    def touch_leaf(self, leaf, resets: bool = False) -> None:
+        """Autograd is about to change `leaf.grad` (to None when `resets`)."""
+
+    def rebind(self, tensor, old_id: int) -> None:
+        """An in-place op gave `tensor` a new id."""
+
+    def note_inputs(self, tensors) -> None:
+        """DTensors an op or a redistribute of the call reads."""
+
+    def note_module(self, module) -> None:
+        """A module the call ran: its plain settings guard the replay."""
+
+    def guard(self, still_valid: Callable[[], bool]) -> None:
+        """A check run before each replay: False captures the call again."""
+
+    def optimizer_step(self, seq: int, shift: Callable[[], int]) -> None:
+        """OptimizerStep `seq` carries step counts; `shift()` gives how far they moved."""
+
+
+def active() -> CaptureHooks | None:
     """The capture the current thread runs under, else None (hooks call it: a cheap check)."""
     capture = _current.capture
     return capture if capture is not None and capture.thread == threading.get_ident() else None
@@ -58,7 +96,9 @@ class _Current:
 _current = _Current()
 
 
-class Capture:
+class Capture(CaptureHooks):
+    """The capture of one compiled call: CaptureHooks while the call runs, then `finish`."""
+
     def __init__(self, controller, name: str):
         self.controller, self.name = controller, name
         self.thread = threading.get_ident()
@@ -143,9 +183,6 @@ class Capture:
 
     def guard(self, still_valid) -> None:
         self.guards.append(still_valid)
-
-    def on_replay(self, hook) -> None:
-        self.after_replay.append(hook)
 
     def optimizer_step(self, seq: int, shift) -> None:
         """OptimizerStep `seq` carries step counts; `shift()` (run once per replay) gives how far
