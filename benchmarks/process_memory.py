@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["MMAP_THRESHOLD", "returned_buffers", "peak_mib", "rss_mib", "reset_peak", "busy_seconds",
+__all__ = ["MMAP_THRESHOLD", "returned_buffers", "peak_mib", "rss_mib", "rss_parts_mib", "reset_peak", "busy_seconds",
            "thread_cpu_seconds", "cpu_seconds", "stat_fields", "minor_faults"]
 
 MMAP_THRESHOLD = "131072"
@@ -52,6 +52,13 @@ def peak_mib(pid: int | str = "self") -> float:
 
 def rss_mib(pid: int | str = "self") -> float:
     return _status_mib(pid, "VmRSS")
+
+
+def rss_parts_mib(pid: int | str = "self") -> tuple[float, float]:
+    """(RssAnon, RssFile): the resident pages of the process's own memory (heaps, stacks,
+    anonymous maps), and those of mapped files (shared libraries' code and data, faulted in the
+    first time a code path runs: bounded by the files' sizes, not a leak)."""
+    return _status_mib(pid, "RssAnon"), _status_mib(pid, "RssFile")
 
 
 def reset_peak(pid: int | str = "self") -> None:
