@@ -4,10 +4,17 @@ dtorch.compile replay notes the lines inside the compiled function its rows came
 
 Each ring slot also keeps its seq, so an error about a command older than the ring says its line
 is gone instead of naming another's.
+
+The ring holds no object made per command: seqs and instruction offsets live in arrays, and the
+other two columns hold objects that already exist (the code object of the user's function, the
+op's name or the command's type). A tuple per slot, as before, kept ~65,000 small objects alive
+for a lap of seqs each and then freed them, interleaved with everything else a step allocates:
+the allocator's pools fragmented, and the controller's RSS crept up ~0.15 MB/min with live data
+flat (issue 43's soak; benchmarks/soak_rss.py). The replays are a ring of the same kind.
 """
 from __future__ import annotations
 
-import collections
+from array import array
 
 from ...errors import format_site, site_location
 from .. import protocol as wire
@@ -19,10 +26,36 @@ SITE_RING = 1 << 16
 REPLAYS_KEPT = 4096   # dtorch.compile replays whose rows' lines errors can still name
 
 
+_NO_SEQ = -1
+
+
 class CommandSites:
+    """Four columns indexed by seq % SITE_RING, which Controller.submit writes directly (every
+    command): `seqs` (the seq the slot holds, or -1), `codes` and `offsets` (the user's
+    position, errors.user_position: code object and instruction offset; None for none) and
+    `whats` (a RunOp's op name, else the command's type)."""
+
     def __init__(self):
-        self.ring: list = [None] * SITE_RING   # seq % SITE_RING -> (seq, site, what); Controller.submit writes it
-        self.replays: collections.deque = collections.deque(maxlen=REPLAYS_KEPT)   # (seq, span, sites)
+        self.seqs = array("q", [_NO_SEQ]) * SITE_RING
+        self.codes: list = [None] * SITE_RING
+        self.offsets = array("q", [0]) * SITE_RING
+        self.whats: list = [None] * SITE_RING
+        # the newest REPLAYS_KEPT replays: RunGraph seq, its span, and the compiled graph's sites
+        # (one list per graph, shared by all its replays), in a ring at replay_count % REPLAYS_KEPT
+        self.replay_seqs = array("q", [_NO_SEQ]) * REPLAYS_KEPT
+        self.replay_spans = array("q", [0]) * REPLAYS_KEPT
+        self.replay_sites: list = [None] * REPLAYS_KEPT
+        self.replay_count = 0
+
+    def note(self, seq: int, site, what) -> None:
+        """The ring slot of command `seq` (Controller.submit inlines this for every command)."""
+        slot = seq % SITE_RING
+        self.seqs[slot] = seq
+        if site is None:
+            self.codes[slot] = None
+        else:
+            self.codes[slot], self.offsets[slot] = site
+        self.whats[slot] = what
 
     def warning_site(self, seq: int) -> tuple[str, str, int]:
         """(what command `seq` was, the file and line that issued it) for a warning it raised: a
@@ -39,13 +72,18 @@ class CommandSites:
 
     def kept(self, seq: int) -> tuple | None:
         """(seq, site, what) of a command still in the ring, else None."""
-        kept = self.ring[seq % SITE_RING]
-        return kept if kept is not None and kept[0] == seq else None
+        slot = seq % SITE_RING
+        if self.seqs[slot] != seq:
+            return None
+        code = self.codes[slot]
+        return seq, (None if code is None else (code, self.offsets[slot])), self.whats[slot]
 
     def note_replay(self, seq: int, span: int, sites: list) -> None:
         """RunGraph `seq` replays commands issued at `sites` (dtorch.compile): an error in row i
         names sites[i], the line inside the compiled function."""
-        self.replays.append((seq, span, sites))
+        slot = self.replay_count % REPLAYS_KEPT
+        self.replay_seqs[slot], self.replay_spans[slot], self.replay_sites[slot] = seq, span, sites
+        self.replay_count += 1
         self.forget(seq + 1, span - 1)
 
     def forget(self, first: int, count: int) -> None:
@@ -58,15 +96,20 @@ class CommandSites:
         count = min(count, SITE_RING - 1)
         start = first % SITE_RING
         head = min(count, SITE_RING - start)   # up to the ring's end; the rest wraps to its start
-        self.ring[start:start + head] = [None] * head
-        self.ring[:count - head] = [None] * (count - head)
+        self.seqs[start:start + head] = array("q", [_NO_SEQ]) * head
+        self.seqs[:count - head] = array("q", [_NO_SEQ]) * (count - head)
+        self.codes[start:start + head] = self.whats[start:start + head] = [None] * head
+        self.codes[:count - head] = self.whats[:count - head] = [None] * (count - head)
 
     def replayed_row(self, seq: int) -> tuple[int, str] | None:
         """(the replay's RunGraph seq, the row's file:line inside the compiled function) of a
         command that a replay ran, else None."""
-        for first, span, sites in reversed(self.replays):
-            if first <= seq < first + span:
-                return first, sites[seq - first]
+        newest = self.replay_count - 1
+        for back in range(min(self.replay_count, REPLAYS_KEPT)):   # newest first
+            slot = (newest - back) % REPLAYS_KEPT
+            first = self.replay_seqs[slot]
+            if first <= seq < first + self.replay_spans[slot]:
+                return first, self.replay_sites[slot][seq - first]
         return None
 
     def replayed_site(self, seq: int) -> str | None:
@@ -79,7 +122,7 @@ class CommandSites:
 
     def site_of(self, seq: int) -> str:
         kept = self.kept(seq)
-        replayed = (self.replayed_site(seq) if self.replays and (kept is None or kept[2] is wire.RunGraph)
+        replayed = (self.replayed_site(seq) if self.replay_count and (kept is None or kept[2] is wire.RunGraph)
                     else None)
         if replayed is not None:
             return replayed

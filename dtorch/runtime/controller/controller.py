@@ -103,7 +103,9 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         self._pending_since = 0.0       # when the oldest pending command was submitted (monotonic)
         self._last_submit = 0.0         # when the newest command was submitted (monotonic)
         self.sites = CommandSites()     # the user's line that issued each recent command (errors)
-        self._sites = self.sites.ring   # (submit writes the ring directly: every command)
+        # submit writes the ring's columns directly, for every command (command_sites.CommandSites)
+        self._site_seqs, self._site_codes = self.sites.seqs, self.sites.codes
+        self._site_offsets, self._site_whats = self.sites.offsets, self.sites.whats
         self._mesh_ids: dict[DeviceMesh, int] = {}
         self._mesh_numbers = itertools.count()
         self._mesh_lock = threading.Lock()
@@ -185,7 +187,13 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
             self._pending.append(command)
             if capture is not None:
                 capture.record(command, site)
-            self._sites[seq % SITE_RING] = (seq, site, fields[2] if command_type is wire.RunOp else command_type)
+            slot = seq % SITE_RING
+            self._site_seqs[slot] = seq
+            if site is None:
+                self._site_codes[slot] = None
+            else:
+                self._site_codes[slot], self._site_offsets[slot] = site
+            self._site_whats[slot] = fields[2] if command_type is wire.RunOp else command_type
             if private is not None:
                 self._private[seq] = private
             if read is not None:
@@ -230,9 +238,9 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
             return
         free = wire.Free(self._next_seq, ids)
         self._pending.append(free)
-        # A Free has no line of its own: empty its ring slot, or the entry SITE_RING seqs older
-        # stays alive there (the creep of issue 43, command_sites.CommandSites.forget)
-        self._sites[free.seq % SITE_RING] = None
+        # A Free has no line of its own: its ring slot must not answer for the command SITE_RING
+        # seqs older (command_sites.CommandSites.forget)
+        self._site_seqs[free.seq % SITE_RING] = -1
         self._next_seq += 1
         if self.capture is not None:
             self.capture.record(free, None)
