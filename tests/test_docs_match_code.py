@@ -84,3 +84,78 @@ def test_architecture_layer_table_is_test_layers():
     assert documented == expected, (
         "docs/architecture.md's layer table (top first) differs from tests/test_layers.py's LAYERS "
         f"(lowest first):\n docs: {documented}\n code: {expected}")
+
+
+# --- protocol.md: the version and the record tables ---------------------------------------------
+
+PROTOCOL = DOCS / "protocol.md"
+
+
+def _cells(line: str) -> list[str]:
+    """A Markdown table row's cells; `\\|` inside a cell is not a separator."""
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def _rows(block: str) -> list[list[str]]:
+    return [cells for cells in map(_cells, block.splitlines())
+            if cells and not set(cells[0]) <= set("-: ") and cells[0] not in ("command", "record (`Kind`)")]
+
+
+def _field_names(cell: str) -> list[str]:
+    """The field names a cell lists: "a, b (a note, with commas), c" -> [a, b, c]; "—" or "(none)"
+    -> []. Parenthesized notes (nested too) and backticks are dropped."""
+    out, depth = [], 0
+    for ch in cell.replace("`", ""):
+        depth += ch == "("
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ")" and depth > 0
+    names = [part.strip() for part in "".join(out).split(",")]
+    return [n for n in names if n not in ("", "—")]
+
+
+def _protocol():
+    from dtorch.runtime import protocol
+    return protocol
+
+
+def test_protocol_doc_version_is_the_code_s():
+    title = PROTOCOL.read_text().splitlines()[0]
+    found = re.fullmatch(r"# The wire protocol \(version (\d+)\)", title)
+    assert found, f"docs/protocol.md's title should say the version: {title!r}"
+    assert int(found.group(1)) == _protocol().VERSION, (
+        f"docs/protocol.md says version {found.group(1)}; dtorch/runtime/protocol.py's VERSION is "
+        f"{_protocol().VERSION}: say what changed in the page and update its title")
+
+
+def test_protocol_doc_lists_every_command_with_its_fields_and_handler():
+    protocol = _protocol()
+    rows = _rows(_block(PROTOCOL, "commands"))
+    documented = [row[0] for row in rows]
+    expected = [command.__name__ for command in protocol.COMMANDS]
+    assert documented == expected, (
+        "docs/protocol.md's command table (opcode order) differs from protocol.COMMANDS:\n"
+        f" missing: {[c for c in expected if c not in documented]}\n"
+        f" not in the code: {[c for c in documented if c not in expected]}\n docs: {documented}\n code: {expected}")
+    for (name, fields, handler, *_), command in zip(rows, protocol.COMMANDS):
+        assert _field_names(fields) == list(command._fields[1:]), (
+            f"docs/protocol.md, {name}: fields {_field_names(fields)}, protocol.py: {list(command._fields[1:])}")
+        assert handler.startswith(f"`{protocol.handler_name(command)}`"), (
+            f"docs/protocol.md, {name}: the handler column should start with `{protocol.handler_name(command)}`")
+
+
+def test_protocol_doc_lists_every_message_with_its_kind_and_fields():
+    protocol = _protocol()
+    rows = _rows(_block(PROTOCOL, "messages"))
+    documented = [re.fullmatch(r"`(\w+)` \((\w+)\)", row[0]).groups() for row in rows]
+    expected = [(message.__name__, kind.name) for message, kind in protocol.MESSAGES.items()]
+    assert documented == expected, f"docs/protocol.md's message table differs from protocol.MESSAGES:\n {documented}\n {expected}"
+    for row, message in zip(rows, protocol.MESSAGES):
+        assert _field_names(row[2]) == list(message._fields), (
+            f"docs/protocol.md, {message.__name__}: fields {_field_names(row[2])}, protocol.py: {list(message._fields)}")
+
+
+def test_protocol_doc_checks_can_fail():
+    assert _field_names("a, b (x, (y, z)), `c` (none)") == ["a", "b", "c"]
+    assert _field_names("(none)") == [] and _field_names("— (every rank replies)") == []
+    assert len(_rows(_block(PROTOCOL, "commands"))) == len(_protocol().COMMANDS) > 20
