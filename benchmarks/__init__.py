@@ -1,7 +1,7 @@
 """dtorch's benchmark suite: `python -m benchmarks [--full | --smoke] [--only NAME]`.
 
 One module per benchmark, each with NAME, TITLE and run(suite) -> list[Row]; every dtorch
-number sits next to a reference measured in the same run. See docs/benchmarks.md.
+number sits next to a reference measured in the same run. See docs/design/benchmarks.md.
 """
 from __future__ import annotations
 

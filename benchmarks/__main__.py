@@ -1,5 +1,5 @@
 """Command line: run the suite, print the table, write JSON / Markdown / PNG under
-benchmarks/results/, and with --publish refresh docs/benchmarks.md and docs/benchmarks.png."""
+benchmarks/results/, and with --publish refresh docs/design/benchmarks.md and docs/design/benchmarks.png."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,7 @@ from .config import PRESETS
 from .timing import Row, failed
 
 ROOT = Path(__file__).resolve().parent.parent
+DOCS_PAGE = ROOT / "docs" / "design" / "benchmarks.md"   # where --publish writes (report.publish)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -26,7 +27,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results",
                         help="where latest.json / latest.md / latest.png go")
     parser.add_argument("--publish", action="store_true",
-                        help="also rewrite the results block of docs/benchmarks.md and docs/benchmarks.png")
+                        help="also rewrite the results block of docs/design/benchmarks.md and "
+                             "docs/design/benchmarks.png")
     parser.add_argument("--from-json", type=Path, metavar="LATEST_JSON",
                         help="measure nothing: rebuild the tables and plot (and with --publish the docs) from a "
                              "run's saved latest.json, after a change to how results are reported")
@@ -71,8 +73,8 @@ def write_outputs(rows: list[Row], meta: dict, args) -> None:
     if skipped:
         print(skipped)
     if args.publish:
-        report.publish(markdown, None if skipped else plot, ROOT / "docs" / "benchmarks.md")
-        print(f"published to {ROOT / 'docs' / 'benchmarks.md'}")
+        report.publish(markdown, None if skipped else plot, DOCS_PAGE)
+        print(f"published to {DOCS_PAGE}")
 
 
 def _load() -> str:

@@ -22,7 +22,7 @@ Measured in turns (a run of each variant, then again), medians over the turns:
 Save times include fsync, so they depend on the disk; the files are removed after each save.
 The 1-minute load average is printed before and after: other work on the machine inflates
 every time, the ratios less (the variants alternate).
-docs/checkpoint.md ("Checksums") has the figures of this project's machine.
+docs/design/checkpoint.md ("Checksums") has the figures of this project's machine.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ A standalone script (no relative imports), so that one copy measures either chec
 
 Rows: `z = z * 1.0001 + 1` on a (64, 128) S(0) tensor, 4,000 ops per repetition, issued from a
 short function and from a loop 300 lines into one (the controller notes each command's line:
-see docs/architecture.md, "Enqueue"); then a read of a fresh ready (1,) Replicate tensor, median
+see docs/design/architecture.md, "Enqueue"); then a read of a fresh ready (1,) Replicate tensor, median
 of 300; then the CPU of one replay of a dtorch.compile'd 100-op chain (one RunGraph command and,
 as a replay's batch rarely waits, one published message per call). Each prints the minimum and
 median over repetitions.

@@ -69,7 +69,7 @@ class Layout:
     microbatches: int | None = None
     reference: str | None = None    # the variant this one is divided by
     schedule: str | None = None     # model.forward_backward's ("gpipe", "1f1b"); None: loss.backward()
-    compiled: bool = False          # the whole step as one dtorch.compile'd function (docs/compile.md)
+    compiled: bool = False          # the whole step as one dtorch.compile'd function (docs/design/compile.md)
     checkpointed: bool = False      # gradient_checkpointing_enable(): each layer recomputed in backward
 
 

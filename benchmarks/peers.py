@@ -1,5 +1,5 @@
 """7. Optional peers, measured only when installed (never a dependency of dtorch; install them
-with `pip install 'dtorch[peers]'`, see docs/benchmarks.md "Peers"):
+with `pip install 'dtorch[peers]'`, see docs/design/benchmarks.md "Peers"):
 
 - Ray: an actor whose `step()` runs one line of the chain (two ops) on its local tensor.
   "fire-and-forget" times issuing `actor.step.remote()` calls, "sync" times `ray.get` of each

@@ -8,7 +8,7 @@ compares absolute times of the same code under each setting instead.
 
 By default it compares glibc's malloc defaults with a worker that keeps freed blocks
 (GLIBC_TUNABLES: blocks up to 32 MiB from the heap, 256 MiB of free heap kept), the experiment
-in docs/benchmarks.md, "Redistribute". For a change in code, run it on the commit before and
+in docs/design/benchmarks.md, "Redistribute". For a change in code, run it on the commit before and
 after.
 
 Each round and setting runs in a controller process of its own, started with the setting in its

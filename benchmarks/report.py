@@ -128,7 +128,7 @@ def write_plot(rows: list[Row], titles: dict[str, str], path: Path) -> str | Non
 
 
 def publish(markdown: str, plot: Path | None, docs_page: Path) -> None:
-    """Replace the results block of docs/benchmarks.md and copy the plot beside it."""
+    """Replace the results block of docs/design/benchmarks.md and copy the plot beside it."""
     text = docs_page.read_text()
     if DOCS_BEGIN not in text or DOCS_END not in text:
         raise ValueError(f"{docs_page} has no {DOCS_BEGIN} ... {DOCS_END} block to replace")

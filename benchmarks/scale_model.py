@@ -1,5 +1,5 @@
 """A model of a 1,024-GPU cluster (128 hosts x 8 GPUs) under one dtorch controller, worked out
-from costs measured on this machine (docs/scale.md explains it):
+from costs measured on this machine (docs/design/scale.md explains it):
 
     python -m benchmarks.scale_model [--worlds 1 4 16 64] [--json model.json]
 

@@ -24,7 +24,7 @@ hundred KB (pages that come and go) and a slope near 0.
 recorded) and prints the N tracebacks whose memory grew most between the end of the warm-up and
 the end, and --object-counts N the N object types whose number grew most (gc.get_objects()):
 how issue 43's creep was found. Results go to --json (default
-benchmarks/results/soak_rss.json) and a table to stdout; docs/benchmarks.md ("Soak") has
+benchmarks/results/soak_rss.json) and a table to stdout; docs/design/benchmarks.md ("Soak") has
 this machine's figures.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ ipc+curve. Each mode starts its own 2-worker session and reports the median of a
   read 4 B   ms per to_torch() of a ready (1,) tensor: one round trip to the workers
   read N MiB ms per to_torch() of a ready replicated float32 tensor (bytes through the ROUTER)
   MiB/s      N MiB divided by that time: the bandwidth of a large read
-docs/launcher.md, "Privacy", quotes its figures.
+docs/design/launcher.md, "Privacy", quotes its figures.
 """
 from __future__ import annotations
 

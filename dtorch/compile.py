@@ -1,5 +1,5 @@
 """dtorch.compile: capture a function's commands once, replay them with one command per call
-(docs/compile.md).
+(docs/design/compile.md).
 
     @dtorch.compile
     def step(x, y):

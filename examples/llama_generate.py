@@ -4,7 +4,7 @@
     python3 examples/llama_generate.py --tp 4 --tokens 64   # 4-way tensor parallel
     python3 examples/llama_generate.py --model ./my-llama   # a transformers save_pretrained directory
     dtorch-launch --hostfile hosts examples/llama_generate.py --tp 8
-    python3 examples/llama_generate.py --profile trace.json  # a timeline of the timed run (docs/profiling.md)
+    python3 examples/llama_generate.py --profile trace.json  # a timeline of the timed run (docs/design/profiling.md)
     python3 examples/llama_generate.py --sample --top-p 0.9 --temperature 0.8   # sampled (transformers' warpers)
 
 With --model, every worker reads its own slices of the safetensors files (the directory must be

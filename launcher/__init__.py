@@ -3,7 +3,7 @@ a SLURM allocation (--slurm).
 
 Installed as ``dtorch_launcher`` (a top-level ``launcher`` would collide in site-packages).
 The runtime uses ``spawner_from_environment()`` to get the SshSpawner that dtorch-launch asked
-for, and StartupProgress / explain_ssh_failure to report workers coming up. See docs/launcher.md.
+for, and StartupProgress / explain_ssh_failure to report workers coming up. See docs/design/launcher.md.
 
 Modules: cli (the dtorch-launch command), hostfile (parsing), host_identity (which lines name
 one host, after ssh's config and name resolution), options (ssh options from the

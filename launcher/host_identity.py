@@ -6,7 +6,7 @@ and the addresses that name resolves to, every loopback address counted as one (
 So ``127.0.0.1``, ``localhost``, ``root@127.0.0.1`` (run as root) and ``127.0.0.1 port=22`` are
 one host, while ``alice@node1`` and ``bob@node1``, or one machine's sshd on two ports, are two.
 
-Two lines that reach one host are an error naming both (docs/launcher.md: a host listed twice is
+Two lines that reach one host are an error naming both (docs/design/launcher.md: a host listed twice is
 an error; write it once with ``slots=N``): its workers would count local ranks from 0 twice
 (``cuda:<local rank>`` taken twice) and it would get two relays. A name that does not resolve is
 an error naming its line, except for a host ssh reaches through ``ProxyJump`` or

@@ -10,7 +10,7 @@ stream on an ipc:// socket in a new directory of mode 0700 on that host. The hos
 its address in their config (``relay_address``) and subscribe there; their replies and heartbeats
 still go straight to the controller. The relay's config travels like a worker's: one JSON line
 on stdin, never on a command line. DTORCH_RELAY=0 turns relays off (every worker subscribes to
-the controller itself, as before). docs/launcher.md, "Relays".
+the controller itself, as before). docs/design/launcher.md, "Relays".
 
 This module knows three keys of the worker config the runtime builds (``command_address``,
 ``curve``, ``controller_timeout``) and adds one (``relay_address``); it imports nothing of dtorch.

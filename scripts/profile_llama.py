@@ -1,4 +1,4 @@
-"""Regenerate docs/profiling.png and the summary in docs/profiling.md: the Llama example's
+"""Regenerate docs/guide/profiling.png and the summary in docs/guide/profiling.md: the Llama example's
 generation (tp=2 on 2 local CPU workers, a few tokens) under dtorch.profile.
 
     python3 scripts/profile_llama.py [--tokens 4] [--trace /tmp/llama_trace.json]
@@ -17,7 +17,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4)
     parser.add_argument("--trace", default="/tmp/llama_trace.json")
-    parser.add_argument("--png", default=str(ROOT / "docs" / "profiling.png"))
+    parser.add_argument("--png", default=str(ROOT / "docs" / "guide" / "profiling.png"))
     args = parser.parse_args(argv)
     python = [sys.executable]
     subprocess.run(python + [str(ROOT / "examples" / "llama_generate.py"), "--tp", "2", "--tokens", str(args.tokens),

@@ -1,4 +1,4 @@
-"""DTorch's spellings and torch's keyword forms, each against plain torch (docs/migrating_from_dtorch.md
+"""DTorch's spellings and torch's keyword forms, each against plain torch (docs/guide/migrating.md
 lists what still differs): dtorch.Tensor, dtorch.Generator, DTensor.device / .data /
 to_torch_async, redistribute_by_dict's keywords, placements equal to a list, DeviceMesh.unbind(dims=),
 x.to(mesh), init_device_mesh with an int shape, the one-device-mesh rule, plus the ops whose

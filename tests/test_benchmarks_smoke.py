@@ -148,6 +148,23 @@ def test_a_saved_run_is_reported_again_without_measuring(tmp_path):
     assert markdown_report(again, titles, meta_again) == markdown_report(rows, titles, meta)
 
 
+def test_publish_rewrites_the_results_block_of_the_benchmarks_page(tmp_path):
+    """`python -m benchmarks --publish` writes into docs/design/benchmarks.md (DOCS_PAGE), between the
+    results markers, and copies the plot beside it: the page exists and has exactly one block, and
+    publish replaces the block and nothing else (checked on a copy)."""
+    from benchmarks.__main__ import DOCS_PAGE
+    from benchmarks.report import DOCS_BEGIN, DOCS_END, publish
+    text = DOCS_PAGE.read_text()
+    assert text.count(DOCS_BEGIN) == 1 and text.count(DOCS_END) == 1, f"{DOCS_PAGE}: one results block"
+    page, plot = tmp_path / "benchmarks.md", tmp_path / "latest.png"
+    page.write_text(text)
+    plot.write_bytes(b"png")
+    publish("NEW TABLES", plot, page)
+    head, rest = text.split(DOCS_BEGIN, 1)
+    assert page.read_text() == f"{head}{DOCS_BEGIN}\nNEW TABLES\n{DOCS_END}{rest.split(DOCS_END, 1)[1]}"
+    assert (tmp_path / "benchmarks.png").read_bytes() == b"png"
+
+
 def test_steal_share_is_read_from_proc_stat(tmp_path, monkeypatch):
     """steal.Meter: stolen ticks over the ticks the VM wanted a CPU (idle and iowait excluded);
     too few ticks give no figure rather than a rounding artefact."""
@@ -171,7 +188,7 @@ def test_steal_share_is_read_from_proc_stat(tmp_path, monkeypatch):
 
 
 def test_the_dp_step_cpu_script_runs():
-    """benchmarks.dp_step_cpu (docs/benchmarks.md quotes it) prints every row, with 2 steps each, in
+    """benchmarks.dp_step_cpu (docs/design/benchmarks.md quotes it) prints every row, with 2 steps each, in
     one round of turns between dtorch's session and DDP's ranks (both kept alive throughout)."""
     import subprocess
     import sys
@@ -186,7 +203,7 @@ def test_the_dp_step_cpu_script_runs():
 
 @pytest.mark.timeout(180)
 def test_the_step_phases_script_runs():
-    """benchmarks.step_phases (docs/benchmarks.md quotes its fsdp4 phases): a time for each phase."""
+    """benchmarks.step_phases (docs/design/benchmarks.md quotes its fsdp4 phases): a time for each phase."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.step_phases", "--layout", "fsdp2", "--steps", "1"],
                             cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -196,7 +213,7 @@ def test_the_step_phases_script_runs():
 
 @pytest.mark.timeout(180)
 def test_the_redistribute_ab_script_runs():
-    """benchmarks.redistribute_ab (docs/benchmarks.md quotes it): both default settings, each in
+    """benchmarks.redistribute_ab (docs/design/benchmarks.md quotes it): both default settings, each in
     its own controller process, with a time, a fault count and the workers' CPU for both redistributes."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.redistribute_ab", "--rounds", "1", "--bursts", "2"],
                             cwd=ROOT, capture_output=True, text=True, timeout=170)
@@ -210,7 +227,7 @@ def test_the_redistribute_ab_script_runs():
 
 @pytest.mark.timeout(120)
 def test_the_read_idle_script_runs():
-    """benchmarks.read_idle (docs/benchmarks.md quotes it): the cold-code line, then a dtorch read
+    """benchmarks.read_idle (docs/design/benchmarks.md quotes it): the cold-code line, then a dtorch read
     and the raw round trip after each pause, with their ratio."""
     result = subprocess.run([sys.executable, "-m", "benchmarks.read_idle", "--workers", "1", "--turns", "1",
                              "--reads", "3", "--pauses-ms", "0", "1"], cwd=ROOT, capture_output=True, text=True,
@@ -224,7 +241,7 @@ def test_the_read_idle_script_runs():
 
 @pytest.mark.timeout(120)
 def test_the_issue_floor_script_runs(tmp_path):
-    """benchmarks.issue_floor (docs/benchmarks.md quotes it): the floor against torch eager, dtorch's
+    """benchmarks.issue_floor (docs/design/benchmarks.md quotes it): the floor against torch eager, dtorch's
     issue loop with its publishes timed, and the reader of py-spy's raw samples, on a stack of the
     shape py-spy writes (only samples under the chain's line count)."""
     def run(*args):

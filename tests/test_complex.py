@@ -1,7 +1,7 @@
 """Complex tensors on real workers, against plain torch: every redistribute on complex64 (and
 complex128), moves between meshes, ops on complex shards, reads. Collectives carry a complex
 tensor as its real view (comm.real_view); what has no meaning for complex numbers, P(max) and
-P(min), is refused at the call (docs/ops.md, "Complex tensors")."""
+P(min), is refused at the call (docs/reference/ops.md, "Complex tensors")."""
 import contextlib
 import itertools
 

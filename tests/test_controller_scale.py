@@ -1,5 +1,5 @@
 """Benchmark 12 (controller CPU by world size) runs in smoke mode and leaves nothing running, and
-the 1,024-GPU model in benchmarks/scale_model.py derives its figures as docs/scale.md says.
+the 1,024-GPU model in benchmarks/scale_model.py derives its figures as docs/design/scale.md says.
 
 Nothing here asserts anything about speed."""
 from __future__ import annotations

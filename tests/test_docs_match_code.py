@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-ARCHITECTURE = DOCS / "architecture.md"
+ARCHITECTURE = DOCS / "design" / "architecture.md"
 
 
 def _block(path: Path, name: str) -> str:
@@ -43,18 +43,19 @@ def _file_table() -> list[str]:
 
 def test_architecture_file_table_lists_every_module():
     missing = sorted(_modules_on_disk() - set(_file_table()))
-    assert not missing, f"docs/architecture.md's file table lacks (one row each, one line on what it is): {missing}"
+    assert not missing, ("docs/design/architecture.md's file table lacks (one row each, one line on what it is): "
+                         f"{missing}")
 
 
 def test_architecture_file_table_names_only_files_that_exist():
     extra = sorted(set(_file_table()) - _modules_on_disk())
-    assert not extra, f"docs/architecture.md's file table names files that do not exist: {extra}"
+    assert not extra, f"docs/design/architecture.md's file table names files that do not exist: {extra}"
 
 
 def test_architecture_file_table_lists_each_module_once():
     rows = _file_table()
     twice = sorted({row for row in rows if rows.count(row) > 1})
-    assert not twice, f"docs/architecture.md's file table lists these more than once: {twice}"
+    assert not twice, f"docs/design/architecture.md's file table lists these more than once: {twice}"
 
 
 def test_architecture_file_table_check_can_fail():
@@ -82,13 +83,13 @@ def test_architecture_layer_table_is_test_layers():
     documented = _layer_rows()
     expected = [(name, tuple(names)) for name, names in reversed(LAYERS)]
     assert documented == expected, (
-        "docs/architecture.md's layer table (top first) differs from tests/test_layers.py's LAYERS "
+        "docs/design/architecture.md's layer table (top first) differs from tests/test_layers.py's LAYERS "
         f"(lowest first):\n docs: {documented}\n code: {expected}")
 
 
 # --- protocol.md: the version and the record tables ---------------------------------------------
 
-PROTOCOL = DOCS / "protocol.md"
+PROTOCOL = DOCS / "reference" / "protocol.md"
 
 
 def _cells(line: str) -> list[str]:
@@ -122,9 +123,9 @@ def _protocol():
 def test_protocol_doc_version_is_the_code_s():
     title = PROTOCOL.read_text().splitlines()[0]
     found = re.fullmatch(r"# The wire protocol \(version (\d+)\)", title)
-    assert found, f"docs/protocol.md's title should say the version: {title!r}"
+    assert found, f"docs/reference/protocol.md's title should say the version: {title!r}"
     assert int(found.group(1)) == _protocol().VERSION, (
-        f"docs/protocol.md says version {found.group(1)}; dtorch/runtime/protocol.py's VERSION is "
+        f"docs/reference/protocol.md says version {found.group(1)}; dtorch/runtime/protocol.py's VERSION is "
         f"{_protocol().VERSION}: say what changed in the page and update its title")
 
 
@@ -134,14 +135,16 @@ def test_protocol_doc_lists_every_command_with_its_fields_and_handler():
     documented = [row[0] for row in rows]
     expected = [command.__name__ for command in protocol.COMMANDS]
     assert documented == expected, (
-        "docs/protocol.md's command table (opcode order) differs from protocol.COMMANDS:\n"
+        "docs/reference/protocol.md's command table (opcode order) differs from protocol.COMMANDS:\n"
         f" missing: {[c for c in expected if c not in documented]}\n"
         f" not in the code: {[c for c in documented if c not in expected]}\n docs: {documented}\n code: {expected}")
     for (name, fields, handler, *_), command in zip(rows, protocol.COMMANDS):
         assert _field_names(fields) == list(command._fields[1:]), (
-            f"docs/protocol.md, {name}: fields {_field_names(fields)}, protocol.py: {list(command._fields[1:])}")
+            f"docs/reference/protocol.md, {name}: fields {_field_names(fields)}, "
+            f"protocol.py: {list(command._fields[1:])}")
         assert handler.startswith(f"`{protocol.handler_name(command)}`"), (
-            f"docs/protocol.md, {name}: the handler column should start with `{protocol.handler_name(command)}`")
+            f"docs/reference/protocol.md, {name}: the handler column should start with "
+            f"`{protocol.handler_name(command)}`")
 
 
 def test_protocol_doc_lists_every_message_with_its_kind_and_fields():
@@ -149,13 +152,16 @@ def test_protocol_doc_lists_every_message_with_its_kind_and_fields():
     rows = _rows(_block(PROTOCOL, "messages"))
     documented = [re.fullmatch(r"`(\w+)` \((\w+)\)", row[0]).groups() for row in rows]
     expected = [(message.__name__, kind.name) for message, kind in protocol.MESSAGES.items()]
-    assert documented == expected, f"docs/protocol.md's message table differs from protocol.MESSAGES:\n {documented}\n {expected}"
+    assert documented == expected, ("docs/reference/protocol.md's message table differs from protocol.MESSAGES:\n"
+                                    f" {documented}\n {expected}")
     for row, message in zip(rows, protocol.MESSAGES):
         assert _field_names(row[2]) == list(message._fields), (
-            f"docs/protocol.md, {message.__name__}: fields {_field_names(row[2])}, protocol.py: {list(message._fields)}")
+            f"docs/reference/protocol.md, {message.__name__}: fields {_field_names(row[2])}, "
+            f"protocol.py: {list(message._fields)}")
 
 
 def test_protocol_doc_checks_can_fail():
     assert _field_names("a, b (x, (y, z)), `c` (none)") == ["a", "b", "c"]
     assert _field_names("(none)") == [] and _field_names("— (every rank replies)") == []
     assert len(_rows(_block(PROTOCOL, "commands"))) == len(_protocol().COMMANDS) > 20
+

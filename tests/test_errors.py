@@ -317,7 +317,7 @@ def test_two_dtypes_where_torchs_kernels_take_one_are_refused_at_the_users_line(
 
 def test_in_place_forms_of_composed_methods_and_from_local_say_what_to_write(mesh4):
     x = dtorch.randn(4, 4, device_mesh=mesh4, placements=[Shard(0)])
-    assert x.t_() is x and x.placements == (Shard(1),)   # in place, as torch (docs/inplace.md)
+    assert x.t_() is x and x.placements == (Shard(1),)   # in place, as torch (docs/reference/inplace.md)
     assert x.swapaxes_(0, 1) is x and x.placements == (Shard(0),)
     with pytest.raises(dtorch.UnsupportedOpError, match=r"x.set_ .* Write x.data = source"):
         x.set_(x * 2)

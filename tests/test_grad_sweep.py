@@ -9,7 +9,7 @@ sum_i <output_i, c_i> for fixed random c_i (uploaded Replicate), so every output
 own weight. The gradients are read in the inputs' own placements (`x.grad`), which reduces the
 P(sum) gradients of Replicate inputs: the read path users take.
 
-Skipped by design (each a documented gap of docs/autograd.md): inputs placed P(max), whose
+Skipped by design (each a documented gap of docs/design/autograd.md): inputs placed P(max), whose
 gradient is not defined here; samples where torch itself has no gradient (integer inputs,
 non-differentiable ops) are not compared.
 """

@@ -218,7 +218,7 @@ def test_index_put_and_accumulate(mesh2, mesh22):
         assert_same(got.to_torch(), a.index_put((rows,), value, accumulate=True))
         assert_same(torch.index_put(x, (_up(rows[1:], mesh),), _up(value[1:], mesh)).to_torch(),
                     a.index_put((rows[1:],), value[1:]))
-        # torch's function with a local index tensor: uploaded Replicate as a constant (docs/ops.md)
+        # torch's function with a local index tensor: uploaded Replicate as a constant (docs/reference/ops.md)
         assert_same(torch.index_put(x, (rows[1:],), _up(value[1:], mesh)).to_torch(), a.index_put((rows[1:],), value[1:]))
         y = x.clone()
         y.index_put_((torch.tensor([True, False, False, True, False, False, True]),), torch.tensor(2.0))

@@ -1,5 +1,5 @@
 """In-place ops, item assignment and aliasing (dtorch/dtensor/inplace.py, dtorch/dtensor/aliasing.py,
-dtorch/ops/assignment.py; docs/inplace.md), against torch on meshes (1,), (2,), (2,2).
+dtorch/ops/assignment.py; docs/reference/inplace.md), against torch on meshes (1,), (2,), (2,2).
 
 Every in-place method is tested from the op's own sample calls (dtorch/ops/tooling/samples.py):
 `x.<op>_(*rest)` on a torch clone is the reference; where torch refuses the in-place form (the
@@ -363,7 +363,7 @@ ALIASING = [view_sees_base, base_sees_view, sibling_views, transpose_write_back,
             deepcopy_does_not_alias, expand_write, orphan_with_sibling, orphan_alone, detach_and_data_share_memory,
             diagonal_views, unfold_views, unfold_write, shape_changed_in_place, shape_changes_chained,
             shape_change_of_a_view, shape_change_then_base_dropped]
-# Cases where dtorch raises AliasingError instead of torch's values, and why (docs/inplace.md).
+# Cases where dtorch raises AliasingError instead of torch's values, and why (docs/reference/inplace.md).
 EXPECTED_REFUSALS = {
     "expand_write": "torch refuses it too (RuntimeError)",
     "orphan_with_sibling": "the base is gone while two views of it live: dtorch cannot update the other",

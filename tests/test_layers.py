@@ -1,4 +1,4 @@
-"""The layers of docs/architecture.md ("Where model-level code goes"), checked on the source: each
+"""The layers of docs/design/architecture.md ("Where model-level code goes"), checked on the source: each
 dtorch module sits in one layer and imports only from its own layer or lower ones. Imports inside
 functions count too. A module the table does not place fails, so a new folder gets its place here
 and in the docs before its code lands."""
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (layer, modules), lowest first. A name ending in ".*" places a package and every module under
 # it; any other name places exactly that module. Nothing has a default: a new top-level module or
-# package fails test_every_module_has_a_layer until it is placed here and in docs/architecture.md.
+# package fails test_every_module_has_a_layer until it is placed here and in docs/design/architecture.md.
 LAYERS = [
     ("pure", ("dtorch.errors", "dtorch.spec.*", "dtorch.ops.*")),
     ("launcher", ("dtorch_launcher.*",)),
@@ -64,14 +64,14 @@ def _graph():
 
 def test_every_module_has_a_layer():
     unplaced = [m for m in _graph() if layer_of(m) is None]
-    assert not unplaced, f"give these modules a layer in LAYERS and docs/architecture.md: {unplaced}"
+    assert not unplaced, f"give these modules a layer in LAYERS and docs/design/architecture.md: {unplaced}"
 
 
 def test_no_module_imports_a_layer_above_its_own():
     upward = [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
               for a, targets in sorted(_graph().items()) for b in sorted(targets)
               if layer_of(a) is not None and layer_of(b) is not None and layer_of(b) > layer_of(a)]
-    assert not upward, "imports against the layering (docs/architecture.md):\n" + "\n".join(upward)
+    assert not upward, "imports against the layering (docs/design/architecture.md):\n" + "\n".join(upward)
 
 
 def test_the_pure_layer_starts_nothing():

@@ -8,7 +8,7 @@ lists the known gaps, each refused with a PlacementError that names the redistri
 (test_known_gaps_still_refuse pins a sample). Other gaps:
   - tensor (advanced) indexing x[idx] is tests/test_indexing.py's (x[dtensor_mask] reads the mask:
     tests/test_data_dependent.py).
-  - view(dtype) is unsupported. Views and in-place ops: tests/test_inplace.py (docs/inplace.md).
+  - view(dtype) is unsupported. Views and in-place ops: tests/test_inplace.py (docs/reference/inplace.md).
 """
 import math
 

@@ -196,7 +196,7 @@ def test_another_user_can_neither_listen_nor_send(stranger):
 
 def test_the_same_user_without_the_secret_gets_nothing_accepted():
     """Same user: the ipc socket is reachable (file permissions cannot tell two processes of one
-    user apart), so it hears the commands (docs/launcher.md says so; dtorch.init(curve=True)
+    user apart), so it hears the commands (docs/design/launcher.md says so; dtorch.init(curve=True)
     closes that, test above), but none of its messages is accepted, and each drop is counted and
     logged without a traceback."""
     report, stderr = run_intrusion("-")

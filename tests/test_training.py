@@ -337,7 +337,7 @@ def test_a_compiled_training_step_of_a_tied_pipeline_model_trains_like_torch(tie
     # labels on the last stage, where the loss is: the shift then runs there, with no read
     step = dtorch.compile(lambda ids, labels: _train_step(model, optimizer, ids, labels))
     losses = [step(dtorch.tensor(ids, device_mesh=first), dtorch.tensor(ids, device_mesh=last)) for ids in batches()]
-    assert step.captures == 2   # a training step's two (docs/compile.md): then every call replays
+    assert step.captures == 2   # a training step's two (docs/design/compile.md): then every call replays
     assert_trained_like_torch(model, losses, tied_reference, atol=TIED_ATOL)
 
 

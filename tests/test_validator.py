@@ -88,8 +88,9 @@ def test_command_line():
 @pytest.mark.timeout(300)   # plans every placement combination of every op: ~20 s (meta inference once per shape)
 def test_docs_ops_md_is_generated_from_the_tables():
     from dtorch.ops.tooling.docs import render
-    with open(os.path.join(REPO, "docs", "ops.md")) as f:
-        assert f.read() == render(), "docs/ops.md is stale: python -m dtorch.ops.tooling.docs > docs/ops.md"
+    with open(os.path.join(REPO, "docs", "reference", "ops.md")) as f:
+        assert f.read() == render(), ("docs/reference/ops.md is stale: "
+                                      "python -m dtorch.ops.tooling.docs > docs/reference/ops.md")
 
 
 def test_every_op_of_the_swept_families_has_samples():

@@ -1,5 +1,5 @@
 """dtorch.autograd: backward() and grad() over DTensors, grad mode, and the gradient placement
-rules (docs/autograd.md). Installs DTensor.backward, DTensor.grad and DTensor.retain_grad."""
+rules (docs/design/autograd.md). Installs DTensor.backward, DTensor.grad and DTensor.retain_grad."""
 from __future__ import annotations
 
 from ..dtensor.recording import enable_grad, is_grad_enabled, no_grad, set_grad_enabled

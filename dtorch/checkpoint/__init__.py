@@ -10,7 +10,7 @@ reading its own blocks, loading back onto any layout:
     state = dtorch.checkpoint.load({"model": model.state_dict(), "step": 0}, "ckpt/")   # fills it in place
     python -m dtorch.checkpoint.convert ckpt/ full.pt                            # a plain torch state dict
 
-docs/checkpoint.md says what travels where, what a multi-host cluster needs, and how errors surface.
+docs/design/checkpoint.md says what travels where, what a multi-host cluster needs, and how errors surface.
 """
 from __future__ import annotations
 

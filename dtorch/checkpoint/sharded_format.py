@@ -1,5 +1,5 @@
 """The sharded checkpoint format that dtorch.checkpoint.save writes and load reads back onto any
-layout (docs/checkpoint.md, "Sharded checkpoints"): a directory of safetensors files, one per
+layout (docs/design/checkpoint.md, "Sharded checkpoints"): a directory of safetensors files, one per
 writing rank and SaveShard, plus `checkpoint.json`, written last:
 
     {"format": "dtorch-sharded", "version": 1,

@@ -1,4 +1,4 @@
-"""Which DTensors are views of which: the bookkeeping behind torch's aliasing (docs/inplace.md).
+"""Which DTensors are views of which: the bookkeeping behind torch's aliasing (docs/reference/inplace.md).
 
 A dtorch view op (x[0], x.T, x.view(...), x.chunk(2)[1], ...) makes a new symbol with its own
 buffers, so aliasing is bookkeeping: each result of a view op gets a `Node` that remembers its

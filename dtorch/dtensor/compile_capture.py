@@ -1,5 +1,5 @@
 """The capture in progress: what dtorch.compile records while the first call with a signature runs
-(docs/compile.md).
+(docs/design/compile.md).
 
 The call runs as any eager call does: every command it issues goes to the workers at once. The
 controller also hands each one to the capture (`check` before it is numbered, `record` after),

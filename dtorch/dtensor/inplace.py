@@ -1,4 +1,4 @@
-"""In-place ops and item assignment, functional underneath (docs/inplace.md).
+"""In-place ops and item assignment, functional underneath (docs/reference/inplace.md).
 
 `x.add_(y)` computes `x.add(y)` as an ordinary op and rebinds the Python object x to the new
 symbol (the old id is released once; the temporary never frees the new one). The result takes

@@ -1,4 +1,4 @@
-"""The in-place methods of DTensor (docs/inplace.md): `<op>_` for every registered non-view op
+"""The in-place methods of DTensor (docs/reference/inplace.md): `<op>_` for every registered non-view op
 that torch.Tensor has an `<op>_` for (a new pointwise op gets its in-place form for free), the
 ones composed of ops or refilled from dtorch's random stream (fill_, copy_, normal_,
 tril_, fill_diagonal_, ...), the shape changes and detach_ (dtorch/dtensor/inplace.py), and `x += y`.

@@ -7,7 +7,7 @@ DTensor's op methods (x + y, x.sum()) and torch's functions on DTensors (torch_f
 the compositions that dtorch writes as Python over ops, dtensor/api.py's TORCH_FUNCTIONS) are
 registered from here.
 
-This runs for every op: keep it free of extra calls and attribute lookups (docs/benchmarks.md
+This runs for every op: keep it free of extra calls and attribute lookups (docs/design/benchmarks.md
 measures it). dtorch/dtensor/tensor.py re-exports call_op, which most of dtorch imports from there.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the controller records for backward: grad mode, and one small node per tensor that
 requires grad. Only the graph's shape lives here (which tensors came from which, across which
 meshes); the values and torch's own autograd graph live on the workers, which record each op
-on their local shards when its RunOp says `grad` (docs/autograd.md).
+on their local shards when its RunOp says `grad` (docs/design/autograd.md).
 
 A node never holds a DTensor of the user's (so it never keeps a buffer alive), except a
 pipeline hop's two ends: those the backward pass must name on the workers.

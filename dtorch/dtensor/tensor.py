@@ -432,7 +432,7 @@ class DTensor(torch.Tensor):
                             "default_placement_mode is 'raise_error'")
         return self.redistribute(mesh, placements)
 
-    # --- DTorch's spellings (docs/migrating_from_dtorch.md) ---
+    # --- DTorch's spellings (docs/guide/migrating.md) ---
     @property
     def device(self) -> torch.device:
         """The mesh's device, as torch's DTensor reports it: torch.device("cpu"), or

@@ -237,7 +237,7 @@ class LlamaForCausalLM(GreedyDecoding, nn.Module):
     # --- activation checkpointing, transformers' spelling ----------------------------------------------
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         """In training mode, each decoder layer keeps its input only and runs again in backward
-        (dtorch.utils.checkpoint: docs/training.md, "Activation checkpointing"); an fsdp layer
+        (dtorch.utils.checkpoint: docs/design/training.md, "Activation checkpointing"); an fsdp layer
         gathers its parameters again there. transformers' kwargs (use_reentrant) change nothing."""
         self.gradient_checkpointing = True
 

@@ -267,7 +267,7 @@ def from_torch_style(style) -> ParallelStyle:
 def loss_parallel():
     """torch's `loss_parallel()` context, here a no-op: dtorch's F.cross_entropy and F.nll_loss on
     class-sharded logits never gather the classes, inside this context or outside it
-    (docs/models.md, "Losses"). torch's own loss_parallel() is accepted as well."""
+    (docs/design/models.md, "Losses"). torch's own loss_parallel() is accepted as well."""
     yield
 
 

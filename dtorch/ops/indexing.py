@@ -230,7 +230,7 @@ class _Write(NamedTuple):
     positions: tuple                     # input indices of index tensors
     law: Callable[[Call], str]
     dims_in_target: Callable = None      # (call, input index, dim along) -> its dims as target dims
-    partials: str = ""                   # the Partial forms, in words (docs/ops.md)
+    partials: str = ""                   # the Partial forms, in words (docs/reference/ops.md)
 
 
 def _same_dims(call: Call, index: int, along: int):

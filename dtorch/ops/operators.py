@@ -1,4 +1,4 @@
-"""PURE: Python's operators on a DTensor, each a row (dunder method, op it calls, how docs/ops.md
+"""PURE: Python's operators on a DTensor, each a row (dunder method, op it calls, how docs/reference/ops.md
 spells it). dtensor/op_issue.py installs the dunders; ops/tooling/docs.py shows the spellings.
 
 A reflected operator (2 - x reaches x.__rsub__(2)) calls an op whose first operand is the DTensor:

@@ -42,7 +42,7 @@ def expand(rule: Rule, call: Call) -> tuple[list[tuple], list[tuple]]:
 class _Worded:
     """An error message composed when first read. Wording a refusal searches every legal
     combination and costs the cheapest fix (milliseconds); callers that only test whether a
-    layout is accepted (the sweeps, docs/ops.md's generator, strict-mode probes) never read it."""
+    layout is accepted (the sweeps, docs/reference/ops.md's generator, strict-mode probes) never read it."""
     __slots__ = ("_compose", "_text")
 
     def __init__(self, compose):

@@ -60,7 +60,7 @@ def unsupported_op(name: str, spelled: str, error: type = UnsupportedOpError,
     if is_inplace_name(name):
         return _inplace_method(name, spelled, error, out_of_place_method)
     return error(f"{spelled} is not supported by dtorch yet (at {user_site()}).{_nearest_hint(name)} "
-                 "docs/ops.md lists every supported op.")
+                 "docs/reference/ops.md lists every supported op.")
 
 
 def unsupported_method(name: str, out_of_place_method: bool = False) -> UnsupportedMethodError:
@@ -85,7 +85,7 @@ def _inplace_method(name: str, spelled: str, error: type, out_of_place_method: b
     else:
         advice = f"dtorch has no {base} op yet either.{_nearest_hint(base)}"
     return error(f"{spelled} changes a tensor in place, which dtorch does not support for this op "
-                 f"(at {user_site()}); docs/inplace.md lists the in-place forms it has. {advice}")
+                 f"(at {user_site()}); docs/reference/inplace.md lists the in-place forms it has. {advice}")
 
 
 def inplace_flag_refused(name: str) -> UnsupportedOpError:

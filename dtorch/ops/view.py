@@ -26,7 +26,7 @@ reduction over ranks commutes with any rearrangement of elements).
                    trailing dim is new); a sharded `dimension` would cut windows at shard edges.
   Both are views, as in torch (dtorch/dtensor/aliasing.py): a write to `x.diagonal()` reaches x through
   diagonal_scatter (input S(d) off dim1 and dim2 with src sharded on d's diagonal dim, R, a Partial
-  pair); a write through `x.unfold(...)` is refused (docs/inplace.md).
+  pair); a write through `x.unfold(...)` is refused (docs/reference/inplace.md).
 """
 from __future__ import annotations
 

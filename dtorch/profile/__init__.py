@@ -1,4 +1,4 @@
-"""dtorch.profile: a timeline of everything, on one clock (docs/profiling.md).
+"""dtorch.profile: a timeline of everything, on one clock (docs/design/profiling.md).
 
     with dtorch.profile("trace.json"):
         ...                                   # ops, reads, backward, optimizer steps

@@ -11,7 +11,7 @@ Commands (DefineMesh ... Shutdown) are typed records that travel as rows of a Ba
 other message is a typed record of its own (Batch ... Pong), encoded by `encode` and read back by
 `decode`, which checks each field's type. Every header is msgpack and starts with (VERSION, kind).
 Tensor bytes travel as raw frames after the header, never inside msgpack, and nothing that arrives
-from a socket is ever unpickled. docs/protocol.md describes the same schema in prose; its version
+from a socket is ever unpickled. docs/reference/protocol.md describes the same schema in prose; its version
 and its tables of commands and messages (names, fields, handlers) are checked against this module by
 tests/test_docs_match_code.py, so a new command or a version bump needs its row there.
 """

@@ -173,7 +173,7 @@ class DeviceMesh:
     # the controller answers as the mesh's first rank, coordinate (0, ..., 0): such a branch runs
     # once, as in one process. What torch's per-rank library code needs to build the calling
     # rank's own shard (its coordinate, a process group) has no meaning with a single controller
-    # and raises, naming dtorch's call with the same arguments (docs/models.md).
+    # and raises, naming dtorch's call with the same arguments (docs/design/models.md).
     @property
     def mesh(self):
         """The ranks as a torch int tensor of the mesh's shape, as torch's DeviceMesh.mesh."""

@@ -32,7 +32,7 @@ def test_relayed_workers_compute_like_torch_and_nothing_outlives_shutdown(sshd_h
         pids = [w["pid"] for w in workers] + [r["pid"] for r in relays]
         assert [(r["host"], r["ranks"]) for r in relays] == [("host-a", [0, 1]), ("host-b", [2, 3])]
         assert [ssh_server_address(r["pid"]) for r in relays] == ["127.0.0.2", "127.0.0.3"]
-        # hosts on loopback, a controller on 127.0.0.1: still TCP, so CURVE is on (docs/launcher.md, "Privacy")
+        # hosts on loopback, a controller on 127.0.0.1: still TCP, so CURVE is on (docs/design/launcher.md, "Privacy")
         session = json.loads(read_tagged_line(controller.stdout, "SESSION ", stderr_path))
         assert session["curve"] is True and session["command_address"].startswith("tcp://127.0.0.1:"), session
         assert read_tagged_line(controller.stdout, "OK", stderr_path) == ""

@@ -1,4 +1,4 @@
-"""examples/train_llama.py under dtorch-launch, as docs/training.md shows it: dp 2 with one worker on
+"""examples/train_llama.py under dtorch-launch, as docs/design/training.md shows it: dp 2 with one worker on
 each of two ssh hosts trains, and each worker writes its own shards of the checkpoint into --out."""
 import json
 

@@ -3,7 +3,7 @@ tiny random config (nothing is downloaded) and called as its library's documenta
 
 A ZooModel says how to build the torch model, how to make one batch of its inputs (every input's
 first dim is the batch, which dp shards), how to call it (its output to compare, its loss), and
-the tensor-parallel plan, where it has one, with dtorch.nn's styles (docs/models.md)."""
+the tensor-parallel plan, where it has one, with dtorch.nn's styles (docs/design/models.md)."""
 from __future__ import annotations
 
 import dataclasses

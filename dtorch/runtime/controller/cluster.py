@@ -138,7 +138,7 @@ class ForkedWorker(LocalWorker):
 
 # A local pool past this many workers needs DTORCH_MAX_LOCAL_WORKERS: init_device_mesh("cpu",
 # (1000,)) once started 1,063 processes and took 15.6 GB in 78 s before anything said no. A
-# directly started worker holds about 150 MiB once it has run an op (docs/worker_template.md);
+# directly started worker holds about 150 MiB once it has run an op (docs/design/worker_template.md);
 # forked ones share most of it, but each grows by what it computes.
 WORKER_BYTES = 150 << 20
 MIN_LOCAL_LIMIT = 64   # tests/test_scale.py's pool, on any machine with the memory for it

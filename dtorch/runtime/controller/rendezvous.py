@@ -3,7 +3,7 @@
 torch's TCPStore server listens on every interface ("*") whatever host name it is given; a local
 session would then expose its store to the whole network. We bind the listening socket ourselves
 and hand torch the descriptor, so the store is reachable only where the controller listens
-(127.0.0.1 for local sessions). The store is plain TCP: see docs/launcher.md's security model.
+(127.0.0.1 for local sessions). The store is plain TCP: see docs/design/launcher.md's security model.
 """
 from __future__ import annotations
 

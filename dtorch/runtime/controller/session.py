@@ -25,7 +25,7 @@ _lock = threading.RLock()
 _controller: Controller | None = None
 _spawner = None
 # "0" turns CURVE off for a TCP session (dtorch.init(curve=False) does the same), "1" turns it on for
-# a local ipc one; docs/launcher.md, "Privacy".
+# a local ipc one; docs/design/launcher.md, "Privacy".
 ENV_CURVE = "DTORCH_CURVE"
 _random = {"seed": random.SystemRandom().getrandbits(63), "counter": 0}
 
@@ -210,7 +210,7 @@ def replace_lost_workers(timeout: float = 120.0) -> list[dict]:
     mesh holding a lost rank are refused from then on (LostTensorError: rebuild them, e.g. from a
     checkpoint); tensors on meshes of surviving ranks only stay valid. Returns one dict per
     replaced rank: rank, host, pid (the new process), lost_pid, reason; [] if none was lost.
-    docs/launcher.md, "Recovering from a lost worker"."""
+    docs/design/launcher.md, "Recovering from a lost worker"."""
     with _lock:
         return recovery.replace_lost_workers(controller(), _spawner, timeout, _progress)
 

@@ -2,7 +2,7 @@
 named after it (`_on_register`, `_on_reply`, ...), run by whichever thread holds the ROUTER
 lock (the loop thread, or a thread blocked on a read: Controller.receive_here).
 
-Every handler first checks who sent the message (docs/protocol.md, "Acceptance"); a message
+Every handler first checks who sent the message (docs/reference/protocol.md, "Acceptance"); a message
 that fails a check raises ProtocolError, and the caller drops it, counts it and logs why.
 
 A mixin of Controller (controller.py), which provides what these handlers use: `sockets`,
@@ -31,7 +31,7 @@ _PONG = wire.encode(wire.Pong())
 class WorkerMessages:
     def _on_message(self, identity: bytes, header: bytes | None, data: list) -> None:
         """Only well-formed messages reach a handler (types and frame counts checked first);
-        each handler then checks who sent it (docs/protocol.md, "Acceptance")."""
+        each handler then checks who sent it (docs/reference/protocol.md, "Acceptance")."""
         message = wire.decode_from_worker(header, data)
         self._handlers[type(message)](identity, message, data)
 
@@ -178,7 +178,7 @@ class WorkerMessages:
 
 
 # A replay reads the tensors its function read from outside its arguments by the ids they had at
-# the capture (docs/compile.md, "What is not replayed"): one freed since is missing on the workers.
+# the capture (docs/design/compile.md, "What is not replayed"): one freed since is missing on the workers.
 _FREED_IN_REPLAY = ("; in a dtorch.compile replay this is most often a tensor the compiled function reads from "
                     "outside its arguments (a closure, a global, a module attribute) that was rebound and "
                     "freed after the first call: the replay reads the tensor the capture saw. Pass such a "

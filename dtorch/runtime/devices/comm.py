@@ -84,7 +84,7 @@ class Communicator(Protocol):
     PeerLostError on the members still waiting once the controller marks a peer lost or the
     timeout passes, and every later call on that group raises it at once. NCCL calls return as
     soon as they are enqueued on the current stream; a watchdog exits the worker when one does
-    not finish within the timeout, a peer is lost, or NCCL reports an error (docs/cuda.md).
+    not finish within the timeout, a peer is lost, or NCCL reports an error (docs/design/cuda.md).
     """
 
     @property

@@ -10,7 +10,7 @@ go straight to the controller. DTORCH_RELAY=0 turns them off, as for dtorch-laun
 
 A relay here is a process like a worker (`python -m dtorch.runtime.processes.relay`, its config on stdin,
 which stays open: its EOF, when the controller goes, ends the relay). Its loss is reported as the
-loss of the workers it serves, as docs/launcher.md's "Relays" describes for hosts.
+loss of the workers it serves, as docs/design/launcher.md's "Relays" describes for hosts.
 """
 from __future__ import annotations
 

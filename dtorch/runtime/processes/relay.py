@@ -6,7 +6,7 @@ more than one slot (`python -m dtorch.runtime.processes.relay`, by launcher/rela
 the controller once (TCP, CURVE whenever the run has keys) and republishes every message,
 frames unchanged, on an ipc:// socket that the host's workers subscribe to instead. Sequence
 numbers and gap checks therefore stay end to end; replies and heartbeats go straight from each
-worker to the controller, as without a relay (docs/launcher.md, "Relays").
+worker to the controller, as without a relay (docs/design/launcher.md, "Relays").
 
 Config: one JSON line on stdin, like a worker's (never on a command line): `upstream` (the
 controller's PUB address), `curve` (the client keys workers get, or null), `ranks` (the ranks

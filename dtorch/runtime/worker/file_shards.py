@@ -9,10 +9,10 @@ block cuts are whole, so each run spans the cut dim's length times their size. R
 closer than GAP_LIMIT bytes (Shard(1) of a narrow matrix: many tiny runs) are read as the range
 covering them, in CHUNK_BYTES pieces, and the block is copied out of it: there a system call per
 run costs more than reading the gap. The crossover, measured from the page cache, is between
-768 B and 2 KiB gaps (docs/checkpoint.md has the numbers).
+768 B and 2 KiB gaps (docs/design/checkpoint.md has the numbers).
 
 Every chunk a worker writes carries its crc32 (zlib's: the fastest checksum or hash in the
-standard library on this project's machine; docs/checkpoint.md, "Checksums", has the figures),
+standard library on this project's machine; docs/design/checkpoint.md, "Checksums", has the figures),
 recorded in the file's own metadata; the controller copies it into the checkpoint's index. A read
 checks it where the bytes are read (read_region, bottom of this file).
 """

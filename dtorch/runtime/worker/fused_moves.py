@@ -3,7 +3,7 @@ whose placements the op's rule refuses), run by the op's own command instead of 
 command each.
 
 Why fused: one command instead of two or more (the issuing thread's CPU per op with a move
-halves: docs/architecture.md, "Enqueue"), and a moved input (an all-gathered weight, say) lives
+halves: docs/design/architecture.md, "Enqueue"), and a moved input (an all-gathered weight, say) lives
 only while the op runs, not until the Free of its symbol.
 
 The failure rule is a Redistribute's (Worker._stand_in): every rank joins every collective of
