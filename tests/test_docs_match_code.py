@@ -1,6 +1,14 @@
 """The docs that describe the code, checked against it: each check reads a block of the docs
 between HTML comment markers (`<!-- name:begin -->` ... `<!-- name:end -->`), so a page can say
-anything around it, and the block itself cannot drift from the code without failing here."""
+anything around it, and the block itself cannot drift from the code without failing here.
+
+- docs/design/architecture.md: the file table lists every module of dtorch/ and launcher/, once,
+  and nothing else; the layer table is tests/test_layers.py's LAYERS.
+- docs/reference/protocol.md: its version and its tables of commands and messages are
+  protocol.py's.
+- every docs/ path cited in the repository (README, docs, code, tests) exists, and every relative
+  link in README.md and docs/ leads to a file and heading that exist.
+- docs/guide/ stays under 120 KB."""
 from __future__ import annotations
 
 import re
@@ -165,3 +173,80 @@ def test_protocol_doc_checks_can_fail():
     assert _field_names("(none)") == [] and _field_names("— (every rank replies)") == []
     assert len(_rows(_block(PROTOCOL, "commands"))) == len(_protocol().COMMANDS) > 20
 
+
+# --- links: every docs/ path the repository cites exists ----------------------------------------
+
+# Where a docs/ path may be cited. CHANGELOG.md is history: it names pages where they were.
+CITING = ("README.md", "docs", "dtorch", "launcher", "benchmarks", "scripts", "examples", "tests", "pyproject.toml")
+DOCS_PATH = re.compile(r"\bdocs/[\w./-]*\w\.(?:md|png)\b")
+MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _citing_files():
+    for name in CITING:
+        path = ROOT / name
+        if path.is_file():
+            yield path
+        else:
+            yield from sorted(p for p in path.rglob("*") if p.suffix in (".md", ".py", ".sh", ".toml")
+                              and "__pycache__" not in p.parts)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set:
+    return {_slug(line.lstrip("#")) for line in page.read_text().splitlines() if re.match(r"#{1,6} ", line)}
+
+
+def test_every_cited_docs_path_exists():
+    missing = []
+    for path in _citing_files():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            missing += [f"{path.relative_to(ROOT)}:{number}: {cited}" for cited in DOCS_PATH.findall(line)
+                        if not (ROOT / cited).exists()]
+    assert not missing, "these docs/ paths do not exist (moved or renamed?):\n" + "\n".join(missing)
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    """Markdown links in README.md and docs/ to files of this repository (and their #anchors, to
+    a heading of the page) lead somewhere."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            for target in MARKDOWN_LINK.findall(line):
+                if re.match(r"[a-z]+:", target):
+                    continue   # http(s): and mailto: links
+                file, _, anchor = target.partition("#")
+                resolved = (page.parent / file).resolve() if file else page
+                if not resolved.exists():
+                    broken.append(f"{page.relative_to(ROOT)}:{number}: {target} (no such file)")
+                elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+                    broken.append(f"{page.relative_to(ROOT)}:{number}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_the_link_checks_can_fail():
+    gone = "docs/" + "gone.md"   # spelled so that this file cites no missing page itself
+    assert DOCS_PATH.findall(f"see docs/guide/models.md, and {gone}.") == ["docs/guide/models.md", gone]
+    assert not (ROOT / gone).exists()
+    assert _slug("Which calls wait") == "which-calls-wait"
+    assert _slug("`dtorch.compile`: one command") == "dtorchcompile-one-command"
+
+
+# --- the guide stays short ----------------------------------------------------------------------
+
+GUIDE_LIMIT_BYTES = 120 * 1024
+
+
+def test_the_guide_stays_under_120_kb():
+    sizes = {page.name: page.stat().st_size for page in sorted((DOCS / "guide").glob("*.md"))}
+    assert {"getting_started.md", "models.md", "training.md", "checkpoints.md", "compile.md", "launching.md",
+            "profiling.md", "migrating.md"} <= set(sizes), sorted(sizes)
+    total = sum(sizes.values())
+    assert total < GUIDE_LIMIT_BYTES, (
+        f"docs/guide/ is {total / 1024:.1f} KB, over {GUIDE_LIMIT_BYTES // 1024} KB: move how it works to "
+        f"docs/design/ and history to CHANGELOG.md ({sizes})")
