@@ -1,7 +1,7 @@
 """Llama (transformers' LlamaForCausalLM, same parameter names and numerics) on any layout of a mesh
 whose dims are named from "dp", "fsdp", "pp", "cp", "tp" (any may be absent or of size 1):
 
-  dp, fsdp  the batch is sharded; parameters are replicated (fsdp shards them in the training issue)
+  dp, fsdp  the batch is sharded; parameters are replicated over dp, sharded over fsdp (fully_shard per layer)
   tp        Megatron: q/k/v/gate/up column-parallel, o/down row-parallel (their partial sums all-reduced
             into the residual stream), vocab-parallel embedding and lm_head; the loss is a
             vocab-parallel cross-entropy that never gathers the logits
