@@ -1,7 +1,7 @@
 """Memory stays flat in a long run (issue 43). The controller's records of past commands stay
 within their bounds however long a program runs (deterministic: these are the main guard), and
 a short training soak, eager and dtorch.compile'd steps with reads, keeps the controller's RSS
-flat after its warm-up (benchmarks/soak_rss.py; docs/benchmarks.md, "Soak", has the 10-minute
+flat after its warm-up (benchmarks/soak_rss.py; docs/design/benchmarks.md, "Soak", has the 10-minute
 figures)."""
 from __future__ import annotations
 
