@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
                         args.turns)
     print(f"checksums over {args.mib} MiB in memory (zlib {zlib.ZLIB_RUNTIME_VERSION}), GB/s: "
           + ", ".join(f"{name} {nbytes / median(seconds) / GB:.2f}" for name, seconds in rates.items()), flush=True)
-    del buffer
+    buffer = None   # frees it; a lambda above closes over the name, so it is rebound, not deleted
 
     scratch = tempfile.mkdtemp(prefix="checkpoint_checksum-")
     try:
@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
         print(_line(f"write_safetensors, one worker's {per_worker >> 20} MiB, crc32", writes[True], per_worker,
                     writes[False]), flush=True)
         print(_line("write_safetensors, no checksum", writes[False], per_worker), flush=True)
-        del blocks
+        blocks = None   # as buffer above
         _save_and_load(torch, args.workers, rows, nbytes, args.turns, scratch)
         print(f"load average after: {os.getloadavg()[0]:.1f}", flush=True)
     finally:

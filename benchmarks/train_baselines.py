@@ -123,6 +123,6 @@ def _measure(build, ids, reps: int, warmup: int, barrier=None) -> dict:
     meter = Meter()
     samples = repeat(once, reps, warmup=0)
     result = {"samples": samples, "idle_mib": idle, "peak_mib": peak_mib(), "steal": meter.share()}
-    del model, optimizer
+    model = optimizer = None   # frees both; `once` closes over the names, so they are rebound, not deleted
     gc.collect()   # the next layout starts from this layout's memory given back
     return result
