@@ -9,12 +9,12 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # no display on CI machines or over SSH
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from .per_op_summary import per_op_lines  # noqa: E402
-from .timing import Row, format_seconds  # noqa: E402
+from .per_op_summary import per_op_lines
+from .timing import Row, format_seconds
 
 __all__ = ["draw"]
 

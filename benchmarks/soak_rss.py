@@ -132,7 +132,7 @@ class Trainer:
     def __call__(self):
         import torch
         import dtorch
-        from dtorch import Replicate, Shard
+        from dtorch import Shard
         batch = torch.randint(0, self.args.vocab, (self.args.batch, self.args.context + 1), generator=self.generator)
         ids, targets = (dtorch.tensor(t.contiguous(), device_mesh=self.mesh, placements=[Shard(0)])
                         for t in (batch[:, :-1], batch[:, 1:]))

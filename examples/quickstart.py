@@ -4,7 +4,7 @@ import asyncio
 import torch
 
 import dtorch
-from dtorch import Partial, Replicate, Shard, init_device_mesh
+from dtorch import Replicate, Shard, init_device_mesh
 
 
 def main() -> None:

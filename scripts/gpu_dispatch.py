@@ -23,12 +23,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-import dtorch  # noqa: E402
-from benchmarks.chain import run_chain  # noqa: E402
-from dtorch.spec.placements import Partial, Replicate, init_device_mesh  # noqa: E402
-from dtorch.runtime.devices.nccl import SINGLE_RANK_VARIABLE  # noqa: E402
+import dtorch
+from benchmarks.chain import run_chain
+from dtorch.spec.placements import Partial, Replicate, init_device_mesh
+from dtorch.runtime.devices.nccl import SINGLE_RANK_VARIABLE
 
 SHAPE = (64, 128)
 

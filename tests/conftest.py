@@ -2,7 +2,6 @@
 check that nothing is left running afterwards."""
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest

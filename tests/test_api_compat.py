@@ -12,7 +12,7 @@ import torch
 import dtorch
 from dtorch import Partial, Replicate, Shard
 from dtorch.spec.placements import DeviceMesh, init_device_mesh
-from dtorch.errors import MeshError, UnsupportedOpError
+from dtorch.errors import MeshError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,7 +3,6 @@ through the real Worker's entry point for one message (`Worker._on_message`, wha
 for every message of its SUB socket). Properties: the worker either runs the message (a failing
 command becomes that command's error report) or raises one ProtocolError, never anything else;
 after a message it ran, the next valid batch computes the right value."""
-import itertools
 import resource
 
 import pytest

@@ -14,7 +14,6 @@ gradient is not defined here; samples where torch itself has no gradient (intege
 non-differentiable ops) are not compared.
 """
 import itertools
-import random
 import zlib
 
 import pytest

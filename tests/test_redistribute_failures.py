@@ -8,7 +8,6 @@ memory would. The peer must finish every step (Gloo's timeout is set short, so a
 fails the test in seconds instead of hanging), and the failing rank must report the error and
 poison its output. Through the whole runtime, a read then raises (tests/test_errors.py).
 """
-import itertools
 import threading
 
 import pytest

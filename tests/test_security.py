@@ -1,6 +1,11 @@
 """CURVE on the controller's channels: a process without the run's keys can neither read commands
 nor inject replies, and workers that hold the keys work as usual."""
 import json
+import os
+import shutil
+import subprocess
+
+import pytest
 
 from support import run_script
 
@@ -65,14 +70,6 @@ def test_without_the_keys_nothing_is_heard_and_nothing_injected():
 
 
 # --- the local default: private ipc sockets, the run's secret ------------------------------------
-import os
-import pwd
-import shutil
-import subprocess
-import sys
-
-import pytest
-
 # A process that knows the addresses but not the secret: it listens to everything and forges a
 # registration, replies for the reads to come, an error and heartbeats under guessed identities.
 # It prints what it managed; it runs as the user its caller chose.

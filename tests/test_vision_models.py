@@ -8,7 +8,6 @@ import torch
 
 import dtorch
 from dtorch import Shard, nn
-from dtorch.spec.placements import init_device_mesh
 from dtorch.models.convnets import AlexNet, BasicBlock, Bottleneck, ResNet
 
 from support import assert_same

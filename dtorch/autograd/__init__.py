@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..dtensor.recording import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from ..dtensor import api
-from .engine import backward, backward_stages, clear_grads, grad, leaf_grad, no_sync, reduce_gradients, set_leaf_grad
+from .engine import backward, backward_stages, grad, leaf_grad, no_sync, reduce_gradients, set_leaf_grad
 from .retained import retain_grad, retains_grad
 from . import hooks as _hooks  # noqa: F401  (installs x.register_hook, x.register_post_accumulate_grad_hook)
 from .placement_rules import gradient_placements

@@ -36,7 +36,7 @@ from ..nn.pipeline_schedule import run_schedule
 from ..nn import functional as F
 from ..utils.checkpoint import checkpoint
 from .causal_lm import CausalLMOutput, GreedyDecoding, token_count, token_loss_sum
-from .llama_config import (MESH_DIMS, LlamaSettings, check_mesh, head_dim, inverse_frequencies, kv_heads,  # noqa: F401
+from .llama_config import (MESH_DIMS, LlamaSettings, check_mesh, head_dim, inverse_frequencies, kv_heads,
                            mesh_dim as _dim, token_placements)
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaSettings", "CausalLMOutput", "MESH_DIMS"]

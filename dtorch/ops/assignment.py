@@ -15,7 +15,6 @@ broadcasts to the indexed region.
 """
 from __future__ import annotations
 
-import torch
 
 from ..spec.placements import Partial, Shard, ShardRegion
 from .indexing import WHOLE

@@ -11,7 +11,8 @@ from collections import defaultdict
 import torch
 
 from ..dtensor import compile_capture as capturing
-from ..autograd import clear_grads, reduce_gradients
+from ..autograd import reduce_gradients
+from ..autograd.engine import clear_grads
 from ..runtime.controller import profiling, session
 from ..runtime.worker.optim_kernels import state_names
 from ..runtime.protocol import OptimizerStep

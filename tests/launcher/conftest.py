@@ -16,7 +16,7 @@ import pytest
 # Under --import-mode=importlib pytest does not put this folder on sys.path; the helpers need it.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from launch_tree import load_launcher_from_tree  # noqa: E402
+from launch_tree import load_launcher_from_tree
 
 load_launcher_from_tree()
 

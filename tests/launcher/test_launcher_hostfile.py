@@ -1,8 +1,13 @@
 """Hostfile parsing: the DeepSpeed/MPI `host slots=N` format, and errors that name file and line."""
+import getpass
+import shutil
+
 import pytest
 
-from dtorch_launcher import Host, HostfileError, parse_hostfile
+from dtorch_launcher import (Host, HostfileError, SshOptions, check_distinct_hosts, controller_host, load_hostfile,
+                             parse_hostfile)
 from dtorch_launcher.hostfile import parse_hostfile_text
+from dtorch_launcher.relays import Relays
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,11 +75,6 @@ def test_errors_are_value_errors_and_missing_files_are_os_errors(tmp_path):
 
 
 # --- one host, however it is written: compared after ssh's config and name resolution ----------
-import getpass
-import shutil
-
-from dtorch_launcher import SshOptions, check_distinct_hosts, controller_host, load_hostfile
-from dtorch_launcher.relays import Relays
 
 needs_ssh = pytest.mark.skipif(shutil.which("ssh") is None, reason="the OpenSSH client (ssh -G) is not installed")
 ME = getpass.getuser()

@@ -259,7 +259,7 @@ def main(argv: list[str]) -> None:
     import msgpack  # noqa: F401
     import torch  # noqa: F401
     import zmq  # noqa: F401
-    from ..worker import worker
+    from ..worker import worker  # noqa: F401
     from . import worker_process  # noqa: F401
     import gc
     gc.collect()
