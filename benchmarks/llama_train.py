@@ -127,7 +127,7 @@ def run(suite) -> list[Row]:
 
 
 # --- dtorch ------------------------------------------------------------------------------------------------
-def _dtorch_rows(suite, fields: dict, case: str, ddp: "_DdpRow") -> dict[str, Row]:
+def _dtorch_rows(suite, fields: dict, case: str, ddp: _DdpRow) -> dict[str, Row]:
     """{variant: row}, run in pool-size order so that each pool starts once."""
     import torch
     reference_model, ids = _reference(fields, suite)
@@ -142,7 +142,7 @@ def _dtorch_rows(suite, fields: dict, case: str, ddp: "_DdpRow") -> dict[str, Ro
     return rows
 
 
-def _dtorch_row(suite, start, tiny, case: str, layout: Layout, ddp: "_DdpRow") -> Row:
+def _dtorch_row(suite, start, tiny, case: str, layout: Layout, ddp: _DdpRow) -> Row:
     """One layout's steps; `start` is (transformers' model, the batch, its loss), `tiny` a tiny
     model and batch to warm the layout's code paths with. A layout compared with DDP takes its
     steps in turns with DDP's (`ddp`), one each."""

@@ -10,7 +10,8 @@ import multiprocessing
 import queue as queue_module
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["run_ranks", "RankFailure"]
 

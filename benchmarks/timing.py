@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["Row", "ratio", "format_seconds", "median", "p90", "repeat", "interleaved", "raising", "stopwatch", "guarded", "not_installed",
            "failed"]
@@ -115,7 +115,7 @@ def failed(benchmark: str, case: str, variant: str, per: str, error: BaseExcepti
     return Row(benchmark, case, variant, per, status=f"error: {message}")
 
 
-def guarded(make_row: Callable[[], "Row"], benchmark: str, case: str, variant: str, per: str) -> Row:
+def guarded(make_row: Callable[[], Row], benchmark: str, case: str, variant: str, per: str) -> Row:
     """Run one measurement; a failure becomes an error row so the rest of the suite still runs."""
     try:
         return make_row()

@@ -26,7 +26,7 @@ class EchoServer:
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
 
-    def __enter__(self) -> "EchoServer":
+    def __enter__(self) -> EchoServer:
         context = multiprocessing.get_context("spawn")
         parent_end, child_end = context.Pipe()
         self.server = context.Process(target=_echo_server, args=(child_end,), daemon=True)

@@ -79,7 +79,7 @@ class SshOptions:
         return {ENV_OPTIONS: json.dumps(asdict(self))}
 
     @classmethod
-    def from_environment(cls, environ: Mapping[str, str] | None = None) -> "SshOptions":
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> SshOptions:
         """The options dtorch-launch stored, or the defaults when it stored none."""
         environ = os.environ if environ is None else environ
         text = environ.get(ENV_OPTIONS)

@@ -68,7 +68,7 @@ class Allocation:
         return sum(self.tasks_per_node)
 
     @classmethod
-    def from_environment(cls, environ: Mapping[str, str] | None = None, expand=None) -> "Allocation":
+    def from_environment(cls, environ: Mapping[str, str] | None = None, expand=None) -> Allocation:
         """Read the allocation this process runs in; SlurmError outside salloc / sbatch."""
         environ = os.environ if environ is None else environ
         job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
@@ -145,7 +145,7 @@ class SlurmSpawner(SshSpawner):
         return (f"SLURM job {self.allocation.job_id} has {self.capacity} tasks: ask salloc / sbatch for more "
                 "(-n, --ntasks-per-node)")
 
-    def spawn(self, rank: int, config: dict, environ: Mapping[str, str] | None = None) -> "SlurmWorker":
+    def spawn(self, rank: int, config: dict, environ: Mapping[str, str] | None = None) -> SlurmWorker:
         host = self._slot(rank)[0]
         if self.allocation.cpus_per_task:   # the job said how many CPUs a task has: use them all
             config = {**config, "threads": self.allocation.cpus_per_task}
@@ -161,7 +161,7 @@ class SlurmWorker(SshWorker):
 
     @classmethod
     def start_step(cls, rank: int, host: Host, options: SshOptions, allocation: Allocation,
-                   stdin_text: str) -> "SlurmWorker":
+                   stdin_text: str) -> SlurmWorker:
         log_path = os.path.join(options.log_dir, f"rank{rank}.log") if options.log_dir else None
         output = OutputForwarder(rank, host.name, log_path)
         # A new session: a Ctrl-C in the terminal reaches only the controller (srun would turn it

@@ -74,7 +74,7 @@ class SshSpawner:
         """The slot of ``rank`` on its host: 0..slots-1, e.g. to pick ``cuda:<local_rank>``."""
         return self._slot(rank)[1]
 
-    def spawn(self, rank: int, config: dict, environ: Mapping[str, str] | None = None) -> "SshWorker":
+    def spawn(self, rank: int, config: dict, environ: Mapping[str, str] | None = None) -> SshWorker:
         host = self._slot(rank)[0]
         environment_text = environment_lines(self.options.env, environ)
         config, relay = self._relays.route(host, self.ranks_on(host), config, environment_text)
@@ -120,7 +120,7 @@ class SshWorker:
 
     @classmethod
     def start(cls, rank: int, host: Host, options: SshOptions, stdin_text: str,
-              name: str | None = None) -> "SshWorker":
+              name: str | None = None) -> SshWorker:
         """name: what to call a process that is not a rank (a relay) in output and log names."""
         log_name = f"{name}-{host.name}" if name else f"rank{rank}"
         log_path = os.path.join(options.log_dir, f"{log_name}.log") if options.log_dir else None

@@ -88,7 +88,9 @@ def test_controller_sigkill_stops_every_worker_within_10s():
         controller.wait(10)
         assert _wait_gone(pids, 10), "workers outlived their controller"
         # its private ipc directory stayed behind; the next session's start removes it
-        import glob, shutil, tempfile
+        import glob
+        import shutil
+        import tempfile
         from dtorch.runtime import transport
         left = glob.glob(os.path.join(tempfile.gettempdir(), f"dtorch-{controller.pid}-*"))
         assert left, "the killed controller's ipc directory should still be there"

@@ -8,7 +8,7 @@ the whole global batch (like SyncBatchNorm), so any layout gives single-process 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 from .. import nn

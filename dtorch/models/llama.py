@@ -374,7 +374,7 @@ class LlamaForCausalLM(GreedyDecoding, nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str, device_mesh: DeviceMesh, *, dtype: torch.dtype | None = None,
-                        progress: bool | None = None, via_controller: bool = False, **kwargs) -> "LlamaForCausalLM":
+                        progress: bool | None = None, via_controller: bool = False, **kwargs) -> LlamaForCausalLM:
         """A transformers-format directory (config.json + safetensors): each worker reads its own
         slices from the files (dtorch.checkpoint), no weight byte passes through this process.
         via_controller=True reads them here instead, for hosts that do not all see `directory`."""

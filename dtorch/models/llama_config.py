@@ -27,7 +27,7 @@ class LlamaSettings(SimpleNamespace):
                     mlp_bias=False, pad_token_id=None, bos_token_id=1, eos_token_id=2)
 
     @classmethod
-    def from_json(cls, path: str) -> "LlamaSettings":
+    def from_json(cls, path: str) -> LlamaSettings:
         with open(path) as file:
             fields = json.load(file)
         return cls(**{**cls.DEFAULTS, **fields})

@@ -11,7 +11,7 @@ its copy once; a tensor tied to two places stays one DTensor).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

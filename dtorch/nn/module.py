@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Callable, Iterator, Mapping, NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -278,7 +279,7 @@ class Module(torch.nn.Module):
 
 
 # --- what load_state_dict works with (dtorch.checkpoint reuses these) -----------------------------
-def loadable_tensors(module: torch.nn.Module) -> "OrderedDict[str, DTensor]":
+def loadable_tensors(module: torch.nn.Module) -> OrderedDict[str, DTensor]:
     """state_dict's keys, each with the tensor it names now (parameters and persistent buffers)."""
     found = OrderedDict()
     for prefix, owner in module.named_modules():

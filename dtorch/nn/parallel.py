@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 

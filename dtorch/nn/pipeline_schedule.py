@@ -11,7 +11,7 @@ of the same microbatch, the next stage's backward of it).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from ..autograd import backward_stages
 

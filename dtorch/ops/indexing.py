@@ -26,7 +26,8 @@ selecting along a sharded dim, where the wanted values live on other ranks.
 from __future__ import annotations
 
 import operator
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

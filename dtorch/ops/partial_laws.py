@@ -6,7 +6,8 @@ cross_entropy's weight) declare laws.
 from __future__ import annotations
 
 from numbers import Number
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

@@ -11,7 +11,8 @@ reach an arbitrary attribute.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from .rules import Call, Rule
 

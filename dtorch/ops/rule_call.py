@@ -5,7 +5,8 @@ module for them.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 __all__ = ["TensorSlot", "Call", "Decision", "RuleRejected", "Rule"]
 

@@ -9,7 +9,8 @@ which names the legal alternatives; `expand` turns that into a PlacementError fo
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from ..spec.placements import Partial, Placement, Replicate, Shard, format_placements
 from ..errors import PlacementError, user_site

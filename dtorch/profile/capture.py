@@ -39,7 +39,7 @@ class profile:
         self.path, self.timeout_s = path, timeout_s
         self.trace: dict | None = None
 
-    def __enter__(self) -> "profile":
+    def __enter__(self) -> profile:
         if profiling.active is not None:
             raise DTorchError("dtorch.profile: a profile is already recording in this process; "
                               "end it before starting another (profiles do not nest)")

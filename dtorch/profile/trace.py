@@ -16,7 +16,8 @@ microseconds on one host).
 from __future__ import annotations
 
 import collections
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from ..errors import ProtocolError
 from ..runtime.controller import profiling
@@ -42,7 +43,7 @@ class Clock(NamedTuple):
     end_round_trip: int
 
     @classmethod
-    def between(cls, start: profiling.ClockReading, end: profiling.ClockReading) -> "Clock":
+    def between(cls, start: profiling.ClockReading, end: profiling.ClockReading) -> Clock:
         return cls((start.sent + start.received) / 2, start.offset, start.round_trip,
                    (end.sent + end.received) / 2, end.offset, end.round_trip)
 

@@ -266,7 +266,7 @@ class WorkerSockets:
         self._reply_address, self._keys = reply_address, keys
         self._command_poller = _poller_for(self.sub)
 
-    def heartbeat_link(self, rank: int, silence_timeout_s: float) -> "HeartbeatLink":
+    def heartbeat_link(self, rank: int, silence_timeout_s: float) -> HeartbeatLink:
         """A second DEALER for the heartbeat thread (zmq sockets are not thread-safe)."""
         socket = self.context.socket(zmq.DEALER)
         _lossless(socket)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from ..errors import MeshError, PlacementError
 
@@ -207,7 +207,7 @@ class DeviceMesh:
                         "make the mesh with dtorch.init_device_mesh(device_type, shape, mesh_dim_names=...)")
 
     # --- sub-meshes -----------------------------------------------------------------------
-    def __getitem__(self, index) -> "DeviceMesh":
+    def __getitem__(self, index) -> DeviceMesh:
         """mesh[i] / mesh[a:b] select along dim 0; mesh["name"] keeps only that dim at index 0
         of the others: on a ("dp", "tp") mesh, mesh["dp"] holds the ranks with tp index 0.
         torch's DeviceMesh answers with the calling rank's own slice instead; a single controller
@@ -226,7 +226,7 @@ class DeviceMesh:
         return DeviceMesh(self.device_type, nested, names)
 
     def unbind(self, mesh_dim: int | str | Sequence[int | str] | None = None, *,
-               dims: int | str | Sequence[int | str] | None = None) -> list["DeviceMesh"]:
+               dims: int | str | Sequence[int | str] | None = None) -> list[DeviceMesh]:
         """One sub-mesh per index of `mesh_dim` (e.g. one per pipeline stage). Several dims
         (a list, or DTorch's dims=[...]) give one sub-mesh per combination of their indices, in
         row-major order, each over the dims not listed."""
@@ -243,7 +243,7 @@ class DeviceMesh:
             out.append(DeviceMesh(self.device_type, nest_ranks(ranks, shape), names))
         return out
 
-    def _only_dims(self, dims: tuple[int, ...]) -> "DeviceMesh":
+    def _only_dims(self, dims: tuple[int, ...]) -> DeviceMesh:
         """The sub-mesh over `dims` (torch's order: as they are in this mesh) at index 0 of the rest."""
         if list(dims) != sorted(set(dims)):
             raise MeshError(f"mesh[{self._names_of(dims)}]: name the dims in the mesh's order, once each "

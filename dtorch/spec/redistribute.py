@@ -15,7 +15,7 @@ dim first, and sharding runs outer (first) mesh dim first.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .placements import (Partial, Placement, Replicate, Shard, distinct_shard_ranks, format_placements,
                          local_region)

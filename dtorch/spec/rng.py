@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -95,7 +95,7 @@ class Generator:
     def __init__(self, device=None):
         self._seed, self._counter, self._lock = self.DEFAULT_SEED, 0, threading.Lock()
 
-    def manual_seed(self, seed: int) -> "Generator":
+    def manual_seed(self, seed: int) -> Generator:
         with self._lock:
             self._seed, self._counter = int(seed), 0
         return self

@@ -3,7 +3,7 @@ writes, advanced indexing with index tensors, and sort / topk / median; on input
 values. Merged into samples.py's table."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -5,7 +5,7 @@ random matrix plus 3I, symmetric positive definite ones X Xᵀ plus nI (distinct
 as eigh's gradient needs). Merged into samples.py's table."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

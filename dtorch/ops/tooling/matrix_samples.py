@@ -2,7 +2,7 @@
 sizes leave remainders in the contracted dims too. Merged into samples.py's table."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .sample_making import Make, Sample
 

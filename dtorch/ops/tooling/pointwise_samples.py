@@ -3,7 +3,7 @@ torch.nn.functional's activations), on 2-D inputs. Merged into samples.py's tabl
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

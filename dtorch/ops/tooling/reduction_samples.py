@@ -3,7 +3,7 @@ inputs. Merged into samples.py's table."""
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -11,7 +11,7 @@ on a 4-way split).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .indexing_samples import INDEXING
 from .linalg_samples import LINALG

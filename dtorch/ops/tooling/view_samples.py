@@ -2,7 +2,7 @@
 any rearrangement). Merged into samples.py's table."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .sample_helpers import CUBE_SIZES, MATRIX_SIZES, SIZE_ONE_SIZES, VECTOR_SIZES, both, call, on
 from .sample_making import Make, Sample

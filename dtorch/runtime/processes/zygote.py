@@ -238,7 +238,7 @@ def _become_worker(request: dict, fds: list) -> None:
         os.dup2(output_fd, 1)
         os.dup2(output_fd, 2)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))   # the control socket and the received fds
-        sys.stdin = open(0, "r", closefd=False)
+        sys.stdin = open(0, closefd=False)
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
         os.environ.clear()
