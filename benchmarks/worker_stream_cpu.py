@@ -147,7 +147,7 @@ def main() -> None:
     ours = {phase: [] for phase in phases}
     theirs = {phase: [] for phase in phases}
     start = 0
-    for index, (phase, end) in enumerate(marks):
+    for phase, end in marks:
         measured = replay(start, end)
         start = end
         if phase == phases[-1]:   # a whole step replayed: torch's step, in turn

@@ -125,7 +125,7 @@ def test_unsupported_method_is_an_unsupported_op_and_an_attribute_error(mesh4):
     assert not hasattr(x, "index_reduce") and not hasattr(x, "no_such_thing")
     assert getattr(x, "index_reduce", None) is None
     with pytest.raises(AttributeError) as info:
-        x.no_such_thing
+        _ = x.no_such_thing
     assert not isinstance(info.value, UnsupportedOpError)   # not a torch.Tensor name either
 
 

@@ -109,14 +109,16 @@ def test_load_casts_to_the_target_dtype(mesh4, tmp_path):
 
 def test_nested_optimizer_like_state_with_int_keys_and_plain_values(mesh22, mesh4, tmp_path):
     w, m, v = values(1, (7, 4)), values(2, (7, 4)), values(3, (7, 4))
-    on22 = lambda t: dtorch.tensor(t, device_mesh=mesh22, placements=[Shard(0), Shard(1)])
+    def on22(t):
+        return dtorch.tensor(t, device_mesh=mesh22, placements=[Shard(0), Shard(1)])
     groups = [{"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
                "foreach": None, "name": "main", "params": [0]}]
     saved_state = {"model": {"w": on22(w)}, "step": 7, "rng": torch.tensor([1, 2, 3]),
                    "optim": {"state": {0: {"step": 7, "exp_avg": on22(m), "exp_avg_sq": on22(v)}},
                              "param_groups": groups}, "extra": {1: "one", "two": [1.5, float("inf")]}}
     save(saved_state, tmp_path / "ck")
-    fresh = lambda: dtorch.zeros(7, 4, device_mesh=mesh4, placements=[Shard(0)])
+    def fresh():
+        return dtorch.zeros(7, 4, device_mesh=mesh4, placements=[Shard(0)])
     state = {"model": {"w": fresh()}, "step": 0, "rng": None, "extra": None,
              "optim": {"state": {0: {"step": 0, "exp_avg": fresh(), "exp_avg_sq": fresh()}}, "param_groups": []}}
     load(state, tmp_path / "ck")
@@ -220,7 +222,8 @@ def test_a_module_round_trips_across_layouts(mesh22, mesh4, tmp_path):
         assert torch.equal(tensor.to_torch(), source.state_dict()[name].to_torch()), name
         assert tensor.device_mesh == mesh4
     x = values(3, (5, 8))
-    same_input = lambda mesh: dtorch.tensor(x, device_mesh=mesh, placements=[Replicate()] * mesh.ndim)
+    def same_input(mesh):
+        return dtorch.tensor(x, device_mesh=mesh, placements=[Replicate()] * mesh.ndim)
     torch.testing.assert_close(target(same_input(mesh4)).to_torch(), source(same_input(mesh22)).to_torch())
 
 
@@ -247,14 +250,15 @@ def test_resuming_from_a_checkpoint_gives_the_same_losses(mesh22, tmp_path):
     state = load({"w": dtorch.zeros(8, 1, dtype=torch.float64, device_mesh=mesh22, placements=replicated),
                   "step": 0, "losses": []}, tmp_path / "ck")
     w, resumed = state["w"], state["losses"]
-    for index in range(state["step"], 6):
+    for _ in range(state["step"], 6):
         loss, w = step(w)
         resumed.append(loss)
     assert resumed == losses and losses[-1] < losses[0]
 
 
 def test_saving_again_replaces_the_checkpoint(mesh4, tmp_path):
-    one = lambda v: {"a": dtorch.full((4, 4), v, device_mesh=mesh4, placements=[Shard(0)]), "step": int(v)}
+    def one(v):
+        return {"a": dtorch.full((4, 4), v, device_mesh=mesh4, placements=[Shard(0)]), "step": int(v)}
     save(one(1.0), tmp_path / "ck")
     save(one(2.0), tmp_path / "ck")
     state = load(one(0.0), tmp_path / "ck")
@@ -307,8 +311,9 @@ def test_a_cast_that_loses_values_is_refused(mesh4, saved):
 
 
 def test_absent_incomplete_and_damaged_checkpoints_are_refused(mesh4, saved, tmp_path):
-    state = lambda: {"model": {"w": dtorch.zeros(6, 4, device_mesh=mesh4), "b": dtorch.zeros(6, device_mesh=mesh4)},
-                     "step": 0}
+    def state():
+        return {"model": {"w": dtorch.zeros(6, 4, device_mesh=mesh4), "b": dtorch.zeros(6, device_mesh=mesh4)},
+                "step": 0}
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
         load(state(), tmp_path / "nowhere")
     (tmp_path / "half").mkdir()

@@ -61,7 +61,7 @@ def test_to_device_in_model_code_keeps_the_gradient(mesh4, placement, sync_debug
     expected = reference(ids)
     sgd_step(reference, expected)
     assert_same(loss.to_torch(), expected.detach())
-    for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
+    for (_name, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
         assert_same(got.to_torch(), want)
 
 

@@ -122,7 +122,7 @@ def test_parameters_stay_the_shards_when_copies_are_kept_for_backward(mesh4):
     model = fully_shard(dtorch.distribute_module(_copy(reference), mesh4), "dp", reshard_after_forward=False)
     optimizer = dtorch.optim.SGD(model.parameters(), lr=0.1)
     expected = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for k in range(3):
+    for _ in range(3):
         x = torch.randn(4, 7)
         loss = model(dtorch.distribute_tensor(x, mesh4, [Shard(0)])).sum()
         assert all(p.placements == (Shard(0),) for p in model.parameters())

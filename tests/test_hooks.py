@@ -147,7 +147,7 @@ def test_hooks_in_strict_mode(mesh4):
     try:
         for _ in range(2):
             (x @ p).sum().backward()
-            p.grad   # read: reduced to Replicate, so the next backward's sum needs a move back
+            _ = p.grad   # read: reduced to Replicate, so the next backward's sum needs a move back
     finally:
         dtorch.set_strict(before)
     for _ in range(2):

@@ -99,7 +99,7 @@ def test_reads_match_torch(shape, mesh1, mesh2, mesh22):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 checks.append((x[form].fetch(), a[form], f"{placements} {form}"))
-    for future, want, what in checks:
+    for future, want, _what in checks:
         assert_same(future.result(timeout=60), want)
 
 

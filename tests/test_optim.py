@@ -146,7 +146,8 @@ def test_param_groups_and_commands_per_step(mesh2, mesh4, name):
     ours, theirs = make_pair(mesh2, [[S(0)], [R()], [S(0)]])
     extra = dtorch.nn.Parameter(dtorch.tensor(theirs[2].detach().clone(), device_mesh=stage2, placements=[S(0)]))
     extra_t = theirs[2].detach().clone().requires_grad_()
-    groups = lambda a, b, c, d: [{"params": [a, b]}, {"params": [c, d], "lr": 0.5}]
+    def groups(a, b, c, d):
+        return [{"params": [a, b]}, {"params": [c, d], "lr": 0.5}]
     opt = getattr(dtorch.optim, name)(groups(ours[0], ours[1], ours[2], extra), lr=0.1)
     topt = getattr(torch.optim, name)(groups(theirs[0], theirs[1], theirs[2], extra_t), lr=0.1)
     for step in range(2):

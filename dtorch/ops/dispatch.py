@@ -139,7 +139,7 @@ def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMet
     required, out_placements = expand(op.rule, call)
     input_steps = _local_input_steps(call, required)
     kernel, extra = op.local(call, required) if op.local else (op.name, {})
-    for (shape, dtype), placements in zip(outputs, out_placements):
+    for (_shape, dtype), placements in zip(outputs, out_placements):
         if dtype.is_complex:   # (tensor_meta refuses it too, without the op's name)
             refuse_unordered(dtype, mesh, placements, f"{op.name} of {_placements_of(call.inputs)}")
     out_specs = tuple(tensor_meta(shape, dtype, mesh, placements)

@@ -31,7 +31,7 @@ def plot(trace: dict, out: str | os.PathLike, title: str | None = None) -> None:
 
     lanes = _lanes(trace)
     figure, axes = plt.subplots(figsize=(14, 0.5 * len(lanes) + 1.5))
-    for row, (lane, label) in enumerate(lanes):
+    for row, (lane, _label) in enumerate(lanes):
         _draw_lane(axes, -row, [e for e in trace["traceEvents"] if e["ph"] == "X" and (e["pid"], e["tid"]) == lane])
     axes.set_yticks([-row for row in range(len(lanes))], [label for _, label in lanes], fontsize=8)
     axes.set_xlabel("ms since the profile started (controller clock)")

@@ -156,7 +156,7 @@ def _peer_waits(workers: dict) -> dict:
     for rank, worker in workers.items():
         for row_index, row in enumerate(worker.rows):
             seen = collections.Counter()
-            for index, (kind, group, _, start, duration) in enumerate(row[7]):
+            for index, (_kind, group, _, start, duration) in enumerate(row[7]):
                 key = (row[0], tuple(group), seen[tuple(group)])
                 seen[tuple(group)] += 1
                 members[key].append((rank, row_index, index, worker.clock.to_controller(start), duration))

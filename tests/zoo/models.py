@@ -148,7 +148,8 @@ def _vit_plan():
 
 
 def _t5_plan():
-    attention = lambda name: ((f"{name}.q", f"{name}.k", f"{name}.v"), (f"{name}.o",))
+    def attention(name):
+        return (f"{name}.q", f"{name}.k", f"{name}.v"), (f"{name}.o",)
     encoder_in, encoder_out = attention("layer.0.SelfAttention")
     decoder_in, decoder_out = attention("layer.0.SelfAttention")
     cross_in, cross_out = attention("layer.1.EncDecAttention")
