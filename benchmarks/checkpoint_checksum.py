@@ -102,8 +102,8 @@ def main(argv: list[str]) -> int:
     rows = nbytes // (MATRICES * 4 * 4096)
 
     buffer = memoryview(bytearray(os.urandom(1 << 20)) * args.mib)
-    rates = interleaved({name: (lambda f=function: checksum_seconds(f, buffer)) for name, function in CHECKSUMS.items()},
-                        args.turns)
+    rates = interleaved({name: (lambda f=function: checksum_seconds(f, buffer))
+                         for name, function in CHECKSUMS.items()}, args.turns)
     print(f"checksums over {args.mib} MiB in memory (zlib {zlib.ZLIB_RUNTIME_VERSION}), GB/s: "
           + ", ".join(f"{name} {nbytes / median(seconds) / GB:.2f}" for name, seconds in rates.items()), flush=True)
     buffer = None   # frees it; a lambda above closes over the name, so it is rebound, not deleted

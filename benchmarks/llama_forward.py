@@ -32,8 +32,8 @@ def config_fields(suite) -> dict:
     """A small Llama with GQA (8 query heads, 4 key/value heads), sized by the suite."""
     hidden = suite.llama_hidden
     return dict(vocab_size=4 * hidden, hidden_size=hidden, intermediate_size=hidden * 8 // 3, num_attention_heads=8,
-                num_hidden_layers=suite.llama_layers, num_key_value_heads=4, max_position_embeddings=4 * suite.llama_seq,
-                tie_word_embeddings=False)
+                num_hidden_layers=suite.llama_layers, num_key_value_heads=4,
+                max_position_embeddings=4 * suite.llama_seq, tie_word_embeddings=False)
 
 
 def run(suite) -> list[Row]:

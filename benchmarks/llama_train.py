@@ -18,8 +18,9 @@ against transformers' on the same weights and batch, outside the timer.
 
 Memory: every timed process (dtorch's workers, torch's ranks, the 1-process reference: all
 started alike, since freeing large buffers to the OS costs page faults a reused heap does not,
-~30% of a step here) starts with MALLOC_MMAP_THRESHOLD_ set (process_memory.py). Its resident set is read before the layout's model is built (idle: torch,
-the libraries, earlier layouts' leftovers) and its peak-RSS mark (VmHWM) is reset after the
+~30% of a step here) starts with MALLOC_MMAP_THRESHOLD_ set (process_memory.py). Its resident
+set is read before the layout's model is built (idle: torch, the libraries, earlier layouts'
+leftovers) and its peak-RSS mark (VmHWM) is reset after the
 warm-up steps (the model, the optimizer state and the allocator's working set exist by then).
 The note gives, for the process with the highest peak during the timed steps, the peak and its
 split into idle + what the layout added: the second number is the one fsdp shards. It ends with

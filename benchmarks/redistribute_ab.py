@@ -76,7 +76,8 @@ def _measure_in_process(setting: str, workers: int, bursts: int) -> dict:
     if setting:
         name, value = setting.split("=", 1)
         env[name] = value
-    command = [sys.executable, "-m", "benchmarks.redistribute_ab", "--one", f"--workers={workers}", f"--bursts={bursts}"]
+    command = [sys.executable, "-m", "benchmarks.redistribute_ab", "--one", f"--workers={workers}",
+               f"--bursts={bursts}"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 

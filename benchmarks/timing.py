@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
-__all__ = ["Row", "ratio", "format_seconds", "median", "p90", "repeat", "interleaved", "raising", "stopwatch", "guarded", "not_installed",
-           "failed"]
+__all__ = ["Row", "ratio", "format_seconds", "median", "p90", "repeat", "interleaved", "raising", "stopwatch",
+           "guarded", "not_installed", "failed"]
 
 
 @dataclass

@@ -88,7 +88,8 @@ def synchronize(timeout: float | None = None) -> None:
 
 # dtypes are torch's own objects: dtorch.float32 is torch.float32
 float32, float64, float16, bfloat16 = _torch.float32, _torch.float64, _torch.float16, _torch.bfloat16
-int8, int16, int32, int64, uint8, bool = _torch.int8, _torch.int16, _torch.int32, _torch.int64, _torch.uint8, _torch.bool
+int8, int16, int32, int64, uint8 = _torch.int8, _torch.int16, _torch.int32, _torch.int64, _torch.uint8
+bool = _torch.bool
 # as in DTorch, torch's type objects under dtorch's name: dtorch.device is torch.device
 device, dtype, finfo, iinfo = _torch.device, _torch.dtype, _torch.finfo, _torch.iinfo
 
@@ -108,11 +109,13 @@ for _name in _REGISTRY:
 __all__ = [
     "DTensor", "DeviceMesh", "Shard", "Replicate", "Partial", "init_device_mesh", "Future",
     "init", "init_async", "shutdown", "workers", "replace_lost_workers", "stats", "synchronize", "manual_seed",
-    "set_strict", "is_strict", "set_sync_debug_mode", "get_sync_debug_mode", "BlockingReadError", "BlockingReadWarning", "autograd", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
-    "zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor", "distribute_tensor", "distribute_module",
+    "set_strict", "is_strict", "set_sync_debug_mode", "get_sync_debug_mode", "BlockingReadError", "BlockingReadWarning",
+    "autograd", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled", "zeros", "ones", "empty", "full",
+    "rand", "randn", "randint", "arange", "linspace", "eye", "tensor", "distribute_tensor", "distribute_module",
     "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
     "Tensor", "Generator",
-    "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError",
-    "DependencyError", "WorkerLostError", "LostTensorError", "LocalTensorError", "AliasingError", "StartupError", "SessionEndedError", "UnreadFailureWarning",
+    "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError", "DependencyError",
+    "WorkerLostError", "LostTensorError", "LocalTensorError", "AliasingError", "StartupError", "SessionEndedError",
+    "UnreadFailureWarning",
     "nn", "optim", "utils", "checkpoint", "models", "profile", "compile", "CompileError",
 ] + sorted(n for n in _REGISTRY if n in globals())

@@ -13,9 +13,9 @@ from types import CodeType
 
 __all__ = [
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "UnsupportedMethodError",
-    "CompileError", "RemoteError", "DependencyError", "WorkerLostError", "LostTensorError", "ProtocolError", "StartupError", "SessionEndedError",
-    "UnreadFailureWarning", "user_site", "user_frame", "user_position", "format_site",
-    "site_location",
+    "CompileError", "RemoteError", "DependencyError", "WorkerLostError", "LostTensorError", "ProtocolError",
+    "StartupError", "SessionEndedError", "UnreadFailureWarning", "user_site", "user_frame", "user_position",
+    "format_site", "site_location",
 ]
 
 

@@ -125,6 +125,7 @@ def _current_user() -> str:
 
 
 def _same_host(host: Host, earlier: Host, identity: HostIdentity) -> str:
-    where = f"line {earlier.line_number} ({_shown(earlier.line.strip())})" if earlier.line_number else earlier.destination
+    where = (f"line {earlier.line_number} ({_shown(earlier.line.strip())})" if earlier.line_number
+             else earlier.destination)
     return (f"{host.destination} is the same host as {where}: both reach {identity.describe()}; "
             f"list it once, with slots=N for all its workers")

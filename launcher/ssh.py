@@ -2,7 +2,8 @@
 
 Each worker is one local ``ssh`` process running, on its host,
 
-    cd DIR || exit 1; echo DTORCH_REMOTE_PID=$$; <read env lines>; exec PYTHON -m dtorch.runtime.processes.worker_process
+    cd DIR || exit 1; echo DTORCH_REMOTE_PID=$$; <read env lines>;
+    exec PYTHON -m dtorch.runtime.processes.worker_process
 
 Using the real ``ssh`` (not a Python ssh library) means ~/.ssh/config, keys, agents, ProxyJump
 and ports all work as they do for the user. ``-o BatchMode=yes`` makes it fail instead of

@@ -88,8 +88,8 @@ def overlap_seconds(mesh, args) -> dict:
 def print_overlap(mesh, args) -> None:
     t = overlap_seconds(mesh, args)
     hidden = (t["comm"] + t["compute"] - t["both"]) / min(t["comm"], t["compute"])
-    print(f"\n{args.rounds} rounds on a {mesh.shape} {mesh.device_type} mesh: P(sum) -> R of {args.comm_mib} MiB float32 "
-          f"and an independent {args.matmul}x{args.matmul} matmul, median of {args.reps}\n")
+    print(f"\n{args.rounds} rounds on a {mesh.shape} {mesh.device_type} mesh: P(sum) -> R of {args.comm_mib} MiB "
+          f"float32 and an independent {args.matmul}x{args.matmul} matmul, median of {args.reps}\n")
     print("| communication alone (ms) | compute alone (ms) | both (ms) | overlap |")
     print("|---|---|---|---|")
     print(f"| {t['comm'] * 1e3:.1f} | {t['compute'] * 1e3:.1f} | {t['both'] * 1e3:.1f} | {hidden:.0%} |")

@@ -9,8 +9,8 @@ from .retained import retain_grad, retains_grad
 from . import hooks as _hooks  # noqa: F401  (installs x.register_hook, x.register_post_accumulate_grad_hook)
 from .placement_rules import gradient_placements
 
-__all__ = ["backward", "backward_stages", "grad", "reduce_gradients", "no_sync", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled",
-           "gradient_placements"]
+__all__ = ["backward", "backward_stages", "grad", "reduce_gradients", "no_sync", "no_grad", "enable_grad",
+           "set_grad_enabled", "is_grad_enabled", "gradient_placements"]
 
 
 def _tensor_backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None) -> None:

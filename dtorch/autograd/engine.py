@@ -187,7 +187,8 @@ def set_leaf_grad(tensor: DTensor, value) -> None:
         return
     if not isinstance(value, DTensor) or tuple(value.shape) != tuple(tensor.shape):
         raise RuntimeError(f"assigned grad has data of a different size at {user_site()}: "
-                           f"{getattr(value, 'shape', type(value).__name__)} for a tensor of shape {tuple(tensor.shape)}")
+                           f"{getattr(value, 'shape', type(value).__name__)} for a tensor of shape "
+                           f"{tuple(tensor.shape)}")
     if value.dtype != tensor.dtype:
         raise RuntimeError(f"assigned grad has data of a different type at {user_site()}: {value.dtype} for a "
                            f"{tensor.dtype} tensor")

@@ -73,7 +73,8 @@ def read_header_and_metadata(path: str) -> tuple[dict[str, StoredTensor], dict]:
         raise CheckpointError(f"{path}: the header is not a JSON object")
     start = 8 + length
     metadata = header.get("__metadata__")
-    tensors = {name: _stored(path, name, entry, start, size) for name, entry in header.items() if name != "__metadata__"}
+    tensors = {name: _stored(path, name, entry, start, size) for name, entry in header.items()
+               if name != "__metadata__"}
     return tensors, metadata if isinstance(metadata, dict) else {}
 
 

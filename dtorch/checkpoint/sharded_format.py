@@ -279,5 +279,6 @@ def _chunk(directory: str, key: str, dtype: torch.dtype, chunk: dict, headers: d
     if verify and crc != NO_CHECKSUM and checksums.get(key, crc) != crc:
         raise CheckpointError(f"{path}: the index records crc32 {crc:#010x} for the chunk of {key!r} at offsets "
                               f"{chunk['offsets']}, the file records {checksums[key]:#010x} for it: not the file this "
-                              "save wrote (swapped with another, or replaced?). load(..., verify=False) reads it anyway")
+                              "save wrote (swapped with another, or replaced?). load(..., verify=False) reads it "
+                              "anyway")
     return Chunk(path, stored.data_offset, dtype, tuple(chunk["offsets"]), shape, crc)

@@ -198,7 +198,8 @@ class LlamaForCausalLM(GreedyDecoding, nn.Module):
         if labels is not None:   # per microbatch, then one mean: the logits are never concatenated for it
             rows = [0] + list(itertools.accumulate(chunk.shape[0] for chunk in chunks))
             labels = labels if isinstance(labels, DTensor) else torch.as_tensor(labels)
-            uploaded = [self._upload_labels(labels[start:end], part) for part, start, end in zip(logits, rows, rows[1:])]
+            uploaded = [self._upload_labels(labels[start:end], part)
+                        for part, start, end in zip(logits, rows, rows[1:])]
             total = functools.reduce(operator.add, [token_loss_sum(part, up) for part, up in zip(logits, uploaded)])
             # labels given here: their count is known here, so the workers need not all-reduce it
             count = (functools.reduce(operator.add, [token_count(up) for up in uploaded]) if isinstance(labels, DTensor)

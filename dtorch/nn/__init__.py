@@ -28,8 +28,9 @@ __all__ = ["functional", "utils", "Module", "Parameter", "IncompatibleKeys", "Se
            "ColumnParallelLinearWithReplicateInputOutput", "RowParallelLinearWithReplicateOutput",
            "ReplicateParallelLinear", "Embedding", "EmbeddingWithReplicateOutput", "LayerNorm", "RMSNorm",
            "GroupNorm", "Dropout", "Identity", "ReLU", "GELU", "SiLU", "Sigmoid", "Tanh", "LeakyReLU", "ELU",
-           "Softplus", "Softmax", "LogSoftmax", "Flatten", "Unflatten", "parallelize_module", "ParallelStyle", "PrepareModuleInputOutput", "loss_parallel",
-           "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
-           "fully_shard", "distribute_module", "mixed_precision", "MixedPrecisionPolicy", "Conv1d", "Conv2d", "Conv3d",
-           "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "BatchNorm2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d",
+           "Softplus", "Softmax", "LogSoftmax", "Flatten", "Unflatten", "parallelize_module", "ParallelStyle",
+           "PrepareModuleInputOutput", "loss_parallel", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+           "PrepareModuleInput", "PrepareModuleOutput", "fully_shard", "distribute_module", "mixed_precision",
+           "MixedPrecisionPolicy", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+           "ConvTranspose3d", "BatchNorm2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d",
            "GlobalAvgPool2d", "GlobalMaxPool2d"]

@@ -26,7 +26,8 @@ __all__ = ["relu", "gelu", "silu", "sigmoid", "tanh", "leaky_relu", "elu", "soft
            "log_softmax", "linear", "layer_norm", "rms_norm", "embedding", "dropout", "pad",
            "scaled_dot_product_attention", "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss",
            "huber_loss", "kl_div", "binary_cross_entropy", "binary_cross_entropy_with_logits",
-           "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "interpolate",
+           "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "max_pool2d",
+           "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "interpolate",
            "group_norm", "batch_norm", "batch_norm_with_running_stats"]
 
 

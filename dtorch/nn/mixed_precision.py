@@ -87,7 +87,8 @@ def check_policy(policy):
     for name in _POLICY_FIELDS[:3]:
         dtype = getattr(policy, name)
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise ValueError(f"fully_shard: mp_policy.{name} must be a floating-point torch dtype or None, not {dtype!r}")
+            raise ValueError(f"fully_shard: mp_policy.{name} must be a floating-point torch dtype or None, "
+                             f"not {dtype!r}")
     if all(getattr(policy, name) is None for name in _POLICY_FIELDS[:3]):
         return None
     return policy

@@ -31,8 +31,10 @@ class LayerNorm(Module):
         super().__init__()
         mesh = require_mesh(device_mesh, "LayerNorm")
         self.normalized_shape, self.eps, self.elementwise_affine = _shape(normalized_shape), eps, elementwise_affine
-        self.register_parameter("weight", _affine(self.normalized_shape, ones, dtype, mesh) if elementwise_affine else None)
-        self.register_parameter("bias", _affine(self.normalized_shape, zeros, dtype, mesh) if elementwise_affine and bias else None)
+        self.register_parameter("weight", _affine(self.normalized_shape, ones, dtype, mesh)
+                                if elementwise_affine else None)
+        self.register_parameter("bias", _affine(self.normalized_shape, zeros, dtype, mesh)
+                                if elementwise_affine and bias else None)
 
     def forward(self, input):
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -47,7 +49,8 @@ class RMSNorm(Module):
         super().__init__()
         mesh = require_mesh(device_mesh, "RMSNorm")
         self.normalized_shape, self.eps, self.elementwise_affine = _shape(normalized_shape), eps, elementwise_affine
-        self.register_parameter("weight", _affine(self.normalized_shape, ones, dtype, mesh) if elementwise_affine else None)
+        self.register_parameter("weight", _affine(self.normalized_shape, ones, dtype, mesh)
+                                if elementwise_affine else None)
 
     def forward(self, input):
         return F.rms_norm(input, self.normalized_shape, self.weight, self.eps)

@@ -1,6 +1,6 @@
-"""Pipeline schedules: GPipe, and one forward, one backward (1F1B): the pipeline schedule that keeps at most (stages - s)
-microbatches' activations alive on stage s, where GPipe (all forwards, then all backwards) keeps
-all of them.
+"""Pipeline schedules: GPipe, and one forward, one backward (1F1B): the pipeline schedule that keeps
+at most (stages - s) microbatches' activations alive on stage s, where GPipe (all forwards, then
+all backwards) keeps all of them.
 
 The single controller needs no scheduler on the workers: each stage's workers run their own
 commands in the order the controller issues them. So the schedule is only an ORDER in which the

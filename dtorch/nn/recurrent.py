@@ -170,8 +170,9 @@ def _on_mesh(state, input, input_batch_dim: int, state_batch_dim: int):
         placements = [Shard(state_batch_dim) if p.is_shard(input_batch_dim) else Replicate() for p in input.placements]
         return zeros(*state.shape, dtype=state.dtype, device_mesh=mesh, placements=placements)
     if is_strict():
-        raise LocalTensorError(f"recurrent layer: the initial state is a torch tensor of this process (at {user_site()}); "
-                               "in strict mode pass it as a DTensor: dtorch.distribute_tensor(hx, mesh, placements)")
+        raise LocalTensorError("recurrent layer: the initial state is a torch tensor of this process "
+                               f"(at {user_site()}); in strict mode pass it as a DTensor: "
+                               "dtorch.distribute_tensor(hx, mesh, placements)")
     return upload_replicated(state, mesh)
 
 

@@ -25,7 +25,8 @@ from .tensor_meta import is_local_tensor
 __all__ = ["ASSIGNMENT", "setitem", "torch_index", "region_dims"]
 
 _LEGAL = ("target S(d) with `:` on d and the value S(its region dim) or broadcast and R; target S(d) with "
-          "any other index on d and the value R; all R; target and value the same Partial; target R with a P(max|min|avg) value")
+          "any other index on d and the value R; all R; target and value the same Partial; target R with a "
+          "P(max|min|avg) value")
 
 
 def torch_index(index) -> tuple:

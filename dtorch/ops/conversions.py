@@ -53,7 +53,8 @@ def device_refusal(call: str, device: torch.device, mesh: DeviceMesh) -> Excepti
                "move x to a CPU mesh: x.to(cpu_mesh) (x.redistribute(device_mesh=cpu_mesh, placements=[...]))")
     else:
         fix = (f"to compute on {device.type} workers, move x to a mesh of them: x.to({device.type}_mesh) "
-               f"(x.redistribute(device_mesh=..., placements=[...])); to read it here, x.to_torch().to({str(device)!r})")
+               f"(x.redistribute(device_mesh=..., placements=[...])); to read it here, "
+               f"x.to_torch().to({str(device)!r})")
     return UnsupportedOpError(f"{call} at {user_site()}: the tensors live on {mesh}, whose workers' device "
                               f"is {mesh.device_type!r}; dtorch does not move tensors between device types "
                               f"implicitly, and never reads them back implicitly. Fix: {fix}.")

@@ -21,8 +21,8 @@ from .tensor_meta import TensorMeta, is_local_tensor, refuse_unordered, tensor_m
 from .suggest import spell_placements_code
 from .unsupported import refuse_inplace_flag, unsupported_op
 
-__all__ = ["OpPlan", "lookup", "plan_call", "cached_plan", "signature", "map_tensors", "PLAN_CACHE", "warm_up_inference",
-           "set_strict", "is_strict"]
+__all__ = ["OpPlan", "lookup", "plan_call", "cached_plan", "signature", "map_tensors", "PLAN_CACHE",
+           "warm_up_inference", "set_strict", "is_strict"]
 
 
 class OpPlan(NamedTuple):

@@ -86,7 +86,8 @@ def _embedding_rule(call: Call, placements) -> Decision:
         raise UnsupportedOpError("embedding(max_norm=...) renormalizes the looked-up rows of the weight in place "
                                  "inside the lookup, which dtorch's embedding does not do: pass max_norm=None and "
                                  "renormalize first, e.g. under no_grad: w.mul_((max_norm / (w.norm(dim=1, "
-                                 "keepdim=True) + 1e-7)).clamp(max=1)) (torch renormalizes only the rows the lookup reads)")
+                                 "keepdim=True) + 1e-7)).clamp(max=1)) (torch renormalizes only the rows the lookup "
+                                 "reads)")
     indices, weight = placements
     legal = "indices S(d) with weight R; indices R with weight S(0), S(1) or any Partial"
     if isinstance(indices, Partial):

@@ -243,7 +243,8 @@ POINTWISE = {
     "tanh": _row(torch.tanh, UP),
     "sigmoid": _row(torch.sigmoid, UP),
     "erf": _row(torch.erf, UP),
-    "erfinv": _row(torch.erfinv, NONE),   # only on (-1, 1), which a P(max|min) contribution may leave; trunc_normal_ uses it
+    # erfinv: only on (-1, 1), which a P(max|min) contribution may leave; trunc_normal_ uses it
+    "erfinv": _row(torch.erfinv, NONE),
     "relu": _row(lambda input, inplace=False: torch.relu(input), UP),
     "gelu": _row(F.gelu, NONE),
     "silu": _row(lambda input, inplace=False: F.silu(input), NONE),

@@ -35,7 +35,8 @@ def ring_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     whose backward runs the ring again (_ring_backward)."""
     q_blocks, k_blocks, v_blocks = peers.blocks
     if standin:
-        query, key, value = (torch.zeros(blocks[peers.index][1], dtype=dtype) for blocks in (q_blocks, k_blocks, v_blocks))
+        query, key, value = (torch.zeros(blocks[peers.index][1], dtype=dtype)
+                             for blocks in (q_blocks, k_blocks, v_blocks))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return _RingAttention.apply(query, key, value, is_causal, scale, enable_gqa, peers)

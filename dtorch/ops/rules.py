@@ -17,8 +17,8 @@ from ..errors import PlacementError, user_site
 from .rule_call import Call, Decision, Rule, RuleRejected, TensorSlot
 from .suggest import cheapest_fix, describe_legal, legal_combinations, placement_code
 
-__all__ = ["Call", "Decision", "RuleRejected", "Rule", "expand", "try_expand", "Refusal", "TensorSlot", "R", "all_replicate", "shard_of",
-           "common_shard_dim", "partial_op", "unshard_fix", "normalize_dim", "follow_rule",
+__all__ = ["Call", "Decision", "RuleRejected", "Rule", "expand", "try_expand", "Refusal", "TensorSlot", "R",
+           "all_replicate", "shard_of", "common_shard_dim", "partial_op", "unshard_fix", "normalize_dim", "follow_rule",
            "off_dim"]
 
 R = Replicate()

@@ -17,8 +17,8 @@ from ..spec.placements import Partial, Placement, Replicate, Shard, format_place
 from ..spec.redistribute import LOCAL_ONLY, plan_redistribute, step_kind
 from .rule_call import Call, Rule
 
-__all__ = ["legal_combinations", "cheapest_combination", "cheapest_fix", "describe_legal", "spell_placements_code", "placement_code",
-           "MOVE_COST"]
+__all__ = ["legal_combinations", "cheapest_combination", "cheapest_fix", "describe_legal", "spell_placements_code",
+           "placement_code", "MOVE_COST"]
 
 R = Replicate()
 

@@ -177,8 +177,8 @@ def _worker_events(worker: WorkerRecording, origin: int, site_of, waits: dict) -
         for index, (kind, group, nbytes, c_start, c_duration) in enumerate(collectives):
             wait = waits.get((worker.rank, row_index, index), 0.0)
             comm_ns, wait_ns, sent = comm_ns + c_duration, wait_ns + wait, sent + nbytes
-            comm_events.append(_span(kind, "comm", pid, 1, to_controller(c_start), to_controller(c_start + c_duration), origin,
-                                     {"group": list(group), "bytes": nbytes, "wait_us": _us(wait)}))
+            comm_events.append(_span(kind, "comm", pid, 1, to_controller(c_start), to_controller(c_start + c_duration),
+                                     origin, {"group": list(group), "bytes": nbytes, "wait_us": _us(wait)}))
         args = {"seq": seq, "command": command, "status": status}
         site = site_of(seq)   # None: a Free the controller placed itself, or a line no longer kept
         if site is not None:
@@ -187,7 +187,8 @@ def _worker_events(worker: WorkerRecording, origin: int, site_of, waits: dict) -
             args["detail"] = detail
         if collectives:
             args.update(bytes=sent, comm_us=_us(comm_ns), wait_us=_us(wait_ns))
-        events.append(_span(name, "command", pid, 1, to_controller(start), to_controller(start + duration), origin, args))
+        events.append(_span(name, "command", pid, 1, to_controller(start), to_controller(start + duration), origin,
+                            args))
         events += comm_events
     return events
 

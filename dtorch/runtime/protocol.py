@@ -31,18 +31,18 @@ __all__ = [
     "VERSION", "Kind", "HEARTBEAT_INTERVAL", "PROTOCOL_FAILURE", "TOPIC_ALL", "TOPIC_PROBE", "topic_for_rank",
     "lost_worker_key",
     # commands
-    "DefineMesh", "Factory", "Upload", "LoadShard", "RunOp", "Redistribute", "Transfer", "Fetch", "Free", "Sync", "Shutdown",
-    "Regroup", "RequireGrad", "SetGrads", "Backward", "OptimizerStep", "GradNorm", "UpdateGrads", "SaveShard", "LoadChunks", "Profile",
-    "DefineGraph", "RunGraph", "DropGraph", "CheckpointBegin", "CheckpointEnd", "RECOMPUTED_IN_CHECKPOINT",
-    "KEPT_IN_CHECKPOINT", "COMMANDS", "handler_name", "encode_batch", "decode_batch", "span",
-    "decode_rows", "command_row",
+    "DefineMesh", "Factory", "Upload", "LoadShard", "RunOp", "Redistribute", "Transfer", "Fetch", "Free", "Sync",
+    "Shutdown", "Regroup", "RequireGrad", "SetGrads", "Backward", "OptimizerStep", "GradNorm", "UpdateGrads",
+    "SaveShard", "LoadChunks", "Profile", "DefineGraph", "RunGraph", "DropGraph", "CheckpointBegin", "CheckpointEnd",
+    "RECOMPUTED_IN_CHECKPOINT", "KEPT_IN_CHECKPOINT", "COMMANDS", "handler_name", "encode_batch", "decode_batch",
+    "span", "decode_rows", "command_row",
     # every other message
     "Batch", "Private", "Probe", "Register", "Welcome", "Refused", "Reply", "ErrorReport", "WarningReport",
-    "Heartbeat", "Pong",
-    "MESSAGES", "FROM_WORKER", "REPLY_STATUSES", "encode", "decode", "decode_from_worker", "read_header",
+    "Heartbeat", "Pong", "MESSAGES", "FROM_WORKER", "REPLY_STATUSES", "encode", "decode", "decode_from_worker",
+    "read_header",
     # values inside messages
-    "TensorRef", "WireRef", "wire_ref", "pack", "unpack", "dtype_name", "dtype_from_name", "encode_placement", "decode_placement",
-    "tensor_frame", "tensor_from_frame", "clip",
+    "TensorRef", "WireRef", "wire_ref", "pack", "unpack", "dtype_name", "dtype_from_name", "encode_placement",
+    "decode_placement", "tensor_frame", "tensor_from_frame", "clip",
 ]
 
 VERSION = 17   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
@@ -361,8 +361,9 @@ class CheckpointEnd(NamedTuple):
 # again in backward; what makes or reads tensors as it would outside (a factory's, an upload's
 # output is an input of the region); frees, fences and flags. Anything else (a backward, an
 # optimizer step, a move to another mesh, a replay) is refused by the controller at the user's
-# line (session.refuse_inside_checkpoint), and by a worker that meets one anyway. RequireGrad and SetGrads come with an in-place
-# change of a parameter under no_grad (its new id made a leaf, its .grad bound to it).
+# line (session.refuse_inside_checkpoint), and by a worker that meets one anyway. RequireGrad and
+# SetGrads come with an in-place change of a parameter under no_grad (its new id made a leaf, its
+# .grad bound to it).
 RECOMPUTED_IN_CHECKPOINT = (RunOp, Redistribute)
 KEPT_IN_CHECKPOINT = (DefineMesh, Factory, Upload, Fetch, Free, Sync, RequireGrad, SetGrads, Shutdown, DropGraph,
                       CheckpointBegin, CheckpointEnd)

@@ -15,7 +15,8 @@ import zmq
 
 from ..errors import StartupError
 
-__all__ = ["CurveKeys", "make_curve_keys", "ControllerSockets", "WorkerSockets", "RelaySockets", "Again", "process_exists"]
+__all__ = ["CurveKeys", "make_curve_keys", "ControllerSockets", "WorkerSockets", "RelaySockets", "Again",
+           "process_exists"]
 
 Again = zmq.Again
 

@@ -16,8 +16,8 @@ from ..errors import MeshError, PlacementError
 
 __all__ = [
     "Placement", "Shard", "Replicate", "Partial", "DeviceMesh", "init_device_mesh", "set_worker_starter",
-    "chunk_bounds", "local_shape", "local_offset", "local_region", "format_placements", "nest_ranks",
-    "narrow_to_box", "distinct_shard_ranks", "holds_partial_sum_value", "REDUCE_OPS", "ShardRegion", "PeerGroup", "Placements",
+    "chunk_bounds", "local_shape", "local_offset", "local_region", "format_placements", "nest_ranks", "narrow_to_box",
+    "distinct_shard_ranks", "holds_partial_sum_value", "REDUCE_OPS", "ShardRegion", "PeerGroup", "Placements",
 ]
 
 

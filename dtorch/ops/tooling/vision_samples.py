@@ -35,7 +35,8 @@ def _conv(spatial_count: int, transposed: bool = False):
         groups, per_group_out = grouped.shape[1] // 2, 1 if transposed else 4   # groups of 2 input channels
         cube, wide = (3,) * spatial_count, (2,) + (3,) * (spatial_count - 1)
         strided = {"stride": 2, "padding": 1, "output_padding": 1} if transposed else {"stride": 2, "padding": 1}
-        dilated = {"stride": 2, "dilation": 2, "output_padding": 1} if transposed else {"padding": "same", "dilation": 2}
+        dilated = ({"stride": 2, "dilation": 2, "output_padding": 1} if transposed
+                   else {"padding": "same", "dilation": 2})
         return [Sample((x, weight(c, out, 1, cube), f64(out)), {}),
                 Sample((x, weight(c, out, 1, cube)), strided),
                 Sample((x, weight(c, out, 1, wide), f64(out)), dilated),
@@ -96,7 +97,8 @@ def _batch_norm_from_moments(m: Make):
 
 
 VISION = {
-    **{f"conv{n}d": _conv(n) for n in (1, 2, 3)}, **{f"conv_transpose{n}d": _conv(n, True) for n in (1, 2, 3)}, "interpolate": _interpolate, "group_norm": _group_norm, "batch_norm": _batch_norm,
+    **{f"conv{n}d": _conv(n) for n in (1, 2, 3)}, **{f"conv_transpose{n}d": _conv(n, True) for n in (1, 2, 3)},
+    "interpolate": _interpolate, "group_norm": _group_norm, "batch_norm": _batch_norm,
     "batch_norm_moments": _batch_norm_moments, "batch_norm_from_moments": _batch_norm_from_moments,
     "max_pool2d": _pools(((2,), {}), ((3, 2, 1), {"ceil_mode": True}), ((2,), {"return_indices": True}),
                          ((3,), {"stride": 1}), exact=True),
