@@ -29,7 +29,8 @@ def problem(num_workers: int) -> str | None:
                 f"{list(controller._lost_meshes)}, capture {controller.capture}")
     try:   # one op and one collective on every worker, then a read
         mesh = init_device_mesh("cpu", (num_workers,), mesh_dim_names=["probe"])
-        x = (dtorch.arange(2 * num_workers, device_mesh=mesh, placements=[Shard(0)]) + 1).redistribute(mesh, [Replicate()])
+        x = (dtorch.arange(2 * num_workers, device_mesh=mesh, placements=[Shard(0)]) + 1).redistribute(mesh,
+                                                                                                     [Replicate()])
         if not torch.equal(x.fetch().result(timeout=PROBE_TIMEOUT_S), torch.arange(2 * num_workers) + 1):
             return "a probe op returned a wrong value"
     except Exception as error:   # noqa: BLE001 - any failure of the probe is the answer

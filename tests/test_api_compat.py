@@ -250,7 +250,8 @@ def test_a_local_torch_tensor_beside_dtensors_is_a_replicated_constant(mesh22):
     previous = dtorch.is_strict()
     dtorch.set_strict(True)
     try:
-        with pytest.raises(dtorch.LocalTensorError, match=r"add: a local torch.Tensor .*test_api_compat.py.*distribute_tensor"):
+        with pytest.raises(dtorch.LocalTensorError,
+                           match=r"add: a local torch.Tensor .*test_api_compat.py.*distribute_tensor"):
             x + torch.ones(4)
     finally:
         dtorch.set_strict(previous)

@@ -241,7 +241,8 @@ def _only_all_replicate(call, placements):
 
 
 def _call_on(*metas):
-    return Call("synthetic", tuple(metas), tuple(TensorSlot(i) for i in range(len(metas))), {}, (((8, 6), torch.float32),))
+    return Call("synthetic", tuple(metas), tuple(TensorSlot(i) for i in range(len(metas))), {},
+                (((8, 6), torch.float32),))
 
 
 def test_planner_falls_back_to_replicate_everywhere():

@@ -310,7 +310,8 @@ def test_torchs_autograd_grad_and_backward_take_dtensors(mesh4):
 
 _RETAINED = {"mesh4": [([Shard(0)], [Replicate()]), ([Replicate()], [Shard(1)]), ([Shard(1)], [Shard(0)]),
                        ([Replicate()], [Replicate()])],
-             "mesh22": [([Shard(0), Replicate()], [Replicate(), Shard(1)]), ([Shard(0), Shard(1)], [Replicate(), Shard(0)])]}
+             "mesh22": [([Shard(0), Replicate()], [Replicate(), Shard(1)]),
+                        ([Shard(0), Shard(1)], [Replicate(), Shard(0)])]}
 
 
 @pytest.mark.parametrize("mesh_name, number", [(m, i) for m, cases in _RETAINED.items() for i in range(len(cases))])

@@ -21,7 +21,9 @@ import pytest
 from benchmarks import BENCHMARKS
 
 ROOT = Path(__file__).resolve().parent.parent
-SUITE_TIMEOUT_S = 480   # 2, 8 and 10 start baseline processes (8 and 10 importing transformers); 11 two sshd and three launches; ~120 s on a quiet 2-core machine, 300+ in a slow spell
+# 2, 8 and 10 start baseline processes (8 and 10 importing transformers); 11 two sshd and three
+# launches; ~120 s on a quiet 2-core machine, 300+ in a slow spell
+SUITE_TIMEOUT_S = 480
 EXIT_GRACE_S = 10
 # dtorch workers start in their own session, so the suite's process group cannot find them;
 # this variable, inherited by everything the suite starts, can.
@@ -221,8 +223,8 @@ def test_the_redistribute_ab_script_runs():
     rows = [line for line in result.stdout.splitlines() if line.startswith("round 1, ")]
     assert len(rows) == 2 and "GLIBC_TUNABLES=" in rows[1], result.stdout
     for row in rows:
-        assert re.search(r"S\(0\)->S\(1\) [\d.]+ ms \(\d+; CPU [\d.]+ ms\) \| S\(0\)->R [\d.]+ ms \(\d+; CPU [\d.]+ ms\)",
-                         row), row
+        assert re.search(r"S\(0\)->S\(1\) [\d.]+ ms \(\d+; CPU [\d.]+ ms\) \| "
+                         r"S\(0\)->R [\d.]+ ms \(\d+; CPU [\d.]+ ms\)", row), row
 
 
 @pytest.mark.timeout(120)
@@ -273,9 +275,10 @@ def test_the_issue_floor_script_runs(tmp_path):
      + (r"\n  decoding alone +[\d.]+ us/op\n", r"\n  plain torch +[\d.]+ us/op")),
     ("worker_cpu.py --grad", tuple(rf"\n  {name} +[\d.]+ us/op +-?[\d.]+ us/op added\n" for name in (
         "worker, eager", "worker, eager, general path only")) + (r"\n  plain torch +[\d.]+ us/op",)),
-    ("moved_ops.py", (r"y moved S\(1\) -> S\(0\), \(64, 128\) on 4 workers: issuing CPU us/op min [\d.]+ median [\d.]+; "
-                      r"wall us/op median \d+",
-                      r"12 layers h = \(h @ w\)\.tanh\(\), \(1024, 1024\) float32: peak worker memory above idle [\d.]+ MiB")),
+    ("moved_ops.py", (r"y moved S\(1\) -> S\(0\), \(64, 128\) on 4 workers: issuing CPU us/op "
+                      r"min [\d.]+ median [\d.]+; wall us/op median \d+",
+                      r"12 layers h = \(h @ w\)\.tanh\(\), \(1024, 1024\) float32: "
+                      r"peak worker memory above idle [\d.]+ MiB")),
     ("worker_gc.py", tuple(rf"\n{variant} +objects tracked +\d+  full collection: median [\d.]+ ms, min [\d.]+ ms"
                            for variant in ("as started", "untreated"))),
 ])
@@ -300,7 +303,8 @@ def test_the_class_loss_script_runs(sharded, form):
                             text=True, timeout=170)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     for variant in (form, "the op alone"):
-        assert re.search(rf"{re.escape(variant)}.* median +[\d.]+ ms per forward \+ backward", result.stdout), result.stdout
+        assert re.search(rf"{re.escape(variant)}.* median +[\d.]+ ms per forward \+ backward",
+                         result.stdout), result.stdout
 
 
 @pytest.mark.timeout(180)

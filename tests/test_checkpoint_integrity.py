@@ -216,7 +216,8 @@ def test_a_swapped_file_without_its_own_checksums_is_refused_where_it_is_read(me
         _load(mesh4, tmp_path, placements=[Shard(0)])
     # ranks 0 and 1 both find theirs; the message is the one that arrived first
     expected = [f"__{rank}_0.safetensors: the chunk at offsets [{2 * rank}, 0] of shape [2, 4] has crc32 "
-                f"{crcs[f'__{1 - rank}_0.safetensors']:#010x}, the index recorded {crcs[f'__{rank}_0.safetensors']:#010x}"
+                f"{crcs[f'__{1 - rank}_0.safetensors']:#010x}, the index recorded "
+                f"{crcs[f'__{rank}_0.safetensors']:#010x}"
                 for rank in (0, 1)]
     assert any(line in str(refused.value) for line in expected), str(refused.value)
 

@@ -88,7 +88,8 @@ def test_round_trip_on_the_same_layout_is_exact(mesh_name, placements, request, 
                                     ("mesh22", [Shard(1), Shard(0)]), ("mesh1", [Replicate()])], ids=str)
 def test_saved_on_dp2_tp2_loads_into_other_layouts(target, mesh22, request, tmp_path):
     expected, tensors = upload_all(mesh22, [Replicate(), Shard(0)])   # dp replicates, tp shards
-    tensors.update({f"{name}_2d": dtorch.tensor(t, device_mesh=mesh22, placements=layout_of([Shard(0), Shard(1)], t.ndim))
+    tensors.update({f"{name}_2d": dtorch.tensor(t, device_mesh=mesh22,
+                                                placements=layout_of([Shard(0), Shard(1)], t.ndim))
                     for name, t in expected.items()})
     expected.update({f"{name}_2d": t for name, t in list(expected.items())})
     save({"model": tensors, "step": 3}, tmp_path / "ck")
@@ -103,7 +104,8 @@ def test_saved_on_dp2_tp2_loads_into_other_layouts(target, mesh22, request, tmp_
 def test_load_casts_to_the_target_dtype(mesh4, tmp_path):
     a = values(0, (6, 3))
     save({"a": dtorch.tensor(a, device_mesh=mesh4, placements=[Shard(0)])}, tmp_path / "ck")
-    state = load({"a": dtorch.zeros(6, 3, dtype=torch.float64, device_mesh=mesh4, placements=[Shard(1)])}, tmp_path / "ck")
+    state = load({"a": dtorch.zeros(6, 3, dtype=torch.float64, device_mesh=mesh4, placements=[Shard(1)])},
+                 tmp_path / "ck")
     assert state["a"].dtype == torch.float64 and torch.equal(state["a"].to_torch(), a.double())
 
 
@@ -305,7 +307,8 @@ def test_strict_false_keeps_what_the_checkpoint_lacks(mesh4, saved):
 
 
 def test_a_cast_that_loses_values_is_refused(mesh4, saved):
-    with pytest.raises(CheckpointError, match="'model.w': dtype torch.float32 in the checkpoint cannot become torch.int64"):
+    with pytest.raises(CheckpointError,
+                       match="'model.w': dtype torch.float32 in the checkpoint cannot become torch.int64"):
         load({"model": {"w": dtorch.zeros(6, 4, dtype=torch.int64, device_mesh=mesh4),
                         "b": dtorch.zeros(6, device_mesh=mesh4)}, "step": 0}, saved)
 

@@ -467,7 +467,8 @@ def test_a_failure_inside_a_replay_names_the_line_inside_the_function(mesh4):
     assert compiled.captures == 1
     with pytest.raises(RemoteError) as raised:
         result.to_torch()
-    assert re.search(rf"test_compile.py:{_line_of('FAILS HERE')} \(replayed, in the compiled call at", str(raised.value))
+    assert re.search(rf"test_compile.py:{_line_of('FAILS HERE')} \(replayed, in the compiled call at",
+                     str(raised.value))
     assert torch.equal(compiled(good).to_torch(), table.to_torch()[[0, 4, 1, 2]] * 2)   # the session goes on
 
 

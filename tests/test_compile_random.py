@@ -109,7 +109,8 @@ def test_a_random_training_step_replays_as_torch_runs_it(seed, mesh22):
     zero_first, update = rng.random() < 0.5, rng.random() < 0.6
     values = [torch.randn(4, 6, generator=torch.Generator().manual_seed(seed * 8 + i)) for i in range(count + 1)]
     want = [v.clone().requires_grad_() for v in values[:count]]
-    got = [dtorch.tensor(v, device_mesh=mesh22, placements=rng.choice(LAYOUTS), requires_grad=True) for v in values[:count]]
+    got = [dtorch.tensor(v, device_mesh=mesh22, placements=rng.choice(LAYOUTS), requires_grad=True)
+           for v in values[:count]]
     x = dtorch.tensor(values[count], device_mesh=mesh22, placements=rng.choice(LAYOUTS))
 
     def step(parameters, x, no_grad):
@@ -131,9 +132,11 @@ def test_a_random_training_step_replays_as_torch_runs_it(seed, mesh22):
     for call in range(CALLS):
         where = f"program {program}, zero_first={zero_first}, update={update}, call {call}"
         loss, want_loss = compiled(x), step(want, values[count], torch.no_grad)
-        torch.testing.assert_close(loss.to_torch(), want_loss.detach(), rtol=1e-4, atol=1e-4, msg=lambda m: f"{m} ({where})")
+        torch.testing.assert_close(loss.to_torch(), want_loss.detach(), rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{m} ({where})")
         for g, w in zip(got, want):
             torch.testing.assert_close(g.to_torch(), w.detach(), rtol=1e-4, atol=1e-4, msg=lambda m: f"{m} ({where})")
             assert (g.grad is None) == (w.grad is None), where
             if w.grad is not None:
-                torch.testing.assert_close(g.grad.to_torch(), w.grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"{m} ({where})")
+                torch.testing.assert_close(g.grad.to_torch(), w.grad, rtol=1e-4, atol=1e-4,
+                                           msg=lambda m: f"{m} ({where})")

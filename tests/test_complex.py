@@ -84,14 +84,17 @@ def test_moves_between_meshes(mesh4, mesh22, mesh1):
 A, B, W = values((8, 6), seed=2), values((8, 6), seed=3), values((6, 5), seed=4)
 OPS = {
     "add": lambda a, b, w: a + b, "sub": lambda a, b, w: a - 2 * b, "mul": lambda a, b, w: a * b,
-    "div": lambda a, b, w: a / (b + 3), "matmul": lambda a, b, w: a @ w, "linear": lambda a, b, w: torch.nn.functional.linear(a, w.t()),
-    "einsum": lambda a, b, w: torch.einsum("ij,jk->ik", a, w), "bmm": lambda a, b, w: torch.bmm(a.reshape(2, 4, 6), w.expand(2, 6, 5)),
+    "div": lambda a, b, w: a / (b + 3), "matmul": lambda a, b, w: a @ w,
+    "linear": lambda a, b, w: torch.nn.functional.linear(a, w.t()),
+    "einsum": lambda a, b, w: torch.einsum("ij,jk->ik", a, w),
+    "bmm": lambda a, b, w: torch.bmm(a.reshape(2, 4, 6), w.expand(2, 6, 5)),
     "sum": lambda a, b, w: a.sum(), "sum(0)": lambda a, b, w: a.sum(0), "mean": lambda a, b, w: a.mean(),
     "mean(1)": lambda a, b, w: a.mean(1), "var(0)": lambda a, b, w: a.var(0), "cumsum": lambda a, b, w: a.cumsum(0),
     "vdot": lambda a, b, w: torch.vdot(a.flatten(), b.flatten()), "abs": lambda a, b, w: a.abs(),
     "exp": lambda a, b, w: a.exp(), "sgn": lambda a, b, w: a.sgn(), "reshape": lambda a, b, w: a.reshape(4, 12),
     "cat": lambda a, b, w: torch.cat([a, b], 1), "index": lambda a, b, w: a[1:7, ::2],
-    "by a tensor": lambda a, b, w: a * torch.tensor(1 + 2j), "to complex128": lambda a, b, w: a.to(torch.complex128).sum(),   # (read from one rank: see above)
+    "by a tensor": lambda a, b, w: a * torch.tensor(1 + 2j),
+    "to complex128": lambda a, b, w: a.to(torch.complex128).sum(),   # (read from one rank: see above)
 }
 LAYOUTS = [(Shard(0), Shard(0), R), (Shard(1), Shard(1), Shard(0)), (R, Shard(0), Shard(1))]
 
@@ -131,7 +134,8 @@ def test_partial_max_or_min_of_complex_values_is_refused(mesh22):
 
 def test_ordering_ops_are_refused_as_torch_refuses_them(mesh4):
     x = dtorch.tensor(values((8, 6)), device_mesh=mesh4, placements=[Shard(0)])
-    for call in (lambda: x.amax(), lambda: torch.max(x, 0), lambda: x.argmin(1), lambda: x.redistribute(placements=[R]).median()):
+    for call in (lambda: x.amax(), lambda: torch.max(x, 0), lambda: x.argmin(1),
+                 lambda: x.redistribute(placements=[R]).median()):
         with pytest.raises(ShapeError, match="not implemented for 'ComplexFloat'|does not support complex"):
             call()
     assert_close(x.abs().amax().to_torch(), values((8, 6)).abs().amax())

@@ -209,8 +209,8 @@ def test_instance_norm_updates_and_uses_running_statistics(mesh4, placements):
     torch.testing.assert_close(running_mean.to_torch(), want_mean)
     torch.testing.assert_close(running_var.to_torch(), want_var)
     evaluated = F.instance_norm(x, running_mean, running_var, use_input_stats=False)
-    torch.testing.assert_close(evaluated.to_torch(), F.instance_norm(values, want_mean, want_var, use_input_stats=False),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(evaluated.to_torch(), F.instance_norm(values, want_mean, want_var,
+                                                                     use_input_stats=False), rtol=1e-4, atol=1e-5)
 
 
 def test_torchs_argument_errors_stay_torchs(mesh4):

@@ -201,7 +201,8 @@ def test_soak_memory_flat_tensors_return_and_no_message_lost(mesh4, mesh22):
     dropped; at the end the workers hold what they held at the start, memory has not grown
     beyond a bound, and nothing was rejected or lost (a lost command would stop a worker)."""
     meshes = [(mesh4, [[Shard(0)], [Shard(1)], [Replicate()]]),
-              (mesh22, [[Shard(0), Shard(1)], [Replicate(), Shard(0)], [Shard(1), Replicate()], [Replicate(), Replicate()]])]
+              (mesh22, [[Shard(0), Shard(1)], [Replicate(), Shard(0)], [Shard(1), Replicate()],
+                        [Replicate(), Replicate()]])]
     rng = random.Random(1234)
     start_state = _quiet_worker_state(4)
     start_rss = _controller_rss()

@@ -352,7 +352,8 @@ def test_hostfile_slot_i_of_a_host_runs_on_gpu_i():
     from dtorch_launcher.hostfile import parse_hostfile_text
     from dtorch_launcher.ssh import SshSpawner
     spawner = SshSpawner(parse_hostfile_text("node1 slots=2\nnode2 slots=3\n"))
-    assert gpu_assignment.assign_devices("cuda", range(5), None, spawner) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:2"]
+    assert gpu_assignment.assign_devices("cuda", range(5), None, spawner) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1",
+                                                                              "cuda:2"]
 
 
 def test_nccl_datatypes_and_reductions():

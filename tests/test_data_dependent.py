@@ -194,7 +194,8 @@ def test_bincount_matches_torch_with_weights(mesh):
         g = torch.Generator().manual_seed(length)
         value = torch.randint(0, 6, (length,), generator=g)
         weights = torch.randn(length, generator=g)
-        for placements in ([[R]] if tuple(mesh.shape) == (1,) else [[Shard(0)] + [R] * (mesh.ndim - 1), [R] * mesh.ndim]):
+        for placements in ([[R]] if tuple(mesh.shape) == (1,)
+                           else [[Shard(0)] + [R] * (mesh.ndim - 1), [R] * mesh.ndim]):
             x = dtorch.tensor(value, device_mesh=mesh, placements=placements)
             w = dtorch.tensor(weights, device_mesh=mesh, placements=placements).requires_grad_()
             assert_same(torch.bincount(x).to_torch(), torch.bincount(value))

@@ -85,7 +85,8 @@ def test_a_torch_model_of_ones_own_trains_as_torch_does(layout, mesh4, mesh22):
             assert model.mlp[0].weight.placements == (Shard(0),)
     assert isinstance(model, dtorch.nn.Module) and isinstance(model, TinyLM)
     assert isinstance(model.mlp[0], tnn.Linear) and isinstance(model.mlp[0].weight, dtorch.nn.Parameter)
-    assert model.head.weight is model.embed.weight and len(list(model.parameters())) == len(list(reference.parameters()))
+    assert (model.head.weight is model.embed.weight
+            and len(list(model.parameters())) == len(list(reference.parameters())))
     assert isinstance(model.scale, dtorch.DTensor) and list(model.state_dict()) == list(reference.state_dict())
     batch = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
     batches = _batches(3)
@@ -229,7 +230,8 @@ def test_torch_multihead_attention_equals_torch(call, batch_first, mesh4):
     (expected * expected).sum().backward()
     (output * output).sum().backward()
     grad = dx.grad.to_torch()
-    torch.testing.assert_close(grad if batch_first else grad.transpose(0, 1), reference_input.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad if batch_first else grad.transpose(0, 1), reference_input.grad,
+                               rtol=1e-4, atol=1e-5)
     for (name, got), (_, want) in zip(module.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(got.grad.to_torch(), want.grad, rtol=1e-4, atol=1e-5, msg=name)
 
@@ -335,7 +337,8 @@ class _SelfAttention(tnn.Module):
 class _Block(tnn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float):
         super().__init__()
-        self.ln_1, self.attn, self.ln_2 = tnn.LayerNorm(n_embd), _SelfAttention(n_embd, n_head, dropout), tnn.LayerNorm(n_embd)
+        self.ln_1, self.attn, self.ln_2 = (tnn.LayerNorm(n_embd), _SelfAttention(n_embd, n_head, dropout),
+                                           tnn.LayerNorm(n_embd))
         self.mlp = tnn.ModuleDict(dict(c_fc=tnn.Linear(n_embd, 4 * n_embd), c_proj=tnn.Linear(4 * n_embd, n_embd)))
 
     def forward(self, x):
@@ -388,7 +391,8 @@ def test_nanogpt_as_written_trains_as_torch_does(layout, mesh22):
     model = copy.deepcopy(reference)
     plan = {"transformer.h.*.mlp.c_fc": ColwiseParallel(), "transformer.h.*.mlp.c_proj": RowwiseParallel()}
     if layout == "fsdp2xtp2":
-        plan.update({"transformer.h.*.attn.c_attn": ColwiseParallel(), "transformer.h.*.attn.c_proj": RowwiseParallel()})
+        plan.update({"transformer.h.*.attn.c_attn": ColwiseParallel(),
+                     "transformer.h.*.attn.c_proj": RowwiseParallel()})
     parallelize_module(model, mesh22, plan, tp_dim="tp")
     if layout == "fsdp2xtp2":
         for block in model.transformer.h:

@@ -57,7 +57,8 @@ def test_moving_a_failed_result_to_a_mesh_without_the_failed_rank_still_raises(m
         moved.to_torch()
     shifted = quotient * 1
     with pytest.raises(DependencyError):
-        shifted.redistribute(placements=[Replicate()]).redistribute(device_mesh=mesh1, placements=[Replicate()]).to_torch()
+        shifted.redistribute(placements=[Replicate()]).redistribute(device_mesh=mesh1,
+                                                                    placements=[Replicate()]).to_torch()
 
 
 def test_worker_exception_surfaces_at_the_read_with_rank_and_user_line(mesh4):
@@ -224,7 +225,8 @@ def test_a_remote_error_names_the_exact_line_even_deep_in_a_long_function(mesh4,
     quotient = namespace["program"](numerator, denominator)
     with pytest.raises(DependencyError) as info:
         quotient.to_torch()
-    div_line = source.splitlines().index("                dtorch.div(numerator, denominator, rounding_mode='floor'))") + 1
+    div_line = source.splitlines().index("                dtorch.div(numerator, denominator, "
+                                         "rounding_mode='floor'))") + 1
     assert f"{path}:{div_line}" in str(info.value), str(info.value)
 
 
@@ -312,7 +314,8 @@ def test_two_dtypes_where_torchs_kernels_take_one_are_refused_at_the_users_line(
     with pytest.raises(ShapeError, match=rf"{op}: inputs of two dtypes \(bfloat16 and float32\) at .*test_errors.py:"):
         calls[op]()
     mixed_norm = torch.nn.functional.layer_norm(b, (4,), a[0])   # bf16 input, float32 weight: torch's rule
-    torch.testing.assert_close(mixed_norm.to_torch(), torch.nn.functional.layer_norm(b.to_torch(), (4,), a[0].to_torch()))
+    torch.testing.assert_close(mixed_norm.to_torch(),
+                               torch.nn.functional.layer_norm(b.to_torch(), (4,), a[0].to_torch()))
 
 
 def test_in_place_forms_of_composed_methods_and_from_local_say_what_to_write(mesh4):

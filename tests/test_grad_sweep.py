@@ -97,7 +97,8 @@ class _GradCase:
         roots = [(o * dtorch.tensor(w, device_mesh=mesh)).sum() for o, w in zip(outs, self.weights)]
         dtorch.autograd.backward(roots)
         for index, want in zip(self.differentiable, self.expected):
-            checks.append((inputs[index].grad.fetch(), want, f"{self.op} input {index} {_short(combo)} on {mesh.shape}"))
+            checks.append((inputs[index].grad.fetch(), want,
+                           f"{self.op} input {index} {_short(combo)} on {mesh.shape}"))
         return True
 
 

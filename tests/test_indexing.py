@@ -133,7 +133,8 @@ def test_result_placements_follow_the_rules(mesh2, mesh22):
     x, dt = _up(a, mesh2), _up(torch.tensor([[1, 2], [7, 0]]), mesh2, [Shard(1)])
     assert list(x[dt].placements) == [Shard(1)] and list(x[:, dtorch.remainder(dt, 5)].placements) == [Shard(2)]
     flags = _up(torch.arange(8) % 3 == 0, mesh2, [Shard(0)])   # a bool input: P(max) (an OR) instead
-    assert list(flags[t].placements) == [Partial("max")] and torch.equal(flags[t].to_torch(), torch.arange(8)[t] % 3 == 0)
+    assert (list(flags[t].placements) == [Partial("max")]
+            and torch.equal(flags[t].to_torch(), torch.arange(8)[t] % 3 == 0))
 
 
 def test_bad_indices_raise_as_torch_does(mesh2):
@@ -219,7 +220,8 @@ def test_index_put_and_accumulate(mesh2, mesh22):
         assert_same(torch.index_put(x, (_up(rows[1:], mesh),), _up(value[1:], mesh)).to_torch(),
                     a.index_put((rows[1:],), value[1:]))
         # torch's function with a local index tensor: uploaded Replicate as a constant (docs/reference/ops.md)
-        assert_same(torch.index_put(x, (rows[1:],), _up(value[1:], mesh)).to_torch(), a.index_put((rows[1:],), value[1:]))
+        assert_same(torch.index_put(x, (rows[1:],), _up(value[1:], mesh)).to_torch(),
+                    a.index_put((rows[1:],), value[1:]))
         y = x.clone()
         y.index_put_((torch.tensor([True, False, False, True, False, False, True]),), torch.tensor(2.0))
         assert_same(y.to_torch(), a.index_put((torch.tensor([0, 3, 6]),), torch.tensor(2.0)))

@@ -174,7 +174,8 @@ def test_kv_cache_write_on_sharded_heads_needs_no_communication(mesh22):
         reference[:, :, pos] = k
     assert dtorch.stats()["redistributes_inserted"] == before
     from dtorch.ops.dispatch import PLAN_CACHE
-    plans = [plan for key, plan in PLAN_CACHE.items() if key[0] == "setitem" and plan.out_specs[0].shape == (2, 4, 8, 3)]
+    plans = [plan for key, plan in PLAN_CACHE.items()
+             if key[0] == "setitem" and plan.out_specs[0].shape == (2, 4, 8, 3)]
     assert plans and all(not plan.moves and not plan.input_steps for plan in plans)
     assert cache.placements == (Shard(0), Shard(1))
     assert_same(cache.to_torch(), reference, exact=True)

@@ -100,7 +100,8 @@ def test_no_worker_module_imports_the_controller_side():
 def test_the_layer_table_sees_an_upward_import():
     # the check itself: a runtime module importing the frontend would be refused
     assert layer_of("dtorch.dtensor.tensor") > layer_of("dtorch.runtime.worker.worker")
-    assert layer_of("dtorch.ops.dispatch") < layer_of("dtorch.runtime.controller.session") < layer_of("dtorch.nn.functional")
+    assert (layer_of("dtorch.ops.dispatch") < layer_of("dtorch.runtime.controller.session")
+            < layer_of("dtorch.nn.functional"))
     assert layer_of("dtorch.runtime.worker.kernels") < layer_of("dtorch.runtime.controller.controller")
     assert layer_of("dtorch") == len(LAYERS) - 2 and layer_of("numpy") is None
     # nothing falls into a default layer: a new module directly under dtorch/ or runtime/ is unplaced

@@ -283,8 +283,10 @@ def test_transformers_default_cache_on_tp2(session):
     dtorch.distribute_module(model, mesh)
     layers = "model.layers.*."
     parallelize_module(model, mesh, {
-        **{layers + f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}, layers + "self_attn.o_proj": RowwiseParallel(),
-        **{layers + f"mlp.{p}_proj": ColwiseParallel() for p in ("gate", "up")}, layers + "mlp.down_proj": RowwiseParallel(),
+        **{layers + f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+        layers + "self_attn.o_proj": RowwiseParallel(),
+        **{layers + f"mlp.{p}_proj": ColwiseParallel() for p in ("gate", "up")},
+        layers + "mlp.down_proj": RowwiseParallel(),
     }, tp_dim="tp")
     ids, following = torch.randint(0, 64, (2, 5)), torch.randint(0, 64, (2, 1))
     want, got = reference(ids), model(dtorch.tensor(ids, device_mesh=mesh))

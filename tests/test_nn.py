@@ -67,7 +67,8 @@ def test_tensor_parallel_placements_follow_megatron(mesh22):
     assert hidden.placements == (Shard(0), Shard(1))
     out = row(hidden)
     assert out.placements == (Shard(0), Partial("sum"))   # no collective until someone needs one
-    assert nn.RowParallelLinearWithReplicateOutput(6, 8, device_mesh=mesh22)(hidden).placements == (Shard(0), Replicate())
+    assert (nn.RowParallelLinearWithReplicateOutput(6, 8, device_mesh=mesh22)(hidden).placements
+            == (Shard(0), Replicate()))
 
 
 def test_a_mesh_without_the_tp_name_gives_a_replicated_layer(mesh4):
@@ -96,7 +97,8 @@ def test_embedding_matches_torch(shard_type, layout):
     assert_same(out.to_torch(), expected.detach())
     assert (layer.weight.to_torch()[2] == 0).all()
     replicated = nn.EmbeddingWithReplicateOutput(11, 6, device_mesh=mesh, tp_shard_type=shard_type)
-    assert all(not p.is_partial() for p in replicated(dtorch.tensor(ids, device_mesh=mesh, placements=batch)).placements)
+    assert all(not p.is_partial()
+               for p in replicated(dtorch.tensor(ids, device_mesh=mesh, placements=batch)).placements)
 
 
 @pytest.mark.parametrize("make, reference", [
@@ -148,7 +150,8 @@ class Block(nn.Module):
     def __init__(self, mesh, dim=8, hidden=12):
         super().__init__()
         self.norm = nn.RMSNorm(dim, device_mesh=mesh)
-        self.layers = nn.ModuleList([nn.Linear(dim, hidden, device_mesh=mesh), nn.Linear(hidden, dim, device_mesh=mesh)])
+        self.layers = nn.ModuleList([nn.Linear(dim, hidden, device_mesh=mesh),
+                                     nn.Linear(hidden, dim, device_mesh=mesh)])
         self.act = nn.SiLU()
         self.register_buffer("scale", dtorch.full((dim,), 0.5, device_mesh=mesh))
 
@@ -380,8 +383,8 @@ def test_a_class_loss_mean_over_a_sharded_batch_moves_no_input(name, shape, mesh
         for mesh in (mesh4, mesh22):
             batch = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
             x = dtorch.tensor(value, device_mesh=mesh, placements=batch, requires_grad=True)
-            placed = dict(kwargs, weight=dtorch.tensor(weight, device_mesh=mesh, placements=[Replicate()] * mesh.ndim)) \
-                if "weight" in kwargs else kwargs
+            placed = (dict(kwargs, weight=dtorch.tensor(weight, device_mesh=mesh, placements=[Replicate()] * mesh.ndim))
+                      if "weight" in kwargs else kwargs)
             before, strict = dtorch.stats()["redistributes_inserted"], dtorch.is_strict()
             dtorch.set_strict(True)
             try:
@@ -442,7 +445,8 @@ def test_a_class_loss_over_sharded_classes_never_gathers_them(name, shape, reduc
             if name == "cross_entropy":   # (nll_loss's input above is not torch's log_softmax graph)
                 torch.testing.assert_close(x.grad.to_torch(), reference.grad, rtol=1e-4, atol=1e-6, msg=where)
 
-_INITS = {"normal_": lambda t: torch.nn.init.normal_(t, 0.5, 2.0), "uniform_": lambda t: torch.nn.init.uniform_(t, -3, 1),
+_INITS = {"normal_": lambda t: torch.nn.init.normal_(t, 0.5, 2.0),
+          "uniform_": lambda t: torch.nn.init.uniform_(t, -3, 1),
           "xavier_uniform_": torch.nn.init.xavier_uniform_, "xavier_normal_": torch.nn.init.xavier_normal_,
           "kaiming_uniform_": lambda t: torch.nn.init.kaiming_uniform_(t, a=5 ** 0.5),
           "kaiming_normal_": torch.nn.init.kaiming_normal_, "constant_": lambda t: torch.nn.init.constant_(t, 0.3),
@@ -451,8 +455,9 @@ _INITS = {"normal_": lambda t: torch.nn.init.normal_(t, 0.5, 2.0), "uniform_": l
 
 
 # exact bounds: fan_in 96, fan_out 256; kaiming_uniform_ with a = sqrt(5) has gain sqrt(1 / 3)
-_BOUNDS = {"uniform_": (-3, 1), "constant_": (0.3, 0.3), "trunc_normal_": (-0.4, 0.9), "trunc_normal_ (narrow)": (2.0, 3.0),
-           "xavier_uniform_": (-(6 / 352) ** 0.5, (6 / 352) ** 0.5), "kaiming_uniform_": (-(1 / 96) ** 0.5, (1 / 96) ** 0.5)}
+_BOUNDS = {"uniform_": (-3, 1), "constant_": (0.3, 0.3), "trunc_normal_": (-0.4, 0.9),
+           "trunc_normal_ (narrow)": (2.0, 3.0), "xavier_uniform_": (-(6 / 352) ** 0.5, (6 / 352) ** 0.5),
+           "kaiming_uniform_": (-(1 / 96) ** 0.5, (1 / 96) ** 0.5)}
 
 
 @pytest.mark.parametrize("name", list(_INITS))

@@ -134,7 +134,8 @@ def test_an_inserted_redistribute_is_a_controller_span_inside_the_op(mesh4, auto
     spans = _controller_spans(prof.trace)
     add = next(e for e in spans if e["name"] == "add")
     inserted = [e for e in spans if e["name"] == "redistribute (inserted)"]
-    assert inserted and add["ts"] <= inserted[0]["ts"] and inserted[0]["ts"] + inserted[0]["dur"] <= add["ts"] + add["dur"]
+    assert (inserted and add["ts"] <= inserted[0]["ts"]
+            and inserted[0]["ts"] + inserted[0]["dur"] <= add["ts"] + add["dur"])
     assert inserted[0]["args"]["fused"] is True
     commands = _worker_commands(prof.trace, 0)
     assert not any(e["name"] == "redistribute" for e in commands)

@@ -23,7 +23,8 @@ from dtorch.runtime.controller import session
 def _blocking_reads(mesh, count: int = 3) -> None:
     """Blocking reads: afterwards the loop thread has handed the socket to the reading thread."""
     for i in range(count):
-        assert (dtorch.full((4,), float(i), device_mesh=mesh, placements=[Shard(0)]) + 1).to_torch().tolist() == [i + 1.0] * 4
+        assert ((dtorch.full((4,), float(i), device_mesh=mesh, placements=[Shard(0)]) + 1).to_torch().tolist()
+                == [i + 1.0] * 4)
 
 
 @pytest.fixture

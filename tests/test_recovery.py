@@ -56,7 +56,8 @@ def test_a_killed_worker_is_replaced_and_its_mesh_works_again():
             "all_gather": torch.equal(y.redistribute(mesh, [Replicate()]).to_torch(), a),
             "all_reduce": torch.allclose(y.sum().to_torch(), a.sum(), atol=1e-6),
             "survivor_tensor": torch.equal(kept.to_torch(), torch.arange(6.0)),
-            "transfer_from_survivor_mesh": torch.equal(kept.redistribute(mesh, [Shard(0)]).to_torch(), torch.arange(6.0)),
+            "transfer_from_survivor_mesh": torch.equal(kept.redistribute(mesh, [Shard(0)]).to_torch(),
+                                                       torch.arange(6.0)),
         }
         dtorch.synchronize()   # the survivor's collective that broke with the loss is not raised again
         pids += [r["pid"] for r in replaced]
@@ -123,7 +124,8 @@ TRAINING = """
     mesh = init_device_mesh("cpu", (2,))
     g = torch.Generator().manual_seed(0)
     X = torch.randn(64, 8, generator=g, dtype=torch.float64)
-    Y = X @ torch.randn(8, 1, generator=g, dtype=torch.float64) + 0.1 * torch.randn(64, 1, generator=g, dtype=torch.float64)
+    Y = (X @ torch.randn(8, 1, generator=g, dtype=torch.float64)
+         + 0.1 * torch.randn(64, 1, generator=g, dtype=torch.float64))
     STEPS, EVERY, LR = 12, 3, 0.05
 
     def upload(value, placement):

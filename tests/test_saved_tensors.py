@@ -82,7 +82,8 @@ def test_only_a_redistribute_of_gathers_alone_is_gathered_again_in_backward():
     assert _only_gathers([(0, Shard(0), Replicate()), (1, Shard(1), Replicate())], mesh)
     assert not _only_gathers([(1, Shard(0), Replicate()), (0, Replicate(), Shard(0))], mesh)
     assert not _only_gathers([(0, Shard(0), Replicate()), (1, Replicate(), Partial())], mesh)
-    assert _only_gathers([(0, Shard(0), Replicate()), (1, Replicate(), Partial())], SimpleNamespace(shape=(2, 1)))   # no-op step
+    # a no-op step:
+    assert _only_gathers([(0, Shard(0), Replicate()), (1, Replicate(), Partial())], SimpleNamespace(shape=(2, 1)))
 
 
 def test_a_gathered_parameter_is_saved_as_its_recipe_and_gathered_again_in_backward():

@@ -168,7 +168,8 @@ def test_dtorch_zygote_0_starts_workers_directly():
     result = subprocess.run([sys.executable, "-c", (
         "import json, os, dtorch; from dtorch.runtime.controller import session;"
         "from dtorch.spec.placements import init_device_mesh; init_device_mesh('cpu', (2,));"
-        "parents = [int(open(f'/proc/{w[\"pid\"]}/stat').read().rsplit(')', 1)[1].split()[1]) for w in dtorch.workers()];"
+        "parents = [int(open(f'/proc/{w[\"pid\"]}/stat').read().rsplit(')', 1)[1].split()[1]) "
+        "for w in dtorch.workers()];"
         "print(json.dumps({'parents': parents, 'me': os.getpid(), 'template': session._spawner._zygote}))")],
         cwd=REPO, capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONPATH": REPO, "DTORCH_ZYGOTE": "0"})

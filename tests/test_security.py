@@ -93,7 +93,8 @@ sent = 0
 for forger in forgers:
     frames = [[pack(REGISTER, 0, "evil", 1, "cpu", "0" * 64)], [pack(HEARTBEAT, 0)], [pack(HEARTBEAT, 1)],
               [pack(ERROR, next_seq + 3, 0, "add", "ValueError", "forged", "")]]
-    frames += [[pack(REPLY, seq, rank, "ok", -1), b"\x00" * 64] for seq in range(next_seq, next_seq + 30) for rank in (0, 1)]
+    frames += [[pack(REPLY, seq, rank, "ok", -1), b"\x00" * 64]
+               for seq in range(next_seq, next_seq + 30) for rank in (0, 1)]
     for message in frames:
         try:
             forger.send_multipart(message, flags=zmq.NOBLOCK)
@@ -150,7 +151,8 @@ value = x.to_torch()
 report = json.loads(process.stdout.readline())
 process.wait(30)
 report.update(value=value.tolist(), rejected=dtorch.stats()["messages_rejected"],
-              mode=oct(stat.S_IMODE(os.stat(private_dir).st_mode)), addresses=[sockets.command_address, sockets.reply_address],
+              mode=oct(stat.S_IMODE(os.stat(private_dir).st_mode)),
+              addresses=[sockets.command_address, sockets.reply_address],
               store=controller.store_address, workers_alive=all(w["alive"] for w in dtorch.workers()))
 dtorch.shutdown()
 report["dir_removed"] = not os.path.exists(private_dir)

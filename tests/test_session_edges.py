@@ -30,7 +30,8 @@ def test_a_tensor_from_an_ended_session_raises_and_never_reads_the_new_sessions_
         b = dtorch.full((8, 8), 7.0, device_mesh=mesh, placements=[Shard(0)])
         outcomes = {}
         for name, call in {"op": lambda: (a + 1).to_torch(), "op with a live tensor": lambda: (a + b).to_torch(),
-                           "read": lambda: a.to_torch(), "redistribute": lambda: a.redistribute(placements=[dtorch.Replicate()])}.items():
+                           "read": lambda: a.to_torch(),
+                           "redistribute": lambda: a.redistribute(placements=[dtorch.Replicate()])}.items():
             try:
                 outcomes[name] = repr(call())
             except dtorch.SessionEndedError as error:

@@ -162,7 +162,8 @@ def test_new_factories_take_the_tensors_dtype_and_mesh(mesh22):
 def test_gradients_through_composed_methods_equal_torchs(name, mesh4):
     values = torch.randn(7, 5)
     reference = values.clone().requires_grad_()
-    (CASES[name](reference) * torch.arange(1.0, 1.0 + CASES[name](values).numel()).view(CASES[name](values).shape)).sum().backward()
+    (CASES[name](reference)
+     * torch.arange(1.0, 1.0 + CASES[name](values).numel()).view(CASES[name](values).shape)).sum().backward()
     x = dtorch.tensor(values, device_mesh=mesh4, placements=[Shard(0)], requires_grad=True)
     out = CASES[name](x)
     weight = dtorch.tensor(torch.arange(1.0, 1.0 + out.numel()).view(tuple(out.shape)), device_mesh=mesh4,

@@ -1,7 +1,8 @@
 """Vision ops beyond the sweep (tests/test_ops_sweep.py runs every sample of dtorch/ops/vision.py
 and vision_norm.py on every placement): conv2d's (and conv1d's, conv3d's, conv_transpose*d's)
-stride/padding/dilation/groups forms on the tensor-parallel layouts, batch_norm's training mode across ranks against torch (output and
-running statistics), the torch.nn.functional spellings, and the refusals of spatial shards."""
+stride/padding/dilation/groups forms on the tensor-parallel layouts, batch_norm's training mode
+across ranks against torch (output and running statistics), the torch.nn.functional spellings, and
+the refusals of spatial shards."""
 import pytest
 import torch
 import torch.nn.functional as F

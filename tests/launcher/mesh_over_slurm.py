@@ -57,7 +57,8 @@ def main() -> None:
         return
     secret = dtorch.runtime.controller.session.controller().secret
     print("CONTROLLER " + json.dumps({"pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID"),
-                                      "secret": secret.hex() if isinstance(secret, bytes) else str(secret)}), flush=True)
+                                      "secret": secret.hex() if isinstance(secret, bytes) else str(secret)}),
+          flush=True)
     print("WORKERS " + json.dumps([{k: w[k] for k in ("rank", "host", "pid")} for w in dtorch.workers()]),
           flush=True)
     a = seed_example_and_redistribute(mesh)

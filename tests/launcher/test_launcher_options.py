@@ -64,7 +64,8 @@ def test_remote_command_quotes_paths_and_carries_no_values():
     options = SshOptions(python="/opt/my python/bin/python", chdir="/srv/it's here", env=["SECRET"])
     command = remote_command(options)
     assert shlex.quote("/srv/it's here") in command
-    assert command.endswith(f"exec {shlex.quote('/opt/my python/bin/python')} -m dtorch.runtime.processes.worker_process")
+    assert command.endswith(f"exec {shlex.quote('/opt/my python/bin/python')} "
+                            "-m dtorch.runtime.processes.worker_process")
     assert "SECRET" not in command
 
 

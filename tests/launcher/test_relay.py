@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from launch_helpers import REPOSITORY, launch_mesh_script, process_alive, read_tagged_line, ssh_server_address, stop_controller, wait_gone
+from launch_helpers import (REPOSITORY, launch_mesh_script, process_alive, read_tagged_line, ssh_server_address,
+                            stop_controller, wait_gone)
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -170,7 +171,8 @@ def test_the_relay_forwards_frames_unchanged_and_only_its_hosts_uploads(curve_co
 def test_a_relay_with_the_wrong_keys_is_refused_and_says_so(curve_controller):
     from dtorch.runtime.transport import make_curve_keys
     sockets, _ = curve_controller
-    relay = start_relay(sockets.command_address, make_curve_keys().for_worker(), f"/tmp/dtorch-relay-test-{os.getpid()}")
+    relay = start_relay(sockets.command_address, make_curve_keys().for_worker(),
+                        f"/tmp/dtorch-relay-test-{os.getpid()}")
     try:
         assert relay.wait(60) == 2
         assert "refused its CURVE handshake" in relay.stderr.read()
