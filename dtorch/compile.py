@@ -237,7 +237,8 @@ def _grad_state(tensor: DTensor):
 def _output_tree(result, start_id: int, inputs: list, name: str):
     """(tree, the DTensors the call made and returned). Tree leaves: ("out", k), ("in", k) for a
     returned argument, ("const", value) for anything else the call returned."""
-    outputs, made = [], {}
+    outputs: list = []
+    made: dict = {}
     input_index = {id(t): k for k, t in enumerate(inputs)}
 
     def walk(value):

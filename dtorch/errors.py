@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from types import CodeType
+from types import CodeType, FrameType
 
 __all__ = [
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "UnsupportedMethodError",
@@ -139,7 +139,7 @@ def user_position(skip: int = 0) -> tuple[CodeType, int] | None:
     it): the line number is worked out only when an error names it (format_site). The controller
     records one for every command, and a frame's f_lineno scans its code's line table from the
     start: 1-2 us per op from a loop in a long script or function, where this costs nothing extra."""
-    frame = sys._getframe(1 + skip)
+    frame: FrameType | None = sys._getframe(1 + skip)
     while frame is not None and frame.f_code.co_filename.startswith(LIBRARY_DIRS):
         frame = frame.f_back
     return None if frame is None else (frame.f_code, frame.f_lasti)

@@ -26,7 +26,7 @@ Rules, for one mesh dim:
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -59,7 +59,8 @@ def _is_slice(item) -> bool:
 
 def layout(items, ndim: int, shape_of=lambda tensor: tensor.shape) -> Layout:
     """torch's dim bookkeeping for x[items]; `shape_of(item)` gives an index tensor's shape."""
-    inter, advanced, fixed, indexed, in_dim, k = [], [], set(), {}, 0, 0
+    inter: list[int | None] = []
+    advanced, fixed, indexed, in_dim, k = [], set(), {}, 0, 0
     for item in items:
         if item is None:
             inter.append(None)
@@ -243,17 +244,21 @@ def _index_put_rule(call: Call, placements) -> Decision:
     return _aligned_value(call, placements, lay, x.dim, slot)
 
 
+# _partial_put's Decision has inputs None: _fill_inputs puts the placements as given there
+_AS_GIVEN = cast(tuple, None)
+
+
 def _partial_put(x, value, accumulate: bool) -> Decision:
     if isinstance(x, Partial):
         if value == x and (not accumulate or x.reduce_op in ("sum", "avg")):
-            return Decision(None, (x,))
+            return Decision(_AS_GIVEN, (x,))
         # a repeated value: max/min/avg keep it when written, and commute with adding it
         if (value is None or value.is_replicate()) and x.reduce_op != "sum":
-            return Decision(None, (x,))
+            return Decision(_AS_GIVEN, (x,))
         raise RuleRejected(f"a {x!r} target takes a value of the same Partial (or R for max, min and avg): any "
                            "other value would count once per rank", _PUT_LEGAL)
     if x.is_replicate() and (value.reduce_op == "avg" if accumulate else value.reduce_op != "sum"):
-        return Decision(None, (value,))   # the rest repeats on every rank; repeated positions add up linearly
+        return Decision(_AS_GIVEN, (value,))   # the rest repeats on every rank; repeated positions add up linearly
     raise RuleRejected(f"a {value!r} value needs a target of the same Partial (or R for max, min, avg)", _PUT_LEGAL)
 
 

@@ -34,7 +34,8 @@ def takes_communication(given, wanted) -> bool:
 def legal_call(rule: Rule, call: Call) -> tuple[Call, tuple] | None:
     """(the call on moved inputs, ((input index, target placements), ...)): no moves when the
     call is legal as given, None when no layout was found."""
-    inputs, refused_dims = list(call.inputs), set()
+    inputs = list(call.inputs)
+    refused_dims: set[int] = set()
     for _ in range(ROUNDS_PER_MESH_DIM * call.mesh.ndim + 1):
         outcome = try_expand(rule, call._replace(inputs=tuple(inputs)))
         if type(outcome) is not Refusal:

@@ -68,7 +68,7 @@ def signature(op: RegisteredOp, args: tuple, kwargs: dict, specs: list) -> tuple
     """The cache key: tensor specs by their interned key, other values by value (or by type for
     pointwise scalars). Tensors inside lists (cat, stack) count, depth-first, args then kwargs;
     `specs` collects the tensor specs in that same order."""
-    key = [op.name]
+    key: list = [op.name]
     for a in args:
         if type(a) in PLAIN_TYPES:   # a scalar: no attribute lookup (a failed getattr raises inside)
             key.append(_plain_key(a, op.scalars_by_type))
@@ -170,7 +170,7 @@ def _fused_moves(moves: tuple, specs: list) -> tuple:
 
 def _holds_torch_tensor(args, kwargs) -> bool:
     """A local torch.Tensor anywhere in the arguments (inside torch.index_put's tuple, say)."""
-    found = []
+    found: list = []
     map_tensors((args, kwargs), found.append, is_local_tensor)
     return bool(found)
 
@@ -178,7 +178,7 @@ def _holds_torch_tensor(args, kwargs) -> bool:
 def _refuse_complex_scalars(op: RegisteredOp, args, kwargs) -> None:
     """The wire carries no Python complex scalar (protocol's encoder refuses it), and a command
     that cannot be encoded must never be issued: refused here, with the spelling that works."""
-    found = []
+    found: list = []
     map_tensors((args, kwargs), found.append, lambda value: type(value) is complex)
     if found:
         raise UnsupportedOpError(f"{op.name}: a Python complex scalar {found[0]} at {user_site()}: dtorch does not "
@@ -216,10 +216,11 @@ def warm_up_inference() -> None:
     torch.add(torch.empty(1, device="meta"), 1)
 
 
-def _infer(op: RegisteredOp, args, kwargs, specs) -> tuple[tuple, bool]:
+def _infer(op: RegisteredOp, args, kwargs, specs) -> tuple[tuple, type | None]:
     """Output (shape, dtype) pairs from running the torch function on meta tensors, and
     the type of torch's result when it is a sequence (None for a single tensor)."""
-    key = signature(op, *map_tensors((args, kwargs), _ShapeOnly), [])
+    shape_args, shape_kwargs = map_tensors((args, kwargs), _ShapeOnly)
+    key = signature(op, shape_args, shape_kwargs, [])
     found = INFERENCE_CACHE.get(key)
     if found is None:
         found = INFERENCE_CACHE[key] = _run_meta(op, args, kwargs, specs)
@@ -267,7 +268,7 @@ _EMPTY_REFUSING_OPS = frozenset({"max", "min", "amax", "amin", "argmax", "argmin
                                  "mode", "kthvalue"})
 
 
-def _run_meta(op: RegisteredOp, args, kwargs, specs) -> tuple[tuple, bool]:
+def _run_meta(op: RegisteredOp, args, kwargs, specs) -> tuple[tuple, type | None]:
     _refuse_mixed_dtypes(op, specs)
     meta = lambda value: value._meta.meta()  # noqa: E731
     zeros = lambda value: torch.zeros((), dtype=value._meta.dtype).expand(value._meta.shape)  # noqa: E731

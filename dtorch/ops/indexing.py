@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -230,7 +230,7 @@ class _Write(NamedTuple):
     dim_at: int
     positions: tuple                     # input indices of index tensors
     law: Callable[[Call], str]
-    dims_in_target: Callable = None      # (call, input index, dim along) -> its dims as target dims
+    dims_in_target: Callable | None = None   # (call, input index, dim along) -> its dims as target dims
     partials: str = ""                   # the Partial forms, in words (docs/reference/ops.md)
 
 
@@ -342,7 +342,7 @@ def _scatter_reduce_law(call: Call) -> str:
     return law if include_self or law == "mean" else f"{law} without self"
 
 
-_INDEX_WRITE = dict(dim_at=1, positions=(1,))
+_INDEX_WRITE: dict[str, Any] = dict(dim_at=1, positions=(1,))
 _COPY = "input and values the same Partial; P(avg|max|min) on either beside R"
 _ADD = ("input and source P(sum|avg); input P(avg|max|min) or source P(avg) beside R; input P(sum) with "
         "index and source split alike")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec.placements import Shard
+from ..spec.placements import Placement, Shard
 from .registry import OpRow, register_family
 from .rules import Call, Decision, R, RuleRejected
 
@@ -51,7 +51,7 @@ def matrix_rule(trailing=_square):
             return Decision(tuple(placements), outputs)
         size = max(spec.shape[target - (out_batch - b)] for spec, b in zip(call.inputs, batch)
                    if target - (out_batch - b) >= 0)
-        required = []
+        required: list[Placement] = []
         for index, (spec, p, b) in enumerate(zip(call.inputs, placements, batch)):
             dim = target - (out_batch - b)
             if dim >= 0 and spec.shape[dim] == size:

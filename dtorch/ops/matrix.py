@@ -126,8 +126,8 @@ def sublist_equation(args: tuple) -> str:
 def _einsum_rule(call: Call, placements) -> Decision:
     given = call.args[0] if isinstance(call.args[0], str) else sublist_equation(call.args)
     equation = explicit_equation(given, [len(spec.shape) for spec in call.inputs])
-    terms, out = equation.split("->")
-    terms = terms.split(",")
+    inputs, out = equation.split("->")
+    terms = inputs.split(",")
     if len(terms) == 1 and set(terms[0]) <= set(out) and isinstance(placements[0], Partial):
         return Decision(placements, placements)   # a transpose or diagonal copies: any Partial passes
     _refuse_sharded_repeats(placements, terms)

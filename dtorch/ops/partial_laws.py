@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from numbers import Number
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -33,7 +33,7 @@ class Laws(NamedTuple):
     def describe(self) -> str:
         parts = []
         if callable(self.linear):
-            parts.append(self.linear.__doc__.strip())
+            parts.append(cast(str, self.linear.__doc__).strip())
         elif self.linear:
             groups = " or ".join("(" + ", ".join(self.params[i] for i in g) + ")" for g in self.linear)
             parts.append(f"linear in {groups}: P(avg)" + ("" if self.affine else ", P(sum) without constants"))

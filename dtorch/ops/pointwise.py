@@ -20,6 +20,7 @@ contributions may lie outside the domain (an empty uneven shard holds -inf; log(
 from __future__ import annotations
 
 from numbers import Number
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -111,7 +112,8 @@ def _cast_signs(call: Call) -> tuple:
 def _rpow_signs(call: Call) -> tuple:
     """base ** x rises with x for a base above 1 and falls for a base in (0, 1)."""
     base = call.param(1, "other")
-    return (1 if base > 1 else -1 if 0 < base < 1 else 0,) if isinstance(base, Number) else (0,)
+    # numbers.Number declares no order; every real number has one (a complex base raises, as in torch)
+    return (1 if base > 1 else -1 if 0 < base < 1 else 0,) if isinstance(base, Number) else (0,)  # type: ignore[operator]
 
 
 def _booleans(call: Call) -> bool:
@@ -312,7 +314,7 @@ POINTWISE = {
     "lcm": _row(_lcm, NONE),
     "logit": _row(torch.logit, Laws(monotone=_logit_signs)),
     **{name: _row(getattr(torch, name), SCALING) for name in ("deg2rad", "rad2deg")},
-    "isreal": OpRow(torch.isreal, _isreal_rule, doc=" ".join(_isreal_rule.__doc__.split())),
+    "isreal": OpRow(torch.isreal, _isreal_rule, doc=" ".join(cast(str, _isreal_rule.__doc__).split())),
     # rising on numbers, but a max (min) that carries nan is nan and nan_to_num sends it to 0
     "nan_to_num": _row(torch.nan_to_num, NONE),
     "lerp": _row(torch.lerp, Laws(params=("input", "end", "weight"), linear=((0, 1),))),

@@ -13,7 +13,7 @@ __all__ = ["TensorSlot", "Call", "Decision", "RuleRejected", "Rule"]
 
 class TensorSlot(NamedTuple):
     """Stands in for the k-th tensor argument inside Call.args / Call.kwargs."""
-    index: int
+    index: int   # type: ignore[assignment]  # a field named like tuple.index, which it hides on purpose
 
 
 class Call(NamedTuple):

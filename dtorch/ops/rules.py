@@ -60,8 +60,8 @@ class _Worded:
 def try_expand(rule: Rule, call: Call):
     """`expand`, but a refusal comes back as a Refusal instead of a worded PlacementError: the
     automatic redistribute (ops/auto_redistribute.py) needs the mesh dim, not the message."""
-    required = [[] for _ in call.inputs]
-    outputs = [[] for _ in call.outputs]
+    required: list[list] = [[] for _ in call.inputs]
+    outputs: list[list] = [[] for _ in call.outputs]
     for mesh_dim in range(call.mesh.ndim):
         placements = tuple(spec.placements[mesh_dim] for spec in call.inputs)
         try:

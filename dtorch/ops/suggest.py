@@ -43,8 +43,9 @@ def candidates(spec) -> list[Placement]:
     """What an input could be on one mesh dim: S(d) for each of its dims, R, P(sum) (not for bool:
     a sum of booleans is not a boolean, and no rule is validated on one). The automatic
     redistribute moves inputs only to these."""
-    partial = [] if spec.dtype == torch.bool else [Partial("sum")]
-    return [Shard(d) for d in range(len(spec.shape))] + [R] + partial
+    partial: list[Placement] = [] if spec.dtype == torch.bool else [Partial("sum")]
+    shards: list[Placement] = [Shard(d) for d in range(len(spec.shape))]
+    return shards + [R] + partial
 
 
 def legal_combinations(rule: Rule, call: Call, mesh_dim: int) -> list[tuple]:
@@ -134,3 +135,4 @@ def _bytes(count: float) -> str:
         if count < 1024 or unit == "GiB":
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
+    raise AssertionError("unreachable: the last unit always returns")

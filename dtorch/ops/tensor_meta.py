@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -103,9 +103,9 @@ def check_placements(placements, ndim: int, mesh: DeviceMesh) -> tuple:
     for p in placements:
         if not isinstance(p, Placement):
             raise PlacementError(f"{p!r} is not a placement: use Shard(dim), Replicate() or Partial()")
-        if p.is_shard() and not -ndim <= p.dim < ndim:
+        if p.is_shard() and not -ndim <= cast(Shard, p).dim < ndim:
             raise PlacementError(f"{p!r} names a dim outside a {ndim}-D tensor")
-    return tuple(Shard(p.dim % ndim) if p.is_shard() and p.dim < 0 else p for p in placements)
+    return tuple(Shard(cast(Shard, p).dim % ndim) if p.is_shard() and cast(Shard, p).dim < 0 else p for p in placements)
 
 
 def parse_shape(sizes) -> tuple:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from typing import cast
 
 from ..errors import UnsupportedMethodError, UnsupportedOpError, user_site
 from .registry import REGISTRY
@@ -65,7 +66,7 @@ def unsupported_op(name: str, spelled: str, error: type = UnsupportedOpError,
 
 def unsupported_method(name: str, out_of_place_method: bool = False) -> UnsupportedMethodError:
     """A torch.Tensor method or attribute that DTensor lacks; an AttributeError too (hasattr)."""
-    return unsupported_op(name, f"x.{name}", UnsupportedMethodError, out_of_place_method)
+    return cast(UnsupportedMethodError, unsupported_op(name, f"x.{name}", UnsupportedMethodError, out_of_place_method))
 
 
 def _nearest_hint(name: str) -> str:

@@ -50,7 +50,8 @@ def reshape_groups(in_shape, out_shape) -> list[tuple[tuple, tuple]]:
     that starts a run stands alone (paired with nothing); an empty tensor is one group."""
     if math.prod(in_shape) == 0:
         return [(tuple(range(len(in_shape))), tuple(range(len(out_shape))))]
-    groups, i, j = [], 0, 0
+    groups: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    i, j = 0, 0
     while i < len(in_shape) or j < len(out_shape):
         if i < len(in_shape) and in_shape[i] == 1:
             groups.append(((i,), ()))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import msgpack
 import torch
@@ -512,7 +512,7 @@ def encode_placement(placement: Placement) -> int:
         return placement.dim
     if isinstance(placement, Replicate):
         return -1
-    return _PARTIAL_CODES[placement.reduce_op]
+    return _PARTIAL_CODES[cast(Partial, placement).reduce_op]
 
 
 def decode_placement(code: int) -> Placement:
@@ -605,7 +605,7 @@ def _command(seq: int, row):
         for i in ids_at:
             if not _INTS.issuperset(map(type, values[i])):
                 _check_fields(seq, command_type, values)   # raises
-        command = _new_tuple(command_type, values)   # every field present: no defaults to fill
+        command: tuple = _new_tuple(command_type, values)   # every field present: no defaults to fill
     else:
         _check_fields(seq, command_type, values)
         command = command_type(*values)
@@ -646,7 +646,7 @@ def _has_type(value, expected) -> bool:
 # On the wire a message is its header alone, [VERSION, kind, *fields], then raw data frames.
 class Batch(NamedTuple):        # controller -> workers (PUB); the body frame holds the commands
     first_seq: int
-    count: int
+    count: int   # type: ignore[assignment]  # a field named like tuple.count, which it hides on purpose
 
 
 class Private(NamedTuple):      # controller -> one worker (PUB topic R<rank>.); data frames follow
@@ -737,7 +737,7 @@ def decode(frame, expected) -> tuple:
     fields = read_header(frame)
     kind = fields[1]
     message_type = _MESSAGE_BY_KIND.get(kind) if type(kind) is int else None
-    if message_type not in expected:
+    if message_type is None or message_type not in expected:
         raise ProtocolError(f"unexpected message kind {clip(kind)}")
     values = fields[2:]
     types = _MESSAGE_FIELDS[message_type]
@@ -781,7 +781,8 @@ def tensor_frame(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().contiguous().reshape(-1)
     # contiguous() keeps any stride on a 0- or 1-element tensor; view(uint8) needs stride 1
     flat = flat.as_strided((flat.numel(),), (1,))
-    return memoryview(flat.view(torch.uint8).numpy())
+    # numpy declares ndarray's buffer protocol to type checkers only for Python 3.12 and later
+    return memoryview(flat.view(torch.uint8).numpy())   # type: ignore[arg-type]
 
 
 def tensor_from_frame(buffer, dtype: torch.dtype, shape) -> torch.Tensor:

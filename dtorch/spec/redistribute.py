@@ -55,9 +55,10 @@ def plan_redistribute(src: Sequence[Placement], dst: Sequence[Placement]) -> lis
         current[mesh_dim] = after
 
     for mesh_dim in reversed(range(len(current))):
-        if isinstance(current[mesh_dim], Shard) and _must_unshard(current, dst, mesh_dim):
+        source = current[mesh_dim]
+        if isinstance(source, Shard) and _must_unshard(current, dst, mesh_dim):
             target = dst[mesh_dim]
-            direct = isinstance(target, Shard) and _alone(current, dst, mesh_dim, current[mesh_dim].dim, target.dim)
+            direct = isinstance(target, Shard) and _alone(current, dst, mesh_dim, source.dim, target.dim)
             move(mesh_dim, target if direct else R)
     for mesh_dim, placement in enumerate(current):
         if isinstance(placement, Partial) and placement != dst[mesh_dim]:

@@ -25,7 +25,7 @@ def _with_positions(*calls):
     def build(m: Make):
         shape = m.shape((4, 4), (6, 5))
         x, positions = m.distinct(*shape), m.permutations(*shape)
-        return [Sample(*call(x, positions), True) for call in calls]
+        return [Sample(args, kwargs, True) for args, kwargs in (call(x, positions) for call in calls)]
     return build
 
 
@@ -97,7 +97,7 @@ def _repeated(*calls):
     every value alike."""
     def build(m: Make):
         x = m.ints(*m.shape(*MATRIX_SIZES), low=0, high=3).to(torch.float32)
-        return [Sample(*call(x), True) for call in calls]
+        return [Sample(args, kwargs, True) for args, kwargs in (call(x) for call in calls)]
     return build
 
 

@@ -21,7 +21,7 @@ def _one(*kwargs_variants, positive=False, exact=False, extra=()):
     return build
 
 
-def _two(broadcast=False, positive=False, exact=False, kwargs=(), dtype=torch.float32, high=16):
+def _two(broadcast=False, positive=False, exact=False, kwargs: tuple = (), dtype=torch.float32, high=16):
     """A binary op on two same-shape inputs (and a row broadcast against a matrix)."""
     def build(m: Make):
         shape = matrix_shape(m)

@@ -27,7 +27,7 @@ def on(sizes, *calls):
     """Each call(x) -> (args, kwargs) on one input of distinct values of the even or uneven shape."""
     def build(m: Make):
         x = m.distinct(*m.shape(*sizes))
-        return [Sample(*call(x), True) for call in calls]
+        return [Sample(args, kwargs, True) for args, kwargs in (call(x) for call in calls)]
     return build
 
 

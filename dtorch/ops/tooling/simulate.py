@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from ...spec.placements import (REDUCE_OPS, DeviceMesh, Partial, PeerGroup, Replicate, Shard, ShardRegion,
+from ...spec.placements import (REDUCE_OPS, DeviceMesh, Partial, PeerGroup, Placement, Replicate, Shard, ShardRegion,
                                 local_region, narrow_to_box, nest_ranks)
 from ..dispatch import map_tensors
 from .samples import Sample
@@ -27,7 +27,7 @@ __all__ = ["placement_options", "tensor_inputs", "with_inputs", "Symbol", "split
 
 # --- the placements an input may take on one mesh dim ----------------------------------------------
 def placement_options(value: torch.Tensor, partial_ops=REDUCE_OPS) -> list:
-    options = [Replicate()] + [Shard(d) for d in range(value.dim())]
+    options: list[Placement] = [Replicate()] + [Shard(d) for d in range(value.dim())]
     for op in partial_ops:
         if op in ("sum", "avg") and value.dtype == torch.bool:
             continue      # a sum of booleans is not a boolean
@@ -39,8 +39,12 @@ def placement_options(value: torch.Tensor, partial_ops=REDUCE_OPS) -> list:
 
 def tensor_inputs(sample: Sample) -> list[torch.Tensor]:
     """The sample's tensors in the order dispatch numbers them (args, then kwargs, depth-first)."""
-    found = []
-    map_torch((sample.args, sample.kwargs), lambda t: found.append(t) or t)
+    found: list[torch.Tensor] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+    map_torch((sample.args, sample.kwargs), keep)
     return found
 
 
@@ -184,7 +188,7 @@ def run_ranks(kernel, sample, values, held, placements, mesh, extra) -> dict:
     A kernel that exchanges data with its peers (a PeerGroup argument) runs on every coordinate
     at once, one thread each, its exchanges carried by queues."""
     coordinates = list(itertools.product(*map(range, mesh.shape)))
-    mailboxes = {c: queue.Queue() for c in coordinates}
+    mailboxes: dict[tuple, queue.Queue] = {c: queue.Queue() for c in coordinates}
     results = {}
 
     def run(coordinate) -> None:

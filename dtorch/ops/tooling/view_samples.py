@@ -14,7 +14,7 @@ def _pair(*calls):
     """cat / stack: calls(x, y) -> (args, kwargs) on two distinct-valued matrices."""
     def build(m: Make):
         x, y = m.distinct(*m.shape(*MATRIX_SIZES)), m.distinct(*m.shape(*MATRIX_SIZES))
-        return [Sample(*call(x, y), True) for call in calls]
+        return [Sample(args, kwargs, True) for args, kwargs in (call(x, y) for call in calls)]
     return build
 
 
