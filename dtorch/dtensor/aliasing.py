@@ -39,7 +39,7 @@ class Node:
     this node is, as torch's storage lives as long as a view of it."""
     __slots__ = ("ref", "key", "meta", "parent", "step", "children", "keep", "_strided", "_aliases", "__weakref__")
 
-    def __init__(self, obj, parent: "Node | None", step):
+    def __init__(self, obj, parent: Node | None, step):
         self.key, self.meta, self.parent, self.step, self.children = id(obj), obj._meta, parent, step, {}
         self.ref = weakref.ref(obj, _died_callback(self.key))
         self._strided, self._aliases, self.keep = None, None, None

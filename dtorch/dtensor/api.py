@@ -18,7 +18,7 @@ every public torch.Tensor name DTensor still lacks reads as its refusal.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["TORCH_FUNCTIONS", "bind", "register_method", "register_methods", "register_function",
            "register_functions", "register_torch_spellings", "has_method", "in_class_body", "seal", "sites"]

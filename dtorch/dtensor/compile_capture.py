@@ -27,7 +27,8 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from typing import Callable, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
+from collections.abc import Callable
 
 from ..errors import CompileError, format_site
 from ..runtime import protocol as wire
@@ -115,7 +116,7 @@ class Capture(CaptureHooks):
         self._modules: dict = {}              # id(module) -> module, for note_module
 
     # --- while the call runs ---------------------------------------------------------------------
-    def __enter__(self) -> "Capture":
+    def __enter__(self) -> Capture:
         if _current.capture is not None or self.controller.capture is not None:
             raise CompileError(f"{self.name}: another capture is in progress (one thread captures at a time)")
         _current.capture = self.controller.capture = self

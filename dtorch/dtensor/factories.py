@@ -5,7 +5,7 @@ order, the global shape and the dtype — never on the mesh or the placements.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -19,8 +19,8 @@ from ..runtime.protocol import Factory, Upload, dtype_name, tensor_frame
 from . import api
 from .tensor import DTensor
 
-__all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor", "Tensor",
-           "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"]
+__all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "linspace", "eye", "tensor",
+           "Tensor", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"]
 
 
 def _layout(shape, device_mesh: DeviceMesh | None, placements):
@@ -43,7 +43,8 @@ def _factory(kind: str, shape, dtype, device_mesh, placements, args=(), requires
     return made.requires_grad_() if requires_grad else made
 
 
-def zeros(*size, dtype=None, device_mesh=None, requires_grad=False, placements: Sequence[Placement] | None = None) -> DTensor:
+def zeros(*size, dtype=None, device_mesh=None, requires_grad=False,
+          placements: Sequence[Placement] | None = None) -> DTensor:
     return _factory("zeros", parse_shape(size), dtype, device_mesh, placements, requires_grad=requires_grad)
 
 
@@ -130,8 +131,8 @@ def tensor(data, *, dtype=None, device=None, device_mesh=None, placements=None, 
     private = [(rank, tensor_frame(_shard_for(value, device_mesh, placements, rank)))
                for rank in device_mesh.ranks]
     out_id = controller.new_id()
-    seq = controller.submit(Upload, out_id, controller.define_mesh(device_mesh), shape, dtype_name(value.dtype), placements,
-                       private=private)
+    seq = controller.submit(Upload, out_id, controller.define_mesh(device_mesh), shape, dtype_name(value.dtype),
+                            placements, private=private)
     made = DTensor(out_id, spec, seq, controller)
     return made.requires_grad_() if requires_grad else made
 

@@ -104,7 +104,8 @@ def _leaf_changed(what: str) -> RuntimeError:
                         "(change it under dtorch.no_grad(), as in torch)")
 
 
-api.register_method("_assign", lambda self, result, op: assign(self, result, op))   # dtensor/tensor.py's inplace=True seam
+# dtensor/tensor.py's inplace=True seam
+api.register_method("_assign", lambda self, result, op: assign(self, result, op))
 
 
 def _set_data(self: DTensor, value) -> None:

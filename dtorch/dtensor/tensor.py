@@ -7,7 +7,7 @@ An op's call becomes a command in dtorch/dtensor/op_issue.py (call_op, re-export
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -160,7 +160,7 @@ class DTensor(torch.Tensor):
         """The recorded node that made this tensor (dtorch/dtensor/recording.py), None for a leaf."""
         return None if self.is_leaf else self._node
 
-    def requires_grad_(self, requires_grad: bool = True) -> "DTensor":
+    def requires_grad_(self, requires_grad: bool = True) -> DTensor:
         """Make this tensor a leaf that gradients accumulate into (torch's rules: a leaf, of a
         floating-point dtype)."""
         if bool(requires_grad) == (self._node is not None):
@@ -178,7 +178,7 @@ class DTensor(torch.Tensor):
 
     # --- layout ----------------------------------------------------------------------------
     def redistribute(self, device_mesh: DeviceMesh | None = None,
-                     placements: Sequence[Placement] | None = None) -> "DTensor":
+                     placements: Sequence[Placement] | None = None) -> DTensor:
         """The same logical tensor with new placements; collectives run worker-to-worker."""
         donate = sys.getrefcount(self) <= _TEMPORARY_REFS   # first: `(a @ b).redistribute(...)`
         recorder = profiling.active
@@ -188,7 +188,7 @@ class DTensor(torch.Tensor):
         return self._redistribute(device_mesh, placements, donate)
 
     def _redistribute(self, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None,
-                      donate: bool = False) -> "DTensor":
+                      donate: bool = False) -> DTensor:
         mesh = device_mesh if device_mesh is not None else self.device_mesh
         placements = check_placements(placements if placements is not None else
                                       [Replicate()] * mesh.ndim, self.ndim, mesh)
@@ -214,7 +214,7 @@ class DTensor(torch.Tensor):
             moved._node = OpNode((self._node,), mesh)
         return moved
 
-    def _move_to(self, mesh: DeviceMesh, placements) -> "DTensor":
+    def _move_to(self, mesh: DeviceMesh, placements) -> DTensor:
         """To another mesh (a pipeline stage's sub-mesh, another shape, CPU <-> CUDA): reduce any
         Partial on this mesh, move blocks point-to-point, re-partialize locally on the target."""
         session.refuse_inside_checkpoint("a move to another mesh")
@@ -223,14 +223,15 @@ class DTensor(torch.Tensor):
         controller = self._controller
         controller.check_current(source)
         out_id = controller.new_id()
-        seq = controller.submit(Transfer, out_id, source._id, controller.define_mesh(source.device_mesh), controller.define_mesh(mesh),
-                           self._meta.shape, dtype_name(self.dtype), source.placements, landing)
+        seq = controller.submit(Transfer, out_id, source._id, controller.define_mesh(source.device_mesh),
+                                controller.define_mesh(mesh), self._meta.shape, dtype_name(self.dtype),
+                                source.placements, landing)
         moved = DTensor(out_id, tensor_meta(self._meta.shape, self.dtype, mesh, landing), seq, controller)
         if source._node is not None and is_grad_enabled():
             moved = land_for_backward(source, moved)
         return moved.redistribute(placements=placements)
 
-    def reduce_partials(self) -> "DTensor":
+    def reduce_partials(self) -> DTensor:
         """Partial dims reduced to Replicate (Shard dims kept): what a read needs."""
         if not any(isinstance(p, Partial) for p in self.placements):
             return self
@@ -309,10 +310,10 @@ class DTensor(torch.Tensor):
     # copy.copy of a torch tensor shares its storage, so here it is the symbol itself (copy's
     # default would clone the slots and free the workers' buffer twice); deepcopy is a clone.
     # x[index] = value and the in-place methods are installed by dtorch/dtensor/inplace.py.
-    def __copy__(self) -> "DTensor":
+    def __copy__(self) -> DTensor:
         return self
 
-    def __deepcopy__(self, memo) -> "DTensor":
+    def __deepcopy__(self, memo) -> DTensor:
         return call_op("clone", (self,), {})
 
     def to(self, *args, **kwargs):
@@ -335,13 +336,13 @@ class DTensor(torch.Tensor):
         if device.type != self.device_mesh.device_type:
             raise device_refusal(call, device, self.device_mesh)
 
-    def cpu(self, memory_format=None) -> "DTensor":
+    def cpu(self, memory_format=None) -> DTensor:
         """On a CPU mesh, x itself (torch's x.cpu() on a CPU tensor); a CUDA mesh refuses with
         what to write. To read the values here: x.to_torch()."""
         self._check_device(torch.device("cpu"), "x.cpu()")
         return self
 
-    def cuda(self, device=None, non_blocking: bool = False, memory_format=None) -> "DTensor":
+    def cuda(self, device=None, non_blocking: bool = False, memory_format=None) -> DTensor:
         """On a CUDA mesh, x itself; a CPU mesh refuses with what to write."""
         self._check_device(torch.device("cuda"), "x.cuda()")
         return self
@@ -367,7 +368,7 @@ class DTensor(torch.Tensor):
     # --- shape methods (op coverage) ---
     # Forms torch spells differently from one registry op; the rules live in dtorch/ops/view.py
     # and dtorch/ops/indexing.py. Imports are local to keep this block self-contained.
-    def __getitem__(self, index) -> "DTensor":
+    def __getitem__(self, index) -> DTensor:
         """Indexing with torch's semantics. Basic: ints, slices (step > 0), None and Ellipsis;
         any index works on a Replicate or unsharded dim, a sharded dim takes only a whole slice
         `:`. Advanced (index tensors, lists, bool masks the controller holds): the `index` op
@@ -379,7 +380,7 @@ class DTensor(torch.Tensor):
             return self._advanced_getitem(index)   # installed by dtorch/dtensor/indexing.py
         return call_op("getitem", (self, canonical), {})
 
-    def view(self, *shape, **size) -> "DTensor":
+    def view(self, *shape, **size) -> DTensor:
         """x.view(4, 6), x.view((4, 6)) or x.view(size=(4, 6)). The same as reshape: dtorch
         results never share storage visibly, so view's no-copy promise has nothing to keep."""
         if len(shape) == 1 and isinstance(shape[0], torch.dtype) or isinstance(size.get("dtype"), torch.dtype):
@@ -387,27 +388,27 @@ class DTensor(torch.Tensor):
                                      "use x.to(dtype) to convert values")
         return call_op("view", (self, shape_argument("view", shape, size, "size")), {})
 
-    def reshape(self, *shape, **keyword) -> "DTensor":
+    def reshape(self, *shape, **keyword) -> DTensor:
         """x.reshape(4, 6), x.reshape((4, 6)) or x.reshape(shape=(4, 6)); one size may be -1."""
         return call_op("reshape", (self, shape_argument("reshape", shape, keyword, "shape")), {})
 
     @property
-    def T(self) -> "DTensor":
+    def T(self) -> DTensor:
         """All dims reversed (torch deprecates T for ndim other than 2, dtorch follows the rule)."""
         return call_op("permute", (self, tuple(reversed(range(self.ndim)))), {})
 
     @property
-    def mT(self) -> "DTensor":
+    def mT(self) -> DTensor:
         """The last two dims swapped (a batch of matrices transposed)."""
         return call_op("transpose", (self, -2, -1), {})
 
-    def redistribute_like(self, other: "DTensor") -> "DTensor":
+    def redistribute_like(self, other: DTensor) -> DTensor:
         """The same logical tensor with `other`'s placements on `other`'s mesh (e.g. to match an
         operand before an op). Other meshes follow whatever `redistribute` supports."""
         return self.redistribute(other.device_mesh, other.placements)
 
     def redistribute_by_dict(self, device_mesh: DeviceMesh | dict | None = None, placements_dict: dict | None = None,
-                             default_placement_mode: str = "keep") -> "DTensor":
+                             default_placement_mode: str = "keep") -> DTensor:
         """Redistribute naming mesh dims: x.redistribute_by_dict({"dp": Shard(0), "tp": Replicate()}),
         or DTorch's spelling x.redistribute_by_dict(mesh, placements_dict={...},
         default_placement_mode="keep" | "replicate" | "raise_error").
@@ -427,7 +428,8 @@ class DTensor(torch.Tensor):
             given.add(mesh_dim)
             placements[mesh_dim] = placement
         if None in placements:
-            missing = [mesh.mesh_dim_names[d] if mesh.mesh_dim_names else d for d, p in enumerate(placements) if p is None]
+            missing = [mesh.mesh_dim_names[d] if mesh.mesh_dim_names else d
+                       for d, p in enumerate(placements) if p is None]
             raise MeshError(f"redistribute_by_dict: mesh dims {missing} are not in placements_dict and "
                             "default_placement_mode is 'raise_error'")
         return self.redistribute(mesh, placements)
@@ -441,7 +443,7 @@ class DTensor(torch.Tensor):
         return mesh_device(self._meta.mesh)
 
     @property
-    def data(self) -> "DTensor":
+    def data(self) -> DTensor:
         """As torch's: the same values without autograd history (`detach()`, an alias on the
         workers): `p.data.mul_(0.5)` changes `p` without recording it, and no gradient flows
         back through `p.data`."""
@@ -451,7 +453,7 @@ class DTensor(torch.Tensor):
         """DTorch's name for fetch(): a future of the whole tensor (await it, or .result())."""
         return self.fetch()
 
-    def _to_mesh(self, device_mesh: DeviceMesh, placements=None) -> "DTensor":
+    def _to_mesh(self, device_mesh: DeviceMesh, placements=None) -> DTensor:
         """x.to(mesh): the same placements when the mesh has as many dims, else Replicate."""
         if placements is None and device_mesh.ndim == self.device_mesh.ndim:
             placements = self._meta.placements
@@ -490,8 +492,9 @@ def _unlisted_placements(tensor: DTensor, mesh: DeviceMesh, mode: str) -> list:
     """redistribute_by_dict's start: what a mesh dim the dict does not list gets (None: must be listed)."""
     if mode == "keep":
         if mesh.ndim != tensor.device_mesh.ndim:
-            raise MeshError(f"redistribute_by_dict: default_placement_mode='keep' needs a mesh of {tensor.device_mesh.ndim} "
-                            f"dims like the tensor's, {mesh} has {mesh.ndim}; list every dim or use 'replicate'")
+            raise MeshError(f"redistribute_by_dict: default_placement_mode='keep' needs a mesh of "
+                            f"{tensor.device_mesh.ndim} dims like the tensor's, {mesh} has {mesh.ndim}; "
+                            "list every dim or use 'replicate'")
         return list(tensor._meta.placements)
     if mode in ("replicate", "raise_error"):
         return [Replicate() if mode == "replicate" else None] * mesh.ndim

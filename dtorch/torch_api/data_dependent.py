@@ -154,5 +154,6 @@ def _refuse_out(out, op: str, tensor: DTensor) -> None:
             f"result = {op}(...) instead")
 
 
-register_torch_spellings({"nonzero": nonzero, "nonzero_static": nonzero_static, "argwhere": argwhere, "masked_select": masked_select, "unique": unique,
-         "unique_consecutive": unique_consecutive, "bincount": bincount})
+register_torch_spellings({"nonzero": nonzero, "nonzero_static": nonzero_static, "argwhere": argwhere,
+                          "masked_select": masked_select, "unique": unique, "unique_consecutive": unique_consecutive,
+                          "bincount": bincount})

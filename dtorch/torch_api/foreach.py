@@ -113,7 +113,7 @@ def _install_grouping() -> None:
                 return group_by_device_and_dtype(tensorlistlist, with_indices)
             return theirs(tensorlistlist, with_indices)
         either.__wrapped_by_dtorch__ = True
-        setattr(module, "_group_tensors_by_device_and_dtype", either)
+        module._group_tensors_by_device_and_dtype = either
 
 
 _install_grouping()

@@ -7,8 +7,8 @@ The dropouts draw their masks from dtorch's random stream as F.dropout does (a p
 dtorch.manual_seed, the call order and the global index), so a run reproduces under any
 placements, but the masks differ from torch's own generator's. Everything else follows torch's
 formula, so values and gradients agree with torch's. They reach dtorch through
-__torch_function__ (dtensor/api.py's TORCH_FUNCTIONS), as dtorch/torch_api/compositions.py's do; tests/test_composites_nn.py
-checks each against torch.
+__torch_function__ (dtensor/api.py's TORCH_FUNCTIONS), as dtorch/torch_api/compositions.py's do;
+tests/test_composites_nn.py checks each against torch.
 """
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ def cov(input: DTensor, *, correction: int = 1, fweights=None, aweights=None) ->
         total = weights.sum()
         centred = x - (x * weights).sum(1, keepdim=True) / total
         products = (centred * weights) @ centred.T
-        scale = total - correction * ((weights * aweights).sum() / total) if aweights is not None else total - correction
+        scale = (total - correction * ((weights * aweights).sum() / total) if aweights is not None
+                 else total - correction)
         scale = scale.clamp(min=0)
     result = products / scale
     return result.squeeze() if input.ndim < 2 else result

@@ -19,8 +19,8 @@ from ..protocol import lost_worker_key
 from ..processes.local_relays import LocalRelays, local_relays_enabled
 from ..processes.zygote import Zygote, ZygoteUnavailable, zygote_enabled
 
-__all__ = ["LocalWorker", "ForkedWorker", "LocalSpawner", "worker_config", "forward_lines", "WorkerRecord", "WorkerPool",
-           "loss_reason", "stop_process"]
+__all__ = ["LocalWorker", "ForkedWorker", "LocalSpawner", "worker_config", "forward_lines", "WorkerRecord",
+           "WorkerPool", "loss_reason", "stop_process"]
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -433,7 +433,8 @@ def _end_all(handles: list) -> None:
 
 def _start_failure(worker: WorkerRecord, progress) -> str:
     explain = getattr(worker.handle, "failure_message", None)
-    message = (explain() if explain else None) or f"worker rank {worker.rank} on {worker.host} failed to start: {worker.lost}"
+    message = ((explain() if explain else None)
+               or f"worker rank {worker.rank} on {worker.host} failed to start: {worker.lost}")
     if progress is not None:
         progress.host_failed(worker.host, message)
     return message

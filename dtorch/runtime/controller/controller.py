@@ -72,8 +72,8 @@ HANG_TIMEOUT_S = 600.0   # one command running longer than this on a worker: rep
 # Leaving on a Ctrl-C, it says so at once and ends them after INTERRUPTED_EXIT_S.
 SHUTDOWN_QUIET_S = 1.0
 INTERRUPTED_EXIT_S = 1.0
-LOOP_STUCK_S = 30.0
-CLOSE_TIMEOUT_S = 5.0    # shutdown waits this long for the loop thread to close the sockets      # a blocking read fails once the loop thread has not run for this long
+LOOP_STUCK_S = 30.0      # a blocking read fails once the loop thread has not run for this long
+CLOSE_TIMEOUT_S = 5.0    # shutdown waits this long for the loop thread to close the sockets
 # Tensor ids are unique across sessions in this process, so a tensor kept from an ended session
 # can never name a tensor of the next one, even where the ownership check is bypassed.
 _TENSOR_IDS = itertools.count(1)

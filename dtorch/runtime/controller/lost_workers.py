@@ -109,7 +109,7 @@ class LostWorkers:
             self.generation += 1
             self.submit(wire.Regroup, self.generation, replaced)
             cutoff = self.new_id()   # every tensor built from here on has a larger id
-            for mesh, error in list(self._lost_meshes.items()):
+            for mesh in list(self._lost_meshes):
                 held = [r for r in mesh.ranks if r in by_rank]
                 if held:
                     self.lost_tensors.record(mesh, cutoff, by_rank[held[0]])

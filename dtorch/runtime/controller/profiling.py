@@ -27,7 +27,7 @@ __all__ = ["active", "ControllerRecorder", "span", "ClockReading", "ping_workers
 
 now = time.perf_counter_ns
 LOOP, READS = "loop", "reads"   # lanes besides the user's threads: the controller's loop, reads in flight
-active: "ControllerRecorder | None" = None
+active: ControllerRecorder | None = None
 _NOTHING = contextlib.nullcontext()
 
 
@@ -42,7 +42,7 @@ class ControllerRecorder:
     def add(self, name: str, category: str, lane, start: int, end: int, args: dict | None = None) -> None:
         self.events.append((name, category, lane, start, end, args or {}))
 
-    def user_span(self, name: str, category: str, **args) -> "_UserSpan":
+    def user_span(self, name: str, category: str, **args) -> _UserSpan:
         thread = threading.current_thread()
         self.thread_names.setdefault(thread.ident, thread.name)
         return _UserSpan(self, name, category, thread.ident, args)

@@ -18,8 +18,8 @@ from .controller import Controller
 from . import recovery
 from ..transport import LOCAL, CurveKeys, make_curve_keys
 
-__all__ = ["controller", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random", "reserve_random",
-           "replace_lost_workers"]
+__all__ = ["controller", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random",
+           "reserve_random", "replace_lost_workers"]
 
 _lock = threading.RLock()
 _controller: Controller | None = None
@@ -183,7 +183,8 @@ def _grow(device_type: str, extra: int, timeout: float) -> None:
     capacity = getattr(_spawner, "capacity", None)
     first = len(_controller.workers)
     if capacity is not None and first + extra > capacity:
-        where = getattr(_spawner, "capacity_advice", f"the hostfile has {capacity} slots: add hosts or slots to the hostfile")
+        where = getattr(_spawner, "capacity_advice",
+                        f"the hostfile has {capacity} slots: add hosts or slots to the hostfile")
         raise MeshError(f"a mesh needs {first + extra} workers but {where}")
     check_pool_size = getattr(_spawner, "check_pool_size", None)
     if check_pool_size is not None:

@@ -63,7 +63,8 @@ class CheckpointCommands:
             try:
                 blocks.append((name, self._tensor(tensor_id).cpu()))
             except Poisoned as poisoned:   # reported (not only poisoned): this command has no output to carry it
-                raise RuntimeError(f"cannot save {name!r}: it comes from command #{poisoned.origin}, which failed") from None
+                raise RuntimeError(f"cannot save {name!r}: it comes from command #{poisoned.origin}, "
+                                   "which failed") from None
         path = os.path.join(command.directory, shard_file_name(self.rank, command.file_index))
         try:
             write_safetensors(path, blocks)

@@ -303,7 +303,8 @@ def _only_gathers(steps, mesh: DeviceMesh) -> bool:
     partialize after the gather leaves views on some ranks and copies or zeros on others
     (R -> P(sum) keeps the value on one rank only): a rank that gathered again would wait for
     peers that saved a copy."""
-    return all(step_kind(before, after) == "all_gather" for mesh_dim, before, after in steps if mesh.shape[mesh_dim] > 1)
+    return all(step_kind(before, after) == "all_gather"
+               for mesh_dim, before, after in steps if mesh.shape[mesh_dim] > 1)
 
 
 class DifferentiableStep(torch.autograd.Function):

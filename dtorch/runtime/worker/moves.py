@@ -110,7 +110,8 @@ class MoveCommands:
         channel, staging = (self.comm, self.device.torch_device) if on_gpus else (self.host_comm, "cpu")
         dtype = wire.dtype_from_name(command.dtype)
         moves = plan_transfer(command.shape, src_mesh, command.src_placements, dst_mesh, command.dst_placements)
-        outgoing = [(receiver, offset, box) for sender, receiver, offset, box in moves if sender == self.rank != receiver]
+        outgoing = [(receiver, offset, box) for sender, receiver, offset, box in moves
+                    if sender == self.rank != receiver]
         incoming = [(sender, offset, box) for sender, receiver, offset, box in moves if receiver == self.rank != sender]
         out = wanted = sends = receives = failure = None
         try:
