@@ -47,16 +47,6 @@ class CommandSites:
         self.replay_sites: list = [None] * REPLAYS_KEPT
         self.replay_count = 0
 
-    def note(self, seq: int, site, what) -> None:
-        """The ring slot of command `seq` (Controller.submit inlines this for every command)."""
-        slot = seq % SITE_RING
-        self.seqs[slot] = seq
-        if site is None:
-            self.codes[slot] = None
-        else:
-            self.codes[slot], self.offsets[slot] = site
-        self.whats[slot] = what
-
     def warning_site(self, seq: int) -> tuple[str, str, int]:
         """(what command `seq` was, the file and line that issued it) for a warning it raised: a
         replayed row's is its line inside the compiled function, as an error's is."""
