@@ -30,20 +30,29 @@ EXIT_GRACE_S = 10
 TOKEN_VARIABLE = "DTORCH_BENCHMARK_SMOKE_TOKEN"
 
 
-def run_smoke_suite(out: Path, token: str) -> subprocess.CompletedProcess:
-    # A new session makes the suite and the baselines it spawns one process group to reap.
-    process = subprocess.Popen([sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out)],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env=dict(os.environ, **{TOKEN_VARIABLE: token}))
+def run_marked(argv: list[str], token: str, timeout_s: float, what: str,
+               kill_group: bool = False) -> subprocess.CompletedProcess:
+    """`python <argv>` from the repository root, in a session of its own, with `token` in the
+    environment of everything it starts (survivors_after_grace finds those); past `timeout_s`
+    its group is killed and the test fails. `kill_group`: kill what is left of its process group
+    once it ends (a suite's baselines; dtorch workers start sessions of their own)."""
+    process = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True, env=dict(os.environ, **{TOKEN_VARIABLE: token}))
     try:
-        output, _ = process.communicate(timeout=SUITE_TIMEOUT_S)
+        output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
-        pytest.fail(f"smoke suite ran past {SUITE_TIMEOUT_S} s:\n{output[-4000:]}")
+        pytest.fail(f"{what} ran past {timeout_s} s:\n{output[-4000:]}")
     finally:
-        _kill_group(process.pid)
+        if kill_group:
+            _kill_group(process.pid)
     return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+
+def run_smoke_suite(out: Path, token: str) -> subprocess.CompletedProcess:
+    return run_marked(["-m", "benchmarks", "--smoke", "--out", str(out)], token, SUITE_TIMEOUT_S, "smoke suite",
+                      kill_group=True)
 
 
 def _kill_group(group: int) -> None:

@@ -5,19 +5,13 @@ Nothing here asserts anything about speed."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
 from benchmarks.scale_model import Cluster, Measured, fit_line, model
-from test_benchmarks_smoke import TOKEN_VARIABLE, survivors_after_grace
+from test_benchmarks_smoke import run_marked, survivors_after_grace
 
-ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 120
 
 
@@ -25,19 +19,13 @@ TIMEOUT_S = 120
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_controller_scale_runs_in_smoke_mode(tmp_path):
     token = uuid.uuid4().hex
-    process = subprocess.Popen([sys.executable, "-m", "benchmarks", "--smoke", "--only", "controller_scale",
-                                "--out", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True, env=dict(os.environ, **{TOKEN_VARIABLE: token}))
     try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"benchmark ran past {TIMEOUT_S} s:\n{output[-3000:]}")
+        finished = run_marked(["-m", "benchmarks", "--smoke", "--only", "controller_scale", "--out", str(tmp_path)],
+                              token, TIMEOUT_S, "benchmark")
     finally:
         survivors = survivors_after_grace(token)
     rows = json.loads((tmp_path / "latest.json").read_text())["rows"]
-    assert process.returncode == 0, output[-3000:]
+    assert finished.returncode == 0, finished.stdout[-3000:]
     assert not survivors, f"processes left running (killed now): {survivors}"
     assert all(r["status"] == "ok" and r["samples"] for r in rows), rows
     # every world size: the program with workers running, paused while issuing, two reads, idle

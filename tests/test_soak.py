@@ -6,14 +6,9 @@ figures)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import types
 import uuid
 from array import array
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,9 +18,8 @@ from dtorch import Shard
 from dtorch.runtime.controller import session
 from dtorch.runtime.controller.command_sites import SITE_RING, CommandSites
 
-from test_benchmarks_smoke import TOKEN_VARIABLE, survivors_after_grace
+from test_benchmarks_smoke import run_marked, survivors_after_grace
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_forget_empties_slots_across_the_ring_end():
@@ -122,18 +116,13 @@ CONTROLLER_GROWTH_MB = 1.5
 @pytest.mark.timeout(SOAK_TIMEOUT_S + 30)
 def test_training_soak_keeps_controller_rss_flat(tmp_path):
     token, out = uuid.uuid4().hex, tmp_path / "soak.json"
-    process = subprocess.Popen([sys.executable, "-m", "benchmarks.soak_rss", *SOAK_ARGS, "--json", str(out)],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env=dict(os.environ, **{TOKEN_VARIABLE: token}))
     try:
-        output, _ = process.communicate(timeout=SOAK_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"the soak ran past {SOAK_TIMEOUT_S} s:\n{output[-3000:]}")
+        finished = run_marked(["-m", "benchmarks.soak_rss", *SOAK_ARGS, "--json", str(out)], token, SOAK_TIMEOUT_S,
+                              "the soak")
     finally:
         survivors = survivors_after_grace(token)
-    assert process.returncode == 0, output[-3000:]
+    output = finished.stdout
+    assert finished.returncode == 0, output[-3000:]
     assert not survivors, f"processes left running after the soak (killed now): {survivors}"
     result = json.loads(out.read_text())
     controller = result["growth"]["controller"]
