@@ -26,7 +26,7 @@ from .recording import Leaf, OpNode, is_grad_enabled
 from ..runtime.protocol import Redistribute, RequireGrad, Transfer, dtype_name
 from .sync_debug import note_blocking_read
 
-__all__ = ["DTensor", "call_op", "defines", "new_symbol", "refuse_the_rest"]
+__all__ = ["DTensor", "call_op", "new_symbol", "refuse_the_rest"]
 
 
 # Donation: at the top of a method called on a temporary (`(a @ b).redistribute(...)`), the
@@ -305,7 +305,7 @@ class DTensor(torch.Tensor):
         if name.startswith("_") or not (hasattr(torch.Tensor, name) or name in NOTES):
             raise AttributeError(f"'DTensor' object has no attribute {name!r}")
         # an in-place form (x.t_()) of a method DTensor composes of ops (x.t()): say so
-        raise unsupported_method(name, is_inplace_name(name) and defines(name[:-1]))
+        raise unsupported_method(name, is_inplace_name(name) and api.has_method(name[:-1]))
 
     # copy.copy of a torch tensor shares its storage, so here it is the symbol itself (copy's
     # default would clone the slots and free the workers' buffer twice); deepcopy is a clone.
@@ -460,12 +460,6 @@ class DTensor(torch.Tensor):
         return self.redistribute(device_mesh, placements)
 
 
-def defines(name: str) -> bool:
-    """Whether DTensor itself has `name` (its class body, or registered in dtensor/api.py), not
-    only its base torch.Tensor or a refusal of it."""
-    return api.has_method(name)
-
-
 class _Refused:
     """A public torch.Tensor method or attribute that DTensor does not have. Reading it raises the
     refusal with what to write: an AttributeError too, so `hasattr(x, name)` probes in library
@@ -479,7 +473,7 @@ class _Refused:
         if tensor is None:
             return self
         # an in-place form (x.t_()) of a method DTensor composes of ops (x.t()): say so
-        raise unsupported_method(self.name, is_inplace_name(self.name) and defines(self.name[:-1]))
+        raise unsupported_method(self.name, is_inplace_name(self.name) and api.has_method(self.name[:-1]))
 
 
 def refuse_the_rest() -> None:
