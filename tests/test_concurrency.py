@@ -76,7 +76,9 @@ def test_awaiting_a_read_leaves_the_event_loop_free(mesh4):
     yields: other coroutines run while the workers compute."""
     x = dtorch.ones(256, 256, device_mesh=mesh4, placements=[Shard(0)]) / 256
     w = dtorch.ones(256, 256, device_mesh=mesh4, placements=[Replicate()]) / 256
-    for _ in range(60):
+    # enough work that the read cannot be answered within 3 ticks of 1 ms on a quiet machine
+    # (60 steps took under 3 ms there, and the test failed for want of time to tick)
+    for _ in range(600):
         x = (x @ w).relu() + 0.001
 
     async def read_while_ticking():
