@@ -25,6 +25,7 @@ from .runtime.controller.reads import Future
 from .dtensor.sync_debug import (BlockingReadError, BlockingReadWarning, get_sync_debug_mode,
                                  set_sync_debug_mode)
 from .dtensor import sync_debug as _sync_debug
+from .dtensor import frontend_state as _frontend_state
 from .dtensor.tensor import DTensor, call_op
 from .dtensor import inplace as _inplace  # noqa: F401  (installs x[i] = v, p.data = t, the shape changes)
 from .dtensor import inplace_methods as _inplace_methods  # noqa: F401  (installs x.add_, x.fill_, x += y, ...)
@@ -78,7 +79,8 @@ def stats() -> dict:
     quickly; dtorch/runtime/controller/reply_receiving.py, READ_SPIN_S), blocking_reads (reads that waited on
     the workers: to_torch(), item(), bool(x), ...) and implicit_reads (those of them that dtorch or
     torch made on the caller's behalf; dtorch.set_sync_debug_mode names their lines)."""
-    return {**_session.controller().stats(), **_sync_debug.read_counts()}
+    controller = _session.controller()
+    return {**controller.stats(), **_frontend_state.counts(controller), **_sync_debug.read_counts()}
 
 
 def synchronize(timeout: float | None = None) -> None:

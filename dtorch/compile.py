@@ -20,6 +20,7 @@ import itertools
 import weakref
 
 from .dtensor import compile_capture as capturing
+from .dtensor import frontend_state
 from .dtensor.autocast import autocast_state
 from .errors import CompileError
 from .dtensor.recording import Leaf, is_grad_enabled
@@ -51,7 +52,7 @@ class _Graph:
 
     def __init__(self, graph_id, controller, fields: dict, output_metas, output_tree, capture, defined_seq):
         self.graph_id, self.controller, self.defined_seq = graph_id, controller, defined_seq
-        self.generation = controller.generation   # replace_lost_workers: new processes lack the graph
+        self.generation = controller.meshes.generation   # replace_lost_workers: new processes lack the graph
         self.span, self.sites = len(fields["rows"]), fields["sites"]
         self.output_metas, self.output_tree = output_metas, output_tree
         self.guards, self.after_replay = capture.guards, capture.after_replay
@@ -79,8 +80,8 @@ class _Graph:
 
     def still_valid(self) -> bool:
         controller = self.controller
-        return (self.reads_alive and controller is session.controller() and controller.generation == self.generation
-                and all(guard() for guard in self.guards))
+        return (self.reads_alive and controller is session.controller()
+                and controller.meshes.generation == self.generation and all(guard() for guard in self.guards))
 
     def replay(self, inputs: list):
         controller = self.controller
@@ -149,7 +150,7 @@ class CompiledFunction:
     def __call__(self, *args, **kwargs):
         if capturing.active() is not None:   # called inside another capture: part of that one
             return self.fn(*args, **kwargs)
-        session.refuse_inside_checkpoint(f"compiled {self.name}")
+        frontend_state.refuse_inside_checkpoint(f"compiled {self.name}")
         inputs, key = [], []
         _flatten((args, kwargs), inputs, key, {})
         key.append(is_grad_enabled())

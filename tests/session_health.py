@@ -24,9 +24,9 @@ def problem(num_workers: int) -> str | None:
     except Exception as error:   # noqa: BLE001 - any reason is the answer
         return f"no session: {error}"
     lost = [f"rank {w.rank}: {w.lost}" for w in controller.workers.values() if w.lost]
-    if controller.closed or lost or controller._lost_meshes or controller.capture is not None:
+    if controller.closed or lost or controller.meshes.lost or controller.tap is not None:
         return (f"closed={controller.closed}, lost workers {lost}, retired meshes "
-                f"{list(controller._lost_meshes)}, capture {controller.capture}")
+                f"{list(controller.meshes.lost)}, capture {controller.tap}")
     try:   # one op and one collective on every worker, then a read
         mesh = init_device_mesh("cpu", (num_workers,), mesh_dim_names=["probe"])
         x = (dtorch.arange(2 * num_workers, device_mesh=mesh, placements=[Shard(0)]) + 1).redistribute(mesh,
@@ -50,16 +50,14 @@ def describe() -> str:
         exit_code = w.handle.poll() if w.handle is not None else None
         lines.append(f"  rank {rank}: pid {w.pid} exit {exit_code} lost {w.lost!r} busy #{w.busy_seq} for "
                      f"{w.busy_s:.1f}s, heartbeat {now - w.last_heartbeat:.1f}s ago")
-    lines.append(f"  closed {controller.closed}, retired meshes {list(controller._lost_meshes)}, capture "
-                 f"{controller.capture}, strict {dtorch.is_strict()}")
-    lines.append(f"  next seq {controller._next_seq}, published up to {controller._published_upto}, "
-                 f"{len(controller._pending)} pending, pending reads {sorted(controller._reads)[:20]}")
-    unreported = [f"#{f.seq} {f.op} {f.exception_type}" for f in controller.failures.values() if not f.reported]
+    lines.append(f"  closed {controller.closed}, retired meshes {list(controller.meshes.lost)}, capture "
+                 f"{controller.tap}, strict {dtorch.is_strict()}")
+    lines.append(f"  next seq {controller._next_seq}, published up to {controller.published_upto}, "
+                 f"{len(controller._pending)} pending, pending reads {sorted(controller.reads.pending)[:20]}")
+    unreported = [f"#{f.seq} {f.op} {f.exception_type}" for f in controller.reads.unread_failures()]
     lines.append(f"  unreported failures {unreported[:10]}")
-    lines.append(f"  locks held: router {controller._router_lock.locked()}, publish "
-                 f"{controller._publish_lock.locked()}, submit {controller._lock.locked()}; receive wanted "
-                 f"{controller._receive_wanted}, loop watching {controller._watching_replies}, watchdog "
-                 f"waiting {controller._watchdog_waiting}")
+    lines.append(f"  locks held: publish {controller._publish_lock.locked()}, submit {controller._lock.locked()}; "
+                 f"{controller.receiver.describe()}")
     lines.append("--- threads:")
     names = {t.ident: t.name for t in threading.enumerate()}
     for ident, frame in sys._current_frames().items():

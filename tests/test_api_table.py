@@ -89,13 +89,14 @@ def test_every_registration_names_its_module():
 
 
 def _capture_calls(tree: ast.AST) -> set[str]:
-    """Methods called on a capture: `capture.x(...)` or `<...>.capture.x(...)`."""
+    """Methods called on a capture: `capture.x(...)` or `<...>.capture.x(...)`, and the same on
+    `tap`, the name the controller knows a capture by (controller.CommandTap)."""
     called = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             owner = node.func.value
-            if ((isinstance(owner, ast.Name) and owner.id == "capture")
-                    or (isinstance(owner, ast.Attribute) and owner.attr == "capture")):
+            if ((isinstance(owner, ast.Name) and owner.id in ("capture", "tap"))
+                    or (isinstance(owner, ast.Attribute) and owner.attr in ("capture", "tap"))):
                 called.add(node.func.attr)
     return called
 
@@ -110,5 +111,5 @@ def test_the_layers_feed_a_capture_only_through_its_hooks():
     stray = {f"{path.relative_to(ROOT)}: capture.{name}" for path in sorted((ROOT / "dtorch").rglob("*.py"))
              if path not in owners for name in _capture_calls(ast.parse(path.read_text())) - hooks}
     assert not stray, f"calls on a capture outside CaptureHooks (add the hook there, documented): {sorted(stray)}"
-    seen = _capture_calls(ast.parse("capture.finish()\nself.controller.capture.check()\nother.x()"))
-    assert seen == {"finish", "check"}
+    seen = _capture_calls(ast.parse("capture.finish()\nself.controller.capture.check()\nother.x()\ntap.record()"))
+    assert seen == {"finish", "check", "record"}

@@ -125,7 +125,7 @@ def test_a_cancelled_await_cancels_only_itself(mesh4, capfd):
     torch.testing.assert_close(asyncio.run(asyncio.wait_for(cancel_then_await(), 60)), expected, rtol=1e-4, atol=1e-2)
     torch.testing.assert_close(read.result(timeout=30), expected, rtol=1e-4, atol=1e-2)
     dtorch.synchronize()
-    assert not session.controller()._reads
+    assert not session.controller().reads.pending
     assert "Error" not in capfd.readouterr().err
 
 

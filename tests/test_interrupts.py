@@ -171,10 +171,10 @@ mesh = dtorch.init_device_mesh("cpu", (2,))
 x = dtorch.arange(8, device_mesh=mesh, placements=[dtorch.Shard(0)])
 assert x.sum().item() == 28
 c = controller()
-c.loop_stuck_s = 3.0
+c.receiver.loop_stuck_s = 3.0
 release = threading.Event()
 def stuck():    # the loop thread takes the ROUTER and never lets go, as a deadlocked handler would
-    with c._router_lock:
+    with c.receiver.held():
         release.wait()
 c._loop.call_soon_threadsafe(stuck)
 time.sleep(0.3)
@@ -209,7 +209,7 @@ def test_a_read_fails_naming_the_loop_thread_when_it_is_stuck(tmp_path):
 
 def test_a_lost_worker_is_reported_while_the_loop_thread_is_stuck(tmp_path):
     result = run_file(tmp_path, STUCK_LOOP + """
-        c.loop_stuck_s = 60.0
+        c.receiver.loop_stuck_s = 60.0
         for _ in range(30):
             x = x + 1
         os.kill(dtorch.workers()[1]["pid"], signal.SIGKILL)

@@ -218,8 +218,8 @@ def test_commands_are_batched_and_sent_once_for_all_workers(mesh4):
 def test_commands_leave_once_the_issuing_thread_goes_quiet(mesh4, monkeypatch):
     """No read follows: the idle-flush timer, which stays armed while ops keep coming, publishes
     the last batch once the thread stops issuing (the watchdog's safety net is off here)."""
-    from dtorch.runtime.controller import lost_workers   # (its watchdog holds the safety net)
-    monkeypatch.setattr(lost_workers, "STALE_PENDING_S", 1e9)
+    from dtorch.runtime.controller import controller as controller_module   # (flush_stale: the watchdog's net)
+    monkeypatch.setattr(controller_module, "STALE_PENDING_S", 1e9)
     controller = session.controller()
     dtorch.synchronize()
     x = dtorch.ones(16, device_mesh=mesh4, placements=[Shard(0)])
@@ -227,7 +227,7 @@ def test_commands_leave_once_the_issuing_thread_goes_quiet(mesh4, monkeypatch):
     while time.monotonic() - started < 0.05:   # issue for 50 ms: the timer re-arms while busy
         x = x * 1.0001 + 1
     deadline = time.monotonic() + 10
-    while controller._published_upto < controller._next_seq:
+    while controller.published_upto < controller._next_seq:
         assert time.monotonic() < deadline, "commands issued before a quiet spell were never published"
         time.sleep(0.001)
     dtorch.synchronize()   # the workers run the backlog here, not in the next test

@@ -16,8 +16,9 @@ import threading
 from ..errors import user_site
 from ..dtensor.factories import ones
 from ..dtensor.recording import HopNode, Leaf, OpNode, no_grad
-from ..runtime.controller import profiling, session
+from ..runtime.controller import profiling
 from ..dtensor import compile_capture as capturing
+from ..dtensor import frontend_state
 from ..runtime.protocol import Backward, SetGrads
 from ..spec.placements import Replicate
 from ..dtensor.tensor import DTensor, call_op
@@ -388,7 +389,7 @@ def _hop_back(hop: HopNode, landed_id: int, controller) -> tuple:
 
 # --- arguments ---------------------------------------------------------------------------------------
 def _roots_and_seeds(tensors, grads, create_graph: bool, what: str):
-    session.refuse_inside_checkpoint(what)
+    frontend_state.refuse_inside_checkpoint(what)
     if create_graph:
         raise NotImplementedError(f"{what}(create_graph=True) (higher-order gradients) is not supported yet")
     roots = [_reduced_root(root) for root in _as_list(tensors)]

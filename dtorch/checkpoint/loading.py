@@ -10,6 +10,7 @@ import os
 from ..dtensor.factories import tensor as upload
 from ..ops.tensor_meta import tensor_meta
 from ..runtime.controller import session
+from ..dtensor import frontend_state
 from ..runtime.worker.file_shards import read_block
 from ..runtime.protocol import LoadShard, dtype_name
 from ..nn.module import SYNC_BYTES
@@ -60,7 +61,9 @@ def load_tensors(path: str | os.PathLike, targets: dict, *, strict: bool = True,
     try:
         for name, entry, target in pairs:
             loaded[name] = _through_controller(entry, target) if via_controller else _load_shard(entry, target)
-            controller.count_checkpoint(1, entry.nbytes if via_controller else 0)
+            frontend_state.count(controller, "checkpoint_tensors_loaded")
+            if via_controller:
+                frontend_state.count(controller, "checkpoint_bytes_via_controller", entry.nbytes)
             waiting_tensors, waiting_bytes = waiting_tensors + 1, waiting_bytes + entry.nbytes
             if (bar.enabled or via_controller) and waiting_bytes >= SYNC_BYTES:
                 controller.synchronize()

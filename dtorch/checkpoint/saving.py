@@ -22,6 +22,7 @@ import tempfile
 
 from ..spec.placements import format_placements, local_region
 from ..runtime.controller import session
+from ..dtensor import frontend_state
 from ..runtime.worker.file_shards import recorded_checksums, shard_file_name
 from ..runtime.protocol import SaveShard, dtype_name
 from ..runtime.transport import process_exists
@@ -62,7 +63,9 @@ def save(state, directory, *, timeout: float | None = None) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    session.controller().count_checkpoint_saved(len(tensors), nbytes)
+    state = frontend_state.of(session.controller())
+    state.count("checkpoint_tensors_saved", len(tensors))
+    state.count("checkpoint_bytes_saved", nbytes)
 
 
 def _write_tensors(tensors: dict, paths: dict, staging: str, timeout) -> tuple[dict, int]:
@@ -82,8 +85,8 @@ def _write_tensors(tensors: dict, paths: dict, staging: str, timeout) -> tuple[d
         # synchronize raised the earliest failure (the cause, when a tensor came from a failed
         # command); the saves' own failures are part of that one error, not news for a later read
         for seq in seqs:
-            if seq in controller.failures:
-                controller.failures[seq].reported = True
+            if seq in controller.reads.failures:
+                controller.reads.failures[seq].reported = True
     _record_checksums(entries, staging)
     return entries, sum(written.values())
 

@@ -13,6 +13,7 @@ from ..errors import RemoteError
 from ..nn.module import castable
 from ..ops.tensor_meta import tensor_meta
 from ..runtime.controller import session
+from ..dtensor import frontend_state
 from ..runtime.worker.file_shards import NO_CHECKSUM
 from ..runtime.protocol import LoadChunks, dtype_name
 from ..dtensor.tensor import DTensor
@@ -46,7 +47,7 @@ def load(state, directory, *, strict: bool = True, verify: bool = True):
             seqs.append(loaded[key]._seq)
         elif key in index.values:
             loaded[key] = index.values[key]
-    session.controller().count_checkpoint(len(index.tensors.keys() & current.keys()), 0)
+    frontend_state.count(session.controller(), "checkpoint_tensors_loaded", len(index.tensors.keys() & current.keys()))
     if verify and seqs:
         _wait_for_reads(seqs, index.directory)
     return fill(state, loaded)
@@ -61,7 +62,8 @@ def _wait_for_reads(seqs: list, directory: str) -> None:
     except RemoteError as error:
         if error.seq not in seqs:   # an earlier command of the user's failed: synchronize's own error
             raise
-        failed = [controller.failures[seq] for seq in seqs if seq in controller.failures]
+        failures = controller.reads.failures
+        failed = [failures[seq] for seq in seqs if seq in failures]
         for failure in failed:
             failure.reported = True   # told here, not again at a read or at shutdown
         lines = [f"rank(s) {sorted(f.ranks)}: {f.exception_type}: {f.message}" for f in failed]

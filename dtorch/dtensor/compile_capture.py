@@ -117,13 +117,13 @@ class Capture(CaptureHooks):
 
     # --- while the call runs ---------------------------------------------------------------------
     def __enter__(self) -> Capture:
-        if _current.capture is not None or self.controller.capture is not None:
+        if _current.capture is not None or self.controller.tap is not None:
             raise CompileError(f"{self.name}: another capture is in progress (one thread captures at a time)")
-        _current.capture = self.controller.capture = self
+        _current.capture = self.controller.tap = self
         return self
 
     def __exit__(self, *exc) -> None:
-        _current.capture = self.controller.capture = None
+        _current.capture = self.controller.tap = None
 
     def check(self, command_type, site, read, private) -> None:
         """Before the controller numbers a command: refuse what a replay could not repeat."""

@@ -27,6 +27,7 @@ from .aliasing import VIEW_OPS, note_view
 from .autocast import AUTOCAST_OPS, autocast_args
 from . import compile_capture as capturing
 from ..runtime.controller import profiling, session
+from . import frontend_state
 from .recording import HopNode, is_grad_enabled, record_op
 from ..runtime.protocol import RunOp, dtype_name, wire_ref
 
@@ -73,7 +74,7 @@ def _issue_op(name: str, args: tuple, kwargs: dict):
     controller = session.controller()
     wire_args, nodes, nested = _wire_args(controller, args)
     wire_kwargs = map_tensors(kwargs, controller.reference) if kwargs else {}
-    if controller.capture is not None:
+    if controller.tap is not None:
         note_capture_inputs(args, kwargs)
     if plan.extra_kwargs:
         wire_kwargs.update(plan.extra_kwargs)
@@ -141,7 +142,7 @@ def _upload_local_tensors(args: tuple, kwargs: dict):
     controller = session.controller()
 
     def upload(local: torch.Tensor) -> DTensor:
-        controller.count_local_upload()
+        frontend_state.count(controller, "local_tensors_uploaded")
         # dtensor/factories.py's seam: it imports dtensor/tensor.py, which imports this module
         return DTensor._upload_constant(local, mesh)
     return map_tensors(args, upload, is_local_tensor), map_tensors(kwargs, upload, is_local_tensor)
@@ -193,7 +194,7 @@ def _wire_args(controller, args: tuple) -> tuple:
     or a scalar) is inline; a tensor from another session, a subclass (nn.Parameter) or a list
     takes controller.reference, which checks and explains."""
     wire, nodes, nested = [], [], False
-    first_valid = controller._first_valid_id   # controller.reference's two checks, inline below
+    first_valid = controller.meshes.first_valid_id   # controller.reference's two checks, inline below
     for a in args:
         kind = type(a)
         if kind is DTensor or (kind not in PLAIN_TYPES and isinstance(a, DTensor)):
@@ -240,7 +241,7 @@ def _fused_moves(plan, args: tuple, kwargs: dict) -> tuple | None:
     for (index, shape, dtype, placements, steps), (_, target), tensor in zip(plan.fused_moves, plan.moves, moved):
         with profiling.span("redistribute (inserted)", "redistribute", to=format_placements(target), fused=True):
             fused.append((index, shape, dtype_name(dtype), placements, steps, grad_mode and tensor._node is not None))
-        tensor._controller.count_inserted_redistribute()
+        frontend_state.count(tensor._controller, "redistributes_inserted")
     return tuple(fused)
 
 
@@ -258,7 +259,7 @@ def _apply_moves(moves: tuple, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if key not in moved:
             with profiling.span("redistribute (inserted)", "redistribute", to=format_placements(target)):
                 moved[key] = tensor.redistribute(placements=target)
-            tensor._controller.count_inserted_redistribute()
+            frontend_state.count(tensor._controller, "redistributes_inserted")
         return moved[key]
     return map_tensors(args, move), map_tensors(kwargs, move)
 
@@ -276,7 +277,7 @@ def _join_one_device_inputs(args: tuple, kwargs: dict):
     def join(tensor: DTensor) -> DTensor:
         if tensor.device_mesh == target:
             return tensor
-        tensor._controller.count_inserted_redistribute()
+        frontend_state.count(tensor._controller, "redistributes_inserted")
         with profiling.span("redistribute (inserted)", "redistribute", to=f"{target} [R]"):
             return tensor.redistribute(target, [Replicate()] * target.ndim)
     return map_tensors(args, join), map_tensors(kwargs, join)

@@ -21,7 +21,8 @@ from . import api
 from .op_issue import (call_op, install_op_methods, land_for_backward, note_capture_inputs, set_tensor_type,
                        torch_function)
 from ..spec.redistribute import plan_redistribute, step_kind
-from ..runtime.controller import profiling, session
+from ..runtime.controller import profiling
+from . import frontend_state
 from .recording import Leaf, OpNode, is_grad_enabled
 from ..runtime.protocol import Redistribute, RequireGrad, Transfer, dtype_name
 from .sync_debug import note_blocking_read
@@ -200,7 +201,7 @@ class DTensor(torch.Tensor):
         spec = tensor_meta(self._meta.shape, self.dtype, mesh, placements)
         controller = self._controller
         controller.check_current(self)   # not a tensor that lived on a lost, since replaced, worker
-        if controller.capture is not None:
+        if controller.tap is not None:
             note_capture_inputs((self,), {})
         out_id = controller.new_id()
         grad = self._node is not None and is_grad_enabled()
@@ -217,7 +218,7 @@ class DTensor(torch.Tensor):
     def _move_to(self, mesh: DeviceMesh, placements) -> DTensor:
         """To another mesh (a pipeline stage's sub-mesh, another shape, CPU <-> CUDA): reduce any
         Partial on this mesh, move blocks point-to-point, re-partialize locally on the target."""
-        session.refuse_inside_checkpoint("a move to another mesh")
+        frontend_state.refuse_inside_checkpoint("a move to another mesh")
         source = self.reduce_partials()
         landing = tuple(Replicate() if p.is_partial() else p for p in placements)
         controller = self._controller

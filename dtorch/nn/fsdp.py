@@ -205,7 +205,7 @@ _GATHER = "fully_shard (all-gather)"   # the op errors and profiles name
 
 def _issue_gather(shards: list, mesh, mesh_dim: int, regather: bool, dtype, reduce_dtype) -> list:
     controller = session.controller()
-    if controller.capture is not None:
+    if controller.tap is not None:
         note_capture_inputs(tuple(shards), {})
     refs, specs, blocks, dims = [], [], [], []
     for shard in shards:

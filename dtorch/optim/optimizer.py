@@ -11,6 +11,7 @@ from collections import defaultdict
 import torch
 
 from ..dtensor import compile_capture as capturing
+from ..dtensor import frontend_state
 from ..autograd import reduce_gradients
 from ..autograd.engine import clear_grads
 from ..runtime.controller import profiling, session
@@ -75,7 +76,7 @@ class Optimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """One OptimizerStep per param group and mesh; parameters without a grad are skipped.
         Returns at once; a worker failure is raised at the next read of a parameter or state."""
-        session.refuse_inside_checkpoint(f"{type(self).__name__}.step")
+        frontend_state.refuse_inside_checkpoint(f"{type(self).__name__}.step")
         with profiling.span(f"{type(self).__name__}.step", "optimizer"):
             return self._step_groups(closure)
 

@@ -361,7 +361,7 @@ class CheckpointEnd(NamedTuple):
 # again in backward; what makes or reads tensors as it would outside (a factory's, an upload's
 # output is an input of the region); frees, fences and flags. Anything else (a backward, an
 # optimizer step, a move to another mesh, a replay) is refused by the controller at the user's
-# line (session.refuse_inside_checkpoint), and by a worker that meets one anyway. RequireGrad and
+# line (frontend_state.refuse_inside_checkpoint), and by a worker that meets one anyway. RequireGrad and
 # SetGrads come with an in-place change of a parameter under no_grad (its new id made a leaf, its
 # .grad bound to it).
 RECOMPUTED_IN_CHECKPOINT = (RunOp, Redistribute)

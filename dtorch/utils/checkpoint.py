@@ -29,6 +29,7 @@ from ..nn.module import Module
 from ..dtensor.recording import is_grad_enabled
 from ..runtime import protocol as wire
 from ..runtime.controller import session
+from ..dtensor import frontend_state
 from ..dtensor.tensor import DTensor
 
 __all__ = ["checkpoint"]
@@ -44,11 +45,12 @@ def checkpoint(function, *args, use_reentrant: bool | None = None, context_fn=No
         return function(*args, **kwargs)
     controller = session.controller()
     controller.submit(wire.CheckpointBegin)
-    controller.checkpoint_depth += 1   # the controller refuses what a region cannot hold, at its line
+    state = frontend_state.of(controller)
+    state.checkpoint_depth += 1   # refuse_inside_checkpoint refuses what a region cannot hold, at its line
     try:
         return function(*args, **kwargs)
     finally:
-        controller.checkpoint_depth -= 1
+        state.checkpoint_depth -= 1
         # fn's own temporaries, dropped as it returned, are freed before the end: the workers
         # connect only what is still held (its outputs, and anything it stored away)
         controller.free_before_next()

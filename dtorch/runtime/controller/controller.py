@@ -4,7 +4,7 @@ thread makes into it.
 User thread                          loop thread
   submit(Command, ...) -> seq  ─┐      _flush: one PUB message per batch of commands
   (append under a lock; the     ├──▶   _receive: registrations, replies, errors, heartbeats
-   first append schedules a     │      _watch: process exits, heartbeat silence, idle frees
+   first append schedules a     │      watch: process exits, heartbeat silence, idle frees
    flush: no wait on a worker) ─┘
   fetch() -> Future  ◀───────────────  resolved when the last reply arrives (no polling)
 
@@ -12,10 +12,21 @@ A thread that blocks on a read publishes it itself and takes the replies off the
 (receive_here), so that the reply wakes that thread alone; the loop thread then stops watching the
 socket until an awaited or polled future needs it again (wake_receiver).
 
-Commands are numbered; the loop publishes them in order; workers check the numbering. Mixins
-the Controller inherits: worker_messages.py (a handler per message a worker sends),
-reply_receiving.py (who takes those off the socket), lost_workers.py (the watchdog, losses,
-regroup) and controller/stats.py (what dtorch.stats() counts).
+Commands are numbered; the loop publishes them in order; workers check the numbering. The
+Controller is the command stream; it owns one component per other idea, each with what it needs
+given in its constructor:
+
+  reads      reads.ReadBook              the reads the workers owe, the failures they reported
+  meshes     meshes.MeshBook             mesh ids, meshes a loss retired, the regroup
+  pool       cluster.WorkerPool          the worker records: starting, registered, lost
+  messages   worker_messages.WorkerMessages   a handler per message a worker sends
+  receiver   reply_receiving.ReplyReceiver    who takes those off the socket, and when
+  lost_workers  lost_workers.LostWorkers      the watchdog and what a loss fails
+  sites      command_sites.CommandSites  the user's line of each recent command
+
+What the frontend keeps per session (dtorch.compile's capture, dtorch.utils.checkpoint's
+regions, the counts of its own work) stays in the frontend (dtensor/frontend_state.py,
+dtensor/compile_capture.py); a capture sees each command through `tap`, a CommandTap.
 """
 from __future__ import annotations
 
@@ -28,25 +39,24 @@ import threading
 import time
 import warnings
 import weakref
+from typing import Protocol
 
-from ...spec.placements import DeviceMesh
-from ...errors import (SessionEndedError, UnreadFailureWarning, WorkerLostError, format_site, user_frame,
+from ...errors import (SessionEndedError, UnreadFailureWarning, format_site, user_frame,
                        user_position)
 from . import interrupts, profiling
 from .. import protocol as wire
 from .admission import Rejections, new_secret
-from .lost_tensors import LostTensors
-from .reads import FetchRead, Future, RemoteFailure, SyncRead, wait_interruptibly
+from .reads import FetchRead, Future, ReadBook, RemoteFailure, SyncRead, wait_interruptibly
 from .rendezvous import host_store
 from .cluster import WorkerPool, WorkerRecord
 from .command_sites import SITE_RING, CommandSites
 from .lost_workers import LostWorkers
-from .reply_receiving import ReplyReceiving
-from .stats import SessionStats
+from .meshes import MeshBook
+from .reply_receiving import ReplyReceiver
 from .worker_messages import WorkerMessages
 from ..transport import LOCAL, ControllerSockets, CurveKeys
 
-__all__ = ["Controller", "WorkerRecord"]
+__all__ = ["Controller", "CommandTap", "WorkerRecord"]
 
 # Batching: a read flushes at once; otherwise commands leave after a short idle, when a batch is
 # full, or, while the user's thread keeps issuing, once the oldest pending command has waited
@@ -67,6 +77,7 @@ FREE_BATCH = 16
 # next command, so a chain of large temporaries (an activation per layer) does not keep up to 16
 # dead buffers on every worker.
 FREE_AT_ONCE_BYTES = 1 << 20
+STALE_PENDING_S = 0.1   # the watchdog publishes commands pending this long (no timer did: a safety net)
 HANG_TIMEOUT_S = 600.0   # one command running longer than this on a worker: reported lost and ended
 # Shutdown: workers finish what was issued; after SHUTDOWN_QUIET_S of waiting it says for whom.
 # Leaving on a Ctrl-C, it says so at once and ends them after INTERRUPTED_EXIT_S.
@@ -80,7 +91,19 @@ _TENSOR_IDS = itertools.count(1)
 _PROBE = wire.encode(wire.Probe())
 
 
-class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
+class CommandTap(Protocol):
+    """What sees every command as it is submitted, while one is set (`Controller.tap`): the
+    capture of a dtorch.compile call (dtensor/compile_capture.py). Both run on the submitting
+    thread, before and under the submit lock."""
+
+    def check(self, command_type, site, read, private) -> None:
+        """Before the command is numbered: raise to refuse it."""
+
+    def record(self, command, site) -> None:
+        """The numbered command (a Free the controller adds has no site: None)."""
+
+
+class Controller:
     def __init__(self, bind_host: str | None = LOCAL, curve: CurveKeys | None = None,
                  gloo_timeout_s: float = 120.0, hang_timeout_s: float | None = None):
         """bind_host: the address workers on other hosts reach; LOCAL (None) for a session on
@@ -97,7 +120,7 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         self._released: collections.deque = collections.deque()
         self._free_now = False   # a large block was dropped: free before the next command
         self._next_seq = 0
-        self._published_upto = 0
+        self.published_upto = 0
         self._flush_scheduled = False   # the idle-flush timer is armed (it disarms only when idle)
         self._flush_now = False         # an immediate flush (a full batch) is on its way
         self._pending_since = 0.0       # when the oldest pending command was submitted (monotonic)
@@ -106,48 +129,14 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         # submit writes the ring's columns directly, for every command (command_sites.CommandSites)
         self._site_seqs, self._site_codes = self.sites.seqs, self.sites.codes
         self._site_offsets, self._site_whats = self.sites.offsets, self.sites.whats
-        self._mesh_ids: dict[DeviceMesh, int] = {}
-        self._mesh_numbers = itertools.count()
-        self._mesh_lock = threading.Lock()
-        self._lost_meshes: dict[DeviceMesh, WorkerLostError] = {}
-        # After dtorch.replace_lost_workers: a tensor with an id below _first_valid_id may have
-        # lived on a lost rank, which lost_tensors decides (one int compare on the hot path)
-        self.generation = 0
-        self._first_valid_id = 0
-        self.lost_tensors = LostTensors()
-        self._reads: dict[int, object] = {}
-        self._abandoned: dict[int, set] = {}   # seq -> ranks that still answer a read a loss failed
-        # When a blocking read spins for its reply (reply_receiving.py, READ_SPIN_S):
-        self._last_work_seq = -1   # the last submitted command other than a read (a Free is not work)
-        self._idle_upto = -1       # the last read every live worker has answered
-        self._short_waits = 0      # the last blocking reads in a row whose reply came within READ_SPIN_S
-        self.reads_spun = 0
-        # Whoever holds the ROUTER lock drains the ROUTER and runs the message handlers: the loop
-        # thread, or a thread blocked on a read (receive_here). _receive_wanted: the loop thread
-        # found it taken and stopped watching the socket until someone needs it again
-        # (wake_receiver); its watchdog drains the socket meanwhile (heartbeats).
-        self._router_lock = threading.Lock()
-        self._receive_wanted = False
-        self._watching_replies = False   # loop thread only
-        self._watchdog_waiting = False   # reading threads leave the socket to the loop's watchdog
-        self._loop_ticked = time.monotonic()   # the watchdog's latest tick (reads supervise without it)
-        self.loop_stuck_s = float(os.environ.get("DTORCH_LOOP_STUCK_S", LOOP_STUCK_S))
-        self._waiting_for_failure: dict[int, list] = collections.defaultdict(list)
-        self.failures: dict[int, RemoteFailure] = {}
-        self._warning_registries: dict[str, dict] = {}   # file -> warnings' registry (shown once per line)
-        self._warnings_shown: set = set()   # (seq, category, message): one copy per command, of all ranks'
+        self.reads = ReadBook()   # the reads the workers owe, and the failures they reported
+        self.last_work_seq = -1   # the last submitted command other than a read (a Free is not work)
         self.commands_sent = self.batches_sent = 0
-        self.redistributes_inserted = 0   # by the frontend, before ops whose placements did not line up
-        self.local_tensors_uploaded = 0   # by the frontend: torch tensors among an op's DTensor arguments
-        self.checkpoint_tensors_loaded = 0          # by dtorch.checkpoint
-        self.checkpoint_bytes_via_controller = 0    # its via_controller fallback; 0 when workers read files
-        self.checkpoint_tensors_saved = self.checkpoint_bytes_saved = 0   # checkpoint.save: workers write them
         self.gloo_timeout_s = gloo_timeout_s
         self.hang_timeout_s = (float(os.environ.get("DTORCH_HANG_TIMEOUT_S", HANG_TIMEOUT_S))
                                if hang_timeout_s is None else hang_timeout_s)
         self.closed = False
-        self.capture = None   # dtorch.compile's capture in progress (record/check), else None
-        self.checkpoint_depth = 0   # dtorch.utils.checkpoint's open regions (session.refuse_inside_checkpoint)
+        self.tap: CommandTap | None = None   # dtorch.compile's capture in progress, else None
         self._release_watch: dict[int, weakref.WeakSet] = {}   # id -> graphs that read it (watch_release)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="dtorch-controller", daemon=True)
@@ -155,11 +144,13 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         self.curve = curve
         self.secret = new_secret()      # travels to workers on their stdin, back in REGISTER
         self.rejections = Rejections()
-        self._handlers = {kind: getattr(self, wire.handler_name(kind, "_on_")) for kind in wire.FROM_WORKER}
-        self._sockets_open = False
+        self.sockets_open = False
         # the pool before the sockets: opening them starts the loop's watchdog, which reads it
         self.pool = WorkerPool(self._lock, self.store)
         self.workers = self.pool.workers    # rank -> WorkerRecord
+        self.meshes = MeshBook(self.pool, self.submit, self.new_id)
+        self.define_mesh = self.meshes.define   # the id of a mesh, defined on the workers the first time
+        self.lost_workers = LostWorkers(self, self.pool, self.meshes, self.reads, self.sites)
         self.sockets = self._call(self._open, bind_host, curve)
 
     # --- user thread ----------------------------------------------------------------------------
@@ -171,9 +162,9 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
             raise SessionEndedError(f"at {format_site(site)}: this tensor or call belongs to a dtorch session "
                                     "that has ended (dtorch.shutdown()); its data went with that session's "
                                     "workers: build it again in the current session")
-        capture = self.capture
-        if capture is not None:   # dtorch.compile's first call: refuses reads and uploads (raises)
-            capture.check(command_type, site, read, private)
+        tap = self.tap
+        if tap is not None:   # dtorch.compile's first call: refuses reads and uploads (raises)
+            tap.check(command_type, site, read, private)
         now = time.monotonic()
         with self._lock:
             if self._free_now or len(self._released) >= FREE_BATCH:
@@ -185,8 +176,8 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
                 self._pending_since = now
             self._last_submit = now
             self._pending.append(command)
-            if capture is not None:
-                capture.record(command, site)
+            if tap is not None:
+                tap.record(command, site)
             slot = seq % SITE_RING
             self._site_seqs[slot] = seq
             if site is None:
@@ -197,9 +188,9 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
             if private is not None:
                 self._private[seq] = private
             if read is not None:
-                self._reads[seq] = read
+                self.reads.pending[seq] = read
             else:
-                self._last_work_seq = seq   # a read (Fetch, Sync) is not work that keeps workers busy
+                self.last_work_seq = seq   # a read (Fetch, Sync) is not work that keeps workers busy
                 if len(self._pending) >= BATCH_LIMIT:
                     if not self._flush_now:
                         self._flush_now = True
@@ -217,14 +208,14 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
             raise SessionEndedError(f"at {format_site(user_frame(skip=1))}: an input of this call, {tensor!r}, "
                                     "belongs to a dtorch session that has ended (dtorch.shutdown()); its "
                                     "data went with that session's workers: build it again in this session")
-        if tensor._id < self._first_valid_id:   # inline: this runs for every input of every op
-            self.lost_tensors.check(tensor)
+        meshes = self.meshes
+        if tensor._id < meshes.first_valid_id:   # inline: this runs for every input of every op
+            meshes.lost_tensors.check(tensor)
         return wire.wire_ref(tensor._id)
 
     def check_current(self, tensor) -> None:
         """Refuse a tensor whose data went with a lost, since replaced, worker (LostTensorError)."""
-        if tensor._id < self._first_valid_id:
-            self.lost_tensors.check(tensor)
+        self.meshes.check_current(tensor)
 
     def curve_for_worker(self) -> dict | None:
         return self.curve.for_worker() if self.curve is not None else None
@@ -242,8 +233,8 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         # seqs older (command_sites.CommandSites.forget)
         self._site_seqs[free.seq % SITE_RING] = -1
         self._next_seq += 1
-        if self.capture is not None:
-            self.capture.record(free, None)
+        if self.tap is not None:
+            self.tap.record(free, None)
 
     def free_before_next(self) -> None:
         """The next command goes after a Free of every id dropped so far. A replay asks for it:
@@ -285,33 +276,9 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
                 watchers = self._release_watch[tensor_id] = weakref.WeakSet()
             watchers.add(watcher)
 
-    def define_mesh(self, mesh: DeviceMesh) -> int:
-        """The mesh's id; the first call for a mesh also sends DefineMesh (the only way a mesh
-        gets an id), after checking that every rank it names is running."""
-        mesh_id = self._mesh_ids.get(mesh)
-        if mesh_id is not None:
-            return mesh_id
-        with self._mesh_lock:   # another thread may be defining it: the id is published only after
-            mesh_id = self._mesh_ids.get(mesh)   # DefineMesh is queued, so no command can name an
-            if mesh_id is None:                  # id the workers do not know yet
-                if mesh in self._lost_meshes:   # nothing is sent that would wait on a dead worker
-                    raise self._lost_meshes[mesh]
-                self.pool.check_ranks(mesh)
-                mesh_id = next(self._mesh_numbers)   # never reused, even after a lost mesh is dropped
-                self.submit(wire.DefineMesh, mesh_id, mesh.device_type, mesh.shape, mesh.ranks)
-                self._mesh_ids[mesh] = mesh_id
-        return mesh_id
-
-    def announce_meshes(self) -> None:
-        """Define every mesh again after workers join: one that joined after a mesh was defined
-        never saw it, yet a transfer from that mesh to a mesh it belongs to names both. Workers
-        that knew the mesh define it again identically."""
-        for mesh, mesh_id in list(self._mesh_ids.items()):
-            self.submit(wire.DefineMesh, mesh_id, mesh.device_type, mesh.shape, mesh.ranks)
-
     def new_future(self) -> Future:
         """A read's future; a thread that blocks on it receives the reply itself."""
-        return Future(receiver=self)
+        return Future(receiver=self.receiver)
 
     def fetch(self, tensor) -> Future:
         meta = tensor._meta
@@ -340,14 +307,21 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         lost = self.pool.lost_among(self.workers)
         if lost:
             raise lost
-        for failure in sorted(self.failures.values(), key=lambda f: f.seq):
-            if not failure.reported:
-                raise failure.error(failure.seq)
+        for failure in self.reads.unread_failures():
+            raise failure.error(failure.seq)
+
+    def stats(self) -> dict:
+        """The controller's part of dtorch.stats(): what it sent and received, and what waits."""
+        s = self.sockets
+        return {"commands_sent": self.commands_sent, "batches_sent": self.batches_sent,
+                "messages_sent": s.messages_sent, "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
+                "workers": len(self.workers), "pending_reads": len(self.reads.pending),
+                "reads_spun": self.receiver.reads_spun, "messages_rejected": self.rejections.count}
 
     # --- worker pool ----------------------------------------------------------------------------
     def add_workers(self, handles: list, device: str) -> None:
         self.pool.add(handles, device)
-        self.wake_receiver()   # their registrations must not wait for the next read
+        self.receiver.wake_receiver()   # their registrations must not wait for the next read
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._probe()))
 
     def wait_registered(self, ranks, timeout: float, progress=None) -> None:
@@ -370,7 +344,7 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
             self._call(self._close, timeout=CLOSE_TIMEOUT_S)
         except TimeoutError:   # a stuck loop thread (a handler that never returns): its sockets go with the process
             print(f"dtorch: shutdown: the controller's loop thread did not answer within {CLOSE_TIMEOUT_S:g}s; "
-                  f"leaving without it. It is at:\n{self.loop_thread_stack()}", file=sys.stderr, flush=True)
+                  f"leaving without it. It is at:\n{self.receiver.loop_thread_stack()}", file=sys.stderr, flush=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
         self._fail_pending_reads()
@@ -382,15 +356,11 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         return f"rank {worker.rank}: in {self.sites.describe(worker.busy_seq)} at its last heartbeat"
 
     def _fail_pending_reads(self) -> None:
-        ended = SessionEndedError("the dtorch session was shut down before this read finished")
-        for read in list(self._reads.values()):
-            read.fail(ended)
-        self._reads.clear()
+        self.reads.fail_all(SessionEndedError("the dtorch session was shut down before this read finished"))
 
     def _warn_unread_failures(self) -> None:
         # A PeerLostError only follows a lost worker, which WorkerLostError already reports.
-        unread = sorted((f for f in self.failures.values()
-                         if not f.reported and f.exception_type != "PeerLostError"), key=lambda f: f.seq)
+        unread = [f for f in self.reads.unread_failures() if f.exception_type != "PeerLostError"]
         for failure in unread:
             warnings.warn(f"dtorch: a command failed and no read or synchronize() raised it before shutdown: "
                           f"{failure.error(failure.seq)}", UnreadFailureWarning, stacklevel=3)
@@ -405,20 +375,23 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         return done.result(0)
 
     def _open(self, bind_host, curve) -> ControllerSockets:
-        self.sockets = ControllerSockets(bind_host, curve)
-        self._sockets_open = True
-        self._watch_replies()
-        self._tasks = [self._loop.create_task(self._watch())]
-        return self.sockets
+        """Loop thread: the sockets, and the components that use them."""
+        sockets = ControllerSockets(bind_host, curve)
+        self.messages = WorkerMessages(self, sockets, self.pool, self.reads, self.sites, self.rejections,
+                                       self.lost_workers.lose)
+        self.receiver = ReplyReceiver(self, self._loop, self._thread, sockets, self.messages, self.reads, self.pool,
+                                      float(os.environ.get("DTORCH_LOOP_STUCK_S", LOOP_STUCK_S)))
+        self.sockets_open = True
+        self.receiver.watch()
+        self._tasks = [self._loop.create_task(self.lost_workers.watch(self.receiver))]
+        return sockets
 
     def _close(self) -> None:
         self._flush()   # the Shutdown command, if its idle flush has not fired yet
-        with self._router_lock:
-            self._handle_queued()   # errors the workers sent before they exited
+        with self.receiver.held():   # errors the workers sent before they exited are handled first
             with self._publish_lock:   # no reading thread is publishing as the sockets close
-                self._sockets_open = False
-        if self._watching_replies:
-            self._loop.remove_reader(self.sockets.reply_fd)
+                self.sockets_open = False
+        self.receiver.stop_watching()
         # Every task of the loop, not only _tasks: a _probe that add_workers started still sleeps
         # when a start fails, and a task left pending as the loop stops is reported at exit as
         # "Task was destroyed but it is pending!". Each cancellation runs before the loop's stop,
@@ -444,6 +417,13 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
                 return
         self._flush()
 
+    def flush_stale(self) -> None:
+        """Publish dropped ids, or commands pending past STALE_PENDING_S that no timer published:
+        the watchdog's safety net, each tick."""
+        stale = self._pending and time.monotonic() - self._pending_since > STALE_PENDING_S
+        if stale or (self._released and not self._flush_scheduled):
+            self._flush()
+
     def _flush(self) -> None:
         """Publish what is pending. The loop thread runs it after a short idle; a thread that
         issues a read runs it itself. The publish lock keeps batches in seq order on the PUB
@@ -452,7 +432,7 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
             self._flush_locked()
 
     def _flush_locked(self) -> None:
-        if not self._sockets_open:   # a flush scheduled before shutdown closed the sockets
+        if not self.sockets_open:   # a flush scheduled before shutdown closed the sockets
             return
         recorder = profiling.active
         started = profiling.now() if recorder is not None else 0
@@ -470,7 +450,7 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         # Raised before the send: a worker may run the batch and report an error for one of its
         # commands before this thread returns from publish, and the loop thread checks the report's
         # seq against this bound (a report under the old bound would be rejected and its read hang).
-        self._published_upto = batch[-1].seq + wire.span(batch[-1])
+        self.published_upto = batch[-1].seq + wire.span(batch[-1])
         try:
             frames = wire.encode_batch(batch[0].seq, batch)
         except Exception:   # a field the wire cannot carry (ProtocolError, msgpack's TypeError...)
@@ -495,7 +475,7 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
                 raise
             kept = self.sites.kept(command.seq)
             op = (kept[2] if type(kept[2]) is str else kept[2].__name__) if kept else type(command).__name__
-            self.failures[command.seq] = RemoteFailure(
+            self.reads.failures[command.seq] = RemoteFailure(
                 command.seq, op, self.sites.site_of(command.seq), type(error).__name__,
                 f"dtorch cannot send this command to the workers: {error} (a Python complex number is one such "
                 "value: pass torch.tensor(value) instead)", "(on the controller: it never reached a worker)\n",
@@ -507,6 +487,6 @@ class Controller(ReplyReceiving, LostWorkers, SessionStats, WorkerMessages):
         SUB socket has seen one, so it cannot miss the commands that follow (slow joiners)."""
         while self.pool.starting() and not self.closed:
             with self._publish_lock:
-                if self._sockets_open:
+                if self.sockets_open:
                     self.sockets.publish([wire.TOPIC_PROBE, _PROBE])
             await asyncio.sleep(0.02)

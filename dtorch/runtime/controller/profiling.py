@@ -101,7 +101,7 @@ def ping_workers(controller, on: bool, timeout: float | None, wait: bool = True)
     read = ProfileRead(controller.pool.live_ranks(), future)
     controller.submit(wire.Profile, on, read=read)
     if not wait:
-        controller.wake_receiver()   # nobody blocks on it: the loop thread takes the replies
+        controller.receiver.wake_receiver()   # nobody blocks on it: the loop thread takes the replies
         return {}
     frames = future.result(timeout)
     return {rank: ClockReading(read.sent, read.arrived[rank], _decode(rank, frame)) for rank, frame in frames.items()}

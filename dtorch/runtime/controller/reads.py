@@ -1,9 +1,11 @@
 """The controller's side of reads: futures the user awaits, the replies that complete them, and
-the records of remote failures that turn into exceptions at the user's next read.
+the records of remote failures that turn into exceptions at the user's next read. ReadBook
+holds both for one session: the reads the workers still owe, and every failure they reported.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import collections.abc
 import concurrent.futures
 import ctypes
@@ -19,7 +21,7 @@ from ...ops.tensor_meta import TensorMeta
 from . import interrupts
 from .. import protocol as wire
 
-__all__ = ["Future", "FetchRead", "SyncRead", "RemoteFailure"]
+__all__ = ["Future", "FetchRead", "SyncRead", "RemoteFailure", "ReadBook"]
 
 
 class Future(collections.abc.Coroutine):
@@ -75,7 +77,7 @@ class Future(collections.abc.Coroutine):
     def _wait(self, timeout: float | None) -> None:
         """Block until done or `timeout` passes (then result() raises TimeoutError). With a
         controller: it takes the reply off the socket on this thread if it can, and the wait
-        stays interruptible and supervised (ReplyReceiving.wait_for)."""
+        stays interruptible and supervised (ReplyReceiver.wait_for)."""
         if self._inner.done():
             return
         if self._receiver is not None:
@@ -161,6 +163,70 @@ class RemoteFailure:
         self.reported = True
         return error_type(self.op, self.seq, self.ranks, self.traceback, self.site,
                           self.exception_type, self.message)
+
+
+class ReadBook:
+    """The reads the workers still owe (by the seq of their command) and the failures they
+    reported (by the seq of the command that raised). The controller adds reads as it submits
+    them; whoever holds the ROUTER lock settles them (worker_messages.py); a lost worker fails
+    the reads that wait on it (lost_workers.py)."""
+
+    def __init__(self):
+        self.pending: dict[int, _Read] = {}
+        self.failures: dict[int, RemoteFailure] = {}
+        # seq -> ranks that still answer a read a loss failed: their replies are expected
+        self._abandoned: dict[int, set] = {}
+        # failure seq -> reads whose replies named it as their origin before its record arrived
+        self._waiting_for_failure: dict[int, list] = collections.defaultdict(list)
+        self.idle_upto = -1   # the last read every live worker has answered (READ_SPIN_S)
+
+    def owed_to_abandoned(self, seq: int, rank: int) -> bool:
+        """A survivor's reply to a read that failed when another of its ranks was lost: expected."""
+        owed = self._abandoned.get(seq)
+        if owed is None or rank not in owed:
+            return False
+        owed.discard(rank)
+        if not owed:
+            del self._abandoned[seq]
+        return True
+
+    def finish(self, seq: int, read: _Read, live_ranks) -> None:
+        """Every rank has answered `read`: settle it, unless it waits for a failure's record."""
+        if read.finish(self.failures) is False:
+            self._waiting_for_failure[read.poisoned_origin()].append(seq)
+            return
+        self.pending.pop(seq, None)
+        if seq > self.idle_upto and all(rank in read.statuses for rank in live_ranks):
+            self.idle_upto = seq   # every live worker has run every command before it
+
+    def failure_recorded(self, seq: int, live_ranks) -> None:
+        """The record of command `seq`'s failure is in `failures`: the reads that waited for it
+        settle now."""
+        for waiting in self._waiting_for_failure.pop(seq, []):
+            read = self.pending.get(waiting)
+            if read is not None:
+                self.finish(waiting, read, live_ranks)
+
+    def fail_reads_of(self, rank: int, error: Exception) -> None:
+        """Worker `rank` is lost: every read waiting on it fails with `error`."""
+        for owed in self._abandoned.values():   # it will not answer reads abandoned before either
+            owed.discard(rank)
+        for seq, read in list(self.pending.items()):
+            if rank in read.waiting:
+                read.fail(error)
+                self.pending.pop(seq, None)
+                self._abandoned[seq] = read.waiting - {rank}
+        for seq in [seq for seq, owed in self._abandoned.items() if not owed]:
+            del self._abandoned[seq]
+
+    def fail_all(self, error: Exception) -> None:
+        for read in list(self.pending.values()):
+            read.fail(error)
+        self.pending.clear()
+
+    def unread_failures(self) -> list:
+        """Failures no read or synchronize() has raised, oldest first."""
+        return sorted((f for f in self.failures.values() if not f.reported), key=lambda f: f.seq)
 
 
 class _Read:

@@ -8,7 +8,7 @@ In order:
   2. the lost process is ended and reaped if it still runs (a silent one), and its lost key leaves
      the rendezvous store, so collectives with the new process are not refused;
   3. the new processes start and register (they run commands from then on);
-  4. Controller.regroup: every worker drops cached groups that held a replaced rank and names new
+  4. the regroup (meshes.MeshBook.regroup): every worker drops cached groups that held a replaced rank and names new
      groups with the new generation (the Regroup command); meshes that held one get new ids when
      next used; tensors built on them before are refused with LostTensorError. Tensors on meshes
      of survivors only stay valid.
@@ -19,7 +19,9 @@ import os
 import time
 
 from ...errors import WorkerLostError
+from .. import protocol as wire
 from .cluster import stop_process, worker_config
+from .reads import SyncRead
 
 __all__ = ["replace_lost_workers"]
 
@@ -35,14 +37,18 @@ def replace_lost_workers(controller, spawner, timeout: float, progress_for=None)
     losses = [controller.pool.lost_among([w.rank]) for w in lost]
     for worker in lost:
         stop_process(worker.handle, time.monotonic())
-        controller.forget_loss(worker.rank)
+        # its lost key leaves the rendezvous store, so a new process can take the rank
+        controller.store.delete_key(wire.lost_worker_key(worker.rank))
     handles = [spawner.spawn(w.rank, _config(controller, spawner, w)) for w in lost]
     for worker, handle in zip(lost, handles):
         controller.add_workers([handle], worker.device)
     ranks = [w.rank for w in lost]
     controller.wait_registered(ranks, max(1.0, deadline - time.monotonic()),
                                progress_for(handles) if progress_for else None)
-    controller.regroup(losses)
+    controller.meshes.regroup(losses)
+    for failure in controller.reads.failures.values():   # survivors' collectives that broke with the loss,
+        if failure.exception_type == "PeerLostError":    # which WorkerLostError already reported
+            failure.reported = True
     return [{"rank": w.rank, "host": controller.workers[w.rank].host, "pid": controller.workers[w.rank].pid,
              "lost_pid": w.pid, "reason": w.lost} for w in lost]
 
@@ -51,9 +57,20 @@ def _settle(controller, timeout: float) -> None:
     """Survivors idle; one found lost meanwhile (dead, but not yet noticed) is replaced too."""
     while True:
         try:
-            return controller.settle_survivors(timeout)
+            return _settle_survivors(controller, timeout)
         except WorkerLostError:   # each retry waits on fewer ranks; none left returns at once
             continue
+
+
+def _settle_survivors(controller, timeout: float) -> None:
+    """Wait until every live worker has run everything issued so far: a survivor still in a
+    collective with a lost peer leaves it (it sees the peer's lost key) before that key goes."""
+    live = controller.pool.live_ranks()
+    if not live:   # every worker was lost: nobody to wait for
+        return
+    future = controller.new_future()
+    controller.submit(wire.Sync, read=SyncRead(live, future))
+    future.result(timeout)
 
 
 def _config(controller, spawner, lost) -> dict:

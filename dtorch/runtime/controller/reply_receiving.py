@@ -7,24 +7,31 @@ watching would spin) and watches it again when something needs replies that no t
 (wake_receiver: an awaited or polled future, a pending read, joining workers). Whoever holds the
 ROUTER lock runs the handlers of worker_messages.py.
 
-A mixin of Controller (controller.py), which provides what these methods use: `sockets`,
-`_loop` and `_thread`, `_router_lock`, `_receive_wanted`, `_watching_replies`,
-`_watchdog_waiting`, `_sockets_open`, `_reads`, `_last_work_seq`, `_idle_upto`, `_short_waits`,
-`reads_spun`, and `_on_message` and `_reject` (worker_messages.py).
+ReplyReceiver is owned by the Controller and given to every read's Future, which calls
+`wait_for` and `wake_receiver`. It takes the loop and its thread, the sockets, the message
+handlers, the session's reads and its pool; of the controller it reads `_Stream`. The watchdog
+(lost_workers.py) takes the socket through `held_by_watchdog` and reports its ticks in
+`loop_ticked`.
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import sys
 import threading
 import time
 import traceback
+from typing import Protocol
 
 from ...errors import DTorchError, ProtocolError
 from . import interrupts
-from .reads import wait_done
+from ..transport import ControllerSockets
+from .cluster import WorkerPool
+from .reads import ReadBook, wait_done
+from .worker_messages import WorkerMessages
 
-__all__ = ["ReplyReceiving", "READER_RECEIVE_S", "READ_SPIN_S", "WAIT_SLICE_S"]
+__all__ = ["ReplyReceiver", "READER_RECEIVE_S", "READ_SPIN_S", "WAIT_SLICE_S"]
 
 # A thread blocked on a read takes replies off the ROUTER itself for up to this long, then hands
 # the socket back to the loop thread: the reply wakes only the thread that waits for it, not the
@@ -54,10 +61,35 @@ WAIT_SLICE_S = 0.05
 LOOP_QUIET_S = 1.0
 
 
-class ReplyReceiving:
-    def _watch_replies(self) -> None:
+class _Stream(Protocol):
+    """What the receiver reads of the controller: whether the sockets are still open, and the
+    last command that gives the workers work (a read right after it waits for that work)."""
+    sockets_open: bool
+    last_work_seq: int
+
+
+class ReplyReceiver:
+    def __init__(self, stream: _Stream, loop: asyncio.AbstractEventLoop, loop_thread: threading.Thread,
+                 sockets: ControllerSockets, messages: WorkerMessages, reads: ReadBook, pool: WorkerPool,
+                 loop_stuck_s: float):
+        self._stream, self._loop, self._thread, self.sockets = stream, loop, loop_thread, sockets
+        self._messages, self._reads, self._pool = messages, reads, pool
+        self.loop_stuck_s = loop_stuck_s
+        # Whoever holds the ROUTER lock drains the ROUTER and runs the message handlers: the loop
+        # thread, or a thread blocked on a read (receive_here). _receive_wanted: the loop thread
+        # found it taken and stopped watching the socket until someone needs it again
+        # (wake_receiver); its watchdog drains the socket meanwhile (heartbeats).
+        self._router_lock = threading.Lock()
+        self._receive_wanted = False
+        self.watching = False            # the loop thread watches the socket (loop thread only)
+        self._watchdog_waiting = False   # reading threads leave the socket to the loop's watchdog
+        self.loop_ticked = time.monotonic()   # the watchdog's latest tick (reads supervise without it)
+        self._short_waits = 0      # the last blocking reads in a row whose reply came within READ_SPIN_S
+        self.reads_spun = 0
+
+    def watch(self) -> None:
         self._loop.add_reader(self.sockets.reply_fd, self._receive)
-        self._watching_replies = True
+        self.watching = True
 
     def _receive(self) -> None:
         """The ROUTER's descriptor is readable: handle everything queued, then wait again. If a
@@ -65,22 +97,22 @@ class ReplyReceiving:
         that thread drains it: watching would spin), until wake_receiver."""
         self._receive_wanted = True   # before the attempt: a holder that releases now sees it
         if not self._router_lock.acquire(blocking=False):
-            if self._watching_replies:
+            if self.watching:
                 self._loop.remove_reader(self.sockets.reply_fd)
-                self._watching_replies = False
+                self.watching = False
             return
         try:
             self._receive_wanted = False
-            if self._sockets_open:
+            if self._stream.sockets_open:
                 self._handle_queued()
         finally:
             self._router_lock.release()
 
     def _resume_receiving(self) -> None:
-        if not self._sockets_open:
+        if not self._stream.sockets_open:
             return
-        if not self._watching_replies:
-            self._watch_replies()
+        if not self.watching:
+            self.watch()
         self._receive()
 
     def wake_receiver(self) -> None:
@@ -107,26 +139,31 @@ class ReplyReceiving:
             if not reply.done():
                 wait_done(reply, WAIT_SLICE_S if left is None else min(left, WAIT_SLICE_S))
             if not reply.done():
-                if self._reads:
+                if self._reads.pending:
                     self.wake_receiver()
                 interrupts.raise_pending()
                 self._supervise_read(reply)
 
     def _supervise_read(self, reply: concurrent.futures.Future) -> None:
         """What the watchdog would do for this read, when the loop thread has not run it lately."""
-        quiet = time.monotonic() - self._loop_ticked
+        quiet = time.monotonic() - self.loop_ticked
         if quiet < LOOP_QUIET_S:
             return
-        read = next((r for r in list(self._reads.values()) if r.future._inner is reply), None)
+        read = next((r for r in list(self._reads.pending.values()) if r.future._inner is reply), None)
         if read is None:
             return
-        lost = self.pool.exited(read.waiting)
+        lost = self._pool.exited(read.waiting)
         if lost is not None:
             read.fail(lost)
         elif quiet > self.loop_stuck_s:
             read.fail(DTorchError(f"dtorch's controller loop thread has not run for {quiet:.0f}s (the limit is "
                                   f"loop_stuck_s={self.loop_stuck_s:g}s, DTORCH_LOOP_STUCK_S), so this read cannot "
                                   f"complete; that thread is at:\n{self.loop_thread_stack()}"))
+
+    def describe(self) -> str:
+        """Who has the socket now (a hung session's diagnosis)."""
+        return (f"router lock held {self._router_lock.locked()}, receive wanted {self._receive_wanted}, "
+                f"loop watching {self.watching}, watchdog waiting {self._watchdog_waiting}")
 
     def loop_thread_stack(self) -> str:
         frame = sys._current_frames().get(self._thread.ident)
@@ -143,10 +180,10 @@ class ReplyReceiving:
         try:
             started = time.monotonic()
             deadline = started + (READER_RECEIVE_S if timeout is None else min(timeout, READER_RECEIVE_S))
-            spin = self._short_waits >= SHORT_WAITS_TO_SPIN or self._last_work_seq < self._idle_upto
+            spin = self._short_waits >= SHORT_WAITS_TO_SPIN or self._stream.last_work_seq < self._reads.idle_upto
             spin_until = min(deadline, started + READ_SPIN_S) if spin else 0.0
             self.reads_spun += spin
-            while self._sockets_open and not reply.done() and not interrupts.pending():
+            while self._stream.sockets_open and not reply.done() and not interrupts.pending():
                 now = time.monotonic()
                 if now >= deadline:
                     break
@@ -158,16 +195,40 @@ class ReplyReceiving:
             self._short_waits = min(self._short_waits + 1, SHORT_WAITS_TO_SPIN) if short else 0
         finally:
             self._router_lock.release()
-            if self._reads:   # this thread's read if it gave up (or was interrupted), or others'
+            if self._reads.pending:   # this thread's read if it gave up (or was interrupted), or others'
                 self.wake_receiver()
+
+    @contextlib.contextmanager
+    def held_by_watchdog(self):
+        """The watchdog's turn on the socket: reading threads stop taking it (no starvation), and
+        everything queued is handled (heartbeats count before silence is judged)."""
+        self._watchdog_waiting = True
+        with self._router_lock:
+            self._watchdog_waiting = False
+            if self._stream.sockets_open:
+                self._handle_queued()
+            yield
+
+    @contextlib.contextmanager
+    def held(self):
+        """The socket for the caller (shutdown): everything queued is handled first."""
+        with self._router_lock:
+            self._handle_queued()
+            yield
+
+    def stop_watching(self) -> None:
+        """Loop thread, as the sockets close."""
+        if self.watching:
+            self._loop.remove_reader(self.sockets.reply_fd)
+            self.watching = False
 
     def _handle_queued(self) -> None:
         """ROUTER lock held: handle every message queued on the ROUTER."""
         for identity, header, data in self.sockets.drain():
             try:
-                self._on_message(identity, header, data)
+                self._messages.on_message(identity, header, data)
             except ProtocolError as error:
-                self._reject(identity, str(error))
+                self._messages.reject(identity, str(error))
             except Exception:  # a bug in one handler must not stop the loop
                 traceback.print_exc()
 

@@ -11,15 +11,15 @@ import os
 import random
 import threading
 
-from ...errors import MeshError, SessionEndedError, user_site
+from ...errors import MeshError, SessionEndedError
 from ...ops.dispatch import warm_up_inference
 from .cluster import LocalSpawner, worker_config
 from .controller import Controller
 from . import recovery
 from ..transport import LOCAL, CurveKeys, make_curve_keys
 
-__all__ = ["controller", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed", "next_random",
-           "reserve_random", "replace_lost_workers"]
+__all__ = ["controller", "active", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed",
+           "next_random", "reserve_random", "replace_lost_workers"]
 
 _lock = threading.RLock()
 _controller: Controller | None = None
@@ -39,17 +39,9 @@ def controller() -> Controller:
     return active
 
 
-def refuse_inside_checkpoint(what: str) -> None:
-    """Raise at the user's line when `what` (a backward, an optimizer step, a compiled call, a
-    move to another mesh) is called inside dtorch.utils.checkpoint's function: before it changes
-    anything, here or on the workers (a worker refuses such a command too, as a backstop). At
-    these entries, not in Controller.submit: the per-op path pays nothing for it."""
-    active = _controller
-    if active is not None and active.checkpoint_depth:
-        raise RuntimeError(f"{what} at {user_site()} cannot run inside dtorch.utils.checkpoint's function: the "
-                           "function runs again in backward, and only its ops and redistributes can (not a backward, "
-                           "an optimizer step, a move to another mesh or a compiled function's call); call it outside "
-                           "the checkpointed function")
+def active() -> Controller | None:
+    """The session's Controller, or None when no session runs (a check that must not start one)."""
+    return _controller
 
 
 def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str | None = None,
@@ -202,7 +194,7 @@ def _grow(device_type: str, extra: int, timeout: float) -> None:
         handles.append(_spawner.spawn(rank, config))
     _controller.add_workers(handles, device_type)
     _controller.wait_registered([h.rank for h in handles], timeout, _progress(handles))
-    _controller.announce_meshes()
+    _controller.meshes.announce()
 
 
 def replace_lost_workers(timeout: float = 120.0) -> list[dict]:
