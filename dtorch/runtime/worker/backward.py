@@ -11,11 +11,10 @@ from __future__ import annotations
 import torch
 
 from .. import protocol as wire
-from .checkpoint_regions import refuse_used_in_region
 from .grad_buckets import BucketBuffers, BucketReducer
 from .kernels import saves_gathered, saving_gathered
 
-__all__ = ["run_backward", "run_recorded", "connect_outputs"]
+__all__ = ["run_backward", "run_recorded", "connect_outputs", "mark_used_in_region", "refuse_used_in_region"]
 
 
 def run_backward(tensors: dict, roots: list, seeds: list, command: wire.Backward, comm, mesh, rank: int,
@@ -40,6 +39,22 @@ def run_backward(tensors: dict, roots: list, seeds: list, command: wire.Backward
         if leaf.grad is None or leaf.grad._is_zerotensor():
             leaf.grad = _dense(leaf.grad, leaf)   # not reached here, or torch's lazy zeros (sign's gradient)
         tensors[out_id] = leaf.grad
+
+
+def mark_used_in_region(tensor: torch.Tensor) -> None:
+    """An output of a checkpoint region (checkpoint_regions.py) that the region also read: its
+    own gradient is refused (refuse_used_in_region)."""
+    tensor._dtorch_used_in_region = True
+
+
+def refuse_used_in_region(tensors) -> None:
+    """A gradient asked of a tensor a checkpointed function made and used again (autograd.grad's
+    inputs, retain_grad): its uses are inside the region's one node, so the outer engine never
+    reaches it and would return zeros."""
+    if any(getattr(t, "_dtorch_used_in_region", False) for t in tensors):
+        raise RuntimeError("the gradient of a tensor made inside dtorch.utils.checkpoint's function and used there "
+                           "again cannot be computed (its uses run inside the region's recomputation): make it "
+                           "outside the checkpointed function, or do not checkpoint that function")
 
 
 def _dense(grad, like: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .. import protocol as wire
+from .backward import mark_used_in_region
 from .kernels import _ANCHOR
 
 __all__ = ["RegionCommands", "Region"]
@@ -129,7 +130,7 @@ class RegionCommands:
                                                _ANCHOR, *learned.values())
         for tensor_id, tensor in zip(outputs, connected):
             if tensor_id in region.used:   # its own gradient would need the region's inside: refused
-                tensor._dtorch_used_in_region = True
+                mark_used_in_region(tensor)
             self.tensors[tensor_id] = tensor
 
     def _recompute(self, region: Region, leaves: dict) -> dict:
@@ -151,16 +152,6 @@ class RegionCommands:
         finally:
             self.tensors, self.in_flight = tensors, in_flight
         return table
-
-
-def refuse_used_in_region(tensors) -> None:
-    """A gradient asked of a tensor a checkpointed function made and used again (autograd.grad's
-    inputs, retain_grad): its uses are inside the region's one node, so the outer engine never
-    reaches it and would return zeros."""
-    if any(getattr(t, "_dtorch_used_in_region", False) for t in tensors):
-        raise RuntimeError("the gradient of a tensor made inside dtorch.utils.checkpoint's function and used there "
-                           "again cannot be computed (its uses run inside the region's recomputation): make it "
-                           "outside the checkpointed function, or do not checkpoint that function")
 
 
 def _refusal(what: str) -> str:
