@@ -134,7 +134,7 @@ def main() -> None:
         return time.thread_time() - started
 
     measures = {"worker, eager": eager} if args.grad else {"worker, eager": eager, "worker, replayed": replayed}
-    if not args.grad and getattr(worker.graphs[1], "plan", None) is not None:   # the replay as one generated function
+    if not args.grad and getattr(_graphs(worker)[1], "plan", None) is not None:   # the replay as one generated function
         measures["worker, replayed row by row"] = _row_by_row(worker, 1, replayed)
     if hasattr(Worker, "_ran_inline"):   # the same worker with every command on the general path
         measures.update({f"{name}, general path only": _general_path_only(worker, measure)
@@ -151,14 +151,23 @@ def main() -> None:
         print(f"  {name:48s} {us:6.2f} us/op{added}")
 
 
+def _graphs(worker) -> dict:
+    """The worker's compiled graphs by id: its GraphCommands' since the Worker owns one, before
+    that an attribute of its own."""
+    owner = getattr(worker, "graph_commands", worker)
+    return owner.graphs
+
+
 def _row_by_row(worker, graph_id: int, measure):
+    graphs = _graphs(worker)
+
     def measure_row_by_row() -> float:
-        graph = worker.graphs[graph_id]
-        worker.graphs[graph_id] = graph._replace(plan=None)
+        graph = graphs[graph_id]
+        graphs[graph_id] = graph._replace(plan=None)
         try:
             return measure()
         finally:
-            worker.graphs[graph_id] = graph
+            graphs[graph_id] = graph
     return measure_row_by_row
 
 

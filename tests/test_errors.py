@@ -123,7 +123,7 @@ def test_a_stand_in_that_fails_too_keeps_its_inputs_failure(monkeypatch):
     fail_on(monkeypatch, worker_module, "make_factory")
     fail_on(monkeypatch, kernels, "_pad_to")
     healthy, failed = run_on_two_ranks(COMMANDS)
-    assert failed.poisoned.get(2) == 1 and 2 not in failed.tensors
+    assert failed.shards.poisoned.get(2) == 1 and 2 not in failed.tensors
     assert [header[2] for header in failed.sockets.sent] == [1]   # one report: the factory's
     assert 2 in healthy.tensors and not healthy.sockets.sent
 

@@ -99,7 +99,7 @@ def test_a_damaged_command_message_is_run_or_rejected_with_one_protocol_error(co
         return   # the real worker reports this and stops: one clear error
     for reply in worker.sockets.sent:   # whatever it answered is well formed
         wire.read_header(reply[0])
-    if 0 not in worker.meshes:
+    if worker.shards.member(0) is None:   # mesh 0 lost, or redefined without this rank
         deliver(worker, wire.encode_batch(worker.next_seq, [wire.DefineMesh(worker.next_seq, 0, "cpu", (1,), (0,))]))
     still_works(worker)
 

@@ -256,10 +256,32 @@ def test_worker_reports_a_gap_in_command_numbers_instead_of_computing():
 
 
 def test_every_command_has_a_handler():
+    """One handler per command, on the Worker or one of its components: building the table
+    (worker.handler_table, in Worker.__init__) raises, naming the command, where that fails."""
     from dtorch.runtime import protocol as wire
+    from dtorch.runtime.devices.device import CpuDevice
     from dtorch.runtime.worker.worker import Worker
-    for command in wire.COMMANDS:
-        assert callable(getattr(Worker, wire.handler_name(command), None)), command.__name__
+    worker = Worker(0, _Recorder(), comm=None, device=CpuDevice(), start_seq=0)
+    assert list(worker._handlers) == list(wire.COMMANDS)
+    for command, handler in worker._handlers.items():
+        assert callable(handler) and handler.__name__ == wire.handler_name(command), command.__name__
+
+
+def test_a_command_with_no_handler_or_two_fails_the_worker_at_start():
+    from dtorch.runtime import protocol as wire
+    from dtorch.runtime.worker.worker import handler_table
+
+    class Meshes:
+        def handle_define_mesh(self, command):
+            pass
+
+    class MoreMeshes(Meshes):
+        pass
+    assert list(handler_table((wire.DefineMesh,), (Meshes(),))) == [wire.DefineMesh]
+    with pytest.raises(TypeError, match=r"Factory \(handle_factory on none of Meshes\)"):
+        handler_table((wire.DefineMesh, wire.Factory), (Meshes(),))
+    with pytest.raises(TypeError, match=r"DefineMesh \(handle_define_mesh on Meshes and MoreMeshes\)"):
+        handler_table((wire.DefineMesh,), (Meshes(), MoreMeshes()))
 
 
 def test_workers_lists_rank_host_pid_device(mesh4):

@@ -51,7 +51,7 @@ def run_on_two_ranks(commands) -> list[Worker]:
         thread.join(4 * GLOO_TIMEOUT_S)
     assert not any(t.is_alive() for t in threads), "a rank is stuck in a collective"
     for worker in workers:
-        worker.comm.close()
+        worker.comms.comm.close()
     return workers
 
 
@@ -83,8 +83,8 @@ def test_a_step_failing_on_one_rank_leaves_the_peer_free(monkeypatch, where):
     fail_on(monkeypatch, kernels, where)
     healthy, failed = run_on_two_ranks(COMMANDS)
     assert not healthy.sockets.sent, healthy.sockets.sent     # rank 0 finished without an error
-    assert 2 in healthy.tensors and 2 not in healthy.poisoned
-    assert failed.poisoned.get(2) == 2 and 2 not in failed.tensors
+    assert 2 in healthy.tensors and 2 not in healthy.shards.poisoned
+    assert failed.shards.poisoned.get(2) == 2 and 2 not in failed.tensors
     kind, seq, rank, op, error_type, message = failed.sockets.sent[-1][1:7]
     assert (kind, seq, rank, error_type) == (wire.Kind.ERROR, 2, 1, "MemoryError") and where in message
 
@@ -112,7 +112,7 @@ def test_a_move_failing_on_one_rank_poisons_the_result_and_frees_the_peer(monkey
     failed, healthy = workers[failing], workers[1 - failing]
     assert not healthy.sockets.sent, healthy.sockets.sent
     assert 2 not in healthy.tensors and 2 not in failed.tensors
-    assert workers[1].poisoned.get(2) == 3                      # the receiver's output: the move's seq
+    assert workers[1].shards.poisoned.get(2) == 3   # the receiver's output: the move's seq
     kind, seq, rank, op, error_type, message = failed.sockets.sent[-1][1:7]
     assert (kind, seq, rank, error_type) == (wire.Kind.ERROR, 3, failing, "MemoryError")
 
@@ -140,7 +140,7 @@ def test_a_fused_move_failing_on_one_rank_still_joins_every_later_move(monkeypat
     fail_on(monkeypatch, kernels, where)
     healthy, failed = run_on_two_ranks(FUSED)
     assert not healthy.sockets.sent and 3 in healthy.tensors
-    assert failed.poisoned.get(3) == 3 and 3 not in failed.tensors
+    assert failed.shards.poisoned.get(3) == 3 and 3 not in failed.tensors
     kind, seq, rank, op, error_type, message, remote_traceback = failed.sockets.sent[-1][1:8]
     assert (kind, seq, rank, op, error_type) == (wire.Kind.ERROR, 3, 1, "add", "MemoryError") and where in message
     assert "redistribute dtorch inserted before this op: input 0, [S(1)] -> [S(0)]" in remote_traceback
@@ -152,5 +152,5 @@ def test_a_poisoned_input_of_a_fused_move_joins_with_zeros_and_poisons_the_op(mo
     fail_on(monkeypatch, worker_module, "make_factory")
     healthy, failed = run_on_two_ranks(FUSED)
     assert not healthy.sockets.sent and 3 in healthy.tensors
-    assert failed.poisoned.get(1) == 1 and failed.poisoned.get(3) == 1
+    assert failed.shards.poisoned.get(1) == 1 and failed.shards.poisoned.get(3) == 1
     assert [header[2] for header in failed.sockets.sent] == [1]   # one report: the factory's

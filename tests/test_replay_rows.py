@@ -94,9 +94,9 @@ def path(request):
 
 def worker_on(path: str, table: torch.Tensor, dim: int = 0) -> tuple[Worker, Replies]:
     worker, replies = fresh_worker(table, dim)
-    assert runs(worker.graphs[7]) == [(0, 5)]   # every row qualifies: one function
+    assert runs(worker.graph_commands.graphs[7]) == [(0, 5)]   # every row qualifies: one function
     if path != "program":   # the replay runs row by row, as before graphs became functions
-        worker.graphs[7] = worker.graphs[7]._replace(plan=None)
+        worker.graph_commands.graphs[7] = worker.graph_commands.graphs[7]._replace(plan=None)
     if path == "general":   # every command through _execute, as before plain ops ran inline
         worker._ran_inline = lambda command: False
     return worker, replies
@@ -110,7 +110,7 @@ def test_a_replay_computes_what_torch_computes_and_frees_its_scratch(path):
         assert torch.equal(worker.tensors[out_id], expected(table, index))
     assert replies.sent == []
     assert set(worker.tensors) == {TABLE, INDEX, 10, 11}   # no scratch, no capture id left behind
-    assert not worker.poisoned
+    assert not worker.shards.poisoned
 
 
 def test_a_row_that_fails_in_a_replay_is_reported_under_its_own_seq_and_poisons_what_follows(path):
@@ -119,7 +119,7 @@ def test_a_row_that_fails_in_a_replay_is_reported_under_its_own_seq_and_poisons_
     seq = replay(worker, torch.tensor([0, 9]), 10)   # 9 is out of range: index_select raises
     (report,) = replies.reports()
     assert (report.seq, report.op, report.exception_type) == (seq, "index_select", "IndexError")
-    assert worker.poisoned == {10: seq}   # the graph's output, poisoned by the failing row
+    assert worker.shards.poisoned == {10: seq}   # the graph's output, poisoned by the failing row
     assert set(worker.tensors) == {TABLE, INDEX}
     assert worker.busy_seq == -1
     replay(worker, torch.tensor([3]), 11)   # the next replay is unharmed
@@ -134,7 +134,7 @@ def test_a_missing_input_row_takes_the_general_path_and_names_the_tensor(path):
     (report,) = replies.reports()
     assert report.seq == seq and report.exception_type == "KeyError"
     assert f"tensor #{TABLE} is not on rank 0" in report.message
-    assert worker.poisoned == {10: seq}
+    assert worker.shards.poisoned == {10: seq}
 
 
 def test_an_eager_batch_computes_what_torch_computes(path):
@@ -145,7 +145,7 @@ def test_an_eager_batch_computes_what_torch_computes(path):
     deliver(worker, lambda s: program(s, INDEX))
     assert torch.equal(worker.tensors[INDEX + 4], expected(table, index))
     assert set(worker.tensors) == {TABLE, INDEX, INDEX + 2, INDEX + 3, INDEX + 4}   # picked was freed
-    assert replies.sent == [] and not worker.poisoned
+    assert replies.sent == [] and not worker.shards.poisoned
 
 
 def test_an_eager_op_that_fails_is_reported_and_poisons_what_follows(path):
@@ -156,7 +156,7 @@ def test_an_eager_op_that_fails_is_reported_and_poisons_what_follows(path):
     (report,) = replies.reports()
     assert (report.seq, report.op, report.exception_type) == (first, "index_select", "IndexError")
     # picked (failed) was then freed; the ops after it are poisoned by it
-    assert worker.poisoned == {INDEX + 2: first, INDEX + 3: first, INDEX + 4: first}
+    assert worker.shards.poisoned == {INDEX + 2: first, INDEX + 3: first, INDEX + 4: first}
     assert worker.busy_seq == -1
 
 
@@ -173,7 +173,7 @@ def test_a_row_failing_after_others_keeps_what_they_made_for_the_rows_after_it(p
                    (CAPTURED + 1, CAPTURED + 2, shifted))
     assert runs(graph) == [(0, 6)]
     if path != "program":
-        worker.graphs[8] = graph._replace(plan=None)
+        worker.graph_commands.graphs[8] = graph._replace(plan=None)
     index = torch.tensor([1, 2])
     worker.tensors[INDEX] = index
     seq = worker.next_seq
@@ -182,7 +182,7 @@ def test_a_row_failing_after_others_keeps_what_they_made_for_the_rows_after_it(p
     assert (report.seq, report.op, report.exception_type) == (seq + 4, "sum", "IndexError")
     if path == "program":   # the traceback quotes the generated row
         assert "t104 = k_sum_4(t103, dim=[5])" in report.traceback
-    assert worker.poisoned == {20: seq + 4}
+    assert worker.shards.poisoned == {20: seq + 4}
     assert torch.equal(worker.tensors[21], torch.add(table.index_select(0, index) * 2, 1, alpha=3))
     assert set(worker.tensors) == {TABLE, INDEX, 21}   # the scratch dropped, as after a clean replay
 
@@ -190,7 +190,7 @@ def test_a_row_failing_after_others_keeps_what_they_made_for_the_rows_after_it(p
 def define(worker: Worker, rows: tuple, inputs: tuple, outputs: tuple, scratch: tuple = (), random: tuple = ()):
     """Graph 8 from these rows; the worker's Graph."""
     deliver(worker, lambda s: [wire.DefineGraph(s, 8, rows, inputs, outputs, scratch, random, ())])
-    return worker.graphs[8]
+    return worker.graph_commands.graphs[8]
 
 
 def runs(graph) -> list:
@@ -247,10 +247,10 @@ def test_a_plan_of_two_functions_around_a_lone_row_leaves_what_row_by_row_leaves
         graph = define(worker, tuple(wire.command_row(r) for r in rows), (x,), (e,), (a, b, c, d))
         assert runs(graph) == [(0, 2), 2, 3, (4, 6)]   # `del a` frees what the first run stored: alone
         if not planned:
-            worker.graphs[8] = graph._replace(plan=None)
+            worker.graph_commands.graphs[8] = graph._replace(plan=None)
         worker.tensors[INDEX] = torch.tensor([1.0, 2.0])
         deliver(worker, lambda s: [wire.RunGraph(s, 8, len(rows), (INDEX,), (20,), 0, 0, (), 1)])
-        outcomes.append((dict(worker.tensors), dict(worker.poisoned),
+        outcomes.append((dict(worker.tensors), dict(worker.shards.poisoned),
                          [(r.seq, r.op, r.exception_type) for r in replies.reports()]))
     (tensors, poisoned, reports), (tensors_, poisoned_, reports_) = outcomes
     assert tensors.keys() == tensors_.keys() and poisoned == poisoned_ and reports == reports_
@@ -330,7 +330,7 @@ def test_a_run_python_will_not_compile_goes_row_by_row(monkeypatch):
     monkeypatch.setattr(straight_line._Writer, "finish", refuse)
     table = torch.randn(5, 3)
     worker, replies = fresh_worker(table)
-    assert worker.graphs[7].plan is None
+    assert worker.graph_commands.graphs[7].plan is None
     index = torch.tensor([2, 0])
     replay(worker, index, 10)
     assert torch.equal(worker.tensors[10], expected(table, index)) and replies.sent == []
@@ -354,7 +354,7 @@ def test_rows_recorded_for_backward_run_in_the_function_as_row_by_row_and_as_tor
         assert "t101 = _recorded(k_mul_0, (t100, ), t100, 2)" in graph.plan[0].source
         assert graph.plan[0].source.count("_grad_mode(") == 4   # on, off for c, on, off at the end
         if not planned:
-            worker.graphs[8] = graph._replace(plan=None)
+            worker.graph_commands.graphs[8] = graph._replace(plan=None)
         leaf = torch.tensor([1.0, 2.0], requires_grad=True)
         worker.tensors[INDEX] = leaf
         with torch.no_grad():   # as a worker process runs
@@ -362,7 +362,7 @@ def test_rows_recorded_for_backward_run_in_the_function_as_row_by_row_and_as_tor
             assert not torch.is_grad_enabled()
         flags = {i: t.requires_grad for i, t in worker.tensors.items()}
         gradient = None if fails else torch.autograd.grad(worker.tensors[22] + worker.tensors[21].sum(), leaf)[0]
-        outcomes.append((dict(worker.tensors), flags, dict(worker.poisoned),
+        outcomes.append((dict(worker.tensors), flags, dict(worker.shards.poisoned),
                          [(r.seq, r.op, r.exception_type) for r in replies.reports()], gradient))
     (tensors, flags, poisoned, reports, gradient), (tensors_, flags_, poisoned_, reports_, gradient_) = outcomes
     assert tensors.keys() == tensors_.keys() and flags == flags_ and poisoned == poisoned_ and reports == reports_

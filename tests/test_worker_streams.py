@@ -60,23 +60,23 @@ def worker():
     comm = GlooCommunicator(f"127.0.0.1:{store.port}", 0, "127.0.0.1", 30.0)
     worker = Worker(0, Replies(), comm, LoggingDevice(), start_seq=0)
     seq = itertools.count()
-    worker.run_command = lambda cls, *fields: worker._execute(cls(next(seq), *fields))
-    worker.run_command(wire.DefineMesh, 0, "cpu", (1,), (0,))
+    worker.issue = lambda cls, *fields: worker._execute(cls(next(seq), *fields))
+    worker.issue(wire.DefineMesh, 0, "cpu", (1,), (0,))
     yield worker
     comm.close()
 
 
 def make(worker, tensor_id, placements=(Shard(0),)):
-    worker.run_command(wire.Factory, tensor_id, 0, "arange", (6,), "float32", placements, (0.0, 1.0))
+    worker.issue(wire.Factory, tensor_id, 0, "arange", (6,), "float32", placements, (0.0, 1.0))
 
 
 def redistribute(worker, out_id, src_id, before, after):
-    worker.run_command(wire.Redistribute, out_id, src_id, 0, (6,), "float32", before,
+    worker.issue(wire.Redistribute, out_id, src_id, 0, (6,), "float32", before,
                        tuple(plan_redistribute(before, after)))
 
 
 def add(worker, out_id, a, b):
-    worker.run_command(wire.RunOp, (out_id,), 0, "add", "add", (wire.TensorRef(a), wire.TensorRef(b)), {}, ())
+    worker.issue(wire.RunOp, (out_id,), 0, "add", "add", (wire.TensorRef(a), wire.TensorRef(b)), {}, ())
 
 
 def test_compute_waits_for_a_communication_only_when_it_reads_the_result(worker):
@@ -113,7 +113,7 @@ def test_local_only_redistributes_stay_on_the_compute_stream(worker):
 def test_a_read_waits_before_its_device_to_host_copy(worker):
     make(worker, 1, (Partial(),))
     redistribute(worker, 2, 1, (Partial(),), (Replicate(),))
-    worker.run_command(wire.Fetch, 2, 0, (0,))
+    worker.issue(wire.Fetch, 2, 0, (0,))
     assert worker.device.log == [("communicate", 1), ("wait", 1), ("to_host",)]
     assert worker.sockets.sent[-1][1] == wire.Kind.REPLY
 
@@ -121,10 +121,10 @@ def test_a_read_waits_before_its_device_to_host_copy(worker):
 def test_freed_and_failed_tensors_leave_no_event_behind(worker):
     make(worker, 1, (Partial(),))
     redistribute(worker, 2, 1, (Partial(),), (Replicate(),))
-    worker.run_command(wire.Free, (2,))
+    worker.issue(wire.Free, (2,))
     assert not worker.in_flight
     redistribute(worker, 3, 99, (Partial(),), (Replicate(),))        # no tensor 99: fails
-    assert 3 in worker.poisoned and not worker.in_flight
+    assert 3 in worker.shards.poisoned and not worker.in_flight
     assert worker.sockets.sent[-1][1] == wire.Kind.ERROR
 
 

@@ -16,18 +16,24 @@ torch.autograd.grad over the recomputed region: the outer engine accumulates the
 parameter used in and out of the region, or in two regions, is accumulated once, as always,
 and `dtorch.autograd.grad` works through a region too.
 
-A mixin of Worker (worker.py): it uses `tensors`, `in_flight`, `device`, `_handlers`,
-`_execute_or_record` and `_input_ids`.
+RegionCommands is a component of the Worker (worker.py), which owns one: it takes the rank's
+LocalShards (shards.py) and the worker as a RegionRunner, through which it takes every command
+while a region is open (`divert`) and runs the region's commands, then and in the recompute.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from .. import protocol as wire
 from .backward import mark_used_in_region
 from .kernels import _ANCHOR
+from .op_arguments import input_ids
+from .shards import LocalShards
 
-__all__ = ["RegionCommands", "Region"]
+__all__ = ["RegionCommands", "Region", "RegionRunner"]
 
 RECOMPUTED, KEPT = wire.RECOMPUTED_IN_CHECKPOINT, wire.KEPT_IN_CHECKPOINT
 
@@ -79,14 +85,35 @@ def forward_only(command):
     return command._replace(grad=False, donate=False)
 
 
+class RegionRunner(Protocol):
+    """What a region needs of the worker running it (worker.Worker)."""
+
+    def divert(self, run: Callable[[object], None] | None) -> None:
+        """From now on the loop passes each command to `run` instead of running it; None: runs
+        them itself again."""
+
+    def execute_or_record(self, command) -> None:
+        """Run one command as the loop does (recorded while dtorch.profile is on): a failure
+        poisons its outputs and is reported."""
+
+    def failed(self, command, error: Exception) -> None:
+        """The command raised `error`: poison its outputs, report it under its seq."""
+
+    def handle(self, command) -> None:
+        """Run one command's handler, and nothing around it: what it raises, raises."""
+
+
 class RegionCommands:
-    region: Region | None = None
+    def __init__(self, shards: LocalShards, runner: RegionRunner):
+        self.shards, self.runner = shards, runner
+        self.region: Region | None = None   # the open region, while there is one
 
     def handle_checkpoint_begin(self, command: wire.CheckpointBegin) -> None:
         if self.region is not None:
             self.region.depth += 1
         else:
             self.region = Region()
+            self.runner.divert(self.run_in_region)
 
     def handle_checkpoint_end(self, command: wire.CheckpointEnd) -> None:
         region = self.region
@@ -96,32 +123,34 @@ class RegionCommands:
         if region.depth:
             return
         self.region = None
+        self.runner.divert(None)
         if region.refused is not None:
             raise RuntimeError(_refusal(region.refused) + "; the region's outputs have no gradient")
         self._connect_region(region)
 
-    def _run_in_region(self, command) -> None:
-        """Worker._run_command while a region is open."""
-        region = self.region
+    def run_in_region(self, command) -> None:
+        """What the loop does with a command while a region is open (RegionRunner.divert)."""
+        region, runner, tensors = self.region, self.runner, self.shards.tensors
         if type(command) in RECOMPUTED:
-            region.note(command, self._input_ids(command), self.tensors)
-            self._execute_or_record(forward_only(command))
+            region.note(command, input_ids(command), tensors)
+            runner.execute_or_record(forward_only(command))
             return
         if type(command) in KEPT:
-            self._execute_or_record(command)
+            runner.execute_or_record(command)
             if type(command) is wire.RequireGrad and command.flag:
-                region.note_leaves(command.ids, self.tensors)
+                region.note_leaves(command.ids, tensors)
             return
         if region.refused is None:
             region.refused = f"{type(command).__name__} (command #{command.seq})"
-        self._failed(command, RuntimeError(_refusal(type(command).__name__)))
+        runner.failed(command, RuntimeError(_refusal(type(command).__name__)))
 
     def _connect_region(self, region: Region) -> None:
         """The region's tensors still held here that its commands recorded for backward become
         the outputs of one autograd node: the controller's verdict, the same on every rank, so
         each rank's graph gets the node whatever its own shards require. What the region made
         without recording (a buffer updated under no_grad) stays a plain tensor, as outside."""
-        outputs = {i: self.tensors[i] for i in sorted(region.recorded) if i in self.tensors}
+        tensors = self.shards.tensors
+        outputs = {i: tensors[i] for i in sorted(region.recorded) if i in tensors}
         if not outputs:
             return
         learned = {i: t for i, t in region.read.items() if t.requires_grad}
@@ -131,27 +160,26 @@ class RegionCommands:
         for tensor_id, tensor in zip(outputs, connected):
             if tensor_id in region.used:   # its own gradient would need the region's inside: refused
                 mark_used_in_region(tensor)
-            self.tensors[tensor_id] = tensor
+            tensors[tensor_id] = tensor
 
-    def _recompute(self, region: Region, leaves: dict) -> dict:
+    def recompute(self, region: Region, leaves: dict) -> dict:
         """Run the region's commands again on `leaves` (id -> tensor) standing for what it read,
         each recording for backward as its grad flag says (the handlers switch grad on for those;
         the rest, run under no_grad by the user, stay out of the gradient); returns the table they
         filled. A failure raises: it fails the backward."""
-        tensors, in_flight = self.tensors, self.in_flight
-        self.tensors, self.in_flight = table, _ = dict(leaves), {}
-        try:
+        shards = self.shards
+        table = shards.tensors
+        with shards.set_aside():   # the tables hold the leaves and what the region makes, alone
+            table.update(leaves)
             with torch.no_grad():   # (a backward's own mode, unless create_graph: said for clarity)
                 for command in region.commands:
-                    self._handlers[type(command)](command)
+                    self.runner.handle(command)
                     for tensor_id in _outputs(command):   # a leaf made in the region stays that leaf
                         if tensor_id in leaves:
                             table[tensor_id] = leaves[tensor_id]
-            for tensor_id, done in self.in_flight.items():   # the backward reads them next
-                self.device.wait(done, table[tensor_id])
-        finally:
-            self.tensors, self.in_flight = tensors, in_flight
-        return table
+            for tensor_id, done in shards.in_flight.items():   # the backward reads them next
+                shards.device.wait(done, table[tensor_id])
+            return dict(table)
 
 
 def _refusal(what: str) -> str:
@@ -166,8 +194,8 @@ class RecomputedRegion(torch.autograd.Function):
     everything it read, and torch.autograd.grad from its outputs to those copies."""
 
     @staticmethod
-    def forward(ctx, worker, region, output_ids, outputs, learned_ids, anchor, *learned):
-        ctx.worker, ctx.region, ctx.output_ids, ctx.learned_ids = worker, region, output_ids, learned_ids
+    def forward(ctx, regions, region, output_ids, outputs, learned_ids, anchor, *learned):
+        ctx.regions, ctx.region, ctx.output_ids, ctx.learned_ids = regions, region, output_ids, learned_ids
         connected = tuple(t.detach() for t in outputs)
         ctx.mark_non_differentiable(*[t for t in connected if not (t.is_floating_point() or t.is_complex())])
         return connected
@@ -176,7 +204,7 @@ class RecomputedRegion(torch.autograd.Function):
     def backward(ctx, *grads):
         region = ctx.region
         leaves = {i: t.detach().requires_grad_(t.requires_grad) for i, t in region.read.items()}
-        table = ctx.worker._recompute(region, leaves)
+        table = ctx.regions.recompute(region, leaves)
         pairs = [(table[i], g) for i, g in zip(ctx.output_ids, grads)
                  if g is not None and table[i].requires_grad]
         learned = [leaves[i] for i in ctx.learned_ids]

@@ -2,9 +2,8 @@
 (LoadShard, LoadChunks) and writes its own blocks into one file of its own (SaveShard), so no
 tensor byte passes through the controller (runtime/worker/file_shards.py holds the file format).
 
-A mixin of Worker (worker.py), which provides what these handlers use: `tensors`, `rank`,
-`device`, `_member(mesh_id)` (the mesh, or None on a rank off it) and `_tensor(id)` (raises
-Poisoned for a failed input).
+CheckpointCommands is a component of the Worker (worker.py), which owns one: it takes the rank's
+LocalShards (shards.py), whose tensors it reads and writes, on its device.
 """
 from __future__ import annotations
 
@@ -17,11 +16,15 @@ from ...spec.placements import holds_partial_sum_value, local_region
 from .. import protocol as wire
 from .file_shards import read_block, read_region, shard_file_name, write_safetensors
 from .poisoned import Poisoned
+from .shards import LocalShards
 
 __all__ = ["CheckpointCommands"]
 
 
 class CheckpointCommands:
+    def __init__(self, shards: LocalShards):
+        self.shards, self.rank, self.device = shards, shards.rank, shards.device
+
     def handle_load_shard(self, command: wire.LoadShard) -> None:
         """Read this rank's block of a tensor straight from a checkpoint file, cast it, keep it."""
         stored = wire.dtype_from_name(command.stored_dtype)
@@ -33,14 +36,14 @@ class CheckpointCommands:
         gives this rank's block as stored; it is cast where the tensor lives (on a GPU after the
         upload). Under P(sum) only one rank per group holds the value (as an upload would): the
         others hold zeros and read nothing."""
-        mesh = self._member(command.mesh_id)
+        mesh = self.shards.member(command.mesh_id)
         if mesh is None:
             return
         coordinate = mesh.coordinate_of(self.rank)
         offset, shape = local_region(command.shape, mesh, command.placements, coordinate)
         dtype = wire.dtype_from_name(command.dtype)
         if not holds_partial_sum_value(command.placements, coordinate):
-            self.tensors[command.out_id] = torch.zeros(shape, dtype=dtype, device=self.device.torch_device)
+            self.shards.tensors[command.out_id] = torch.zeros(shape, dtype=dtype, device=self.device.torch_device)
             return
         try:
             block = read(offset, shape, f"tensor {command.name!r}, rank {self.rank} on host {socket.gethostname()}")
@@ -49,7 +52,7 @@ class CheckpointCommands:
                                     "gave: put the checkpoint on a shared filesystem every host mounts at that path "
                                     "(or load with via_controller=True)") from None
         on_device = block if block.device == self.device.torch_device else self.device.from_host(block)
-        self.tensors[command.out_id] = on_device.to(dtype)
+        self.shards.tensors[command.out_id] = on_device.to(dtype)
 
     def handle_save_shard(self, command: wire.SaveShard) -> None:
         """Write this rank's blocks of the tensors naming it into one new safetensors file, fsynced
@@ -61,7 +64,7 @@ class CheckpointCommands:
         blocks = []
         for tensor_id, name in mine:
             try:
-                blocks.append((name, self._tensor(tensor_id).cpu()))
+                blocks.append((name, self.shards.tensor(tensor_id).cpu()))
             except Poisoned as poisoned:   # reported (not only poisoned): this command has no output to carry it
                 raise RuntimeError(f"cannot save {name!r}: it comes from command #{poisoned.origin}, "
                                    "which failed") from None

@@ -6,7 +6,7 @@ Why fused: one command instead of two or more (the issuing thread's CPU per op w
 halves: docs/design/architecture.md, "Enqueue"), and a moved input (an all-gathered weight, say) lives
 only while the op runs, not until the Free of its symbol.
 
-The failure rule is a Redistribute's (Worker._stand_in): every rank joins every collective of
+The failure rule is a Redistribute's (MoveCommands._stand_in): every rank joins every collective of
 every move, in order, whatever happened here. An input that is poisoned or missing on this rank
 joins with zeros of its block; a step that fails joins the rest of its collectives with zeros
 (kernels.apply_steps), and the next moves still run. The first failure is returned for the

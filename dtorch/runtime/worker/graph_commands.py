@@ -2,24 +2,47 @@
 rows compiled into straight-line functions: straight_line.py), RunGraph (a replay: graphs.py)
 and DropGraph.
 
-A mixin of Worker (worker.py), which provides what these handlers use: `graphs`, `tensors`,
-`poisoned`, `in_flight`, `start_seq`, `profiler`, `busy_seq`, `_member(mesh_id)` (the mesh, or
-None on a rank off it), `_run_command` and `_failed`.
+GraphCommands is a component of the Worker (worker.py), which owns one: it keeps the graphs
+(`graphs`, by id) and takes the rank's LocalShards (shards.py), the worker as a CommandRunner
+(a replay runs each row as the loop would run it) and the seq this worker started at.
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 from ...ops import KERNELS
 from ...ops.registry import PEER_KERNELS
 from . import graphs, straight_line
 from .. import protocol as wire
+from .shards import LocalShards
 
-__all__ = ["GraphCommands"]
+__all__ = ["GraphCommands", "CommandRunner"]
+
+
+class CommandRunner(Protocol):
+    """What a replay needs of the worker running it (worker.Worker)."""
+
+    busy_seq: int   # the command running now, which the heartbeat names: a straight run sets it
+
+    @property
+    def profiling(self) -> bool:
+        """Whether dtorch.profile records each command now."""
+
+    def run_command(self, command) -> None:
+        """Run one command as the loop does: a failure poisons its outputs and is reported."""
+
+    def failed(self, command, error: Exception) -> None:
+        """The command raised `error`: poison its outputs, report it under its seq."""
 
 
 class GraphCommands:
+    def __init__(self, shards: LocalShards, runner: CommandRunner, start_seq: int):
+        self.shards, self.runner, self.start_seq = shards, runner, start_seq
+        self.graphs: dict[int, graphs.Graph] = {}   # graph id -> captured commands
+
     def handle_define_graph(self, command: wire.DefineGraph) -> None:
         graph = graphs.define(command)
-        if any(type(c) is wire.CheckpointBegin for c in graph.commands):   # every row through _run_command
+        if any(type(c) is wire.CheckpointBegin for c in graph.commands):   # every row through run_command
             self.graphs[command.graph_id] = graph
             return
         plan = straight_line.build(command.graph_id, graph.commands, graph.scratch, graph.random, KERNELS,
@@ -28,10 +51,10 @@ class GraphCommands:
 
     def _region_placer(self, mesh_id: int):
         """How this rank places a ShardRegion on the mesh (its block), or None off the mesh."""
-        mesh = self._member(mesh_id)
+        mesh = self.shards.member(mesh_id)
         if mesh is None:
             return None
-        coordinate = mesh.coordinate_of(self.rank)
+        coordinate = mesh.coordinate_of(self.shards.rank)
         return lambda region: region.at(mesh, coordinate)
 
     def handle_run_graph(self, command: wire.RunGraph) -> None:
@@ -41,19 +64,20 @@ class GraphCommands:
         if graph is None and command.defined_seq < self.start_seq:
             return   # defined before this worker joined: none of the graph's meshes holds this rank
         if graph is None:
-            raise KeyError(f"compiled graph {command.graph_id} is not on rank {self.rank} (dropped, or this "
+            raise KeyError(f"compiled graph {command.graph_id} is not on rank {self.shards.rank} (dropped, or this "
                            "process replaced a lost worker after the graph was defined)")
-        graphs.replay(graph, command, (self.tensors, self.poisoned, self.in_flight), self._run_command, self._failed,
-                      self._may_run_straight)
+        shards, runner = self.shards, self.runner
+        graphs.replay(graph, command, (shards.tensors, shards.poisoned, shards.in_flight), runner.run_command,
+                      runner.failed, self._may_run_straight)
 
     def _may_run_straight(self, first_seq: int) -> bool:
         """Whether a replay's run of plain rows may run as its function now (graphs.py): not while
         the profiler records each row, nor with communication in flight, whose results a row
         would have to wait for. While it runs, the heartbeat names its first row (the rows
         before it, run alone, each cleared busy_seq when done)."""
-        if self.profiler is not None or self.in_flight:
+        if self.runner.profiling or self.shards.in_flight:
             return False
-        self.busy_seq = first_seq
+        self.runner.busy_seq = first_seq
         return True
 
     def handle_drop_graph(self, command: wire.DropGraph) -> None:

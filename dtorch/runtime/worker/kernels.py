@@ -92,7 +92,7 @@ def apply_steps(tensor: torch.Tensor, shape, mesh: DeviceMesh, placements, steps
     A step that fails here but not on the peers (out of memory while padding, say) must not
     leave them waiting in its collective or a later one: this rank goes on with zeros through
     every collective it still owes, then raises. Its output is poisoned, so the peers' results,
-    computed with those zeros, can never be read (see Worker._stand_in)."""
+    computed with those zeros, can never be read (see MoveCommands._stand_in)."""
     coordinate = mesh.coordinate_of(rank)
     placements = list(placements)
     source, donated = tensor, donated and _alone_in_storage(tensor)

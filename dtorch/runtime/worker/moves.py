@@ -2,10 +2,9 @@
 collectives on the communication stream), Transfer (blocks move to another mesh, point to point)
 and the moves fused into a RunOp (RunOp.moves, run before the op reads its inputs).
 
-A mixin of Worker (worker.py), which provides what these handlers use: `tensors`, `poisoned`,
-`rank`, `comm` and `host_comm`, `device`, `meshes`, `_member(mesh_id)` (the mesh, or None on a
-rank off it), `_tensor(id)`, `_held(id)` (both raise Poisoned for a failed input), `_keep` and
-`_agree_on_failure`.
+MoveCommands is a component of the Worker (worker.py), which owns one: it takes the rank's
+LocalShards (shards.py: its tensors, meshes and failures) and its Comms (comms.py: the
+communicators, read at each use). The Worker asks it for a RunOp's moved inputs (moved_inputs).
 """
 from __future__ import annotations
 
@@ -16,16 +15,22 @@ from ...errors import ProtocolError
 from ...spec.redistribute import LOCAL_ONLY, plan_transfer, step_kind
 from .. import protocol as wire
 from .fused_moves import run_moves
+from .comms import Comms
 from .kernels import apply_steps
 from .op_arguments import refs_in_order
 from .poisoned import Poisoned
+from .shards import LocalShards
 
 __all__ = ["MoveCommands"]
 
 
 class MoveCommands:
+    def __init__(self, shards: LocalShards, comms: Comms):
+        self.shards, self.comms = shards, comms
+        self.rank, self.device = shards.rank, shards.device
+
     def handle_redistribute(self, command: wire.Redistribute) -> None:
-        mesh = self._member(command.mesh_id)
+        mesh = self.shards.member(command.mesh_id)
         if mesh is None:
             return
         if command.grad:   # each step is recorded with its dual collective (kernels.apply_steps)
@@ -35,22 +40,22 @@ class MoveCommands:
 
     def _redistribute(self, command: wire.Redistribute, mesh: DeviceMesh) -> None:
         if _local_only(command.steps):  # slices and partializing: compute, no stream hop
-            source = self._tensor(command.src_id)
-            self.tensors[command.out_id] = apply_steps(source, command.shape, mesh, command.placements,
-                                                       command.steps, self.rank, self.comm)
+            source = self.shards.tensor(command.src_id)
+            self.shards.tensors[command.out_id] = apply_steps(source, command.shape, mesh, command.placements,
+                                                       command.steps, self.rank, self.comms.comm)
             return
-        if command.src_id not in self.tensors and command.src_id in self.poisoned:
-            origin = self.poisoned[command.src_id]
+        if command.src_id not in self.shards.tensors and command.src_id in self.shards.poisoned:
+            origin = self.shards.poisoned[command.src_id]
             try:
                 self.device.communicate(lambda: self._stand_in(command, mesh), ())
             except Exception:  # noqa: BLE001 -- the input's failure comes first: the read names it
                 pass
             raise Poisoned(origin)
-        source = self._held(command.src_id)
+        source = self.shards.held(command.src_id)
         out, done = self.device.communicate(
             lambda: apply_steps(source, command.shape, mesh, command.placements, command.steps,
-                                self.rank, self.comm, donated=command.donate), (source,))
-        self._keep(command.out_id, out, done)
+                                self.rank, self.comms.comm, donated=command.donate), (source,))
+        self.shards.keep(command.out_id, out, done)
 
     def _stand_in(self, command: wire.Redistribute, mesh: DeviceMesh) -> None:
         """A poisoned input still joins its collectives, with zeros, so the peers never wait.
@@ -63,7 +68,7 @@ class MoveCommands:
         first failure of its chain, not what followed from it."""
         _, shape = _region_of(command.shape, mesh, command.placements, self.rank)
         zeros = torch.zeros(shape, dtype=wire.dtype_from_name(command.dtype), device=self.device.torch_device)
-        apply_steps(zeros, command.shape, mesh, command.placements, command.steps, self.rank, self.comm)
+        apply_steps(zeros, command.shape, mesh, command.placements, command.steps, self.rank, self.comms.comm)
 
     def handle_transfer(self, command: wire.Transfer) -> None:
         """Move a tensor to another mesh: point-to-point blocks, over NCCL between two CUDA meshes
@@ -73,7 +78,7 @@ class MoveCommands:
         its part of the move (zeros stand in), so no peer waits; then one agreement over the
         host channel poisons every output if any rank's input or part failed. A receiver thus
         never keeps blocks that a failed sender's zeros filled in, even off the sender's mesh."""
-        src_mesh, dst_mesh = self.meshes.get(command.src_mesh_id), self.meshes.get(command.dst_mesh_id)
+        src_mesh, dst_mesh = self.shards.meshes.get(command.src_mesh_id), self.shards.meshes.get(command.dst_mesh_id)
         involved = tuple(sorted({r for mesh in (src_mesh, dst_mesh) if mesh is not None for r in mesh.ranks}))
         if self.rank not in involved:
             return
@@ -83,7 +88,7 @@ class MoveCommands:
         source, origin, failure = None, -1, None
         if self.rank in src_mesh.ranks:
             try:
-                source = self._held(command.src_id)
+                source = self.shards.held(command.src_id)
             except Poisoned as poisoned:
                 origin = poisoned.origin
             except KeyError as missing:
@@ -93,13 +98,13 @@ class MoveCommands:
             () if source is None else (source,))
         if origin < 0:   # (a part that failed with zeros for a poisoned input follows from that input)
             failure = failure or failed_part
-        agreed = self._agree_on_failure(involved, command.seq if failure is not None else origin)
+        agreed = self.comms.agree_on_failure(involved, command.seq if failure is not None else origin)
         if failure is not None:
             raise failure
         if agreed >= 0:
             raise Poisoned(agreed)
         if out is not None:
-            self._keep(command.out_id, out, done)
+            self.shards.keep(command.out_id, out, done)
 
     def _move_blocks(self, command: wire.Transfer, src_mesh, dst_mesh, source, involved: tuple):
         """This rank's part of plan_transfer: copy its own blocks, post every send and receive
@@ -107,7 +112,7 @@ class MoveCommands:
         the exception that failed this rank's part, or None). Without a source (its input
         failed) or after a failure, zeros are sent: the move must complete for the peers."""
         on_gpus = src_mesh.device_type == dst_mesh.device_type == "cuda"
-        channel, staging = (self.comm, self.device.torch_device) if on_gpus else (self.host_comm, "cpu")
+        channel, staging = (self.comms.comm, self.device.torch_device) if on_gpus else (self.comms.host_comm, "cpu")
         dtype = wire.dtype_from_name(command.dtype)
         moves = plan_transfer(command.shape, src_mesh, command.src_placements, dst_mesh, command.dst_placements)
         outgoing = [(receiver, offset, box) for sender, receiver, offset, box in moves
@@ -141,18 +146,18 @@ class MoveCommands:
                 failure = error
         return out, failure
 
-    def _moved_inputs(self, command: wire.RunOp, mesh: DeviceMesh) -> dict:
+    def moved_inputs(self, command: wire.RunOp, mesh: DeviceMesh) -> dict:
         """{tensor_index: input after its move} for RunOp.moves, run on the communication stream
         before anything here can raise: every move joins its collectives (fused_moves.py), then
         a poisoned or missing input, or a failed step, raises for the whole op."""
         refs, sources, failure = refs_in_order(command), {}, None
         for index, *_ in command.moves:
             try:
-                sources[index] = self._held(refs[index].id)
+                sources[index] = self.shards.held(refs[index].id)
             except (Poisoned, KeyError) as error:
                 failure = failure or error
         (moved, failed), done = self.device.communicate(
-            lambda: run_moves(command.moves, sources, mesh, self.rank, self.comm, self.device.torch_device),
+            lambda: run_moves(command.moves, sources, mesh, self.rank, self.comms.comm, self.device.torch_device),
             tuple(sources.values()))
         failure = failure or failed
         if failure is not None:

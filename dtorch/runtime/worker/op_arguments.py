@@ -16,7 +16,8 @@ from .. import protocol as wire
 from .backward import run_recorded
 from ..protocol import TensorRef
 
-__all__ = ["RANK_LOCAL", "SCALAR_TYPES", "grad_inputs", "is_flat", "map_refs", "recorded_inline", "refs_in_order"]
+__all__ = ["RANK_LOCAL", "SCALAR_TYPES", "grad_inputs", "input_ids", "is_flat", "map_refs", "recorded_inline",
+           "refs_in_order"]
 
 
 def recorded_inline(kernel, args: list, kwargs: dict, regather: bool):
@@ -74,6 +75,13 @@ def refs_in_order(command: wire.RunOp) -> list:
     found = []
     map_refs((command.args, command.kwargs), found.append, lambda value: value)
     return found
+
+
+def input_ids(command) -> list:
+    """The ids a RunOp or a Redistribute reads."""
+    if type(command) is wire.Redistribute:
+        return [command.src_id]
+    return [ref.id for ref in refs_in_order(command)]
 
 
 def map_refs(value, fn, place):

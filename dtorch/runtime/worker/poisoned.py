@@ -1,7 +1,7 @@
 """The one exception a worker's handlers raise for an input a failed command should have made.
 
 A command that raises does not stop the worker: its outputs become "poisoned" with the command's
-seq (Worker._poison), and a later command that needs one of them raises Poisoned(origin) instead
+seq (LocalShards.poison), and a later command that needs one of them raises Poisoned(origin) instead
 of running, so its own outputs are poisoned with the same origin and the controller's read names
 the first failure (errors.DependencyError).
 """

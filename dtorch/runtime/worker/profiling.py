@@ -2,7 +2,7 @@
 worker's clock, and inside it every collective with its group, the bytes this rank sent and its
 time. Kept in memory; sent once, when profiling stops, as msgpack rows (never pickle).
 
-Off costs one attribute check per command (Worker._run_batch): nothing here runs, and the
+Off costs one attribute check per command (Worker.run_command): nothing here runs, and the
 worker's communicators are its own, unwrapped. On, the communicators are wrapped by
 RecordingComm, so every collective is seen wherever it is issued (redistribute steps, peer
 kernels, moves between meshes, backward's duals, agreements on failures) without any of those
@@ -22,6 +22,7 @@ import time
 from ...spec.placements import format_placements
 from ...spec.redistribute import format_steps
 from .. import protocol as wire
+from .comms import Comms
 
 __all__ = ["CommandRecorder", "RecordingComm", "clock_frame", "sent_bytes"]
 
@@ -34,16 +35,18 @@ def clock_frame(rows: list | None = None) -> bytes:
 
 
 class CommandRecorder:
-    """The commands this worker ran since profiling turned on, with their collectives."""
+    """The commands this worker ran since profiling turned on, with their collectives. It takes
+    the worker's Comms (comms.py), whose communicators it wraps until `finish`, and the table of
+    failed tensor ids (shards.LocalShards.poisoned), which says each command's status."""
 
-    def __init__(self, worker):
-        self.worker = worker
+    def __init__(self, comms: Comms, poisoned: dict):
+        self.comms, self.poisoned = comms, poisoned
         self.rows: list = []          # (command, start_ns, end_ns, collectives, status)
         self.collectives: list = []   # the running command's: filled in by RecordingComm
-        self.comms = (worker.comm, worker.host_comm)
-        comm = RecordingComm(worker.comm, self)
-        worker.comm = comm
-        worker.host_comm = comm if worker.host_comm is self.comms[0] else RecordingComm(worker.host_comm, self)
+        self.unwrapped = (comms.comm, comms.host_comm)
+        comm = RecordingComm(comms.comm, self)
+        comms.comm = comm
+        comms.host_comm = comm if comms.host_comm is self.unwrapped[0] else RecordingComm(comms.host_comm, self)
 
     def record(self, command, execute) -> None:
         """Run the command through `execute` (Worker._execute, which never raises) and keep its span."""
@@ -56,11 +59,11 @@ class CommandRecorder:
 
     def finish(self) -> bytes:
         """Stop: the worker's communicators are its own again; the frame of every row."""
-        self.worker.comm, self.worker.host_comm = self.comms
+        self.comms.comm, self.comms.host_comm = self.unwrapped
         return clock_frame([_row(*kept) for kept in self.rows])
 
     def _status(self, command) -> str:
-        poisoned = self.worker.poisoned
+        poisoned = self.poisoned
         for tensor_id in _outputs(command):
             origin = poisoned.get(tensor_id)
             if origin is not None:

@@ -203,7 +203,7 @@ class _Writer:
             self.body.append((index, "_grad_mode(True)" if command.grad else "_grad_mode(grad_mode)"))
         call = f"{name}({', '.join(arguments)})"
         outs = [f"t{i}" for i in command.out_ids]
-        if len(outs) == 1:   # a kernel's tuple result with one id keeps its first item, as Worker._store does
+        if len(outs) == 1:   # a kernel's tuple result with one id keeps its first item, as LocalShards.store does
             self.body += [(index, f"{outs[0]} = {call}"),
                           (index, f"if {outs[0]}.__class__ is not _Tensor: {outs[0]} = _first({outs[0]})")]
         else:

@@ -1,9 +1,9 @@
 """A worker's training commands: requires_grad flags, .grad, backward, optimizer steps and the
 gradient-norm and gradient-update helpers of clip_grad_norm_.
 
-A mixin of Worker (worker.py), which provides what these handlers use: `tensors`, `rank`,
-`comm` and `host_comm`, `grad_buffers`, `_member(mesh_id)` (the mesh, or None on a rank off it),
-`_tensor(id)` (raises Poisoned for a failed input), `_held(id)` and `_agree_on_failure`.
+TrainingCommands is a component of the Worker (worker.py), which owns one: it keeps the
+data-parallel gradient buckets across backwards (`grad_buffers`) and takes the rank's LocalShards
+(shards.py) and its Comms (comms.py: backward's collectives, its store and its agreements).
 """
 from __future__ import annotations
 
@@ -13,39 +13,50 @@ from ...spec.placements import DeviceMesh
 from .. import protocol as wire
 from .backward import run_backward
 from ..devices.comm import BackwardAbandoned
+from .comms import Comms
+from .grad_buckets import BucketBuffers
 from .optim_kernels import local_norm_share, optimizer_step, state_names, update_grads
 from .poisoned import Poisoned
+from .shards import LocalShards
 
 __all__ = ["TrainingCommands"]
 
 
 class TrainingCommands:
+    def __init__(self, shards: LocalShards, comms: Comms, fail_first_backward: bool = False):
+        """`fail_first_backward`: fault injection for the tests of a failing backward (the
+        Worker sets it from DTORCH_TEST_FAIL_BACKWARD_ON_RANK): the first Backward here fails
+        at its start."""
+        self.shards, self.comms, self.rank = shards, comms, shards.rank
+        self.grad_buffers = BucketBuffers()   # data-parallel gradient buckets, kept across backwards
+        self._fail_next_backward = fail_first_backward
+
     def handle_require_grad(self, command: wire.RequireGrad) -> None:
         for tensor_id in command.ids:
-            tensor = self.tensors.get(tensor_id)
+            tensor = self.shards.tensors.get(tensor_id)
             if tensor is not None:   # (a rank off the tensor's mesh holds nothing)
                 tensor.requires_grad_(command.flag)
 
     def handle_set_grads(self, command: wire.SetGrads) -> None:
         for leaf_id, grad_id in zip(command.leaf_ids, command.grad_ids):
-            leaf = self.tensors.get(leaf_id)
+            leaf = self.shards.tensors.get(leaf_id)
             if leaf is not None:
-                leaf.grad = None if grad_id < 0 else self._held(grad_id)
+                leaf.grad = None if grad_id < 0 else self.shards.held(grad_id)
 
     def handle_backward(self, command: wire.Backward) -> None:
         """torch's autograd over this rank's local graph, from the roots. Every rank of the mesh
         takes part (the collectives recorded in forward run their duals), so first the ranks
         agree whether any of them lost a root or seed to an earlier failure: then all skip."""
-        mesh = self._member(command.mesh_id)
+        mesh = self.shards.member(command.mesh_id)
         if mesh is None:
             return
         try:
-            roots = [self._tensor(i) for i in command.roots]
-            seeds = [self._tensor(i) for i in command.seeds]
+            roots = [self.shards.tensor(i) for i in command.roots]
+            seeds = [self.shards.tensor(i) for i in command.seeds]
             origin = -1
         except Poisoned as poisoned:
             origin = poisoned.origin
-        agreed = self._agree_on_failure(mesh.ranks, origin)
+        agreed = self.comms.agree_on_failure(mesh.ranks, origin)
         if agreed >= 0:
             raise Poisoned(agreed)
         self._backward_together(mesh, command, roots, seeds)
@@ -55,9 +66,9 @@ class TrainingCommands:
         store; the others, waiting for it in one of the backward's collectives, stop (comm's
         abort_key), and all settle the outcome over a group nothing else uses. After a failure,
         every rank drops the groups the backward ran on, so no half-finished collective stays."""
-        gloo = self.host_comm   # Gloo: the store and the settling group
+        gloo = self.comms.host_comm   # Gloo: the store and the settling group
         key = f"dtorch/backward-failed/{command.seq}"
-        waiting = [c for c in {id(self.comm): self.comm, id(gloo): gloo}.values() if hasattr(c, "abort_key")]
+        waiting = [c for c in self.comms.distinct() if hasattr(c, "abort_key")]
         for comm in waiting:    # (NCCL's collectives do not wait on the host: CUDA meshes are not covered)
             comm.abort_key = key
         failure = None
@@ -65,7 +76,8 @@ class TrainingCommands:
             if self._fail_next_backward:   # fault injection, for the tests of this path
                 self._fail_next_backward = False
                 raise RuntimeError(f"injected failure in backward on rank {self.rank}")
-            run_backward(self.tensors, roots, seeds, command, self.comm, mesh, self.rank, self.grad_buffers)
+            run_backward(self.shards.tensors, roots, seeds, command, self.comms.comm, mesh, self.rank,
+                         self.grad_buffers)
         except Exception as error:
             failure = error
             if not isinstance(error, BackwardAbandoned):
@@ -83,28 +95,28 @@ class TrainingCommands:
 
     def handle_optimizer_step(self, command: wire.OptimizerStep) -> None:
         """torch.optim's update, in place on this rank's shards (runtime/worker/optim_kernels.py)."""
-        if self._member(command.mesh_id) is None:
+        if self.shards.member(command.mesh_id) is None:
             return
-        params = [self._tensor(i) for i in command.param_ids]
-        grads = [self._tensor(i) for i in command.grad_ids]
+        params = [self.shards.tensor(i) for i in command.param_ids]
+        grads = [self.shards.tensor(i) for i in command.grad_ids]
         count = len(state_names(command.kind, command.hyper))
         ids = [command.state_ids[i * count:(i + 1) * count] for i in range(len(params))]
-        states = [None if new else [self._tensor(i) for i in own] for own, new in zip(ids, command.fresh)]
+        states = [None if new else [self.shards.tensor(i) for i in own] for own, new in zip(ids, command.fresh)]
         buffers = optimizer_step(command.kind, command.hyper, params, grads, states, command.steps, command.fresh)
         for own, made in zip(ids, buffers):
-            self.tensors.update(zip(own, made))
+            self.shards.tensors.update(zip(own, made))
 
     def handle_grad_norm(self, command: wire.GradNorm) -> None:
-        mesh = self._member(command.mesh_id)
+        mesh = self.shards.member(command.mesh_id)
         if mesh is None:
             return
-        grads = [self._tensor(i) for i in command.grad_ids]
+        grads = [self.shards.tensor(i) for i in command.grad_ids]
         dtype = grads[0].dtype if grads else torch.float32
-        self.tensors[command.out_id] = local_norm_share(grads, command.placements, mesh.coordinate_of(self.rank),
+        self.shards.tensors[command.out_id] = local_norm_share(grads, command.placements, mesh.coordinate_of(self.rank),
                                                         command.norm_type, dtype)
 
     def handle_update_grads(self, command: wire.UpdateGrads) -> None:
-        if self._member(command.mesh_id) is None:
+        if self.shards.member(command.mesh_id) is None:
             return
-        factor = self._tensor(command.factor_id) if command.factor_id >= 0 else None
-        update_grads(command.kind, [self._tensor(i) for i in command.grad_ids], factor, command.bound)
+        factor = self.shards.tensor(command.factor_id) if command.factor_id >= 0 else None
+        update_grads(command.kind, [self.shards.tensor(i) for i in command.grad_ids], factor, command.bound)

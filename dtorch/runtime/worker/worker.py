@@ -2,10 +2,14 @@
 local shards, one handler per command type (named after it), and answers only reads.
 
 A worker process starts as `python -m dtorch.runtime.processes.worker_process` (start-up lives there).
-The handlers of moves (Redistribute, Transfer, a RunOp's fused moves) are in worker/moves.py,
-of dtorch.compile's graphs in worker/graph_commands.py, of training commands (backward, optimizer steps)
-in worker/training.py, of checkpoint files in worker/files.py and of activation checkpointing in
-checkpoint_regions.py: Worker inherits them. How a RunOp's arguments are read (tensor references,
+The Worker runs the loop, the ops and the commands of its own state (meshes, uploads, reads, frees);
+the other handlers belong to components it owns, one per topic, each given what it uses: moves
+(Redistribute, Transfer, a RunOp's fused moves) in worker/moves.py, dtorch.compile's graphs in
+worker/graph_commands.py, training commands (backward, optimizer steps) in worker/training.py,
+checkpoint files in worker/files.py and activation checkpointing in checkpoint_regions.py. They
+share the rank's tensors (shards.LocalShards) and communicators (comms.Comms); the two that run
+commands of their own take the Worker as a small Protocol (graph_commands.CommandRunner,
+checkpoint_regions.RegionRunner). How a RunOp's arguments are read (tensor references,
 rank-local values, inputs recorded for backward) is op_arguments.py.
 
 A command that raises does not stop the worker: its outputs become "poisoned" with the command's
@@ -20,6 +24,7 @@ import os
 import threading
 import traceback
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -29,48 +34,55 @@ from ...ops import KERNELS
 from ...ops.registry import PEER_KERNELS
 from .. import protocol as wire
 from ..devices.comm import Communicator
-from . import graphs
 from .backward import run_recorded
-from .grad_buckets import BucketBuffers
 from . import fsdp_gather  # noqa: F401  (registers fully_shard's grouped gather kernel)
 from .kernels import apply_steps, make_factory
-from .op_arguments import SCALAR_TYPES, grad_inputs, is_flat, map_refs, recorded_inline, refs_in_order
+from .op_arguments import SCALAR_TYPES, grad_inputs, is_flat, map_refs, recorded_inline
 from .peers import Peers
 from .poisoned import Poisoned
 from ..protocol import TensorRef
 from ..transport import WorkerSockets
 from .checkpoint_regions import RegionCommands
+from .comms import Comms
 from .files import CheckpointCommands
 from .graph_commands import GraphCommands
 from .moves import MoveCommands
 from .profiling import CommandRecorder, clock_frame
+from .shards import LocalShards
 from .training import TrainingCommands
 
-__all__ = ["Worker", "Poisoned"]
+__all__ = ["Worker", "Poisoned", "handler_table"]
 
 
-class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, RegionCommands):
+class Worker:
     def __init__(self, rank: int, sockets: WorkerSockets, comm: Communicator, device, start_seq: int,
                  host_comm: Communicator | None = None):
-        self.rank, self.sockets, self.comm, self.device = rank, sockets, comm, device
-        self.host_comm = host_comm or comm   # Gloo: transfers between meshes, CPU or not
+        self.rank, self.sockets, self.device = rank, sockets, device
+        self.comms = Comms(comm, host_comm)   # host_comm (Gloo): transfers between meshes, CPU or not
+        self.shards = shards = LocalShards(rank, device)
+        # What the per-op path (_ran_inline, _run_op) reads, held here: no hop through shards per op.
+        # The dicts are the shards' own, never replaced (shards.py).
+        self.tensors, self.in_flight = shards.tensors, shards.in_flight
+        self._member, self._tensor, self._store = shards.member, shards.tensor, shards.store
         self.next_seq = self.start_seq = start_seq
-        self.tensors: dict[int, torch.Tensor] = {}
-        self.poisoned: dict[int, int] = {}          # tensor id -> seq of the command that failed
-        self.in_flight: dict[int, object] = {}      # tensor id -> event of the communication making it
-        self.meshes: dict[int, DeviceMesh] = {}
         self.private: dict[int, list] = {}          # command seq -> raw frames sent to this rank
-        self.graphs: dict[int, graphs.Graph] = {}   # dtorch.compile: graph id -> captured commands
-        self.grad_buffers = BucketBuffers()   # data-parallel gradient buckets, kept across backwards
         self.outgoing: list = []                    # (HostCopy, wire.Reply): replies waiting on the device
         self.running = True
         self.busy_seq = -1                          # the command running now (read by the heartbeat)
         self._loop_thread = self._show_warning = None   # set by run(): warnings go to the controller
         self._inputs = ()                           # the local inputs of the op running now (warnings)
         self.profiler: CommandRecorder | None = None   # set while dtorch.profile records (handle_profile)
-        self._handlers = {cls: getattr(self, wire.handler_name(cls)) for cls in wire.COMMANDS}
+        self.diverted: Callable | None = None       # takes every command while a checkpoint region is open
+        # The handlers of each topic: components given what they use.
+        self.moves = MoveCommands(shards, self.comms)
+        self.graph_commands = GraphCommands(shards, self, start_seq)
         # fault injection for tests/test_training.py: this rank's first Backward fails at its start
-        self._fail_next_backward = os.environ.get("DTORCH_TEST_FAIL_BACKWARD_ON_RANK") == str(rank)
+        failing = os.environ.get("DTORCH_TEST_FAIL_BACKWARD_ON_RANK") == str(rank)
+        self.training = TrainingCommands(shards, self.comms, fail_first_backward=failing)
+        self.files = CheckpointCommands(shards)
+        self.checkpoint_regions = RegionCommands(shards, self)
+        self._handlers = handler_table(wire.COMMANDS, (self, self.moves, self.graph_commands, self.training,
+                                                       self.files, self.checkpoint_regions))
 
     # --- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -133,19 +145,35 @@ class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, 
         self.next_seq = commands[-1].seq + wire.span(commands[-1]) if commands else self.next_seq
         with self.device.compute():   # once a batch, for the plain ops that run inline (_ran_inline)
             for command in commands:
-                self._run_command(command)
+                self.run_command(command)
 
-    def _run_command(self, command) -> None:
-        if self.region is not None:   # dtorch.utils.checkpoint (checkpoint_regions.py)
-            self._run_in_region(command)
+    def run_command(self, command) -> None:
+        """One command of the stream: its handler's failure poisons its outputs and is reported."""
+        if self.diverted is not None:   # dtorch.utils.checkpoint (checkpoint_regions.py)
+            self.diverted(command)
         elif self.profiler is not None or not self._ran_inline(command):   # profiling off: one check
-            self._execute_or_record(command)
+            self.execute_or_record(command)
 
-    def _execute_or_record(self, command) -> None:
+    def execute_or_record(self, command) -> None:
+        """run_command past the checks for a region and an inline op: recorded while profiling."""
         if self.profiler is not None:
             self.profiler.record(command, self._execute)
         else:
             self._execute(command)
+
+    def divert(self, run: Callable | None) -> None:
+        """From now on run_command passes each command to `run`; None: it runs them itself again.
+        An open checkpoint region takes every command so (checkpoint_regions.RegionCommands)."""
+        self.diverted = run
+
+    @property
+    def profiling(self) -> bool:
+        """Whether dtorch.profile records each command now (handle_profile)."""
+        return self.profiler is not None
+
+    def handle(self, command) -> None:
+        """The command's handler, and nothing around it: what it raises, raises."""
+        self._handlers[type(command)](command)
 
     def _ran_inline(self, command) -> bool:
         """Run a plain op here and say True; False leaves the command to the general path.
@@ -175,7 +203,7 @@ class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, 
             else:
                 self._store(command.out_ids, KERNELS[command.kernel](*args, **command.kwargs))
         except Exception as error:  # any failure of one command; the worker goes on
-            self._failed(command, error)
+            self.failed(command, error)
         finally:
             self.busy_seq, self._inputs = -1, ()
         return True
@@ -186,21 +214,16 @@ class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, 
             with self.device.compute():
                 self._handlers[type(command)](command)
         except Poisoned as poisoned:
-            self._poison(command, poisoned.origin)
+            self.shards.poison(_outputs_of(command), poisoned.origin)
         except Exception as error:  # any failure of one command; the worker goes on
-            self._failed(command, error)
+            self.failed(command, error)
         finally:
             self.busy_seq, self._inputs = -1, ()
 
-    def _failed(self, command, error: Exception) -> None:
-        self._poison(command, command.seq)
+    def failed(self, command, error: Exception) -> None:
+        """The command raised `error`: its outputs are poisoned, the error reported under its seq."""
+        self.shards.poison(_outputs_of(command), command.seq)
         self._report(command, error)
-
-    def _poison(self, command, origin: int) -> None:
-        for tensor_id in _outputs_of(command):
-            self.tensors.pop(tensor_id, None)
-            self.in_flight.pop(tensor_id, None)
-            self.poisoned[tensor_id] = origin
 
     def _report(self, command, error: Exception) -> None:
         op = getattr(command, "op", None) or getattr(command, "kind", None) or type(command).__name__
@@ -208,55 +231,9 @@ class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, 
                                   "".join(traceback.format_exception(type(error), error, error.__traceback__)))
         self.sockets.send([wire.encode(report)])
 
-    # --- helpers shared by handlers -------------------------------------------------------------
-    def _member(self, mesh_id: int) -> DeviceMesh | None:
-        """The mesh if this rank belongs to it. A mesh defined before this worker joined the
-        pool is unknown here, and cannot include it."""
-        mesh = self.meshes.get(mesh_id)
-        return mesh if mesh is not None and self.rank in mesh.ranks else None
-
-    def _tensor(self, tensor_id: int) -> torch.Tensor:
-        """A tensor for the compute stream to read: if a communication still in flight makes it,
-        the compute stream waits for that first (on the device; this thread goes on)."""
-        tensor = self._held(tensor_id)
-        if self.in_flight and tensor_id in self.in_flight:
-            self.device.wait(self.in_flight.pop(tensor_id), tensor)
-        return tensor
-
-    def _held(self, tensor_id: int) -> torch.Tensor:
-        """A tensor as stored, for communication, which is ordered after compute by itself."""
-        tensor = self.tensors.get(tensor_id)
-        if tensor is None:
-            if tensor_id in self.poisoned:
-                raise Poisoned(self.poisoned[tensor_id])
-            raise KeyError(f"tensor #{tensor_id} is not on rank {self.rank} (freed, or never created)")
-        return tensor
-
-    def _keep(self, tensor_id: int, tensor: torch.Tensor, done) -> None:
-        self.tensors[tensor_id] = tensor
-        if done is not None:
-            self.in_flight[tensor_id] = done
-
-    @staticmethod
-    def _input_ids(command) -> list:
-        """The ids a RunOp or Redistribute reads."""
-        if type(command) is wire.Redistribute:
-            return [command.src_id]
-        return [ref.id for ref in refs_in_order(command)]
-
-    def _agree_on_failure(self, ranks: tuple, origin: int) -> int:
-        """The earliest failure origin (a command seq) any of `ranks` passed, -1 for none, over
-        the host channel. Every rank involved must call it, failed or not. The earliest, as a
-        read picks among its ranks' statuses (reads.FetchRead.finish): a later origin may be a
-        failure that followed from it, and a read names the first failure of its chain."""
-        if len(ranks) == 1:
-            return origin
-        agreed = self.host_comm.agree_max(ranks, -origin if origin >= 0 else _NO_FAILURE)
-        return -agreed if agreed != _NO_FAILURE else -1
-
     # --- handlers: one per command ---------------------------------------------------------------
     def handle_define_mesh(self, command: wire.DefineMesh) -> None:
-        self.meshes[command.mesh_id] = DeviceMesh(command.device_type, nest_ranks(command.ranks, command.shape))
+        self.shards.meshes[command.mesh_id] = DeviceMesh(command.device_type, nest_ranks(command.ranks, command.shape))
 
     def handle_factory(self, command: wire.Factory) -> None:
         mesh = self._member(command.mesh_id)
@@ -314,7 +291,7 @@ class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, 
         """Resolve tensors depth-first; run the fused moves, then slice the Replicate inputs the
         op needs as shards."""
         local_steps = {index: rest for index, *rest in command.input_steps}
-        moved = self._moved_inputs(command, mesh) if command.moves else {}
+        moved = self.moves.moved_inputs(command, mesh) if command.moves else {}
         numbering = itertools.count()
 
         def local(ref: TensorRef) -> torch.Tensor:
@@ -325,7 +302,7 @@ class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, 
                 # local steps (slices) communicate nothing, so a rank records one only for an input
                 # that requires grad: torch refuses a grad-requiring weight where it has no derivative
                 with torch.set_grad_enabled(tensor.requires_grad and torch.is_grad_enabled()):
-                    tensor = apply_steps(tensor, shape, mesh, placements, steps, self.rank, self.comm)
+                    tensor = apply_steps(tensor, shape, mesh, placements, steps, self.rank, self.comms.comm)
             return tensor
         place = self._place(mesh)
         return map_refs(command.args, local, place), map_refs(command.kwargs, local, place)
@@ -336,7 +313,7 @@ class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, 
         def place(value):
             if type(value) is ShardRegion:
                 return value.at(mesh, mesh.coordinate_of(self.rank))
-            return Peers(value, mesh, self.rank, self.comm)
+            return Peers(value, mesh, self.rank, self.comms.comm)
         return place
 
     def _run_with_peers(self, command: wire.RunOp, mesh: DeviceMesh) -> None:
@@ -360,14 +337,15 @@ class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, 
         if failed is not None:   # even if the stand-in failed too: the input's failure comes first
             raise failed
         for tensor_id, tensor in zip(command.out_ids, out if isinstance(out, (tuple, list)) else (out,)):
-            self._keep(tensor_id, tensor, done)
+            self.shards.keep(tensor_id, tensor, done)
 
     def handle_fetch(self, command: wire.Fetch) -> None:
         mesh = self._member(command.mesh_id)
         if mesh is None:
             return
-        if command.tensor_id in self.poisoned:
-            status, frames = ("poisoned", self.poisoned[command.tensor_id]), []
+        poisoned = self.shards.poisoned
+        if command.tensor_id in poisoned:
+            status, frames = ("poisoned", poisoned[command.tensor_id]), []
         elif command.tensor_id not in self.tensors:
             status, frames = ("missing", -1), []
         elif self.rank in command.senders:
@@ -402,10 +380,7 @@ class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, 
         self.outgoing = waiting
 
     def handle_free(self, command: wire.Free) -> None:
-        for tensor_id in command.ids:
-            self.tensors.pop(tensor_id, None)
-            self.poisoned.pop(tensor_id, None)
-            self.in_flight.pop(tensor_id, None)
+        self.shards.free(command.ids)
 
     def handle_sync(self, command: wire.Sync) -> None:
         """Reply once the device has run everything before this command (at once on CPU)."""
@@ -421,7 +396,7 @@ class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, 
         once: the controller times the round trip to align this worker's clock with its own."""
         if command.on:
             if self.profiler is None:
-                self.profiler = CommandRecorder(self)
+                self.profiler = CommandRecorder(self.comms, self.shards.poisoned)
             frame = clock_frame()
         elif self.profiler is not None:
             recorder, self.profiler = self.profiler, None
@@ -433,13 +408,30 @@ class Worker(MoveCommands, GraphCommands, TrainingCommands, CheckpointCommands, 
     def handle_regroup(self, command: wire.Regroup) -> None:
         """Lost ranks were replaced: no group holding one is used again (comm.regroup). Poison
         and tensors of the old processes are the controller's to refuse; nothing here holds them."""
-        for comm in {id(self.comm): self.comm, id(self.host_comm): self.host_comm}.values():
-            comm.regroup(command.generation, command.replaced)
+        self.comms.regroup(command.generation, command.replaced)
+
 
 _ON_COMMAND_SOCKET = (wire.Batch, wire.Private, wire.Probe)   # probes need no answer once registered
-# What a rank without a failure passes to agree_max in _agree_on_failure, which agrees on the
-# earliest origin as the largest negated one: below every negated seq.
-_NO_FAILURE = -(1 << 62)
+
+
+def handler_table(commands: tuple, owners: tuple) -> dict:
+    """{command type: its handler}: for each of `commands`, the method named after it
+    (protocol.handler_name) on the one of `owners` (the Worker and its components) that has it.
+    A command none of them handles, or two do, is a mistake of the code: TypeError, naming them,
+    when the worker starts (tests/test_lifecycle.py::test_every_command_has_a_handler)."""
+    table, wrong = {}, []
+    for command in commands:
+        name = wire.handler_name(command)
+        found = [owner for owner in owners if callable(getattr(owner, name, None))]
+        if len(found) == 1:
+            table[command] = getattr(found[0], name)
+        else:
+            where = " and ".join(type(owner).__name__ for owner in found) or "none of " + ", ".join(
+                type(owner).__name__ for owner in owners)
+            wrong.append(f"{command.__name__} ({name} on {where})")
+    if wrong:
+        raise TypeError("each command needs one handler, on the Worker or one of its components: " + "; ".join(wrong))
+    return table
 
 
 def _outputs_of(command) -> tuple:
