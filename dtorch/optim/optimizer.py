@@ -19,7 +19,7 @@ from ..runtime.worker.optim_kernels import state_names
 from ..runtime.protocol import OptimizerStep
 from ..dtensor.tensor import DTensor
 from .grads import by_mesh, update_grads
-from .state import buffer_meta, pack_state, unpack_state
+from .state import OptimizerStateDict, buffer_meta, pack_state, unpack_state
 
 __all__ = ["Optimizer"]
 
@@ -151,7 +151,8 @@ class Optimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch's layout: {"state": {index: {...}}, "param_groups": [{..., "params": [index]}]},
         the buffers as the live DTensors (torch, too, gives its tensors, not copies), "step" as
-        torch's 0-d float32 tensor."""
+        torch's 0-d float32 tensor. An OptimizerStateDict: a dict that also knows each index's
+        parameter, so that dtorch.checkpoint.load can fill a fresh optimizer's state_dict()."""
         index: dict[int, int] = {}
         groups = []
         for group in self.param_groups:
@@ -159,7 +160,8 @@ class Optimizer(torch.optim.Optimizer):
             packed["params"] = [index.setdefault(id(p), len(index)) for p in group["params"]]
             groups.append(packed)
         state = {index[id(p)]: pack_state(values) for p, values in self.state.items() if id(p) in index}
-        return {"state": state, "param_groups": groups}
+        parameters = {index[id(p)]: p for group in self.param_groups for p in group["params"]}
+        return OptimizerStateDict(state, groups, parameters)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """A state_dict of this optimizer or of another one with the same group sizes, whatever

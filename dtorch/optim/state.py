@@ -10,7 +10,18 @@ from ..ops.tensor_meta import is_local_tensor, tensor_meta
 from ..runtime.worker.optim_kernels import SCALAR_STATE, initial_fill, state_names
 from ..dtensor.tensor import DTensor, call_op
 
-__all__ = ["pack_state", "unpack_state", "init_state", "buffer_meta"]
+__all__ = ["pack_state", "unpack_state", "init_state", "buffer_meta", "OptimizerStateDict"]
+
+
+class OptimizerStateDict(dict):
+    """What a dtorch optimizer's state_dict() returns: torch's dict ("state", "param_groups"), which
+    also knows `parameters`, the parameter behind each state key (the index in the groups'
+    "params"), those without state yet included. dtorch.checkpoint.load builds a fresh optimizer's
+    state from a checkpoint with it, each buffer on its parameter's mesh and placements."""
+
+    def __init__(self, state: dict, param_groups: list, parameters: dict):
+        super().__init__(state=state, param_groups=param_groups)
+        self.parameters = parameters
 
 
 def buffer_layout(name: str, param: DTensor) -> tuple:
