@@ -16,9 +16,7 @@ import sys
 
 import torch
 
-from ..runtime.worker.file_shards import NO_CHECKSUM, ChecksumError, read_region
-from .safetensors_header import CheckpointError
-from .sharded_format import read_index
+from .sharded_format import read_index, read_whole
 
 __all__ = ["to_torch_state_dict", "convert", "main"]
 
@@ -29,12 +27,7 @@ def to_torch_state_dict(directory, *, verify: bool = True) -> dict:
     index = read_index(directory, verify=verify)
     state: dict = {}
     for key, saved in index.tensors.items():
-        chunks = saved.chunks if verify else [chunk._replace(checksum=NO_CHECKSUM) for chunk in saved.chunks]
-        try:
-            whole = read_region(chunks, [0] * len(saved.shape), saved.shape, saved.dtype, f"tensor {key!r}")
-        except (ChecksumError, EOFError) as error:   # the file changed since its header was read, or is damaged
-            raise CheckpointError(str(error)) from None
-        _put(state, index.paths[key], whole.to(saved.dtype))
+        _put(state, index.paths[key], read_whole(saved, key, verify=verify))
     for key, value in index.values.items():
         _put(state, index.paths[key], value)
     return state

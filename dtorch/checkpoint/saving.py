@@ -28,23 +28,36 @@ from ..runtime.protocol import SaveShard, dtype_name
 from ..runtime.transport import process_exists
 from ..dtensor.tensor import DTensor
 from .safetensors_header import CheckpointError, read_header_and_metadata
-from .sharded_format import (FORMAT, FORMAT_VERSION, INDEX_NAME, check_savable_dtype, encode_value, flatten,
-                             index_checksum)
+from .matching import TensorTarget
+from .options import resolve
+from .sharded_format import FORMAT, FORMAT_VERSION, INDEX_NAME, check_savable_dtype, encode_value, index_checksum
+from .state_tree import flatten
+from .stateful import swapped
 
 __all__ = ["save", "FILE_BYTES"]
 
 FILE_BYTES = 1 << 30   # a rank starts a new file (a new SaveShard) past this many bytes in one
 
 
-def save(state, directory, *, timeout: float | None = None) -> None:
+def save(state, directory, *, timeout: float | None = None, options=None) -> None:
     """Save `state` (nested dicts and lists of DTensors and plain values, e.g. {"model":
     model.state_dict(), "optim": opt.state_dict(), "step": 7}) to `directory`, replacing a
-    checkpoint already there. Waits until the checkpoint is complete on disk; raises (and leaves
-    no checkpoint at `directory`) if a worker fails or is lost meanwhile. Partial DTensors are
-    reduced first, among the workers."""
+    checkpoint already there. An object with state_dict() / load_state_dict() (a module, an
+    optimizer, an LR scheduler) is saved as what its state_dict() returns. Waits until the
+    checkpoint is complete on disk; raises (and leaves no checkpoint at `directory`) if a worker
+    fails or is lost meanwhile. Partial DTensors are reduced first, among the workers.
+    `options`: torch's StateDictOptions (options.py says which fields apply)."""
+    settings = resolve("save", options)
+    with swapped(state, settings):
+        _save(flatten(state), directory, timeout)
+
+
+def _save(leaves: dict, directory, timeout) -> None:
     # realpath: a symlinked target keeps its link, and the checkpoint goes where it points
     directory = os.path.realpath(os.fspath(directory))
-    leaves = flatten(state)
+    for key, leaf in leaves.items():
+        if isinstance(leaf.value, TensorTarget):
+            raise CheckpointError(f"{key!r}: a TensorTarget describes what a load makes; save needs the DTensor")
     tensors = {key: leaf.value for key, leaf in leaves.items() if isinstance(leaf.value, DTensor)}
     for key, tensor in tensors.items():
         check_savable_dtype(key, tensor.dtype)

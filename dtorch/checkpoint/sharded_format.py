@@ -14,8 +14,8 @@ under their keys. The chunks of a tensor tile it; each chunk's crc32 (of its byt
 is checked where it is read, and the index's own crc32 covers its every other field (plain values,
 offsets, shapes): an index edited after the save is refused (one without them, from before them,
 loads unchecked). This
-module is the state's side: flattening a nested state into keys, putting loaded leaves back,
-encoding plain values as JSON, reading the index. No commands are sent from here.
+module encodes plain values as JSON and reads the index (and, for a reader without workers, whole
+tensors); state_tree.py turns a state into keys. No commands are sent from here.
 """
 from __future__ import annotations
 
@@ -28,24 +28,18 @@ from typing import NamedTuple
 
 import torch
 
-from ..runtime.worker.file_shards import NO_CHECKSUM, recorded_checksums, safetensors_code
+from ..runtime.worker.file_shards import NO_CHECKSUM, ChecksumError, read_region, recorded_checksums, safetensors_code
 from ..ops.tensor_meta import is_local_tensor
 from ..runtime.protocol import dtype_from_name
-from ..dtensor.tensor import DTensor
 from .safetensors_header import CheckpointError, read_header_and_metadata
 
-__all__ = ["INDEX_NAME", "FORMAT", "FORMAT_VERSION", "Leaf", "Chunk", "SavedTensor", "SavedIndex", "flatten",
-           "fill", "encode_value", "decode_value", "read_index", "key_of", "check_savable_dtype"]
+__all__ = ["INDEX_NAME", "FORMAT", "FORMAT_VERSION", "Chunk", "SavedTensor", "SavedIndex", "encode_value",
+           "decode_value", "read_index", "read_whole", "check_savable_dtype", "PLAIN_TENSOR_ELEMENTS"]
 
 INDEX_NAME = "checkpoint.json"
 FORMAT, FORMAT_VERSION = "dtorch-sharded", 1
 _PLAIN = (type(None), bool, int, float, str)
-_KEY_TYPES = (str, int)
-
-
-class Leaf(NamedTuple):
-    path: tuple          # the keys and list indices from the state's top to this leaf
-    value: object        # a DTensor, or a plain value (a subtree without DTensors, stored whole)
+PLAIN_TENSOR_ELEMENTS = 1 << 16   # a torch tensor this small is a plain value, stored in the index
 
 
 class Chunk(NamedTuple):
@@ -69,66 +63,18 @@ class SavedIndex(NamedTuple):
     tensors: dict        # key -> SavedTensor
     values: dict         # key -> the decoded plain value
     paths: dict          # key -> path (tensors and values), to rebuild the nesting
+    style = "dtorch"     # how its keys were made (state_tree.flatten)
 
 
-def key_of(path: tuple) -> str:
-    return ".".join(str(part) for part in path)
-
-
-# --- the state's side: nested dicts / lists with DTensor and plain leaves ------------------------
-def flatten(state) -> dict[str, Leaf]:
-    """key -> Leaf. A dict or list holding a DTensor somewhere below is walked into; any other
-    value is one plain leaf. Raises CheckpointError for two paths with one key, a key that is not
-    a str or int, or a leaf that is neither a DTensor nor a plain value."""
-    if not isinstance(state, (Mapping, list, tuple)):
-        raise CheckpointError(f"a checkpoint state is a dict (or list) of DTensors and plain values, "
-                              f"not a {type(state).__name__}")
-    leaves: dict[str, Leaf] = {}
-    for leaf in _children(state, ()):
-        key = key_of(leaf.path)
-        if key in leaves:
-            raise CheckpointError(f"two entries of the state have the key {key!r}: {list(leaves[key].path)} and "
-                                  f"{list(leaf.path)}; rename one (keys are paths joined with dots)")
-        leaves[key] = leaf
-    return leaves
-
-
-def _children(node, path: tuple) -> list[Leaf]:
-    items = node.items() if isinstance(node, Mapping) else enumerate(node)
-    leaves = []
-    for name, value in items:
-        if not isinstance(name, _KEY_TYPES) or isinstance(name, bool):
-            raise CheckpointError(f"state key {name!r} at {key_of(path) or 'the top'}: keys must be str or int")
-        leaves += _leaves(value, path + (name,))
-    return leaves
-
-
-def _leaves(node, path: tuple) -> list[Leaf]:
-    if isinstance(node, DTensor):
-        return [Leaf(path, node)]
-    if isinstance(node, (Mapping, list, tuple)):
-        below = _children(node, path)
-        if any(isinstance(leaf.value, DTensor) for leaf in below):
-            return below
-    return [Leaf(path, node)]
-
-
-def fill(state, loaded: dict):
-    """`state` with each leaf whose key is in `loaded` replaced by its loaded value, in place for
-    dicts and lists (a tuple is rebuilt, in place in its parent)."""
-    return _filled(state, (), loaded, top=True)
-
-
-def _filled(node, path: tuple, loaded: dict, top: bool = False):
-    if not top and key_of(path) in loaded:
-        return loaded[key_of(path)]
-    if isinstance(node, DTensor) or not isinstance(node, (Mapping, list, tuple)):
-        return node
-    if isinstance(node, tuple):
-        return tuple(_filled(value, path + (index,), loaded) for index, value in enumerate(node))
-    for name in list(node.keys() if isinstance(node, Mapping) else range(len(node))):
-        node[name] = _filled(node[name], path + (name,), loaded)
-    return node
+def read_whole(saved: SavedTensor, key: str, *, verify: bool = True) -> torch.Tensor:
+    """A saved tensor read whole in this process (no worker), each chunk's checksum checked unless
+    verify=False; CheckpointError for a chunk that is not as saved or a file cut short."""
+    chunks = saved.chunks if verify else [chunk._replace(checksum=NO_CHECKSUM) for chunk in saved.chunks]
+    try:
+        whole = read_region(chunks, [0] * len(saved.shape), saved.shape, saved.dtype, f"tensor {key!r}")
+    except (ChecksumError, EOFError) as error:   # the file changed since its header was read, or is damaged
+        raise CheckpointError(str(error)) from None
+    return whole.to(saved.dtype)
 
 
 # --- plain values as JSON -------------------------------------------------------------------------
@@ -146,7 +92,7 @@ def encode_value(value, key: str):
         if all(type(k) is str and not k.startswith("__") for k in value):
             return {k: encode_value(v, f"{key}.{k}") for k, v in value.items()}
         return {"__items__": [[encode_value(k, key), encode_value(v, f"{key}.{k}")] for k, v in value.items()]}
-    if is_local_tensor(value) and value.numel() <= 1 << 16:
+    if is_local_tensor(value) and value.numel() <= PLAIN_TENSOR_ELEMENTS:
         return {"__torch__": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
                 "values": value.detach().cpu().reshape(-1).tolist()}
     raise CheckpointError(f"{key!r}: cannot save a {type(value).__name__} ({str(value)[:60]}); a checkpoint holds "
