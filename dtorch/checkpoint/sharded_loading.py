@@ -93,13 +93,15 @@ def _as_loaded(value, settings: Options):
 def _read(index, targets: dict, verify: bool) -> dict:
     """key -> the loaded value of each target the checkpoint holds."""
     controller = session.controller()
-    loaded, seqs, uploaded = {}, [], 0
+    # plain values first: reading one of torch's format can fail (a class torch.load refuses), and
+    # that should stop the load before anything is issued
+    loaded = {key: index.values[key] for key in targets if key in index.values}
+    seqs, uploaded = [], 0
     for key, target in targets.items():
         saved = index.tensors.get(key)
         if saved is None:
-            if key in index.values:
-                loaded[key] = index.values[key]
-        elif not is_distributed(target):   # a torch tensor here (or a small one in place of a plain value)
+            continue
+        if not is_distributed(target):   # a torch tensor here (or a small one in place of a plain value)
             whole = read_dcp_tensor(saved, key) if isinstance(saved, DcpTensor) else read_whole(saved, key,
                                                                                                 verify=verify)
             loaded[key] = whole.to(target.dtype) if isinstance(target, torch.Tensor) else whole
