@@ -21,6 +21,8 @@ from dtorch.checkpoint import (CheckpointError, get_state_dict, load, save, set_
                                to_torch_state_dict)
 from dtorch.spec.placements import Replicate, Shard, init_device_mesh
 
+from support import run_script
+
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
@@ -232,6 +234,41 @@ def test_a_checkpoint_torch_dcp_wrote_loads_into_fresh_dtorch_objects(dp2xtp2, t
         assert optimizer.state[p]["step"] == 2
         assert torch.equal(optimizer.state[p]["exp_avg"].to_torch(), torch_optimizer.state[expected]["exp_avg"])
         assert optimizer.state[p]["exp_avg"].placements == p.placements
+
+
+TWO_RANK_DCP_SAVE = """
+import socket, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+def run(rank, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)
+    dcp.save({"model": {"w": distribute_tensor(full, mesh, [Shard(0)]),
+                        "v": distribute_tensor(full.t().contiguous(), mesh, [Shard(1)])}, "step": 3},
+             checkpoint_id=out)
+    dist.destroy_process_group()
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+mp.start_processes(run, args=(port, sys.argv[1]), nprocs=2, start_method="fork")
+"""
+
+
+def test_a_two_rank_torch_dcp_checkpoint_of_sharded_dtensors_loads_onto_another_layout(dp2xtp2, tmp_path):
+    """torch's DTensors saved by two gloo ranks (a chunk per rank, as an FSDP2 job writes them),
+    assembled from both ranks' records and loaded onto a 2-D layout, exactly."""
+    done = run_script(TWO_RANK_DCP_SAVE.replace("sys.argv[1]", repr(str(tmp_path / "dcp"))), timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = {"model": {"w": dtorch.zeros(7, 5, device_mesh=dp2xtp2, placements=[Shard(1), Shard(0)]),
+                       "v": dtorch.zeros(5, 7, dtype=torch.float64, device_mesh=dp2xtp2)}, "step": 0}
+    load(state, tmp_path / "dcp")
+    full = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)
+    assert torch.equal(state["model"]["w"].to_torch(), full) and state["model"]["w"].placements == (Shard(1), Shard(0))
+    assert torch.equal(state["model"]["v"].to_torch(), full.t().double()) and state["step"] == 3
 
 
 def test_torch_dcp_reads_a_checkpoint_dtorch_wrote(saved_mid_run):
