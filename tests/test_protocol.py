@@ -5,6 +5,7 @@ import pytest
 from dtorch.errors import ProtocolError
 from dtorch.runtime import protocol as wire
 from dtorch.runtime.controller.controller import Controller
+from dtorch.runtime.controller.worker_messages import WorkerMessages
 from dtorch.runtime.worker.worker import Worker
 
 EXAMPLES = [wire.Batch(3, 2), wire.Private(7), wire.Probe(), wire.Register(1, "host", 42, "cpu", "s3cret"),
@@ -35,7 +36,7 @@ def test_decode_refuses_unexpected_kinds_and_wrong_field_types():
 
 def test_the_controller_has_one_handler_per_message_a_worker_sends():
     for kind in wire.FROM_WORKER:
-        assert callable(getattr(Controller, wire.handler_name(kind, "_on_"), None)), kind.__name__
+        assert callable(getattr(WorkerMessages, wire.handler_name(kind, "_on_"), None)), kind.__name__
 
 
 def test_run_op_carries_the_users_op_and_the_kernel():
