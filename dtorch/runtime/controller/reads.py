@@ -171,7 +171,7 @@ class ReadBook:
     them; whoever holds the ROUTER lock settles them (worker_messages.py); a lost worker fails
     the reads that wait on it (lost_workers.py)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.pending: dict[int, _Read] = {}
         self.failures: dict[int, RemoteFailure] = {}
         # seq -> ranks that still answer a read a loss failed: their replies are expected
@@ -192,8 +192,10 @@ class ReadBook:
 
     def finish(self, seq: int, read: _Read, live_ranks) -> None:
         """Every rank has answered `read`: settle it, unless it waits for a failure's record."""
-        if read.finish(self.failures) is False:
-            self._waiting_for_failure[read.poisoned_origin()].append(seq)
+        if read.finish(self.failures) is False:   # False only where a rank answered "poisoned"
+            origin = read.poisoned_origin()
+            assert origin is not None
+            self._waiting_for_failure[origin].append(seq)
             return
         self.pending.pop(seq, None)
         if seq > self.idle_upto and all(rank in read.statuses for rank in live_ranks):
@@ -267,6 +269,11 @@ class _Read:
                 self.future._inner.set_result(value)
             except concurrent.futures.InvalidStateError:
                 pass
+
+    def finish(self, failures: dict) -> bool | None:
+        """Every rank has answered: settle the future. False: it must wait for the record of a
+        failure a reply named (ReadBook.failure_recorded)."""
+        raise NotImplementedError
 
     def poisoned_origin(self) -> int | None:
         origins = [origin for status, origin in self.statuses.values() if status == "poisoned"]

@@ -166,7 +166,7 @@ class ReplyReceiver:
                 f"loop watching {self.watching}, watchdog waiting {self._watchdog_waiting}")
 
     def loop_thread_stack(self) -> str:
-        frame = sys._current_frames().get(self._thread.ident)
+        frame = sys._current_frames().get(self._thread.ident or -1)
         return "".join(traceback.format_stack(frame)) if frame is not None else "(not running)"
 
     def receive_here(self, reply: concurrent.futures.Future, timeout: float | None) -> None:

@@ -35,7 +35,7 @@ class _Stream(Protocol):
     """What the handlers read of the controller: how far the command stream is published (a
     worker is never sent an error's seq above it), and what a registering worker is told."""
     published_upto: int
-    secret: bytes
+    secret: str
     store_address: str
     gloo_timeout_s: float
 
