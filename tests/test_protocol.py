@@ -113,9 +113,9 @@ COMMAND_EXAMPLES = [
                     (("/ckpt/__0_0.safetensors", 96, "bfloat16", (0, 0), (4, 5)),
                      ("/ckpt/__1_0.safetensors", 96, "bfloat16", (4, 0), (3, 5))), "model.w"),
     wire.Profile(20, True),
-    wire.DefineGraph(21, 1, (wire.command_row(wire.RunOp(4, (4,), 0, "add", "add", (wire.TensorRef(1),) * 2, {}, ())),
-                             wire.command_row(wire.Free(5, (4,)))), (1,), (4,), (), (), ()),
-    wire.RunGraph(22, 1, 2, (8,), (9,), 7, 3, (), 21),   # spans seqs 22 and 23
+    wire.DefineGraph(21, 1, (wire.command_row(wire.RunOp(4, (4,), 0, "mul", "mul", (wire.TensorRef(1), 0.5), {}, ())),
+                             wire.command_row(wire.Free(5, (4,)))), (1,), (4,), (), (), (), ((0, 1, 0),)),
+    wire.RunGraph(22, 1, 2, (8,), (9,), 7, 3, (), 21, (), (0.25,)),   # spans seqs 22 and 23
     wire.DropGraph(24, 1),
     wire.CheckpointBegin(25), wire.CheckpointEnd(26),
 ]

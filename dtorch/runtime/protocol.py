@@ -45,7 +45,7 @@ __all__ = [
     "decode_placement", "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 17   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+VERSION = 18   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
               # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
               # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention);
               # 6: Regroup (lost ranks were replaced: communication groups of a new generation)
@@ -66,6 +66,8 @@ VERSION = 17   # 2: REGISTER carries the run's secret; 3: RunOp names the user's
               # 16: CheckpointBegin, CheckpointEnd (activation checkpointing: the commands between
               #     them save nothing for backward, which runs them again)
               # 17: LoadChunks' chunk rows end with the chunk's crc32 (-1: none to check)
+              # 18: RunGraph.hypers (an optimizer row's hyperparameters now: an lr schedule replays),
+              #     DefineGraph.scalars and RunGraph.scalars (numbers passed to a compiled function)
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -322,6 +324,8 @@ class DefineGraph(NamedTuple):
     scratch: tuple       # ids made and dropped inside the call: freed after every replay
     random: tuple        # indexes of rows that drew from the global random stream (counter + shift)
     steps: tuple         # indexes of OptimizerStep rows (each param's step count + its shift)
+    scalars: tuple = ()  # ((row index, argument index, k), ...): RunOp operands that take
+                         #   RunGraph.scalars[k] (dtorch.compile(fn, scalars=...))
 
 
 class RunGraph(NamedTuple):
@@ -336,6 +340,9 @@ class RunGraph(NamedTuple):
     random_shift: int    # its counter now minus its counter at capture
     step_shifts: tuple   # per OptimizerStep row: the step count now minus at capture
     defined_seq: int     # the DefineGraph's seq: a worker that joined after it is on none of its meshes
+    hypers: tuple = ()   # per OptimizerStep row, the hyperparameters that differ from the row's
+                         #   ({"lr": 0.002}: an lr scheduler's); () where none differ in any row
+    scalars: tuple = ()  # the numbers for DefineGraph.scalars, in the order of its k
 
 
 class DropGraph(NamedTuple):
@@ -553,7 +560,8 @@ _FIELD_TYPES = {
     UpdateGrads: (int, str, IDS, int, NUMBER),
     SaveShard: (str, int, tuple), LoadChunks: (int, int, tuple, str, tuple, tuple, str),
     Profile: (bool,),
-    DefineGraph: (int, tuple, IDS, IDS, IDS, IDS, IDS), RunGraph: (int, int, IDS, IDS, int, int, IDS, int),
+    DefineGraph: (int, tuple, IDS, IDS, IDS, IDS, IDS, tuple),
+    RunGraph: (int, int, IDS, IDS, int, int, IDS, int, tuple, tuple),
     DropGraph: (int,), CheckpointBegin: (), CheckpointEnd: (),
 }
 

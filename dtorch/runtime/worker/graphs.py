@@ -15,8 +15,9 @@ EMA) is bound by the id it holds, which is such a persistent id: the rows write 
 input does not move back over it; the captured input id, left with the old value, is dropped.
 
 What changes from call to call travels in RunGraph: the global random stream's seed and how far
-its counter moved (random rows draw fresh numbers, equal to eager's), and each optimizer row's
-step count.
+its counter moved (random rows draw fresh numbers, equal to eager's), each optimizer row's step
+count and the hyperparameters that differ from the row's (an lr schedule), and the numbers the
+compiled function takes as inputs, each put at the operands the capture found it in.
 
 The rows run by the graph's plan where the worker built one (runs of plain rows as generated
 functions, straight_line.py), else one by one through the worker's per-command path; either way
@@ -34,12 +35,16 @@ class Graph(NamedTuple):
     inputs: tuple
     outputs: tuple
     scratch: tuple
-    random: frozenset     # row indexes that drew from the global random stream
+    random: frozenset     # row indexes a replay rewrites: they run alone, never inside a run's function
+                          # (straight_line.build): the draws, and the rows with scalar slots
     steps: tuple          # row indexes of OptimizerStep rows, in RunGraph.step_shifts order
     rows: tuple           # per row, (its command type, its fields after seq): a replay's commands are
                           # built from these with one tuple.__new__ each (NamedTuple._replace costs ~1 us)
     edges: frozenset      # inputs, outputs and scratch: ids a replay sets aside if they are bound
     plan: tuple | None = None   # its steps: runs of plain rows as functions, other rows alone (straight_line.py)
+    draws: frozenset = frozenset()   # row indexes that drew from the global random stream
+    scalars: dict | None = None      # row index -> ((argument index, k), ...): args[i] = RunGraph.scalars[k]
+    scalar_count: int = 0            # how many numbers a RunGraph must give
 
 
 def define(command: wire.DefineGraph) -> Graph:
@@ -49,16 +54,38 @@ def define(command: wire.DefineGraph) -> Graph:
         raise ValueError(f"graph {command.graph_id}: a random or step row index outside its {len(commands)} rows")
     if not all(type(commands[i]) is wire.OptimizerStep for i in command.steps):
         raise ValueError(f"graph {command.graph_id}: a step row that is not an OptimizerStep")
-    return Graph(commands, command.inputs, command.outputs, command.scratch, frozenset(command.random), command.steps,
+    scalars = _scalar_slots(command, commands)
+    return Graph(commands, command.inputs, command.outputs, command.scratch,
+                 frozenset(command.random) | frozenset(scalars), command.steps,
                  tuple((type(c), tuple(c)[1:]) for c in commands),
-                 frozenset(command.inputs + command.outputs + command.scratch))
+                 frozenset(command.inputs + command.outputs + command.scratch),
+                 draws=frozenset(command.random), scalars=scalars,
+                 scalar_count=1 + max((k for _, _, k in command.scalars), default=-1))
+
+
+def _scalar_slots(command: wire.DefineGraph, commands: list) -> dict:
+    slots: dict = {}
+    for slot in command.scalars:
+        if not (type(slot) is tuple and len(slot) == 3 and all(type(v) is int and v >= 0 for v in slot)
+                and slot[0] < len(commands) and type(commands[slot[0]]) is wire.RunOp
+                and slot[1] < len(commands[slot[0]].args)):
+            raise ValueError(f"graph {command.graph_id}: a scalar slot {slot!r} that names no RunOp operand")
+        row, position, k = slot
+        slots.setdefault(row, []).append((position, k))
+    return {row: tuple(uses) for row, uses in slots.items()}
 
 
 def _check(graph: Graph, run: wire.RunGraph) -> None:
     if run.span != len(graph.commands):
         raise ValueError(f"RunGraph spans {run.span} commands; graph {run.graph_id} holds {len(graph.commands)}")
-    if len(run.step_shifts) != len(graph.steps):
-        raise ValueError(f"RunGraph gives {len(run.step_shifts)} step shifts for {len(graph.steps)} optimizer rows")
+    if len(run.step_shifts) != len(graph.steps) or len(run.hypers) not in (0, len(graph.steps)):
+        raise ValueError(f"RunGraph gives {len(run.step_shifts)} step shifts and {len(run.hypers)} hyperparameter "
+                         f"sets for {len(graph.steps)} optimizer rows")
+    if len(run.scalars) != graph.scalar_count or not all(type(v) in (int, float) for v in run.scalars):
+        raise ValueError(f"RunGraph gives {len(run.scalars)} numbers ({run.scalars!r:.80}); graph {run.graph_id} "
+                         f"takes {graph.scalar_count}")
+    if not all(type(hyper) is dict for hyper in run.hypers):
+        raise ValueError(f"RunGraph's hyperparameters are not dicts: {run.hypers!r:.80}")
     if len(run.input_ids) != len(graph.inputs) or len(run.out_ids) != len(graph.outputs):
         raise ValueError(f"RunGraph names {len(run.input_ids)} inputs and {len(run.out_ids)} outputs; graph "
                          f"{run.graph_id} takes {len(graph.inputs)} and gives {len(graph.outputs)}")
@@ -70,9 +97,9 @@ def replay_commands(graph: Graph, run: wire.RunGraph) -> list:
     new, first = tuple.__new__, run.seq
     commands = [new(kind, (first + i,) + fields) for i, (kind, fields) in enumerate(graph.rows)]
     for i in graph.random:
-        commands[i] = _shift_random(commands[i], run.seed, run.random_shift)
-    for i, shift in zip(graph.steps, run.step_shifts):
-        commands[i] = _shift_steps(commands[i], shift)
+        commands[i] = _rewritten(graph, run, i, commands[i])
+    for k, i in enumerate(graph.steps):
+        commands[i] = _step_row(commands[i], run, k)
     return commands
 
 
@@ -81,14 +108,30 @@ def replay_command(graph: Graph, run: wire.RunGraph, i: int):
     kind, fields = graph.rows[i]
     command = tuple.__new__(kind, (run.seq + i,) + fields)
     if i in graph.random:
-        return _shift_random(command, run.seed, run.random_shift)
+        return _rewritten(graph, run, i, command)
     if i in graph.steps:
-        return _shift_steps(command, run.step_shifts[graph.steps.index(i)])
+        return _step_row(command, run, graph.steps.index(i))
     return command
 
 
-def _shift_steps(command: wire.OptimizerStep, shift: int) -> wire.OptimizerStep:
-    return command._replace(steps=tuple(s + shift for s in command.steps))
+def _rewritten(graph: Graph, run: wire.RunGraph, i: int, command):
+    """A row with fresh random numbers, or the call's numbers at its scalar slots."""
+    if i in graph.draws:
+        command = _shift_random(command, run.seed, run.random_shift)
+    uses = graph.scalars.get(i) if graph.scalars else None
+    if uses:
+        args = list(command.args)
+        for position, k in uses:
+            args[position] = run.scalars[k]
+        command = command._replace(args=tuple(args))
+    return command
+
+
+def _step_row(command: wire.OptimizerStep, run: wire.RunGraph, k: int) -> wire.OptimizerStep:
+    """Optimizer row k with this replay's step counts and hyperparameters (an lr schedule's lr)."""
+    shift, hyper = run.step_shifts[k], run.hypers[k] if run.hypers else None
+    return command._replace(steps=tuple(s + shift for s in command.steps),
+                            hyper={**command.hyper, **hyper} if hyper else command.hyper)
 
 
 def _shift_random(command, seed: int, shift: int):
