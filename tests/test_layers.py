@@ -21,7 +21,7 @@ LAYERS = [
     ("runtime: processes", ("dtorch.runtime.processes.*",)),
     ("runtime: controller", ("dtorch.runtime.controller.*",)),
     ("dtensor", ("dtorch.dtensor.*",)),
-    ("torch api", ("dtorch.torch_api.*", "dtorch.compile")),
+    ("torch api", ("dtorch.torch_api.*", "dtorch.compile", "dtorch.compile_signature")),
     ("autograd", ("dtorch.autograd.*",)),
     ("modules", ("dtorch.nn.*", "dtorch.optim.*", "dtorch.utils.*")),
     ("checkpoint", ("dtorch.checkpoint.*",)),

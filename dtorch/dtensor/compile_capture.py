@@ -33,6 +33,7 @@ from collections.abc import Callable
 from ..errors import CompileError, format_site
 from ..runtime import protocol as wire
 from ..runtime.controller import session
+from .compile_scalars import find_slots
 
 __all__ = ["Capture", "CaptureHooks", "active", "RANDOM_FACTORIES", "RANDOM_OPS"]
 
@@ -77,11 +78,14 @@ class CaptureHooks(Protocol):
     def note_module(self, module) -> None:
         """A module the call ran: its plain settings guard the replay."""
 
-    def guard(self, still_valid: Callable[[], bool]) -> None:
-        """A check run before each replay: False captures the call again."""
+    def guard(self, still_valid: Callable[[], bool], why: str | Callable[[], str]) -> None:
+        """A check run before each replay: False captures the call again, for the reason `why`
+        (or `why()`, worked out only then) that compiled.stats() reports."""
 
-    def optimizer_step(self, seq: int, shift: Callable[[], int]) -> None:
-        """OptimizerStep `seq` carries step counts; `shift()` gives how far they moved."""
+    def optimizer_step(self, seq: int, shift: Callable[[], int], hyper: Callable[[], dict]) -> None:
+        """OptimizerStep `seq` carries step counts and hyperparameters: `shift()` gives how far the
+        counts moved, `hyper()` the group's hyperparameters now (a replay sends those that differ
+        from the row's: an lr scheduler's lr, OneCycleLR's betas)."""
 
 
 def active() -> CaptureHooks | None:
@@ -107,9 +111,10 @@ class Capture(CaptureHooks):
         self.sites: list = []
         self.start_id = controller.new_id()   # every id the call makes is above it
         self.seed, self.random_start = session.reserve_random(0)
-        self.guards: list = []                # callables: True while the capture still applies
+        self.guards: list = []                # (callable: True while the capture still applies, why not)
         self.after_replay: list = []          # callables: the Python state a replay must set
         self.step_shifts: dict = {}           # OptimizerStep seq -> callable giving its step shift
+        self.step_hypers: dict = {}           # OptimizerStep seq -> callable giving its hyperparameters now
         self._leaves: dict = {}               # id(leaf) -> (leaf, its .grad before the call touched it, _Held)
         self._rebound: dict = {}              # id(tensor) -> (tensor, the id it held before the call rebound it)
         self._older_inputs: dict = {}         # id(tensor) -> (weak ref, whether it required grad, its id) when read
@@ -180,20 +185,23 @@ class Capture(CaptureHooks):
         if id(module) not in self._modules:
             settings = _settings(module)
             self._modules[id(module)] = module
-            self.guards.append(lambda: _settings(module) == settings)
+            self.guards.append((lambda: _settings(module) == settings, lambda: _settings_changed(module, settings)))
 
-    def guard(self, still_valid) -> None:
-        self.guards.append(still_valid)
+    def guard(self, still_valid, why) -> None:
+        self.guards.append((still_valid, why))
 
-    def optimizer_step(self, seq: int, shift) -> None:
-        """OptimizerStep `seq` carries step counts; `shift()` (run once per replay) gives how far
-        they moved since the capture, and advances the optimizer's own count."""
+    def optimizer_step(self, seq: int, shift, hyper) -> None:
+        """OptimizerStep `seq` carries step counts and hyperparameters; `shift()` (run once per
+        replay) gives how far the counts moved since the capture, and advances the optimizer's
+        own count; `hyper()` gives the group's hyperparameters now."""
         self.step_shifts[seq] = shift
+        self.step_hypers[seq] = hyper
 
     # --- when the call has returned ---------------------------------------------------------------
-    def finish(self, input_ids: tuple, output_ids: tuple, arguments: list = ()) -> dict:
+    def finish(self, input_ids: tuple, output_ids: tuple, arguments: list = (), markers: list = ()) -> dict:
         """The DefineGraph fields and what the controller keeps for replays. `arguments`: the
-        call's DTensor arguments, in input order.
+        call's DTensor arguments, in input order; `markers`: its numbers that are inputs of the
+        graph, as the call saw them (compile_scalars.py).
 
         A tensor the call changed in place holds a new id now. An argument's new id is one more
         output: each replay gives the caller's tensor the replay's own. A tensor from before the
@@ -226,7 +234,9 @@ class Capture(CaptureHooks):
         reads = self._carried_reads(older_reads)
         input_ids += tuple(read_id for _, read_id, _ in reads)
         self.guards.extend(_same_requires_grad(ref, flag) for ref, flag, _ in self._older_inputs.values())
+        steps = [c for c in rows if type(c) is wire.OptimizerStep]
         _, random_end = session.reserve_random(0)
+        slots, kept = find_slots(rows, list(markers))
         return {
             "rows": tuple(wire.command_row(c) for c in rows),
             "sites": sites,
@@ -236,7 +246,11 @@ class Capture(CaptureHooks):
             "random": tuple(i for i, c in enumerate(rows)
                             if _draws_random(c, self.seed, range(self.random_start, random_end))),
             "steps": tuple(i for i, c in enumerate(rows) if type(c) is wire.OptimizerStep),
-            "step_shifts": [self.step_shifts.get(c.seq, _no_shift) for c in rows if type(c) is wire.OptimizerStep],
+            "scalars": slots,                         # (row, argument index, marker index): a replay's number there
+            "kept_scalars": kept,                     # marker index -> why the graph keeps the captured value
+            "step_shifts": [self.step_shifts.get(c.seq, _no_shift) for c in steps],
+            # per OptimizerStep row: (its hyperparameters, a callable giving them now), or None
+            "step_hypers": [(c.hyper, self.step_hypers[c.seq]) if c.seq in self.step_hypers else None for c in steps],
             "rebound_arguments": rebound_arguments,   # (argument index, output index)
             "state": state,                           # tensors bound to the inputs after the arguments
             "grad_inputs": leaves["grad_inputs"],     # then: (inputs) -> the id of a gradient to bind
@@ -310,9 +324,14 @@ class Capture(CaptureHooks):
                 input_ids += (held.id,)
                 grad_inputs.append(lambda inputs, current=current: current(inputs).grad._id)
                 if k is None:
-                    self.guards.append(lambda leaf=leaf, held=held: _grad_like(leaf, held))
+                    self.guards.append((lambda leaf=leaf, held=held: _grad_like(leaf, held),
+                                        lambda leaf=leaf: f"{_leaf_name(leaf)}'s .grad is not of the kind the capture "
+                                                          "built on (None, or another shape, dtype or placements)"))
             elif k is None and not resets:   # the commands build on this very gradient (or on none)
-                self.guards.append(lambda leaf=leaf, before=before: leaf.grad is before)
+                self.guards.append((lambda leaf=leaf, before=before: leaf.grad is before,
+                                    lambda leaf=leaf, before=before: f"{_leaf_name(leaf)}'s .grad is "
+                                    f"{'a tensor' if leaf.grad is not None else 'None'}, the capture built on "
+                                    f"{'a tensor it accumulated into' if before is not None else 'None'}"))
             if k is not None and after is before and after is not None:
                 continue   # accumulated in place: the argument's own grad holds the sum
             if after is not None and after._id in made and (k is not None or after._id in output_ids):
@@ -387,9 +406,30 @@ def _settings(module) -> tuple:
                  if type(value) in _PLAIN and not name.startswith("_"))
 
 
+def _settings_changed(module, settings: tuple) -> str:
+    now = dict(_settings(module))
+    changed = [f"{name} ({value!r} -> {now.get(name, '(deleted)')!r})" for name, value in settings
+               if now.get(name, _MISSING) != value]
+    added = [f"{name} = {value!r}" for name, value in now.items() if name not in dict(settings)]
+    return f"{type(module).__name__}'s settings changed: {', '.join(changed + added)}"
+
+
+_MISSING = object()
+
+
 def _same_requires_grad(ref, flag: bool):
     # a tensor since released fails Graph.reads_alive instead, where the capture read it by id
-    return lambda: (ref() is None) or ref().requires_grad == flag
+    def why() -> str:
+        tensor = ref()
+        what = "a tensor" if tensor is None else f"a tensor ({tensor._meta.describe()})"
+        change = "frozen" if flag else "unfrozen"
+        return f"{what} the call reads from outside its arguments was {change} (requires_grad)"
+    return (lambda: (ref() is None) or ref().requires_grad == flag), why
+
+
+def _leaf_name(leaf) -> str:
+    tensor = leaf.tensor()
+    return "a parameter" if tensor is None else f"a parameter ({tensor._meta.describe()})"
 
 
 def _no_shift() -> int:

@@ -87,16 +87,38 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         reduce_gradients([p for group in self.param_groups for p in group["params"]])   # one all-reduce per bucket
         capture = capturing.active()
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             hyper = self.hyper(group)
-            if capture is not None:   # dtorch.compile: a replay reuses these numbers; an lr change recaptures
-                capture.guard(lambda group=group, hyper=hyper: self.hyper(group) == hyper)
+            if capture is not None:
+                self._guard_group(capture, index, group, hyper)
             with_grads = [p for p in group["params"] if getattr(p, "grad", None) is not None]
             for mesh_params in by_mesh(with_grads).values():
-                self._step_on_mesh(hyper, mesh_params)
+                self._step_on_mesh(hyper, mesh_params, group)
         return loss
 
-    def _step_on_mesh(self, hyper: dict, params: list) -> None:
+    def _guard_group(self, capture, index: int, group: dict, hyper: dict) -> None:
+        """dtorch.compile: a replay sends the group's numbers as they are then (an lr scheduler's
+        lr, OneCycleLR's betas: _capture_step), so only what shapes the step captures again: a
+        flag (amsgrad, nesterov, foreach...), a number that decides which buffers exist
+        (momentum 0 or not), or the group itself replaced (load_state_dict)."""
+        shape = _structure(self.kind, hyper)
+
+        def holds() -> bool:
+            return (index < len(self.param_groups) and self.param_groups[index] is group
+                    and _structure(self.kind, self.hyper(group)) == shape)
+
+        def why() -> str:
+            where = f"{type(self).__name__}'s param group {index}"
+            if index >= len(self.param_groups) or self.param_groups[index] is not group:
+                return f"{where} was replaced (load_state_dict, or param_groups changed)"
+            now = self.hyper(group)
+            changed = [k for k in hyper if now.get(k) != hyper[k]]
+            flags = [k for k in changed if not _is_number(hyper[k])] or changed   # else a number that adds a buffer
+            said = ", ".join(f"{k} ({hyper[k]!r} -> {now.get(k)!r})" for k in flags)
+            return f"{where} changed what its step keeps or runs: {said}"
+        capture.guard(holds, why)
+
+    def _step_on_mesh(self, hyper: dict, params: list, group: dict) -> None:
         controller = session.controller()
         names = state_names(self.kind, hyper)
         grads = [_grad_like(p, self.kind) for p in params]   # held until submitted (a Free may follow)
@@ -111,7 +133,7 @@ class Optimizer(torch.optim.Optimizer):
                                 fresh)
         capture = capturing.active()
         if capture is not None:
-            self._capture_step(capture, seq, states, names)
+            self._capture_step(capture, seq, states, names, group)
         for p, state, ids, new in zip(params, states, buffer_ids, fresh):
             if new:   # torch's lazy state, made by the step (optim_kernels.initial_fill)
                 state.update({name: DTensor(i, buffer_meta(name, p), seq, controller) for name, i in zip(names, ids)})
@@ -119,11 +141,15 @@ class Optimizer(torch.optim.Optimizer):
                 written._seq = seq   # a read after a failed step raises that step's RemoteError
             self._record_step(state)
 
-    def _capture_step(self, capture, seq: int, states: list, names) -> None:
+    def _capture_step(self, capture, seq: int, states: list, names, group: dict) -> None:
         """dtorch.compile: a replay steps the same state buffers (a fresh optimizer's first step
-        makes them, so the next call captures again) and advances the step counts as this did."""
+        makes them, so the next call captures again), advances the step counts as this did, and
+        takes the group's hyperparameters as they are at the replay."""
         buffers = [tuple(s.get(n) for n in names) for s in states]
-        capture.guard(lambda: all(s.get(n) is b for s, held in zip(states, buffers) for n, b in zip(names, held)))
+        capture.guard(lambda: all(s.get(n) is b for s, held in zip(states, buffers) for n, b in zip(names, held)),
+                      lambda: f"{type(self).__name__}'s state buffers are not the ones the capture stepped"
+                              + (" (its first step made them)" if any(b is None for held in buffers for b in held)
+                                 else " (load_state_dict, or the state was cleared)"))
         captured = states[0].get("step", 0)
 
         def shift() -> int:
@@ -131,7 +157,7 @@ class Optimizer(torch.optim.Optimizer):
             for state in states:
                 self._record_step(state)
             return now - captured
-        capture.optimizer_step(seq, shift)
+        capture.optimizer_step(seq, shift, lambda: self.hyper(group))
 
     def _record_step(self, state: dict) -> None:
         """What torch keeps beside the buffers: Adam's step count (an int here: state_dict() gives
@@ -197,6 +223,19 @@ def _grad_like(p: DTensor, what: str) -> DTensor:
     if grad.device_mesh != p.device_mesh or grad.placements != p.placements:
         grad = grad.redistribute(p.device_mesh, p.placements)
     return grad
+
+
+def _structure(kind: str, hyper: dict) -> tuple:
+    """What of a group's hyperparameters shapes its step: the buffers it keeps, and every flag
+    and setting that is not a number. The numbers (lr, betas, eps, weight_decay, momentum...)
+    are a compiled step's inputs."""
+    return state_names(kind, hyper), tuple((k, v) for k, v in hyper.items() if not _is_number(v))
+
+
+def _is_number(value) -> bool:
+    if type(value) is tuple:
+        return all(type(v) is float for v in value)
+    return type(value) is float
 
 
 def _plain(value):
