@@ -4,7 +4,9 @@ torch.distributed Gloo processes on the same machine, in the same run (train_bas
 
   1 worker   dtorch on a (1,) mesh against transformers + torch.optim.AdamW in one process of its own
   dp4        ("dp",) of 4 against DistributedDataParallel over 4 processes; also with the whole
-             step as one dtorch.compile'd function (goal: within 1.05x of DDP)
+             step as one dtorch.compile'd function (goal: within 1.05x of DDP); and both again with
+             a warmup + cosine LambdaLR stepped after every step (issue 45: the compiled step
+             takes the new lr as an input of its replay; goal: at most the eager step's time)
   fsdp4      ("fsdp",) of 4 (dtorch.nn.fully_shard per layer and root) against FSDP2's
              fully_shard over 4 processes; fsdp2 (and the 1 worker run, an fsdp of 1) show how
              peak memory falls with the fsdp size
@@ -71,6 +73,7 @@ class Layout:
     reference: str | None = None    # the variant this one is divided by
     schedule: str | None = None     # model.forward_backward's ("gpipe", "1f1b"); None: loss.backward()
     compiled: bool = False          # the whole step as one dtorch.compile'd function (docs/design/compile.md)
+    lr_schedule: bool = False       # a warmup + cosine LambdaLR stepped after each step, inside the timer
     checkpointed: bool = False      # gradient_checkpointing_enable(): each layer recomputed in backward
 
 
@@ -88,6 +91,9 @@ def layouts(suite) -> list[Layout]:
     return [Layout(ONE_WORKER, (1,), "fsdp", reference=ONE_PROCESS),
             Layout(f"dtorch dp{world}", (world,), "dp", reference=peers["DDP"]),
             Layout(f"dtorch dp{world}, dtorch.compile step", (world,), "dp", reference=peers["DDP"], compiled=True),
+            Layout(f"dtorch dp{world}, LambdaLR", (world,), "dp", reference=peers["DDP"], lr_schedule=True),
+            Layout(f"dtorch dp{world}, dtorch.compile step, LambdaLR", (world,), "dp",
+                   reference=f"dtorch dp{world}, LambdaLR", compiled=True, lr_schedule=True),
             *(Layout(f"dtorch fsdp{n}", (n,), "fsdp", reference=peers["FSDP2"] if n == world else None)
               for n in fsdp_sizes),
             Layout(f"dtorch fsdp{world}, gradient checkpointing", (world,), "fsdp", reference=f"dtorch fsdp{world}",
@@ -157,7 +163,7 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout, ddp: _DdpRow) -> 
     reference_model, ids, expected_loss = start
     losses = []
     once = _stepper(reference_model, ids, mesh, layout.microbatches, losses, layout.schedule, layout.compiled,
-                    layout.checkpointed)
+                    layout.checkpointed, layout.lr_schedule)
     repeat(once, WARMUP_STEPS, warmup=0)
     _check_loss(losses[0].item(), expected_loss)
     for pid in pids:
@@ -181,10 +187,11 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout, ddp: _DdpRow) -> 
 
 
 def _stepper(reference_model, ids, mesh, microbatches, losses: list, schedule: str | None = None,
-             compiled: bool = False, checkpointed: bool = False):
+             compiled: bool = False, checkpointed: bool = False, lr_schedule: bool = False):
     """A function that runs one timed training step of transformers' model on `mesh` and
     keeps the first step's loss in `losses`. Compiled: the step is one dtorch.compile'd function (the two
-    warm-up steps capture it; the timed ones replay it), the batch uploaded inside the timer."""
+    warm-up steps capture it; the timed ones replay it), the batch uploaded inside the timer.
+    lr_schedule: a LambdaLR (warmup, then cosine) steps after each step, inside the timer."""
     import dtorch
     from dtorch.models import LlamaForCausalLM
     model = LlamaForCausalLM(reference_model.config, device_mesh=mesh, microbatches=microbatches)
@@ -193,11 +200,14 @@ def _stepper(reference_model, ids, mesh, microbatches, losses: list, schedule: s
         model.gradient_checkpointing_enable()
     optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
     step = compiled_step(model, optimizer)
+    scheduler = warmup_cosine(optimizer) if lr_schedule else None
 
     def once() -> float:
         elapsed = stopwatch()
         if compiled:
             loss = step(model._upload(ids))
+            if scheduler is not None:
+                scheduler.step()
             dtorch.synchronize()
             _keep_first(losses, loss)
             return elapsed()
@@ -208,10 +218,20 @@ def _stepper(reference_model, ids, mesh, microbatches, losses: list, schedule: s
             loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
         dtorch.synchronize()
         _keep_first(losses, loss)
         return elapsed()
     return once
+
+
+def warmup_cosine(optimizer, warmup: int = 3, total: int = 100):
+    """The schedule of a fine-tune (issue 45): a linear warmup, then a cosine decay; the lr
+    changes at every step."""
+    import torch
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * step / total)))
 
 
 def compiled_step(model, optimizer):
