@@ -49,11 +49,15 @@ class CommandRecorder:
         comms.host_comm = comm if comms.host_comm is self.unwrapped[0] else RecordingComm(comms.host_comm, self)
 
     def record(self, command, execute) -> None:
-        """Run the command through `execute` (Worker._execute, which never raises) and keep its span."""
-        self.collectives = collectives = []
+        """Run the command through `execute` (Worker._execute, which never raises) and keep its span.
+        A command may run others inside it (a RunGraph its rows): each keeps its own collectives,
+        and the outer one's list is current again once a nested one ends."""
+        outer, self.collectives = self.collectives, []
+        collectives = self.collectives
         start = _now()
         execute(command)
         end = _now()
+        self.collectives = outer
         if type(command) is not wire.Profile:   # the profiler's own pings are not the program's
             self.rows.append((command, start, end, collectives, self._status(command)))
 
