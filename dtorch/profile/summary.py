@@ -4,6 +4,12 @@ Three tables: the ops that took the most worker time (summed over ranks), this p
 (op issues, reads, flushes, backward, optimizer steps), and per rank the shares of the profile's
 window spent computing, in collectives, waiting on a peer inside them (part of the collective
 share) and idle (no command running: waiting for the controller's next one).
+
+Every instant counts once. Spans nest: a `dtorch.compile` replay (`RunGraph`) holds its rows as
+commands of their own, a command holds its collectives, an op's issue holds the redistribute
+dtorch inserted. So a row's time is its self time, the span less the commands nested in it, and
+a rank's compute, communication and idle shares add up to 100% of the window, compiled or not.
+Nothing here needs more than the standard library (matplotlib is only for `plot`).
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import os
 
 from .trace import CONTROLLER_PID
 
-__all__ = ["load", "summarize"]
+__all__ = ["load", "summarize", "self_times"]
 
 
 def load(path: str | os.PathLike) -> dict:
@@ -26,15 +32,63 @@ def summarize(trace: dict, top: int = 10) -> str:
     window = _window(trace, spans)
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
              if e["ph"] == "M" and e["name"] == "process_name"}
+    owners = self_times([e for e in spans if e["cat"] in ("command", "comm") or e["pid"] == CONTROLLER_PID])
     commands = [e for e in spans if e["pid"] != CONTROLLER_PID and e["cat"] == "command"]
     lines = [f"dtorch profile: {window / 1000:.3f} ms, {len(names) - 1} rank(s)"]
     missing = trace.get("otherData", {}).get("workers_missing")
     if missing:
         lines.append(f"(part of the trace is missing: {missing})")
-    lines += ["", f"Top ops by worker time (all ranks, top {top}):"] + _top_ops(commands, top)
-    lines += ["", "Controller (this process):"] + _controller(spans, top)
-    lines += ["", "Per rank (shares of the window):"] + _per_rank(commands, names, window)
+    lines += ["", f"Top ops by worker time (all ranks, top {top}):",
+              "  self: the command's own time, less the commands nested in it (a compiled replay's rows);",
+              "  shares of self time add to 100%; with nested: the whole span"]
+    lines += _top_ops(commands, owners, top)
+    lines += ["", "Controller (this process):",
+              "  ms: whole calls; self ms: less the calls nested in them (an op's inserted redistribute)"]
+    lines += _controller(spans, owners, top)
+    lines += ["", "Per rank (shares of the window; compute + communication + idle = 100%):"]
+    lines += _per_rank(commands, owners, names, window)
     return "\n".join(lines)
+
+
+class Owned:
+    """What nests in one span: the time of its direct children, and its collectives' (comm
+    spans whose innermost enclosing command it is)."""
+    __slots__ = ("self_us", "comm_us", "wait_us", "sent", "nested")
+
+    def __init__(self, span: dict):
+        self.self_us, self.comm_us, self.wait_us, self.sent, self.nested = span["dur"], 0.0, 0.0, 0, False
+
+
+def self_times(spans: list) -> dict:
+    """id(span) -> Owned, lane by lane: each span's time less its direct children's (spans of a
+    lane nest or follow each other: check_trace). A collective is charged to the command it
+    runs in, not to a replay around that command."""
+    by_lane = collections.defaultdict(list)
+    for e in spans:
+        by_lane[(e["pid"], e["tid"])].append(e)
+    owned = {}
+    for lane_spans in by_lane.values():
+        open_spans: list = []
+        for e in sorted(lane_spans, key=lambda e: (e["ts"], -e["dur"])):
+            while open_spans and open_spans[-1]["ts"] + open_spans[-1]["dur"] <= e["ts"] + _EPSILON_US:
+                open_spans.pop()
+            owned[id(e)] = Owned(e)
+            parent = owned[id(open_spans[-1])] if open_spans else None
+            if parent is not None and e["cat"] == "comm":
+                parent.comm_us += e["dur"]
+                parent.wait_us += e["args"].get("wait_us", 0.0)
+                parent.sent += e["args"].get("bytes", 0)
+            elif parent is not None:
+                parent.self_us -= e["dur"]
+                parent.nested = True
+            if e["cat"] != "comm":   # collectives nest nothing
+                open_spans.append(e)
+    for entry in owned.values():
+        entry.self_us = max(entry.self_us, 0.0)
+    return owned
+
+
+_EPSILON_US = 0.002   # ts and dur are rounded to ns in us: a child may end a rounding step late
 
 
 def _window(trace: dict, spans: list) -> float:
@@ -50,46 +104,54 @@ def _table(header: tuple, rows: list) -> list[str]:
             for row in [header] + rows]
 
 
-def _top_ops(commands: list, top: int) -> list[str]:
-    total = collections.Counter()
-    comm = collections.Counter()
+def _top_ops(commands: list, owners: dict, top: int) -> list[str]:
+    own, whole, comm = collections.Counter(), collections.Counter(), collections.Counter()
+    nested: set = set()
     seqs = collections.defaultdict(set)
     for e in commands:
-        total[e["name"]] += e["dur"]
-        comm[e["name"]] += e["args"].get("comm_us", 0.0)
+        entry = owners[id(e)]
+        own[e["name"]] += entry.self_us
+        whole[e["name"]] += e["dur"]
+        comm[e["name"]] += entry.comm_us
         seqs[e["name"]].add(e["args"].get("seq"))
-    everything = sum(total.values()) or 1e-9
+        if entry.nested:
+            nested.add(e["name"])
+    everything = sum(own.values()) or 1e-9
     rows = [(name, len(seqs[name]), f"{us / 1000:.3f}", f"{100 * us / everything:.1f}%",
-             f"{us / max(len(seqs[name]), 1):.1f}", f"{100 * comm[name] / us:.0f}%" if us else "-")
-            for name, us in total.most_common(top)]
+             f"{us / max(len(seqs[name]), 1):.1f}", f"{100 * comm[name] / us:.0f}%" if us else "-",
+             f"{whole[name] / 1000:.3f}" if name in nested else "-")
+            for name, us in own.most_common(top)]
     if not rows:
         return ["  (no worker commands recorded)"]
-    return _table(("op", "calls", "rank-ms", "share", "us/call", "in collectives"), rows)
+    return _table(("op", "calls", "self rank-ms", "share", "self us/call", "in collectives", "with nested ms"), rows)
 
 
-def _controller(spans: list, top: int) -> list[str]:
+def _controller(spans: list, owners: dict, top: int) -> list[str]:
     mine = [e for e in spans if e["pid"] == CONTROLLER_PID]
-    total, count, longest = collections.Counter(), collections.Counter(), collections.Counter()
+    total, own = collections.Counter(), collections.Counter()
+    count, longest = collections.Counter(), collections.Counter()
     for e in mine:
         key = (e["cat"], e["name"])
         total[key] += e["dur"]
+        own[key] += owners[id(e)].self_us
         count[key] += 1
         longest[key] = max(longest[key], e["dur"])
-    rows = [(category, name, count[(category, name)], f"{us / 1000:.3f}", f"{us / count[(category, name)]:.1f}",
-             f"{longest[(category, name)]:.1f}") for (category, name), us in total.most_common(top)]
+    rows = [(category, name, count[(category, name)], f"{us / 1000:.3f}", f"{own[(category, name)] / 1000:.3f}",
+             f"{us / count[(category, name)]:.1f}", f"{longest[(category, name)]:.1f}")
+            for (category, name), us in total.most_common(top)]
     if not rows:
         return ["  (no controller spans recorded)"]
-    return _table(("kind", "name", "count", "ms", "mean us", "max us"), rows)
+    return _table(("kind", "name", "count", "ms", "self ms", "mean us", "max us"), rows)
 
 
-def _per_rank(commands: list, names: dict, window: float) -> list[str]:
+def _per_rank(commands: list, owners: dict, names: dict, window: float) -> list[str]:
     rows = []
     for pid in sorted(p for p in names if p != CONTROLLER_PID):
-        mine = [e for e in commands if e["pid"] == pid]
-        busy = sum(e["dur"] for e in mine)
-        comm = sum(e["args"].get("comm_us", 0.0) for e in mine)
-        wait = sum(e["args"].get("wait_us", 0.0) for e in mine)
-        sent = sum(e["args"].get("bytes", 0) for e in mine)
+        mine = [owners[id(e)] for e in commands if e["pid"] == pid]
+        busy = sum(entry.self_us for entry in mine)          # every instant under one command, once
+        comm = sum(entry.comm_us for entry in mine)
+        wait = sum(entry.wait_us for entry in mine)
+        sent = sum(entry.sent for entry in mine)
         rows.append((names[pid].split(" (")[0], len(mine), _share(busy - comm, window), _share(comm, window),
                      _share(wait, window), _share(max(window - busy, 0.0), window), _bytes(sent)))
     if not rows:
