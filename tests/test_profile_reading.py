@@ -5,14 +5,21 @@ and plot without matplotlib says how to get it while summarize needs nothing.
 Profiles run on the session fixture's 4 workers; the CLI runs in a subprocess with a timeout."""
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 import dtorch
 from dtorch import Replicate, Shard
 from dtorch.profile import check_trace, summarize
+from dtorch.profile.timeline import drawing, phase_of
+from dtorch.profile.trace import CONTROLLER_PID
 
+ROOT = Path(__file__).resolve().parent.parent
 READ_S = 60
 ROUNDING = 0.35   # four shares, each rounded to 0.1%
 RANK_ROW = re.compile(r"^\s*rank (\d+)\s+\d+\s+([\d.]+)%\s+([\d.]+)%\s+([\d.]+)%\s+([\d.]+)%")
@@ -78,6 +85,8 @@ def test_shares_per_rank_add_up_to_100(mesh4, compiled):
     _assert_adds_up(trace)
     text = summarize(trace)
     assert "self" in text and "100%" in text   # the output says what a row counts
+    phases = {phase_of(e) for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] != CONTROLLER_PID}
+    assert {"forward", "backward", "optimizer", "communication"} <= phases
 
 
 # --- a trace made by hand: every number known ------------------------------------------------------
@@ -115,3 +124,41 @@ def test_summarize_counts_self_time_of_a_hand_made_replay():
     row = next(line for line in text.splitlines() if line.strip().startswith("RunGraph"))
     assert row.split()[2:4] == ["0.060", "6.7%"] and row.split()[-1] == "0.800", row   # 60 of 900 us, whole 800
     assert abs(sum(_op_shares(text)) - 100) < 0.2, text
+
+
+def test_the_picture_names_ops_and_phases_on_worker_lanes():
+    picture = drawing(HAND_MADE)
+    worker_row = picture.lanes.index("rank 0")
+    on_worker = [label for label in picture.labels if label.row == worker_row]
+    assert {label.text for label in on_worker if label.kind == "phase"} == {
+        "forward", "backward", "optimizer", "communication"}
+    assert {"matmul", "backward", "SGD", "redistribute"} <= {label.text for label in on_worker if label.kind == "op"}
+    assert "RunGraph" not in {label.text for label in on_worker}   # the replay is a colour; its rows are named
+    colors = {bar.color for bar in picture.bars if bar.row == worker_row}
+    assert len(colors) == 5   # forward, backward, optimizer, communication, the replay around them
+    narrow = {**HAND_MADE, "otherData": {"window_us": [0.0, 1e6]}}   # 1 s: no bar is wide enough for a name
+    assert not [label for label in drawing(narrow).labels if label.kind in ("op", "phase")]
+
+
+WITHOUT_MATPLOTLIB = """
+import runpy, sys
+sys.modules["matplotlib"] = None     # as if it were not installed: its import raises ImportError
+sys.argv = ["python -m dtorch.profile"] + sys.argv[1:]
+runpy.run_module("dtorch.profile", run_name="__main__")
+"""
+
+
+def test_plot_without_matplotlib_says_how_to_get_it_and_summarize_needs_nothing(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(HAND_MADE))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-c", WITHOUT_MATPLOTLIB, *map(str, args)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+    drawn = cli("plot", path, "-o", tmp_path / "timeline.png")
+    assert drawn.returncode == 1, drawn.stderr
+    assert "needs matplotlib" in drawn.stderr and "pip install matplotlib" in drawn.stderr, drawn.stderr
+    assert "Traceback" not in drawn.stderr and not (tmp_path / "timeline.png").exists()
+    summarized = cli("summarize", path)
+    assert summarized.returncode == 0, summarized.stderr
+    assert summarized.stdout.strip() == summarize(HAND_MADE).strip()

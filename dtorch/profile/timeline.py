@@ -2,43 +2,120 @@
 controller thread (on top) and one per rank below, for people who would rather look than read.
 Perfetto (ui.perfetto.dev) or chrome://tracing show the same file interactively.
 
-matplotlib is the `bench` extra: imported here only, with a clear error when it is missing.
+`drawing(trace)` decides everything drawn (bars, their colours, the labels), with no matplotlib;
+`plot` only renders it. On a worker's lane a command is coloured by its phase (PHASES), an op's
+name is written on its bar where it fits, and each run of one phase is named above the lane.
+Spans nested in others (a compiled replay's rows, a command's collectives) are thinner bands.
+
+matplotlib is the `bench` extra: imported by `plot` only, with a clear error when it is missing.
 """
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 from ..errors import DTorchError
 from .trace import CONTROLLER_PID
 
-__all__ = ["plot"]
+__all__ = ["plot", "drawing", "phase_of", "PHASES"]
 
-COLORS = {"op": "#1f77b4", "command": "#1f77b4", "comm": "#ff7f0e", "read": "#2ca02c", "flush": "#7f7f7f",
-          "autograd": "#9467bd", "optimizer": "#8c564b", "redistribute": "#d62728", "call": "#17becf"}
-LEGEND = {"op issue / command": "#1f77b4", "collective": "#ff7f0e", "read": "#2ca02c", "flush": "#7f7f7f",
-          "backward": "#9467bd", "optimizer step": "#8c564b", "inserted redistribute": "#d62728"}
+# A worker command's phase, by its command type; a collective is "communication" wherever it runs.
+# Every op is "forward": the workers cannot tell a loss or a clipping op from a layer's.
+PHASE_OF_COMMAND = {"RunOp": "forward", "Factory": "forward", "Backward": "backward",
+                    "OptimizerStep": "optimizer", "UpdateGrads": "optimizer", "SetGrads": "optimizer",
+                    "GradNorm": "optimizer", "Redistribute": "communication", "Transfer": "communication"}
+PHASES = {"forward": "#1f77b4", "backward": "#9467bd", "optimizer": "#8c564b", "communication": "#ff7f0e",
+          "compiled replay": "#d9d9d9", "other": "#7f7f7f"}
+CONTROLLER_COLORS = {"op": "#aec7e8", "read": "#2ca02c", "flush": "#c7c7c7", "autograd": "#c5b0d5",
+                     "optimizer": "#c49c94", "redistribute": "#d62728", "call": "#17becf"}
+LEGEND = {**{name: color for name, color in PHASES.items() if name != "other"},
+          "controller: op issue": CONTROLLER_COLORS["op"], "read": CONTROLLER_COLORS["read"],
+          "inserted redistribute": CONTROLLER_COLORS["redistribute"]}
+HEIGHTS = (0.7, 0.45, 0.25)   # a span's bar by how deeply it nests
+LANE_PIXELS, CHAR_PIXELS = 1400, 6.5   # the lanes' width in the PNG, one label character's (fontsize 7)
+
+
+class Bar(NamedTuple):
+    row: int
+    start_ms: float
+    width_ms: float
+    depth: int
+    color: str
+
+
+class Label(NamedTuple):
+    row: int
+    x_ms: float      # the label's centre
+    text: str
+    kind: str        # "op" (a worker's command) and "call" (this process's): on its bar; "phase": above the lane
+
+
+class Drawing(NamedTuple):
+    lanes: list      # the label of each row, top to bottom
+    bars: list
+    labels: list
+    window_ms: float
+
+
+def phase_of(span: dict) -> str:
+    if span["cat"] == "comm":
+        return "communication"
+    return PHASE_OF_COMMAND.get(span["args"].get("command", ""), "other")
+
+
+def drawing(trace: dict) -> Drawing:
+    """What `plot` draws: lanes, bars and labels, with nothing of matplotlib (tests read it)."""
+    events = trace["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    window = max([e["ts"] + e["dur"] for e in spans] + [trace.get("otherData", {}).get("window_us", [0, 1e-3])[1]])
+    lanes = _lanes(trace)
+    bars, labels = [], []
+    for row, (lane, _label) in enumerate(lanes):
+        on_lane = sorted((e for e in spans if (e["pid"], e["tid"]) == lane), key=lambda e: (e["ts"], -e["dur"]))
+        depths, containers = _depths(on_lane)
+        worker = lane[0] != CONTROLLER_PID
+        for e in on_lane:
+            color = _color(e, worker, id(e) in containers)
+            bars.append(Bar(row, e["ts"] / 1000, e["dur"] / 1000, depths[id(e)], color))
+            text = _fitting(e["name"], e["dur"], window)
+            if text and e["cat"] != "comm" and id(e) not in containers:   # a replay: its colour and its rows
+                labels.append(Label(row, (e["ts"] + e["dur"] / 2) / 1000, text, "op" if worker else "call"))
+        if worker:
+            labels += _phase_labels(row, [e for e in on_lane if e["cat"] == "command" and id(e) not in containers],
+                                    window)
+    return Drawing([label for _, label in lanes], bars, labels, window / 1000)
 
 
 def plot(trace: dict, out: str | os.PathLike, title: str | None = None) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise DTorchError("plotting a dtorch trace needs matplotlib: pip install 'dtorch[bench]' (or matplotlib); "
+        raise DTorchError("plotting a dtorch trace needs matplotlib, which is not installed: "
+                          "pip install matplotlib (or pip install 'dtorch[bench]'). "
                           "`python -m dtorch.profile summarize` needs nothing more") from None
     matplotlib.use("Agg")   # no display on CI machines or over SSH
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    lanes = _lanes(trace)
-    figure, axes = plt.subplots(figsize=(14, 0.5 * len(lanes) + 1.5))
-    for row, (lane, _label) in enumerate(lanes):
-        _draw_lane(axes, -row, [e for e in trace["traceEvents"] if e["ph"] == "X" and (e["pid"], e["tid"]) == lane])
-    axes.set_yticks([-row for row in range(len(lanes))], [label for _, label in lanes], fontsize=8)
+    picture = drawing(trace)
+    figure, axes = plt.subplots(figsize=(14, 0.7 * len(picture.lanes) + 2))
+    for bar in picture.bars:
+        height = HEIGHTS[min(bar.depth, len(HEIGHTS) - 1)]
+        axes.broken_barh([(bar.start_ms, max(bar.width_ms, 1e-4))], (-bar.row - height / 2, height),
+                         facecolors=bar.color, linewidth=0)
+    offsets = {"op": (0.0, "center", "white"), "call": (0.0, "center", "black"), "phase": (0.37, "bottom", "black")}
+    for label in picture.labels:
+        dy, align, color = offsets[label.kind]
+        axes.text(label.x_ms, -label.row + dy, label.text, ha="center", va=align, fontsize=7, color=color,
+                  clip_on=True, style="italic" if label.kind == "phase" else "normal")
+    axes.set_yticks([-row for row in range(len(picture.lanes))], picture.lanes, fontsize=8)
+    axes.set_ylim(-len(picture.lanes) + 0.4, 0.65)
+    axes.set_xlim(0, picture.window_ms)
     axes.set_xlabel("ms since the profile started (controller clock)")
     axes.set_title(title or "dtorch timeline")
-    axes.legend(handles=[Patch(color=c, label=n) for n, c in LEGEND.items()], loc="upper center",
-                bbox_to_anchor=(0.5, -0.12), ncol=len(LEGEND), fontsize=8, frameon=False)
-    figure.tight_layout()
+    figure.legend(handles=[Patch(color=c, label=n) for n, c in LEGEND.items()], loc="lower center",
+                  ncol=len(LEGEND), fontsize=8, frameon=False)
+    figure.tight_layout(rect=(0, 0.06, 1, 1))
     figure.savefig(out, dpi=120)
     plt.close(figure)
 
@@ -48,6 +125,7 @@ def _lanes(trace: dict) -> list:
     names = {(e["pid"], e["tid"]) if e["name"] == "thread_name" else e["pid"]: e["args"]["name"]
              for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] in ("thread_name", "process_name")}
     used = sorted({(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "X"})
+
     def label(lane):
         pid, tid = lane
         if pid == CONTROLLER_PID:
@@ -56,18 +134,46 @@ def _lanes(trace: dict) -> list:
     return [(lane, label(lane)) for lane in used]
 
 
-def _draw_lane(axes, y: float, spans: list) -> None:
-    """Outermost spans full height, nested ones (collectives, redistributes) as a thinner band."""
-    spans = sorted(spans, key=lambda e: (e["ts"], -e["dur"]))
-    outer_end = float("-inf")
-    for height, keep in ((0.7, True), (0.35, False)):
-        chosen, outer_end = [], float("-inf")
-        for e in spans:
-            is_outer = e["ts"] >= outer_end
-            if is_outer:
-                outer_end = e["ts"] + e["dur"]
-            if is_outer == keep:
-                chosen.append(e)
-        if chosen:
-            axes.broken_barh([(e["ts"] / 1000, max(e["dur"] / 1000, 1e-4)) for e in chosen], (y - height / 2, height),
-                             facecolors=[COLORS.get(e["cat"], "#bcbd22") for e in chosen], linewidth=0)
+def _depths(spans: list) -> tuple[dict, set]:
+    """id(span) -> how many spans it nests in; and the ids of commands holding other commands
+    (a compiled replay's RunGraph). `spans` sorted by (start, -duration)."""
+    depths, containers, open_spans = {}, set(), []
+    for e in spans:
+        while open_spans and open_spans[-1]["ts"] + open_spans[-1]["dur"] <= e["ts"] + 0.002:
+            open_spans.pop()
+        depths[id(e)] = len(open_spans)
+        if open_spans and e["cat"] == "command" and open_spans[-1]["cat"] == "command":
+            containers.add(id(open_spans[-1]))
+        open_spans.append(e)
+    return depths, containers
+
+
+def _color(span: dict, worker: bool, container: bool) -> str:
+    if not worker:
+        return CONTROLLER_COLORS.get(span["cat"], "#bcbd22")
+    return PHASES["compiled replay" if container else phase_of(span)]
+
+
+def _fitting(text: str, duration_us: float, window_us: float) -> str:
+    """`text` as much of it as fits on a bar this long ("" when under three characters would)."""
+    room = int(duration_us / window_us * LANE_PIXELS / CHAR_PIXELS) - 1
+    if room >= len(text):
+        return text
+    return text[:room - 1] + "…" if room >= 4 else ""
+
+
+def _phase_labels(row: int, commands: list, window: float) -> list:
+    """A label above each run of consecutive commands of one phase ("other" is left unnamed)."""
+    runs: list = []   # [phase, start, end]
+    for e in commands:
+        phase = phase_of(e)
+        if runs and runs[-1][0] == phase:
+            runs[-1][2] = e["ts"] + e["dur"]
+        else:
+            runs.append([phase, e["ts"], e["ts"] + e["dur"]])
+    labels = []
+    for phase, start, end in runs:
+        text = _fitting(phase, end - start, window)
+        if phase != "other" and text:
+            labels.append(Label(row, (start + end) / 2000, text, "phase"))
+    return labels
