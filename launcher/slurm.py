@@ -147,7 +147,9 @@ class SlurmSpawner(SshSpawner):
 
     def spawn(self, rank: int, config: dict, environ: Mapping[str, str] | None = None) -> SlurmWorker:
         host = self._slot(rank)[0]
-        if self.allocation.cpus_per_task:   # the job said how many CPUs a task has: use them all
+        # The job said how many CPUs a task has: use them all, unless the user chose a count
+        # (dtorch.init(threads_per_worker=...), DTORCH_THREADS).
+        if self.allocation.cpus_per_task and not config.get("threads_chosen"):
             config = {**config, "threads": self.allocation.cpus_per_task}
         return SlurmWorker.start_step(rank, host, self.options, self.allocation, json.dumps(config) + "\n")
 

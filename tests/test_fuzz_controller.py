@@ -53,7 +53,7 @@ class Harness:
         self.workers = [self.dealer(b"w%d:standin" % rank) for rank in (0, 1)]
         for rank, dealer in enumerate(self.workers):
             dealer.send_multipart([wire.encode(wire.Register(rank, "here", os.getpid(), "cpu",
-                                                             self.controller.secret))])
+                                                             self.controller.secret, 1))])
             assert wire.read_header(dealer.recv_multipart()[0])[1] == wire.Kind.WELCOME
         self.forgers = [self.dealer(b"w0"), self.dealer(b"w1:guess"), self.dealer(b"h0"), self.dealer(b"")]
         self.mesh_id = self.controller.define_mesh(MESH)
@@ -105,7 +105,7 @@ def valid_messages(seq: int, secret: str) -> list:
             [wire.encode(wire.Reply(seq, 1, "poisoned", 3))],
             [wire.encode(wire.ErrorReport(seq, 1, "add", "ValueError", "forged", ""))],
             [wire.encode(wire.ErrorReport(seq, 0, wire.PROTOCOL_FAILURE, "ProtocolError", "forged", ""))],
-            [wire.encode(wire.Register(0, "evil", 1, "cpu", secret))],
+            [wire.encode(wire.Register(0, "evil", 1, "cpu", secret, 1))],
             [wire.encode(wire.Heartbeat(0, 0, 0, -1, 0.0))]]
 
 

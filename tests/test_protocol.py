@@ -8,7 +8,7 @@ from dtorch.runtime.controller.controller import Controller
 from dtorch.runtime.controller.worker_messages import WorkerMessages
 from dtorch.runtime.worker.worker import Worker
 
-EXAMPLES = [wire.Batch(3, 2), wire.Private(7), wire.Probe(), wire.Register(1, "host", 42, "cpu", "s3cret"),
+EXAMPLES = [wire.Batch(3, 2), wire.Private(7), wire.Probe(), wire.Register(1, "host", 42, "cpu", "s3cret", 2),
             wire.Welcome(5, "tcp://127.0.0.1:1234", 120.0), wire.Refused("why"), wire.Reply(9, 1, "ok", -1),
             wire.ErrorReport(9, 1, "add", "ValueError", "bad", "Traceback ..."),
             wire.WarningReport(9, 1, "UserWarning", "careful"), wire.Heartbeat(3, 12, 1 << 30, 7, 1.5), wire.Pong()]

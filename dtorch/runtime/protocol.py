@@ -45,7 +45,7 @@ __all__ = [
     "decode_placement", "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 18   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+VERSION = 19   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
               # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
               # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention);
               # 6: Regroup (lost ranks were replaced: communication groups of a new generation)
@@ -68,6 +68,7 @@ VERSION = 18   # 2: REGISTER carries the run's secret; 3: RunOp names the user's
               # 17: LoadChunks' chunk rows end with the chunk's crc32 (-1: none to check)
               # 18: RunGraph.hypers (an optimizer row's hyperparameters now: an lr schedule replays),
               #     DefineGraph.scalars and RunGraph.scalars (numbers passed to a compiled function)
+              # 19: Register carries the worker's torch intra-op thread count (dtorch.workers() shows it)
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -82,7 +83,7 @@ class Kind(enum.IntEnum):
     BATCH = 1        # PUB: a run of commands, seq first..first+count-1
     PRIVATE = 2      # PUB to one rank: raw bytes that one command of a batch will consume
     PROBE = 3        # PUB: "are you subscribed yet?" answered by REGISTER
-    REGISTER = 10    # worker -> controller: rank, host, pid, device, the run's secret
+    REGISTER = 10    # worker -> controller: rank, host, pid, device, the run's secret, threads
     WELCOME = 11     # controller -> worker: first seq to execute and rendezvous address
     REPLY = 12       # worker -> controller: answer to Fetch / Sync, with data frames
     ERROR = 13       # worker -> controller: a command raised; tagged with its seq
@@ -671,6 +672,7 @@ class Register(NamedTuple):     # worker -> controller, once, after it has heard
     pid: int
     device: str
     secret: str                 # the run's secret, which the worker read on its stdin
+    threads: int                # torch.get_num_threads() once the worker set it (dtorch.workers() shows it)
 
 
 class Welcome(NamedTuple):      # controller -> worker: registration accepted
@@ -725,7 +727,7 @@ MESSAGES = {Batch: Kind.BATCH, Private: Kind.PRIVATE, Probe: Kind.PROBE, Registe
 _MESSAGE_BY_KIND = {int(kind): message_type for message_type, kind in MESSAGES.items()}
 # The type of each field, checked on decode before anything looks at a value (bool is not an int).
 _MESSAGE_FIELDS = {
-    Batch: (int, int), Private: (int,), Probe: (), Register: (int, str, int, str, str),
+    Batch: (int, int), Private: (int,), Probe: (), Register: (int, str, int, str, str, int),
     Welcome: (int, str, NUMBER), Refused: (str,), Reply: (int, int, str, int),
     ErrorReport: (int, int, str, str, str, str), WarningReport: (int, int, str, str),
     Heartbeat: (int, int, int, int, NUMBER), Pong: (),

@@ -20,19 +20,59 @@ from ..processes.local_relays import LocalRelays, local_relays_enabled
 from ..processes.zygote import Zygote, ZygoteUnavailable, zygote_enabled
 
 __all__ = ["LocalWorker", "ForkedWorker", "LocalSpawner", "worker_config", "forward_lines", "WorkerRecord",
-           "WorkerPool", "loss_reason", "stop_process"]
+           "WorkerPool", "loss_reason", "stop_process", "threads_setting", "default_threads", "ENV_THREADS"]
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def worker_config(controller, rank: int, device: str, threads: int, curve: dict | None = None,
-                  gloo_host: str = "127.0.0.1", controller_timeout: float = 6.0) -> dict:
+                  gloo_host: str = "127.0.0.1", controller_timeout: float = 6.0, threads_chosen: bool = False) -> dict:
     """The one JSON line a worker reads from stdin (it holds the run's secret: never put it on a
-    command line or in a file)."""
+    command line or in a file). `threads_chosen`: the user set `threads` (dtorch.init's
+    threads_per_worker, DTORCH_THREADS), so no spawner replaces it with its own default (SLURM's
+    --cpus-per-task)."""
     return {"command_address": controller.sockets.command_address, "secret": controller.secret,
             "reply_address": controller.sockets.reply_address,
-            "rank": rank, "device": device, "threads": threads, "curve": curve,
+            "rank": rank, "device": device, "threads": threads, "threads_chosen": threads_chosen, "curve": curve,
             "gloo_host": gloo_host, "controller_timeout": controller_timeout}
+
+
+# --- torch threads per worker --------------------------------------------------------------------
+ENV_THREADS = "DTORCH_THREADS"
+
+
+def threads_setting(given: int | None) -> int | None:
+    """The torch intra-op threads each worker is told to use: `given` (dtorch.init's
+    threads_per_worker), else DTORCH_THREADS, else None: default_threads when each starts."""
+    source = "threads_per_worker"
+    if given is None:
+        text = os.environ.get(ENV_THREADS, "").strip()
+        if not text:
+            return None
+        source, given = ENV_THREADS, text
+    try:
+        count = int(given)
+    except (TypeError, ValueError):
+        count = 0
+    if count < 1 or isinstance(given, (bool, float)):
+        raise ValueError(f"{source}={given!r}: expected a whole number of torch threads per worker, at least 1 "
+                         f"(unset: {DEFAULT_THREADS_RULE})")
+    return count
+
+
+DEFAULT_THREADS_RULE = ("the CPUs this process may run on, shared by the workers in the pool when a worker starts "
+                        "(at least 1); under SLURM, --cpus-per-task")
+
+
+def default_threads(pool_size: int) -> int:
+    """DEFAULT_THREADS_RULE, without SLURM's (launcher/slurm.py applies that one): the CPUs this
+    process may use (its affinity, which taskset, cgroups' cpusets and container limits narrow;
+    os.cpu_count() where the platform has none) over the pool's size, at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:   # macOS and Windows have no affinity call
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, pool_size))
 
 
 def forward_lines(stream, prefix: str, sink=None, log_file=None, tail=None) -> threading.Thread:
@@ -252,10 +292,12 @@ class WorkerRecord:
         self.lost: str | None = None
         self.live_tensors = self.rss_bytes = 0         # from the latest heartbeat
         self.busy_seq, self.busy_s = -1, 0.0           # the command it runs, and for how long
+        self.threads = 0                               # its torch intra-op threads, from its registration
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "host": self.host, "pid": self.pid, "device": self.device,
-                "alive": self.lost is None, "live_tensors": self.live_tensors, "rss_bytes": self.rss_bytes}
+                "alive": self.lost is None, "threads": self.threads, "live_tensors": self.live_tensors,
+                "rss_bytes": self.rss_bytes}
 
 
 def loss_reason(worker: WorkerRecord, now: float) -> str | None:

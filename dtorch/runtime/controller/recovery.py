@@ -15,12 +15,11 @@ In order:
 """
 from __future__ import annotations
 
-import os
 import time
 
 from ...errors import WorkerLostError
 from .. import protocol as wire
-from .cluster import stop_process, worker_config
+from .cluster import default_threads, stop_process, worker_config
 from .reads import SyncRead
 
 __all__ = ["replace_lost_workers"]
@@ -76,6 +75,6 @@ def _settle_survivors(controller, timeout: float) -> None:
 def _config(controller, spawner, lost) -> dict:
     """What the lost process was started with: same rank, device and thread count."""
     remote = getattr(spawner, "capacity", None) is not None
-    threads = max(1, (os.cpu_count() or 1) // max(1, len(controller.workers)))
+    threads = lost.threads or default_threads(len(controller.workers))   # 0: it never registered
     return worker_config(controller, lost.rank, lost.device, threads, controller.curve_for_worker(),
-                         gloo_host="auto" if remote else "127.0.0.1")
+                         gloo_host="auto" if remote else "127.0.0.1", threads_chosen=lost.threads > 0)

@@ -13,7 +13,7 @@ import threading
 
 from ...errors import MeshError, SessionEndedError
 from ...ops.dispatch import warm_up_inference
-from .cluster import LocalSpawner, worker_config
+from .cluster import LocalSpawner, default_threads, threads_setting, worker_config
 from .controller import Controller
 from . import recovery
 from ..transport import LOCAL, CurveKeys, make_curve_keys
@@ -24,6 +24,7 @@ __all__ = ["controller", "active", "init", "init_async", "shutdown", "acquire_wo
 _lock = threading.RLock()
 _controller: Controller | None = None
 _spawner = None
+_threads: int | None = None   # torch threads per worker the user chose for this session; None: default_threads
 # "0" turns CURVE off for a TCP session (dtorch.init(curve=False) does the same), "1" turns it on for
 # a local ipc one; docs/design/launcher.md, "Privacy".
 ENV_CURVE = "DTORCH_CURVE"
@@ -46,9 +47,19 @@ def active() -> Controller | None:
 
 def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str | None = None,
          controller_address: str | None = None, startup_timeout: float = 120.0,
-         curve: bool | None = None, hang_timeout_s: float | None = None, slurm: bool | None = None) -> Controller:
-    """Start the controller and `num_workers` workers (default: the hostfile's slots, or 1).
+         curve: bool | None = None, hang_timeout_s: float | None = None, slurm: bool | None = None,
+         threads_per_worker: int | None = None) -> Controller:
+    """Start the controller and `num_workers` workers (default: the hostfile's slots, SLURM's
+    tasks, or 1). If a session runs already, start more workers if it has fewer than
+    `num_workers`, and return it.
 
+    device_type: "cpu" (default) or "cuda" (one GPU per worker).
+    threads_per_worker: each worker's torch intra-op threads (torch.set_num_threads), local or
+    remote. Default: DTORCH_THREADS; else under SLURM the job's --cpus-per-task; else the CPUs
+    this process may run on divided by the workers in the pool when a worker starts (at least 1;
+    a worker keeps its count when the pool grows). dtorch.workers() shows each worker's count.
+    A count other than the running workers' raises ValueError: it applies as workers start.
+    startup_timeout: seconds to wait for the workers to register (default 120).
     hostfile: start workers over SSH (also set by dtorch-launch through DTORCH_HOSTFILE).
     slurm: inside a SLURM allocation (salloc, sbatch), one worker per task, each started with srun
     (default: DTORCH_SLURM=1, which dtorch-launch --slurm sets); num_workers defaults to the tasks.
@@ -60,11 +71,14 @@ def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str
     hang_timeout_s: a worker running one command longer than this (a stuck kernel, a collective
     that never completes) is reported lost, naming the command and its line, and ended. Default:
     DTORCH_HANG_TIMEOUT_S, else 600 s; 0 turns the check off."""
+    global _threads
     with _lock:
         if _controller is not None:
+            _check_same_threads(threads_per_worker)
             if num_workers:
                 acquire_workers(device_type, num_workers)
             return _controller
+        _threads = threads_setting(threads_per_worker)   # a bad value fails before any start
         warm_up = threading.Thread(target=warm_up_inference, name="dtorch-warm-up", daemon=True)
         warm_up.start()   # in parallel with the workers' start; joined before init returns
         try:
@@ -109,6 +123,18 @@ def _start(num_workers, device_type, hostfile, controller_address, startup_timeo
     if hang_timeout_s is not None:
         _controller.hang_timeout_s = hang_timeout_s
     _grow(device_type, num_workers or 1, startup_timeout)
+
+
+def _check_same_threads(threads_per_worker: int | None) -> None:
+    """dtorch.init(threads_per_worker=N) once workers run: they took their count when they started."""
+    if threads_per_worker is None:
+        return
+    wanted = threads_setting(threads_per_worker)
+    running = sorted({w.threads for w in _controller.workers.values() if w.lost is None})
+    if wanted != _threads and running != [wanted]:
+        raise ValueError(f"dtorch.init(threads_per_worker={wanted}): this session's workers already run "
+                         f"{' or '.join(map(str, running))} torch thread(s) each, set when they started. Call "
+                         f"dtorch.shutdown() first, then dtorch.init(threads_per_worker={wanted}) before any mesh")
 
 
 def _curve_keys(curve: bool | None, tcp: bool) -> CurveKeys | None:
@@ -186,11 +212,12 @@ def _grow(device_type: str, extra: int, timeout: float) -> None:
     if device_type != "cpu":  # runtime/devices/gpu_assignment.py: checks at the call, then one GPU per worker
         from ..devices import gpu_assignment
         devices = gpu_assignment.assign_devices(device_type, ranks, _controller, _spawner)
-    threads = max(1, (os.cpu_count() or 1) // max(1, first + extra))
+    threads = _threads or default_threads(first + extra)
     handles = []
     for rank, device in zip(ranks, devices):
         config = worker_config(_controller, rank, device, threads, _controller.curve_for_worker(),
-                               gloo_host="auto" if capacity is not None else "127.0.0.1")
+                               gloo_host="auto" if capacity is not None else "127.0.0.1",
+                               threads_chosen=_threads is not None)
         handles.append(_spawner.spawn(rank, config))
     _controller.add_workers(handles, device_type)
     _controller.wait_registered([h.rank for h in handles], timeout, _progress(handles))
@@ -231,8 +258,9 @@ def shutdown() -> None:
 
 
 def workers() -> list[dict]:
-    """rank, host, pid, device, alive, live_tensors and rss_bytes of every worker in the pool
-    (the last two from its latest heartbeat, every 0.5 s: they lag the commands just issued)."""
+    """rank, host, pid, device, alive, threads (its torch intra-op threads, as it registered),
+    live_tensors and rss_bytes of every worker in the pool (the last two from its latest
+    heartbeat, every 0.5 s: they lag the commands just issued)."""
     return [w.as_dict() for _, w in sorted(controller().workers.items())]
 
 

@@ -75,7 +75,7 @@ class WorkerMessages:
 
     # --- one handler per message a worker sends (wire.FROM_WORKER), named after it -------------
     def _on_register(self, identity: bytes, message: wire.Register, data: list) -> None:
-        rank, host, pid, device, secret = message
+        rank, host, pid, device, secret, threads = message
         if not secret_matches(secret, self._stream.secret):
             raise ProtocolError("a registration without the run's secret")
         worker = self._workers.get(rank)
@@ -84,7 +84,7 @@ class WorkerMessages:
         worker.identity, worker.heartbeat_identity = identity, b"h" + identity[1:]
         if worker.host == "localhost":
             worker.host = host
-        worker.pid, worker.device = pid, device
+        worker.pid, worker.device, worker.threads = pid, device, threads
         worker.last_heartbeat = time.monotonic()
         stream = self._stream
         worker.start_seq = stream.published_upto

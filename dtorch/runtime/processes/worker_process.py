@@ -102,7 +102,7 @@ def _register(sockets: WorkerSockets, config: dict) -> wire.Welcome:
         raise SystemExit(f"dtorch worker {config['rank']}: never heard the controller")
     host = config.get("host_label") or socket.gethostname()
     sockets.send([wire.encode(wire.Register(config["rank"], host, os.getpid(), config["device"],
-                                            config.get("secret", "")))])
+                                            config.get("secret", ""), torch.get_num_threads()))])
     while time.monotonic() < deadline:
         reply = sockets.receive_reply(timeout_ms=1000)
         if reply is not None:
@@ -155,6 +155,8 @@ def _fail_start(rank: int, error: BaseException) -> None:
 def main() -> None:
     config = json.loads(sys.stdin.readline())
     _exit_when_stdin_closes()
+    # dtorch.init's threads_per_worker, DTORCH_THREADS or the controller's default (cluster.py);
+    # Register tells the controller what torch took, which dtorch.workers() shows.
     torch.set_num_threads(max(1, int(config.get("threads", 1))))
     rank = config["rank"]
     topics = [wire.TOPIC_ALL, wire.TOPIC_PROBE, wire.topic_for_rank(rank)]
