@@ -16,7 +16,7 @@ from ..errors import UnsupportedMethodError, UnsupportedOpError, user_site
 from .registry import REGISTRY
 
 __all__ = ["unsupported_op", "unsupported_method", "inplace_flag_refused", "refuse_inplace_flag",
-           "is_inplace_name", "NOTES"]
+           "is_inplace_name", "NOTES", "DEVICE_MOVES"]
 
 # What to write instead of an in-place method whose out-of-place twin is not an op of its own.
 INPLACE_ALTERNATIVES = {
@@ -52,10 +52,33 @@ NOTES = {
 }
 
 
+# torch.Tensor's moves to a device, reached when DTensor's own method is not (torch.Tensor.cuda(x),
+# x.xpu()): never an op's name to suggest ("Nearest supported: cummax" said nothing useful).
+DEVICE_MOVES = frozenset({"cuda", "cpu", "xpu", "ipu", "mtia", "pin_memory"})
+
+
+def device_move_refused(name: str, spelled: str, error: type) -> UnsupportedOpError:
+    """x.cuda() and its kin where DTensor's method does not answer: what to write instead."""
+    if name == "pin_memory":
+        return error(f"{spelled}() at {user_site()}: a DTensor holds no memory in this process to pin (its workers "
+                     "hold the values); leave the call out, or pin a torch copy: x.to_torch().pin_memory().")
+    if name in ("cuda", "cpu"):   # DTensor has these: only torch.Tensor.cuda(x) gets here
+        first = (f"torch.Tensor.{name}(x) at {user_site()}: write x.{name}(), DTensor's own method, which returns x "
+                 f"on a mesh of {name} workers.")
+    else:
+        first = f"{spelled}() at {user_site()}: a DTensor's values live on its mesh's workers."
+    return error(f"{first} dtorch moves a DTensor to {name} only onto a mesh of {name} workers: build the mesh there "
+                 f"(dtorch.init_device_mesh({name!r}, ...)) and make x on it, or move x to one: "
+                 f"x.redistribute(device_mesh={name}_mesh, placements=x.placements). For a torch tensor on "
+                 f"{name} in this process, read x first: x.to_torch().{name}().")
+
+
 def unsupported_op(name: str, spelled: str, error: type = UnsupportedOpError,
                    out_of_place_method: bool = False) -> UnsupportedOpError:
     """A torch function (`spelled`: torch.cumprod) or method (x.cumprod) with no dtorch op yet.
     `out_of_place_method`: x.<name without its _> exists (a method composed of ops, as x.t())."""
+    if name in DEVICE_MOVES:
+        return device_move_refused(name, spelled, error)
     if name in NOTES:
         return error(f"{spelled} is not supported by dtorch yet (at {user_site()}): {NOTES[name]}.")
     if is_inplace_name(name):

@@ -1,0 +1,47 @@
+"""Moving a DTensor to another device, every spelling: the refusal says what to write (a mesh of
+that device, or a read then torch's move), at the user's line, and never suggests an unrelated op
+("x.cuda() ... Nearest supported: cummax" was the report). On the session fixture's CPU mesh."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import Shard
+
+HERE = __file__
+
+
+@pytest.mark.parametrize("spelling, call", [
+    ("x.cuda()", lambda x: x.cuda()),
+    ("x.cuda()", lambda x: x.cuda(0, non_blocking=True)),
+    ("x.to('cuda')", lambda x: x.to("cuda")),
+    ("torch.Tensor.cuda(x)", lambda x: torch.Tensor.cuda(x)),
+    ("x.xpu()", lambda x: x.xpu()),
+    ("torch.Tensor.cpu(x)", lambda x: torch.Tensor.cpu(x)),
+])
+def test_a_move_to_another_device_says_what_to_write(mesh4, spelling, call):
+    x = dtorch.ones(8, device_mesh=mesh4, placements=[Shard(0)])
+    with pytest.raises(dtorch.UnsupportedOpError) as refused:
+        call(x)
+    message = str(refused.value)
+    assert "Nearest supported" not in message, message
+    assert message.startswith(spelling) and f"{HERE}:" in message, message
+    device = "cpu" if "cpu" in spelling else "xpu" if "xpu" in spelling else "cuda"
+    assert "mesh" in message and "x.to_torch()" in message and device in message, message
+
+
+def test_torch_tensor_cuda_points_at_dtensor_s_own_method(mesh4):
+    x = dtorch.ones(8, device_mesh=mesh4, placements=[Shard(0)])
+    with pytest.raises(dtorch.UnsupportedOpError, match=r"write x\.cuda\(\), DTensor's own method.*"
+                                                        r"init_device_mesh\('cuda'.*x\.to_torch\(\)\.cuda\(\)"):
+        torch.Tensor.cuda(x)
+    assert x.cpu() is x   # on its own device, the method is x itself
+
+
+def test_pin_memory_says_there_is_nothing_here_to_pin(mesh4):
+    x = dtorch.ones(8, device_mesh=mesh4, placements=[Shard(0)])
+    with pytest.raises(dtorch.UnsupportedOpError, match=r"x\.pin_memory\(\) at .*no memory in this process.*"
+                                                        r"x\.to_torch\(\)\.pin_memory\(\)") as refused:
+        x.pin_memory()
+    assert "Nearest supported" not in str(refused.value)
