@@ -4,13 +4,16 @@ Perfetto (ui.perfetto.dev) or chrome://tracing show the same file interactively.
 
 `drawing(trace)` decides everything drawn (bars, their colours, the labels), with no matplotlib;
 `plot` only renders it. On a worker's lane a command is coloured by its phase (PHASES), an op's
-name is written on its bar where it fits, and each run of one phase is named above the lane.
+name is written on its bar where it fits, and above the lane each stretch is named after the
+phase that took most of it.
 Spans nested in others (a compiled replay's rows, a command's collectives) are thinner bands.
 
 matplotlib is the `bench` extra: imported by `plot` only, with a clear error when it is missing.
 """
 from __future__ import annotations
 
+import collections
+import math
 import os
 from typing import NamedTuple
 
@@ -32,7 +35,7 @@ LEGEND = {**{name: color for name, color in PHASES.items() if name != "other"},
           "controller: op issue": CONTROLLER_COLORS["op"], "read": CONTROLLER_COLORS["read"],
           "inserted redistribute": CONTROLLER_COLORS["redistribute"]}
 HEIGHTS = (0.7, 0.45, 0.25)   # a span's bar by how deeply it nests
-LANE_PIXELS, CHAR_PIXELS = 1400, 6.5   # the lanes' width in the PNG, one label character's (fontsize 7)
+LANE_PIXELS, CHAR_PIXELS = 1350, 8.0   # the lanes' width in the PNG, one label character's (fontsize 7, generous)
 
 
 class Bar(NamedTuple):
@@ -81,8 +84,7 @@ def drawing(trace: dict) -> Drawing:
             if text and e["cat"] != "comm" and id(e) not in containers:   # a replay: its colour and its rows
                 labels.append(Label(row, (e["ts"] + e["dur"] / 2) / 1000, text, "op" if worker else "call"))
         if worker:
-            labels += _phase_labels(row, [e for e in on_lane if e["cat"] == "command" and id(e) not in containers],
-                                    window)
+            labels += _phase_labels(row, on_lane, containers, window)
     return Drawing([label for _, label in lanes], bars, labels, window / 1000)
 
 
@@ -162,18 +164,58 @@ def _fitting(text: str, duration_us: float, window_us: float) -> str:
     return text[:room - 1] + "…" if room >= 4 else ""
 
 
-def _phase_labels(row: int, commands: list, window: float) -> list:
-    """A label above each run of consecutive commands of one phase ("other" is left unnamed)."""
+PHASE_BIN_CHARS = 6   # a phase label names the phase that took most of each stretch this wide
+
+
+def _phase_labels(row: int, spans: list, containers: set, window: float) -> list:
+    """Labels above the lane: the lane is cut into stretches about PHASE_BIN_CHARS characters
+    wide, each given the phase that took most of its time (a collective's time is
+    communication, not its command's phase); neighbours of one phase make a run, named where
+    the name fits and overlaps no wider run's ("other" and idle stretches stay unnamed)."""
+    width = window * PHASE_BIN_CHARS * CHAR_PIXELS / LANE_PIXELS
+    count = int(window / width) + 1
+    bins = [collections.Counter() for _ in range(count)]
+    covered = [[math.inf, -math.inf] for _ in range(count)]   # the busy part of each stretch
+    for start, end, phase, weight in _phase_time(spans, containers):
+        for index in range(int(start / width), min(int(end / width), count - 1) + 1):
+            low, high = max(start, index * width), min(end, (index + 1) * width)
+            if high > low:
+                bins[index][phase] += weight * (high - low)
+                covered[index] = [min(covered[index][0], low), max(covered[index][1], high)]
     runs: list = []   # [phase, start, end]
-    for e in commands:
-        phase = phase_of(e)
+    for index, taken in enumerate(bins):
+        phase = max(taken, key=taken.__getitem__) if taken and max(taken.values()) > 0 else None
         if runs and runs[-1][0] == phase:
-            runs[-1][2] = e["ts"] + e["dur"]
+            runs[-1][2] = covered[index][1]
         else:
-            runs.append([phase, e["ts"], e["ts"] + e["dur"]])
-    labels = []
-    for phase, start, end in runs:
+            runs.append([phase, *covered[index]])
+    labels, placed = [], []   # widest runs first; a label that would overlap one placed is left out
+    for phase, start, end in sorted((run for run in runs if run[0] not in (None, "other")),
+                                    key=lambda run: run[1] - run[2]):
         text = _fitting(phase, end - start, window)
-        if phase != "other" and text:
-            labels.append(Label(row, (start + end) / 2000, text, "phase"))
-    return labels
+        half = (len(text) + 1) * CHAR_PIXELS / LANE_PIXELS * window / 2
+        centre = (start + end) / 2
+        if not text or any(abs(centre - c) < half + h for c, h in placed):
+            continue
+        placed.append((centre, half))
+        labels.append(Label(row, centre / 1000, text, "phase"))
+    return sorted(labels, key=lambda label: label.x_ms)
+
+
+def _phase_time(spans: list, containers: set):
+    """(start, end, phase, +1 or -1) of a lane's time: each command outside a replay's own span,
+    each collective as communication, taken back from the command it runs in."""
+    open_commands: list = []
+    for e in spans:   # sorted by (start, -duration)
+        while open_commands and open_commands[-1]["ts"] + open_commands[-1]["dur"] <= e["ts"] + 0.002:
+            open_commands.pop()
+        end = e["ts"] + e["dur"]
+        if e["cat"] == "comm":
+            yield e["ts"], end, "communication", 1
+            parent = open_commands[-1] if open_commands else None
+            if parent is not None and id(parent) not in containers:
+                yield e["ts"], end, phase_of(parent), -1
+        elif e["cat"] == "command":
+            open_commands.append(e)
+            if id(e) not in containers:
+                yield e["ts"], end, phase_of(e), 1
