@@ -31,8 +31,9 @@ class profile:
             loss = model(x).sum(); loss.backward(); optimizer.step()
         print(dtorch.profile.summarize(prof.trace))    # or python -m dtorch.profile summarize trace.json
 
-    `path`: where the JSON goes when the block ends (None: only `prof.trace`). The trace is
-    written even when the block raises. Needs a running session (a mesh, or dtorch.init()).
+    `path`: where the JSON goes when the block ends (default None: only `prof.trace`). The trace
+    is written even when the block raises. `timeout_s`: how long the clock pings at each end wait
+    for every worker (default 120 s). Needs a running session (a mesh, or dtorch.init()).
     Workers that join the pool inside the block are not recorded."""
 
     def __init__(self, path: str | os.PathLike | None = None, timeout_s: float = 120.0):

@@ -28,6 +28,7 @@ def load(path: str | os.PathLike) -> dict:
 
 
 def summarize(trace: dict, top: int = 10) -> str:
+    """The three tables as text; `top`: rows of the ops and the controller's tables (default 10)."""
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     window = _window(trace, spans)
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]

@@ -89,6 +89,8 @@ def drawing(trace: dict) -> Drawing:
 
 
 def plot(trace: dict, out: str | os.PathLike, title: str | None = None) -> None:
+    """Write the picture of `trace` to `out` (a PNG); `title` defaults to "dtorch timeline".
+    DTorchError saying how to install matplotlib when it is missing."""
     try:
         import matplotlib
     except ImportError:
