@@ -280,13 +280,6 @@ class Worker:
             result = KERNELS[command.kernel](*args, **kwargs)
         self._store(command.out_ids, result)
 
-    def _store(self, out_ids: tuple, result) -> None:
-        if isinstance(result, (tuple, list)):
-            for tensor_id, value in zip(out_ids, result):
-                self.tensors[tensor_id] = value
-        else:
-            self.tensors[out_ids[0]] = result
-
     def _localized_args(self, command: wire.RunOp, mesh: DeviceMesh):
         """Resolve tensors depth-first; run the fused moves, then slice the Replicate inputs the
         op needs as shards."""
