@@ -205,7 +205,7 @@ def clear_grads(tensors: list) -> None:
         _touch(tensor._node, resets=True)
         tensor._node.grad = tensor._node.bound = None
     if leaves:
-        leaves[0]._controller.submit(SetGrads, tuple(t._id for t in leaves), (-1,) * len(leaves))
+        leaves[0]._controller.submit(SetGrads, tuple([t._id for t in leaves]), (-1,) * len(leaves))
 
 
 def _bind(tensor: DTensor, leaf: Leaf, grad: DTensor) -> None:
@@ -303,9 +303,9 @@ def _run_segment(roots, seeds, retain: bool, only, shared: set, drop_hops: bool,
     kept_grads = [retained_accumulator(tensor, record) for tensor, record in kept]
     landed_ids = controller.new_ids(len(reached.hops))
     seq = controller.submit(Backward, controller.define_mesh(mesh), _ids(roots), _ids(seeds),
-                            _ids(leaves) + _ids(t for t, _ in kept) + tuple(hop.landed._id for hop in reached.hops),
+                            _ids(leaves) + _ids(t for t, _ in kept) + tuple([hop.landed._id for hop in reached.hops]),
                             _ids(grads) + _ids(kept_grads) + landed_ids, "backward", retain,
-                            tuple((dims, tuple(members)) for dims, members in buckets))
+                            tuple([(dims, tuple(members)) for dims, members in buckets]))
     for i in reduced:   # bound on the workers by the Backward itself
         leaves[i]._node.grad = grads[i]
         grads[i]._seq = seq
@@ -314,7 +314,7 @@ def _run_segment(roots, seeds, retain: bool, only, shared: set, drop_hops: bool,
     for i in sorted(hooked):
         _accumulate_hooked(leaves[i], grads[i], seq)
     if reached.hops:   # a landed tensor's gradient is taken, not kept accumulating on its leaf
-        controller.submit(SetGrads, tuple(hop.landed._id for hop in reached.hops), (-1,) * len(reached.hops))
+        controller.submit(SetGrads, tuple([hop.landed._id for hop in reached.hops]), (-1,) * len(reached.hops))
     continuations = [_hop_back(hop, landed_id, controller) for hop, landed_id in zip(reached.hops, landed_ids)]
     if drop_hops:
         for hop in reached.hops:
@@ -444,4 +444,4 @@ def _as_list(value, allow_none: bool = False) -> list:
 
 
 def _ids(tensors) -> tuple:
-    return tuple(t._id for t in tensors)
+    return tuple([t._id for t in tensors])

@@ -33,7 +33,7 @@ _SUM, _R = Partial("sum"), Replicate()
 
 def gradient_placements(placements) -> tuple:
     """The workers' placements of the gradient of a tensor with `placements`."""
-    return tuple(_dual(p, placements) for p in placements)
+    return tuple([_dual(p, placements) for p in placements])
 
 
 def _dual(placement, placements):
@@ -49,7 +49,7 @@ def _dual(placement, placements):
 
 def reduction_dims(placements) -> tuple:
     """The mesh dims over which a tensor's gradient is a pending sum: where the tensor is Replicate."""
-    return tuple(dim for dim, p in enumerate(placements) if isinstance(p, Replicate))
+    return tuple([dim for dim, p in enumerate(placements) if isinstance(p, Replicate)])
 
 
 def reduction_buckets(leaves, mesh_shape: tuple) -> list[tuple[tuple, list[int]]]:
@@ -63,7 +63,7 @@ def reduction_buckets(leaves, mesh_shape: tuple) -> list[tuple[tuple, list[int]]
     closed = []
     for index in reversed(range(len(leaves))):
         leaf = leaves[index]
-        dims = tuple(d for d in reduction_dims(leaf.placements) if mesh_shape[d] > 1)
+        dims = tuple([d for d in reduction_dims(leaf.placements) if mesh_shape[d] > 1])
         if not dims:
             continue
         key = (dims, leaf.dtype)

@@ -148,5 +148,5 @@ def read_dcp_tensor(saved: DcpTensor, key: str) -> torch.Tensor:
             found = f"shape {list(chunk.shape)}" if isinstance(chunk, torch.Tensor) else type(chunk).__name__
             raise CheckpointError(f"{record.path}: the chunk of {key!r} at {list(offsets)} should have shape "
                                   f"{list(sizes)}, it holds {found}")
-        whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] = chunk
+        whole[tuple([slice(o, o + s) for o, s in zip(offsets, sizes)])] = chunk
     return whole

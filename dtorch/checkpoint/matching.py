@@ -33,7 +33,7 @@ class TensorTarget(NamedTuple):
 def as_target(name: str, target) -> TensorTarget:
     """A TensorTarget from one (or a plain (shape, dtype, mesh, placements) tuple), placements checked."""
     shape, dtype, mesh, placements = TensorTarget(*target)
-    shape = tuple(int(s) for s in shape)
+    shape = tuple([int(s) for s in shape])
     if not isinstance(dtype, torch.dtype) or not isinstance(mesh, DeviceMesh):
         raise CheckpointError(f"target {name!r}: expected (shape, torch dtype, DeviceMesh, placements), "
                               f"got {target!r}")

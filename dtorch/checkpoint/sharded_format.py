@@ -106,7 +106,7 @@ def decode_value(data):
     if not isinstance(data, dict):
         return data
     if "__tuple__" in data:
-        return tuple(decode_value(v) for v in data["__tuple__"])
+        return tuple([decode_value(v) for v in data["__tuple__"]])
     if "__items__" in data:
         return {decode_value(k): decode_value(v) for k, v in data["__items__"]}
     if "__torch__" in data:
@@ -196,7 +196,7 @@ def tiling_problem(shape: tuple, boxes: list) -> str | None:
     cell = [{point: i for i, point in enumerate(c)} for c in cuts]
     covered = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.int32)
     for offset, size in boxes:
-        covered[tuple(slice(at[o], at[o + z]) for at, o, z in zip(cell, offset, size))] += 1
+        covered[tuple([slice(at[o], at[o + z]) for at, o, z in zip(cell, offset, size)])] += 1
     if (covered > 1).any():
         at = [c[i] for c, i in zip(cuts, (covered > 1).nonzero()[0].tolist())]
         return f"two chunks overlap at {at}"

@@ -147,8 +147,8 @@ def _load_chunks(key: str, saved: SavedTensor, target, verify: bool) -> DTensor:
     own block of the saved chunks (checking their checksums with `verify`)."""
     controller = session.controller()
     mesh, placements, shape, dtype = target.device_mesh, tuple(target.placements), tuple(target.shape), target.dtype
-    chunks = tuple((chunk.path, chunk.data_offset, dtype_name(chunk.dtype), chunk.offset, chunk.shape,
-                    chunk.checksum if verify else NO_CHECKSUM) for chunk in saved.chunks)
+    chunks = tuple([(chunk.path, chunk.data_offset, dtype_name(chunk.dtype), chunk.offset, chunk.shape,
+                    chunk.checksum if verify else NO_CHECKSUM) for chunk in saved.chunks])
     out_id = controller.new_id()
     seq = controller.submit(LoadChunks, out_id, controller.define_mesh(mesh), shape, dtype_name(dtype), placements,
                             chunks, key)

@@ -101,7 +101,7 @@ def _filled(node, path: tuple, loaded: dict, top: bool = False):
     if is_distributed(node) or not isinstance(node, (Mapping, list, tuple)):
         return node
     if isinstance(node, tuple):
-        return tuple(_filled(value, path + (index,), loaded) for index, value in enumerate(node))
+        return tuple([_filled(value, path + (index,), loaded) for index, value in enumerate(node)])
     for name in list(node.keys() if isinstance(node, Mapping) else range(len(node))):
         node[name] = _filled(node[name], path + (name,), loaded)
     return node

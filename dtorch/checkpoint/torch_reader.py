@@ -98,7 +98,7 @@ class DtorchStorageReader(StorageReader):
         """The part (offsets within the chunk at chunk_offset, lengths) of a saved tensor."""
         if key in self.values:
             value = self.values[key]
-            return value[tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+            return value[tuple([slice(o, o + n) for o, n in zip(offsets, lengths)])]
         saved = self.tensors[key]
         chunks = [c if self.verify else c._replace(checksum=NO_CHECKSUM) for c in saved.chunks
                   if tuple(c.offset) == chunk_offset]
@@ -120,7 +120,7 @@ class DtorchStorageReader(StorageReader):
 def _torch_path(path) -> tuple:
     """A saved path as torch's flattening writes it: every key a str (dtorch's ints are dict keys
     there, an optimizer's parameter indices)."""
-    return tuple(str(part) for part in path)
+    return tuple([str(part) for part in path])
 
 
 def _flattened(path: tuple, value) -> list:

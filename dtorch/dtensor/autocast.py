@@ -55,7 +55,7 @@ def autocast_args(name: str, args: tuple, kwargs: dict) -> tuple:
     else:
         return args, kwargs
     cast = _caster(target)
-    return tuple(cast(a) for a in args), {key: cast(value) for key, value in kwargs.items()}
+    return tuple([cast(a) for a in args]), {key: cast(value) for key, value in kwargs.items()}
 
 
 def _device_type(args: tuple):
@@ -84,5 +84,5 @@ def _caster(target: torch.dtype):
 def autocast_state() -> tuple:
     """Which dtype autocast casts to on each device type, None where it is off: part of a
     dtorch.compile signature, since a capture records the casts."""
-    return tuple(torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-                 for device in _LOWER)
+    return tuple([torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+                 for device in _LOWER])

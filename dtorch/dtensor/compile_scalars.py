@@ -111,7 +111,7 @@ def find_slots(rows: list, markers: list) -> tuple[tuple, dict]:
             kept[k] = f"Python used its value at {marker.used_at}"
         elif k not in kept and not any(slot[2] == k for slot in slots):
             kept[k] = "no op takes it as it is"
-    return tuple(slot for slot in slots if slot[2] not in kept), kept
+    return tuple([slot for slot in slots if slot[2] not in kept]), kept
 
 
 def _all_values(value):

@@ -220,7 +220,7 @@ class DTensor(torch.Tensor):
         Partial on this mesh, move blocks point-to-point, re-partialize locally on the target."""
         frontend_state.refuse_inside_checkpoint("a move to another mesh")
         source = self.reduce_partials()
-        landing = tuple(Replicate() if p.is_partial() else p for p in placements)
+        landing = tuple([Replicate() if p.is_partial() else p for p in placements])
         controller = self._controller
         controller.check_current(source)
         out_id = controller.new_id()

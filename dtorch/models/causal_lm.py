@@ -26,7 +26,7 @@ class CausalLMOutput(NamedTuple):
     past_key_values: list | None = None
 
     def __getitem__(self, index):
-        return tuple(v for v in tuple.__iter__(self) if v is not None)[index]
+        return tuple([v for v in tuple.__iter__(self) if v is not None])[index]
 
 
 def causal_lm_loss(logits: DTensor, labels: DTensor, ignore_index: int = -100) -> DTensor:

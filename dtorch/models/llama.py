@@ -332,8 +332,8 @@ class LlamaForCausalLM(GreedyDecoding, nn.Module):
             [Replicate()] * mesh.ndim
         if seq == 1:
             placements = [Replicate()] * mesh.ndim
-        return tuple(upload((part * self.attention_scaling).to(dtype), device_mesh=mesh, placements=placements)
-                     for part in (emb.cos(), emb.sin()))
+        return tuple([upload((part * self.attention_scaling).to(dtype), device_mesh=mesh, placements=placements)
+                     for part in (emb.cos(), emb.sin())])
 
     def _upload(self, input_ids) -> DTensor:
         if isinstance(input_ids, DTensor):

@@ -91,7 +91,7 @@ def _in_projection_packed(query, key, value, weight, bias):
         return F.linear(query, weight, bias).split(embed_dim, dim=-1)
     weights = weight.chunk(3)
     biases = (None,) * 3 if bias is None else bias.chunk(3)
-    return tuple(F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
+    return tuple([F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases)])
 
 
 def _additive(mask, query):

@@ -67,7 +67,7 @@ class ParallelStyle:
     @staticmethod
     def move_inputs(module, mesh_dim: int, placements: Sequence[Placement | None]) -> None:
         def hook(_module, args):
-            return tuple(_on(a, mesh_dim, p) for a, p in zip(args, placements)) + tuple(args[len(placements):])
+            return tuple([_on(a, mesh_dim, p) for a, p in zip(args, placements)]) + tuple(args[len(placements):])
         module.register_forward_pre_hook(hook)
 
     @staticmethod
@@ -161,7 +161,7 @@ class PrepareModuleInput(ParallelStyle):
         desired, desired_kwargs = self.desired, self.desired_kwargs
 
         def hook(_module, args, kwargs):
-            args = tuple(_on(a, mesh_dim, p) for a, p in zip(args, desired)) + tuple(args[len(desired):])
+            args = tuple([_on(a, mesh_dim, p) for a, p in zip(args, desired)]) + tuple(args[len(desired):])
             kwargs = {k: _on(v, mesh_dim, desired_kwargs.get(k)) for k, v in kwargs.items()}
             return args, kwargs
         module.register_forward_pre_hook(hook, with_kwargs=True)

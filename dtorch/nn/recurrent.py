@@ -94,7 +94,7 @@ def _layers(step, input, states, weights, has_biases, num_layers, dropout, train
         outputs = []
         for direction in range(directions):
             index = layer * directions + direction
-            output, final = _direction(step, input, tuple(s[index] for s in initial), per_direction[index],
+            output, final = _direction(step, input, tuple([s[index] for s in initial]), per_direction[index],
                                        time_dim, reverse=direction == 1)
             outputs.append(output)
             finals.append(final)
@@ -153,7 +153,7 @@ def lstm_cell(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
 
 def _cell(step, input, states, w_ih, w_hh, b_ih, b_hh):
     """One step of a (batch, features) input; the modules pass 2-D states (batch, size)."""
-    states = tuple(_on_mesh(state, input, 0, 0) for state in states)
+    states = tuple([_on_mesh(state, input, 0, 0) for state in states])
     return step(F.linear(input, w_ih, b_ih), states, w_hh, b_hh)
 
 

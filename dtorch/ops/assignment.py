@@ -31,7 +31,7 @@ _LEGAL = ("target S(d) with `:` on d and the value S(its region dim) or broadcas
 
 def torch_index(index) -> tuple:
     """A canonical index (tuples or wire lists for slices) as torch's own."""
-    return tuple(item if item is None or isinstance(item, int) else slice(*item) for item in index)
+    return tuple([item if item is None or isinstance(item, int) else slice(*item) for item in index])
 
 
 def setitem(input, index, value):

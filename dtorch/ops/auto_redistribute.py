@@ -73,8 +73,8 @@ def _communicating(inputs, required) -> dict:
 
 
 def _moved(call: Call, inputs: list) -> tuple[Call, tuple]:
-    moves = tuple((i, new.placements) for i, (old, new) in enumerate(zip(call.inputs, inputs))
-                  if old.placements != new.placements)
+    moves = tuple([(i, new.placements) for i, (old, new) in enumerate(zip(call.inputs, inputs))
+                  if old.placements != new.placements])
     return call._replace(inputs=tuple(inputs)), moves
 
 
@@ -87,4 +87,4 @@ def _on_dim(placements: tuple, mesh_dim: int, placement) -> tuple:
 
 
 def _replicated(placements: tuple, dims) -> tuple:
-    return tuple(Replicate() if d in dims else p for d, p in enumerate(placements))
+    return tuple([Replicate() if d in dims else p for d, p in enumerate(placements)])

@@ -104,7 +104,7 @@ def _key_of(value, specs: list, scalars_by_type: bool):
         specs.append(spec)
         return (spec.key,)   # never a bare int: max(x, y) must not share max(x, 1)'s plan
     if type(value) in (list, tuple):
-        return (type(value),) + tuple(_key_of(v, specs, scalars_by_type) for v in value)
+        return (type(value),) + tuple([_key_of(v, specs, scalars_by_type) for v in value])
     if isinstance(value, Number):   # 1 == 1.0 == True as keys: var(x, True) is not var(x, 1)
         # bools always by value: a flag (inplace, training) changes the plan, not just a scalar
         return type(value) if scalars_by_type and type(value) is not bool else (type(value), value)
@@ -142,8 +142,8 @@ def plan_call(op: RegisteredOp, args: tuple, kwargs: dict, specs: list[TensorMet
     for (_shape, dtype), placements in zip(outputs, out_placements):
         if dtype.is_complex:   # (tensor_meta refuses it too, without the op's name)
             refuse_unordered(dtype, mesh, placements, f"{op.name} of {_placements_of(call.inputs)}")
-    out_specs = tuple(tensor_meta(shape, dtype, mesh, placements)
-                      for (shape, dtype), placements in zip(outputs, out_placements))
+    out_specs = tuple([tensor_meta(shape, dtype, mesh, placements)
+                      for (shape, dtype), placements in zip(outputs, out_placements)])
     fused = () if kernel in PEER_KERNELS else _fused_moves(moves, specs)
     pieces = [(spec.shape, placements) for spec, placements in zip(call.inputs, required)]
     regather = not any(_some_rank_empty(shape, mesh, placements)
@@ -164,8 +164,8 @@ def _some_rank_empty(shape, mesh, placements) -> bool:
 
 def _fused_moves(moves: tuple, specs: list) -> tuple:
     """Each move as the redistribute steps from the input's own placements to its target."""
-    return tuple((index, specs[index].shape, specs[index].dtype, specs[index].placements,
-                  tuple(plan_redistribute(specs[index].placements, target))) for index, target in moves)
+    return tuple([(index, specs[index].shape, specs[index].dtype, specs[index].placements,
+                  tuple(plan_redistribute(specs[index].placements, target))) for index, target in moves])
 
 
 def _holds_torch_tensor(args, kwargs) -> bool:
@@ -281,7 +281,7 @@ def _run_meta(op: RegisteredOp, args, kwargs, specs) -> tuple[tuple, type | None
         raise ShapeError(f"{op.name}: torch rejects inputs of shape {shapes} at {user_site()}: {error}") from None
     sequence = type(result) if isinstance(result, (tuple, list)) else None
     results = result if sequence else (result,)
-    return tuple((tuple(r.shape), r.dtype) for r in results), sequence
+    return tuple([(tuple(r.shape), r.dtype) for r in results]), sequence
 
 
 def _local_input_steps(call: Call, required: list) -> tuple:

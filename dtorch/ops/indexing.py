@@ -61,7 +61,7 @@ def canonical_index(index, shape) -> tuple:
     else:
         items = items + fill
     dims = iter(enumerate(shape))
-    return tuple(None if item is None else _canonical_item(item, *next(dims)) for item in items)
+    return tuple([None if item is None else _canonical_item(item, *next(dims)) for item in items])
 
 
 class AdvancedIndex(Exception):
@@ -96,7 +96,7 @@ def _canonical_item(item, dim: int, size: int):
 
 def getitem(input, index):
     """The reference and the local kernel: a canonical index (lists on the wire) back to torch's."""
-    return input[tuple(item if item is None or isinstance(item, int) else slice(*item) for item in index)]
+    return input[tuple([item if item is None or isinstance(item, int) else slice(*item) for item in index])]
 
 
 def _getitem_out_dim(call: Call, dim: int) -> int:
@@ -243,7 +243,7 @@ def _same_dims(call: Call, index: int, along: int):
 
 def _without_dim(call: Call, index: int, along: int):
     """select_scatter's src: the target's dims less `along`."""
-    return tuple(d for d in range(len(call.inputs[0].shape)) if d != along)
+    return tuple([d for d in range(len(call.inputs[0].shape)) if d != along])
 
 
 def _write_partial(call: Call, placements, write: _Write):

@@ -243,8 +243,8 @@ def _product_plus_term(product_equation, term_index: int):
         equation = product_equation(call)
         has_term = len(call.inputs) > 2
         factors = [i for i in range(len(call.inputs)) if not (has_term and i == term_index)]
-        product_call = call._replace(inputs=tuple(call.inputs[i] for i in factors))
-        product = einsum_decision(product_call, tuple(placements[i] for i in factors), equation)
+        product_call = call._replace(inputs=tuple([call.inputs[i] for i in factors]))
+        product = einsum_decision(product_call, tuple([placements[i] for i in factors]), equation)
         if not has_term:
             return product
         out_letters = equation.split("->")[1]

@@ -97,7 +97,7 @@ def _reduced_shape(shape, dim, keepdim) -> tuple:
     ndim = len(shape)
     every = dim is None or (not isinstance(dim, int) and len(dim) == 0)
     dims = set(range(ndim)) if every else {d % max(ndim, 1) for d in ((dim,) if isinstance(dim, int) else dim)}
-    return tuple(1 if d in dims else size for d, size in enumerate(shape) if keepdim or d not in dims)
+    return tuple([1 if d in dims else size for d, size in enumerate(shape) if keepdim or d not in dims])
 
 
 def _identity_fill(torch_fn, identity):

@@ -165,5 +165,5 @@ def _pass(peers, tensors: tuple, arriving_shapes: tuple) -> tuple:
     payload = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
     sizes = [math.prod(shape) for shape in arriving_shapes]
     received = peers.pass_along(payload.contiguous(), sum(sizes))
-    return tuple(part.reshape(shape).to(t.dtype) for part, shape, t in
-                 zip(received.split(sizes), arriving_shapes, tensors))
+    return tuple([part.reshape(shape).to(t.dtype) for part, shape, t in
+                 zip(received.split(sizes), arriving_shapes, tensors)])

@@ -63,7 +63,7 @@ def try_expand(rule: Rule, call: Call):
     required: list[list] = [[] for _ in call.inputs]
     outputs: list[list] = [[] for _ in call.outputs]
     for mesh_dim in range(call.mesh.ndim):
-        placements = tuple(spec.placements[mesh_dim] for spec in call.inputs)
+        placements = tuple([spec.placements[mesh_dim] for spec in call.inputs])
         try:
             decision = rule(call, placements)
         except RuleRejected as rejected:

@@ -52,7 +52,7 @@ def legal_combinations(rule: Rule, call: Call, mesh_dim: int) -> list[tuple]:
     """Placement combinations on `mesh_dim` the rule accepts as given (up to free local slicing),
     the simplest first: one placement for every input, then mixed ones."""
     options = [candidates(spec) for spec in call.inputs]
-    current = tuple(spec.placements[mesh_dim] for spec in call.inputs)
+    current = tuple([spec.placements[mesh_dim] for spec in call.inputs])
     legal = [combo for combo in _combinations(options, current) if _accepts(rule, call, mesh_dim, combo)]
     return sorted(legal, key=lambda combo: len(set(combo)))   # stable: candidates' order within
 
@@ -66,8 +66,8 @@ def _combinations(options: list, current: tuple) -> list[tuple]:
 
 
 def _accepts(rule: Rule, call: Call, mesh_dim: int, combo: tuple) -> bool:
-    inputs = tuple(spec._replace(placements=spec.placements[:mesh_dim] + (p,) + spec.placements[mesh_dim + 1:])
-                   for spec, p in zip(call.inputs, combo))
+    inputs = tuple([spec._replace(placements=spec.placements[:mesh_dim] + (p,) + spec.placements[mesh_dim + 1:])
+                   for spec, p in zip(call.inputs, combo)])
     try:
         decision = rule(call._replace(inputs=inputs), combo)
     except Exception:   # any refusal of a hypothetical combination (RuleRejected, ...) means "not legal"

@@ -105,7 +105,8 @@ def check_placements(placements, ndim: int, mesh: DeviceMesh) -> tuple:
             raise PlacementError(f"{p!r} is not a placement: use Shard(dim), Replicate() or Partial()")
         if p.is_shard() and not -ndim <= cast(Shard, p).dim < ndim:
             raise PlacementError(f"{p!r} names a dim outside a {ndim}-D tensor")
-    return tuple(Shard(cast(Shard, p).dim % ndim) if p.is_shard() and cast(Shard, p).dim < 0 else p for p in placements)
+    return tuple([Shard(cast(Shard, p).dim % ndim) if p.is_shard() and cast(Shard, p).dim < 0 else p
+                  for p in placements])
 
 
 def parse_shape(sizes) -> tuple:
@@ -113,7 +114,7 @@ def parse_shape(sizes) -> tuple:
     as one hashable tuple of ints: `sizes` is the tuple of positional arguments."""
     if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
         sizes = sizes[0]
-    return tuple(int(size) for size in sizes)
+    return tuple([int(size) for size in sizes])
 
 
 def shape_argument(op: str, sizes: tuple, given: dict, keyword: str) -> tuple:

@@ -272,14 +272,14 @@ def join_rule(stack: bool):
 
 def _skipped_by_cat(call: Call) -> tuple:
     """The inputs of shape (0,) that torch.cat leaves out, unless all are (the result is one)."""
-    skipped = tuple(i for i, spec in enumerate(call.inputs) if tuple(spec.shape) == (0,))
+    skipped = tuple([i for i, spec in enumerate(call.inputs) if tuple(spec.shape) == (0,)])
     return () if len(skipped) == len(call.inputs) else skipped
 
 
 def _beside_skipped(rule, call: Call, placements, skipped: tuple) -> Decision:
     """`rule`'s decision for the inputs cat joins, the skipped ones kept as given."""
     kept = [i for i in range(len(placements)) if i not in skipped]
-    decision = rule(call._replace(inputs=tuple(call.inputs[i] for i in kept)), tuple(placements[i] for i in kept))
+    decision = rule(call._replace(inputs=tuple([call.inputs[i] for i in kept])), tuple([placements[i] for i in kept]))
     required = list(placements)
     for i, placement in zip(kept, decision.inputs):
         required[i] = placement

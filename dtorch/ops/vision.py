@@ -89,7 +89,7 @@ def present_groups(params: tuple, *groups: tuple):
     in its weight alone, so a P(sum) weight passes)."""
     def linear(call: Call) -> tuple:
         given = {i for i, name in enumerate(params) if type(call.param(i, name)) is TensorSlot}
-        return tuple(tuple(i for i in group if i in given) for group in groups)
+        return tuple([tuple([i for i in group if i in given]) for group in groups])
     linear.__doc__ = "linear in " + " or ".join("(" + ", ".join(params[i] for i in g) + ")" for g in groups) + \
         " (those given): P(avg); P(sum) where every given one of a group is P(sum) and nothing is added"
     return linear
@@ -271,7 +271,7 @@ def _conv_groups(call: Call, placements, channel: int, groups: int, form: _ConvF
     in_groups = whole_groups(call, 0, channel, call.inputs[0].shape[channel] // groups)
     weight_groups = whole_groups(call, 1, 0, weight.shape[0] // groups)
     # the output's channels (and the bias) split where the weight's dim 0 does
-    rows = tuple(p if p == Shard(0) else R for p in weight.placements)
+    rows = tuple([p if p == Shard(0) else R for p in weight.placements])
     out_groups = _blocks_in_groups((out_channels,), weight.mesh, rows, 0, out_channels // groups)
     if in_groups is None or not in_groups == weight_groups == out_groups:
         raise RuleRejected(f"some rank's block of input channels or weight rows is not the same whole groups "

@@ -156,7 +156,7 @@ def _per_channel_decision(call: Call, placements, spans: str | None, legal: str,
         if x not in (R, Shard(1)) or any(p not in (R, Shard(d)) for p, d in zip(others, channel_dims)):
             raise RuleRejected(f"the channels are split: input S(1) with the per-channel tensors S(0) (given "
                                f"{', '.join(map(repr, placements))})", legal)
-        return Decision((Shard(1),) + tuple(Shard(d) for d in channel_dims),
+        return Decision((Shard(1),) + tuple([Shard(d) for d in channel_dims]),
                         (Shard(1),) + (Shard(0),) * (outputs - 1))
     if any(not p.is_replicate() for p in others):
         raise RuleRejected("the per-channel tensors must be R unless the input's channels are split", legal)

@@ -17,7 +17,7 @@ class Adam(Optimizer):
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=False):
         check_adam_like(lr, betas, eps, weight_decay)
-        betas = tuple(float(b.item() if isinstance(b, torch.Tensor) else b) for b in betas)
+        betas = tuple([float(b.item() if isinstance(b, torch.Tensor) else b) for b in betas])
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
                     "maximize": maximize, "foreach": foreach, "capturable": capturable,
                     "differentiable": differentiable, "fused": fused,

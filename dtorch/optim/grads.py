@@ -46,7 +46,8 @@ def _share(grads: list, norm_type: float, reduce_op: str) -> DTensor:
     whole = [g.reduce_partials() for g in grads]   # a pending sum is reduced before its norm is taken
     out_id = controller.new_id()
     seq = controller.submit(GradNorm, out_id, controller.define_mesh(mesh), norm_type,
-                            tuple(controller.reference(g).id for g in whole), tuple(tuple(g.placements) for g in whole))
+                            tuple([controller.reference(g).id for g in whole]),
+                            tuple([tuple(g.placements) for g in whole]))
     meta = tensor_meta((), grads[0].dtype, mesh, [Partial(reduce_op)] * mesh.ndim)
     return DTensor(out_id, meta, seq, controller).redistribute(mesh, [Replicate()] * mesh.ndim)
 
@@ -60,6 +61,6 @@ def update_grads(kind: str, grads: list, factor: DTensor | None = None, bound: f
         local_factor = None if factor is None else factor.redistribute(mesh, [Replicate()] * mesh.ndim)
         factor_id = -1 if local_factor is None else controller.reference(local_factor).id
         seq = controller.submit(UpdateGrads, controller.define_mesh(mesh), kind,
-                                tuple(controller.reference(g).id for g in members), factor_id, float(bound))
+                                tuple([controller.reference(g).id for g in members]), factor_id, float(bound))
         for grad in members:
             grad._seq = seq   # a read after a failed update raises its RemoteError

@@ -123,13 +123,14 @@ class Optimizer(torch.optim.Optimizer):
         names = state_names(self.kind, hyper)
         grads = [_grad_like(p, self.kind) for p in params]   # held until submitted (a Free may follow)
         states = [self.state[p] if names else {} for p in params]   # torch keeps no state for plain SGD
-        fresh = tuple(int(not all(isinstance(s.get(n), DTensor) for n in names)) for s in states)
-        buffer_ids = [controller.new_ids(len(names)) if new else tuple(controller.reference(s[n]).id for n in names)
+        fresh = tuple([int(not all(isinstance(s.get(n), DTensor) for n in names)) for s in states])
+        buffer_ids = [controller.new_ids(len(names)) if new else tuple([controller.reference(s[n]).id for n in names])
                       for s, new in zip(states, fresh)]
         seq = controller.submit(OptimizerStep, controller.define_mesh(params[0].device_mesh), self.kind, hyper,
-                                tuple(controller.reference(p).id for p in params),
-                                tuple(controller.reference(g).id for g in grads),
-                                tuple(i for ids in buffer_ids for i in ids), tuple(s.get("step", 0) for s in states),
+                                tuple([controller.reference(p).id for p in params]),
+                                tuple([controller.reference(g).id for g in grads]),
+                                tuple([i for ids in buffer_ids for i in ids]),
+                                tuple([s.get("step", 0) for s in states]),
                                 fresh)
         capture = capturing.active()
         if capture is not None:
@@ -145,7 +146,7 @@ class Optimizer(torch.optim.Optimizer):
         """dtorch.compile: a replay steps the same state buffers (a fresh optimizer's first step
         makes them, so the next call captures again), advances the step counts as this did, and
         takes the group's hyperparameters as they are at the replay."""
-        buffers = [tuple(s.get(n) for n in names) for s in states]
+        buffers = [tuple([s.get(n) for n in names]) for s in states]
         capture.guard(lambda: all(s.get(n) is b for s, held in zip(states, buffers) for n, b in zip(names, held)),
                       lambda: f"{type(self).__name__}'s state buffers are not the ones the capture stepped"
                               + (" (its first step made them)" if any(b is None for held in buffers for b in held)
@@ -229,7 +230,7 @@ def _structure(kind: str, hyper: dict) -> tuple:
     """What of a group's hyperparameters shapes its step: the buffers it keeps, and every flag
     and setting that is not a number. The numbers (lr, betas, eps, weight_decay, momentum...)
     are a compiled step's inputs."""
-    return state_names(kind, hyper), tuple((k, v) for k, v in hyper.items() if not _is_number(v))
+    return state_names(kind, hyper), tuple([(k, v) for k, v in hyper.items() if not _is_number(v)])
 
 
 def _is_number(value) -> bool:
@@ -244,7 +245,7 @@ def _plain(value):
     if isinstance(value, bool):
         return value
     if isinstance(value, (tuple, list)):
-        return tuple(float(v) for v in value)
+        return tuple([float(v) for v in value])
     return float(value)
 
 

@@ -635,8 +635,8 @@ def _check_fields(seq: int, command_type, values: tuple) -> None:
 def _exact_types(field_types: tuple) -> tuple:
     """(the type of every field when none is a NUMBER nor left out, the positions of IDS fields)."""
     types = (int,) + field_types
-    exact = tuple(tuple if t is IDS else t if type(t) is type else None for t in types)
-    return exact, tuple(i for i, t in enumerate(types) if t is IDS)
+    exact = tuple([tuple if t is IDS else t if type(t) is type else None for t in types])
+    return exact, tuple([i for i, t in enumerate(types) if t is IDS])
 
 
 _INTS = frozenset({int})

@@ -166,7 +166,7 @@ class DeviceMesh:
         (workers ask on every redistribute step: one rank_at per member, no scan of the mesh)."""
         mine = self.coordinate_of(rank)
         ranges = [range(extent) if dim in mesh_dims else (mine[dim],) for dim, extent in enumerate(self.shape)]
-        return tuple(self.rank_at(coordinate) for coordinate in itertools.product(*ranges))
+        return tuple([self.rank_at(coordinate) for coordinate in itertools.product(*ranges)])
 
     # --- torch's DeviceMesh API -----------------------------------------------------------
     # Where torch asks "which rank am I?" for the user's own branches (rank-0 logging, saving),
@@ -215,7 +215,7 @@ class DeviceMesh:
         if isinstance(index, str):
             return self._only_dims((self.dim_index(index),))
         if isinstance(index, tuple) and index and all(isinstance(i, str) for i in index):
-            return self._only_dims(tuple(self.dim_index(i) for i in index))
+            return self._only_dims(tuple([self.dim_index(i) for i in index]))
         nested = self._nested()[index]
         names = self.mesh_dim_names
         if isinstance(index, int):
@@ -235,11 +235,11 @@ class DeviceMesh:
             raise MeshError("unbind needs the mesh dim(s) to split along: mesh.unbind('pp') or dims=[...]")
         listed = sorted({self.dim_index(d) for d in ([given] if isinstance(given, (int, str)) else given)})
         kept = [d for d in range(self.ndim) if d not in listed]
-        names = tuple(self.mesh_dim_names[d] for d in kept) if self.mesh_dim_names and kept else None
-        shape = tuple(self.shape[d] for d in kept) or (1,)
+        names = tuple([self.mesh_dim_names[d] for d in kept]) if self.mesh_dim_names and kept else None
+        shape = tuple([self.shape[d] for d in kept]) or (1,)
         out = []
         for index in itertools.product(*(range(self.shape[d]) for d in listed)):
-            ranks = [r for r in self._flat if tuple(self.coordinate_of(r)[d] for d in listed) == index]
+            ranks = [r for r in self._flat if tuple([self.coordinate_of(r)[d] for d in listed]) == index]
             out.append(DeviceMesh(self.device_type, nest_ranks(ranks, shape), names))
         return out
 
@@ -253,7 +253,7 @@ class DeviceMesh:
         return DeviceMesh(self.device_type, nest_ranks(ranks, [self.shape[d] for d in dims]), names)
 
     def _names_of(self, dims: Sequence[int]) -> tuple:
-        return tuple(self.mesh_dim_names[d] for d in dims) if self.mesh_dim_names else tuple(dims)
+        return tuple([self.mesh_dim_names[d] for d in dims]) if self.mesh_dim_names else tuple(dims)
 
     def _nested(self):
         return nest_ranks(self._flat, self.shape)
@@ -313,7 +313,7 @@ def init_device_mesh(device_type: str, mesh_shape: int | Sequence[int],
     # an integral value of any type (numpy's, a torch scalar) is a size; 2.7 is refused, not cut to 2
     if not given or any(isinstance(s, bool) or not hasattr(s, "__index__") or s < 1 for s in given):
         raise MeshError(f"init_device_mesh: mesh_shape must be positive integers, got {mesh_shape!r}")
-    mesh_shape = tuple(s.__index__() for s in given)
+    mesh_shape = tuple([s.__index__() for s in given])
     if _start_workers is None:
         raise MeshError("no dtorch runtime is installed: `import dtorch` first")
     ranks = list(_start_workers(device_type, math.prod(mesh_shape)))
@@ -418,8 +418,8 @@ def narrow_to_box(tensor, offset: Sequence[int], shape: Sequence[int], origin: S
 def distinct_shard_ranks(mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[int, ...]:
     """One rank per distinct shard: coordinate 0 on every mesh dim that does not shard. Reads
     fetch from these ranks only, and moves between meshes send from them."""
-    return tuple(r for r in mesh.ranks
-                 if all(c == 0 for c, p in zip(mesh.coordinate_of(r), placements) if p == Replicate()))
+    return tuple([r for r in mesh.ranks
+                 if all(c == 0 for c, p in zip(mesh.coordinate_of(r), placements) if p == Replicate())])
 
 
 def holds_partial_sum_value(placements: Sequence[Placement], coordinate: Sequence[int]) -> bool:

@@ -112,4 +112,4 @@ def _overlap(a, b):
     ends = [min(x + m, y + n) for x, m, y, n in zip(a_offset, a_shape, b_offset, b_shape)]
     if any(e <= s for s, e in zip(starts, ends)) and starts:
         return None
-    return tuple(starts), tuple(e - s for s, e in zip(starts, ends))
+    return tuple(starts), tuple([e - s for s, e in zip(starts, ends)])

@@ -49,7 +49,7 @@ def _at_least(rank: int, shape_of):
     def raise_rank(*tensors):
         if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
             tensors = tuple(tensors[0])
-        raised = tuple(t if t.ndim >= rank else t.reshape(shape_of(tuple(t.shape))) for t in tensors)
+        raised = tuple([t if t.ndim >= rank else t.reshape(shape_of(tuple(t.shape))) for t in tensors])
         return raised[0] if len(raised) == 1 else raised
     raise_rank.__name__ = f"atleast_{rank}d"
     return raise_rank
@@ -101,7 +101,7 @@ def tensor_split(input: DTensor, indices_or_sections=None, dim: int = 0, *, sect
     dim = dim % max(input.ndim, 1)
     size = input.shape[dim]
     bounds = [0] + _split_points(size, given) + [size]
-    return tuple(input.narrow(dim, start, max(stop - start, 0)) for start, stop in zip(bounds, bounds[1:]))
+    return tuple([input.narrow(dim, start, max(stop - start, 0)) for start, stop in zip(bounds, bounds[1:])])
 
 
 def _split_along(name: str, dim_of, least_rank: int):
@@ -149,7 +149,7 @@ def diff(input: DTensor, n: int = 1, dim: int = -1, prepend=None, append=None) -
 
 
 def _with_size(input, dim: int, size: int) -> tuple:
-    return tuple(size if d == dim else s for d, s in enumerate(input.shape))
+    return tuple([size if d == dim else s for d, s in enumerate(input.shape)])
 
 
 def take_along_dim(input: DTensor, indices, dim=None) -> DTensor:
@@ -162,8 +162,8 @@ def take_along_dim(input: DTensor, indices, dim=None) -> DTensor:
                            f"but got {input.ndim} dimensions for input, and {indices.ndim} dimensions for indices")
     dim = dim % input.ndim
     common = [max(a, b) for a, b in zip(input.shape, indices.shape)]
-    source = input.expand(tuple(s if d != dim else input.shape[d] for d, s in enumerate(common)))
-    positions = indices.expand(tuple(s if d != dim else indices.shape[d] for d, s in enumerate(common)))
+    source = input.expand(tuple([s if d != dim else input.shape[d] for d, s in enumerate(common)]))
+    positions = indices.expand(tuple([s if d != dim else indices.shape[d] for d, s in enumerate(common)]))
     return source.gather(dim, positions)
 
 
@@ -197,9 +197,9 @@ def kron(input: DTensor, other: DTensor) -> DTensor:
     rank = max(input.ndim, other.ndim)
     a = (1,) * (rank - input.ndim) + tuple(input.shape)
     b = (1,) * (rank - other.ndim) + tuple(other.shape)
-    spread = input.reshape(tuple(s for size in a for s in (size, 1))) * \
-        other.reshape(tuple(s for size in b for s in (1, size)))
-    return spread.reshape(tuple(x * y for x, y in zip(a, b)))
+    spread = input.reshape(tuple([s for size in a for s in (size, 1)])) * \
+        other.reshape(tuple([s for size in b for s in (1, size)]))
+    return spread.reshape(tuple([x * y for x, y in zip(a, b)]))
 
 
 # --- torch.nn.functional -----------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def pixel_shuffle(input: DTensor, upscale_factor: int) -> DTensor:
     channels, height, width = input.shape[-3:]
     n = len(lead)
     split = input.reshape(lead + (channels // (r * r), r, r, height, width))
-    moved = split.permute(tuple(range(n)) + tuple(n + d for d in (0, 3, 1, 4, 2)))
+    moved = split.permute(tuple(range(n)) + tuple([n + d for d in (0, 3, 1, 4, 2)]))
     return moved.reshape(lead + (channels // (r * r), height * r, width * r))
 
 
@@ -259,7 +259,7 @@ def pixel_unshuffle(input: DTensor, downscale_factor: int) -> DTensor:
     channels, height, width = input.shape[-3:]
     n = len(lead)
     split = input.reshape(lead + (channels, height // r, r, width // r, r))
-    moved = split.permute(tuple(range(n)) + tuple(n + d for d in (0, 2, 4, 1, 3)))
+    moved = split.permute(tuple(range(n)) + tuple([n + d for d in (0, 2, 4, 1, 3)]))
     return moved.reshape(lead + (channels * r * r, height // r, width // r))
 
 

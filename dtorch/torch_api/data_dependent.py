@@ -43,7 +43,7 @@ def nonzero(input: DTensor, *, out=None, as_tuple: bool = False):
     _refuse_out(out, "torch.nonzero", input)
     read = _nonzero_mask(input)._blocking_read("torch.nonzero(x)")
     if as_tuple:
-        return tuple(_replicated(positions, input) for positions in read.nonzero(as_tuple=True))
+        return tuple([_replicated(positions, input) for positions in read.nonzero(as_tuple=True)])
     return _replicated(read.nonzero(), input)
 
 

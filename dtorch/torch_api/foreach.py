@@ -71,7 +71,7 @@ def _foreach_zero_(self):
 
 def _foreach_norm(self, ord=2, dtype=None):
     """Each tensor's whole-tensor vector norm, a 0-d tensor each."""
-    return tuple((t if dtype is None else t.to(dtype)).norm(ord) for t in self)
+    return tuple([(t if dtype is None else t.to(dtype)).norm(ord) for t in self])
 
 
 FOREACH = {f"_foreach_{method}{'_' if inplace else ''}": build(method, inplace)

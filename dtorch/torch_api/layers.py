@@ -148,7 +148,7 @@ def _one(value, default=None):
 
 
 def _squeezed(result):
-    return tuple(r.squeeze(-2) for r in result) if isinstance(result, tuple) else result.squeeze(-2)
+    return tuple([r.squeeze(-2) for r in result]) if isinstance(result, tuple) else result.squeeze(-2)
 
 
 def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,

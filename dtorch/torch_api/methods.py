@@ -52,7 +52,7 @@ def movedim(input: DTensor, source, destination) -> DTensor:
     for s, d in zip(sources, targets):
         order[d] = s
     rest = iter(d for d in range(input.ndim) if d not in sources)
-    return call_op("permute", (input, tuple(next(rest) if o is None else o for o in order)), {})
+    return call_op("permute", (input, tuple([next(rest) if o is None else o for o in order])), {})
 
 
 # --- shapes and dtypes of another tensor --------------------------------------------------------

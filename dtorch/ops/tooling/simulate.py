@@ -146,7 +146,7 @@ def contributions(value, mesh: DeviceMesh, placements, g, split=None) -> dict:
     for mesh_dim in reversed(partial_dims):   # the last reduction splits first
         splits = {}
         for group in _groups(mesh, mesh_dim):
-            key = tuple(group[0][m] for m in partial_dims if m != mesh_dim)
+            key = tuple([group[0][m] for m in partial_dims if m != mesh_dim])
             if key not in splits:
                 splits[key] = split(held[group[0]], len(group), placements[mesh_dim].reduce_op, g)
             held.update(zip(group, splits[key]))

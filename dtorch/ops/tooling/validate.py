@@ -157,7 +157,7 @@ def validate(op: RegisteredOp | str, mesh_shape=(3,), uneven: bool = True, seed:
 def _combinations(options, limit, chooser):
     if limit is None or math.prod(map(len, options)) <= limit:
         return itertools.product(*options)
-    return (tuple(chooser.choice(o) for o in options) for _ in range(limit))
+    return (tuple([chooser.choice(o) for o in options]) for _ in range(limit))
 
 
 class _Draw:
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
     names = options.op + sorted(n for n, s in REGISTRY.items() if s.family in families)
     if not names:
         parser.error("name ops with --op, --family or --all")
-    mesh_shape = tuple(int(n) for n in options.mesh.split(","))
+    mesh_shape = tuple([int(n) for n in options.mesh.split(",")])
     wrong = 0
     for name in names:
         if name not in REGISTRY:

@@ -224,7 +224,7 @@ class Controller:
         """Lock held: one Free for the symbols dropped since the last command, placed before the
         next command so workers free buffers in program order (not once per batch)."""
         self._free_now = False
-        ids = tuple(self._released.popleft() for _ in range(len(self._released)))
+        ids = tuple([self._released.popleft() for _ in range(len(self._released))])
         if not ids:
             return
         free = wire.Free(self._next_seq, ids)
@@ -254,7 +254,7 @@ class Controller:
 
     @staticmethod
     def new_ids(count: int) -> tuple:
-        return tuple(next(_TENSOR_IDS) for _ in range(count))
+        return tuple([next(_TENSOR_IDS) for _ in range(count)])
 
     def release(self, tensor_id: int, block_bytes: int = 0) -> None:
         """Called from DTensor.__del__ (any thread, any time): a lock-free append. A large block

@@ -196,7 +196,7 @@ class RecomputedRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, regions, region, output_ids, outputs, learned_ids, anchor, *learned):
         ctx.regions, ctx.region, ctx.output_ids, ctx.learned_ids = regions, region, output_ids, learned_ids
-        connected = tuple(t.detach() for t in outputs)
+        connected = tuple([t.detach() for t in outputs])
         ctx.mark_non_differentiable(*[t for t in connected if not (t.is_floating_point() or t.is_complex())])
         return connected
 

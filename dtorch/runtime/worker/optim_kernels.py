@@ -59,7 +59,7 @@ SCALAR_STATE = frozenset({"mu_product"})
 def state_names(kind: str, hyper: dict) -> tuple:
     """The buffers of one parameter under these hyperparameters (SGD without momentum keeps none,
     amsgrad keeps a third, RMSprop's momentum and centered one more each)."""
-    return tuple(name for name in STATE_NAMES[kind] if _KEPT_WHEN.get((kind, name), lambda hyper: True)(hyper))
+    return tuple([name for name in STATE_NAMES[kind] if _KEPT_WHEN.get((kind, name), lambda hyper: True)(hyper)])
 
 
 def initial_fill(kind: str, name: str, hyper: dict) -> float:
