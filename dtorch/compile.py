@@ -122,15 +122,15 @@ class _Graph:
     def replay(self, inputs: list, numbers: tuple):
         controller = self.controller
         seed, first = session.reserve_random(self.random_count)
-        shifts = tuple(shift() for shift in self.step_shifts)
-        hypers = tuple(_changed(*row) if row is not None else {} for row in self.step_hypers)
+        shifts = tuple([shift() for shift in self.step_shifts])
+        hypers = tuple([_changed(*row) if row is not None else {} for row in self.step_hypers])
         out_ids = controller.new_ids(len(self.output_metas))
-        input_ids = (tuple(t._id for t in inputs) + tuple(t._id for t in self.state)
-                     + tuple(grad_id(inputs) for grad_id in self.grad_inputs) + tuple(self.read_ids))
+        input_ids = (tuple([t._id for t in inputs]) + tuple([t._id for t in self.state])
+                     + tuple([grad_id(inputs) for grad_id in self.grad_inputs]) + tuple(self.read_ids))
         controller.free_before_next()
         seq = controller.submit(wire.RunGraph, self.graph_id, self.span, input_ids, out_ids,
                                 seed, first - self.random_start, shifts, self.defined_seq,
-                                hypers if any(hypers) else (), tuple(numbers[k] for k in self.dynamic),
+                                hypers if any(hypers) else (), tuple([numbers[k] for k in self.dynamic]),
                                 span=self.span)
         controller.sites.note_replay(seq, self.span, self.sites)
         for hook in self.after_replay:
@@ -256,16 +256,16 @@ class CompiledFunction:
 
     def _capture(self, key, keyed, inputs: list, args, kwargs, numbers: tuple, places: tuple, reason, churn: bool):
         controller = session.controller()
-        input_ids = tuple(t._id for t in inputs)   # before fn: an argument changed in place holds a new id after
+        input_ids = tuple([t._id for t in inputs])   # before fn: an argument changed in place holds a new id after
         markers = []
         if places and self._marks is not None:
             args, kwargs, markers = self._marks.traced(args, kwargs, places)
         with capturing.Capture(controller, self.name) as capture:
             result = self.fn(*args, **kwargs)
             tree, outputs = signature.output_tree(result, capture.start_id, inputs, self.name, markers)
-            fields = capture.finish(input_ids, tuple(t._id for t in outputs), inputs, markers)
+            fields = capture.finish(input_ids, tuple([t._id for t in outputs]), inputs, markers)
         dynamic = sorted({k for _, _, k in fields["scalars"]})
-        slots = tuple((row, position, dynamic.index(k)) for row, position, k in fields["scalars"])
+        slots = tuple([(row, position, dynamic.index(k)) for row, position, k in fields["scalars"]])
         fields["dynamic"] = tuple(dynamic)
         fields["kept"] = {k: (numbers[k], markers[k].name, why) for k, why in fields["kept_scalars"].items()}
         graph_id = next(_GRAPH_IDS)

@@ -125,8 +125,8 @@ def _whole(state: dict, settings: Options) -> dict:
     """With full_state_dict, each DTensor whole: a torch tensor here (cpu_offload), else Replicate."""
     if not settings.full_state_dict:
         return state
-    return type(state)((key, _whole_tensor(value, settings) if isinstance(value, DTensor) else value)
-                       for key, value in state.items())
+    return type(state)([(key, _whole_tensor(value, settings) if isinstance(value, DTensor) else value)
+                        for key, value in state.items()])
 
 
 def _whole_tensor(tensor: DTensor, settings: Options):

@@ -61,7 +61,7 @@ def module_state_dict(module: torch.nn.Module, options: Options) -> dict:
     state = module.state_dict()
     if options.ignore_frozen_params:
         frozen = {name for name, param in module.named_parameters(remove_duplicate=False) if not param.requires_grad}
-        state = type(state)((key, value) for key, value in state.items() if key not in frozen)
+        state = type(state)([(key, value) for key, value in state.items() if key not in frozen])
     return state
 
 

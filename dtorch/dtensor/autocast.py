@@ -73,7 +73,7 @@ def _device_type(args: tuple):
 def _caster(target: torch.dtype):
     def cast(value):
         if isinstance(value, (list, tuple)):
-            return type(value)(cast(v) for v in value)
+            return type(value)([cast(v) for v in value])
         dtype = getattr(getattr(value, "_meta", None), "dtype", None)
         if dtype is None or not dtype.is_floating_point or dtype in (torch.float64, target):
             return value

@@ -232,20 +232,20 @@ class Capture(CaptureHooks):
         rows, sites = self._rows(made)
         older_reads = _older_reads(rows, self.start_id, set(input_ids))
         reads = self._carried_reads(older_reads)
-        input_ids += tuple(read_id for _, read_id, _ in reads)
+        input_ids += tuple([read_id for _, read_id, _ in reads])
         self.guards.extend(_same_requires_grad(ref, flag) for ref, flag, _ in self._older_inputs.values())
         steps = [c for c in rows if type(c) is wire.OptimizerStep]
         _, random_end = session.reserve_random(0)
         slots, kept = find_slots(rows, list(markers))
         return {
-            "rows": tuple(wire.command_row(c) for c in rows),
+            "rows": tuple([wire.command_row(c) for c in rows]),
             "sites": sites,
             "inputs": input_ids,
             "outputs": output_ids,
             "scratch": scratch,
-            "random": tuple(i for i, c in enumerate(rows)
-                            if _draws_random(c, self.seed, range(self.random_start, random_end))),
-            "steps": tuple(i for i, c in enumerate(rows) if type(c) is wire.OptimizerStep),
+            "random": tuple([i for i, c in enumerate(rows)
+                            if _draws_random(c, self.seed, range(self.random_start, random_end))]),
+            "steps": tuple([i for i, c in enumerate(rows) if type(c) is wire.OptimizerStep]),
             "scalars": slots,                         # (row, argument index, marker index): a replay's number there
             "kept_scalars": kept,                     # marker index -> why the graph keeps the captured value
             "step_shifts": [self.step_shifts.get(c.seq, _no_shift) for c in steps],
@@ -295,7 +295,7 @@ class Capture(CaptureHooks):
             if type(command) is wire.Upload:
                 continue
             if type(command) is wire.Free:
-                ids = tuple(i for i in command.ids if i in made)
+                ids = tuple([i for i in command.ids if i in made])
                 if not ids:
                     continue
                 command = command._replace(ids=ids)
@@ -402,8 +402,8 @@ _PLAIN = (bool, int, float, str, type(None))
 def _settings(module) -> tuple:
     """A module's public attributes that are plain values (not tensors, submodules or hooks).
     Private ones are its own bookkeeping (BatchNorm2d's batch count changes every call)."""
-    return tuple((name, value) for name, value in module.__dict__.items()
-                 if type(value) in _PLAIN and not name.startswith("_"))
+    return tuple([(name, value) for name, value in module.__dict__.items()
+                 if type(value) in _PLAIN and not name.startswith("_")])
 
 
 def _settings_changed(module, settings: tuple) -> str:

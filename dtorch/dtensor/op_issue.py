@@ -12,6 +12,8 @@ measures it). dtorch/dtensor/tensor.py re-exports call_op, which most of dtorch 
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..spec.placements import Replicate, format_placements
@@ -302,11 +304,32 @@ def _run_init(func, args: tuple, kwargs: dict):
             raise unsupported_op(func.__name__, f"torch.nn.init.{func.__name__}") from error
 
 
+# func -> its name, interned: a builtin's __name__ is a new str on every access, and the command
+# ring (command_sites.py) keeps each command's op name for SITE_RING commands: one shared str per
+# op instead of ~55 B per command, and no str(func) made and dropped per call. Bounded, since a
+# property's getter arrives as a new method-wrapper object each time (equal, so it hits).
+_FUNCTION_NAMES: dict = {}
+_MAX_FUNCTION_NAMES = 4096
+
+
+def _function_name(func) -> str:
+    name = sys.intern(getattr(func, "__name__", None) or str(func))
+    try:
+        if len(_FUNCTION_NAMES) < _MAX_FUNCTION_NAMES:
+            _FUNCTION_NAMES[func] = name
+    except TypeError:
+        pass
+    return name
+
+
 def torch_function(cls, func, types, args=(), kwargs=None):
     """DTensor.__torch_function__ (bound there as a classmethod: a torch call on a DTensor pays no
     call more than before it moved here): a composite, a registry op through call_op, torch.nn.init's
     own Python, or a torch in-place function as the DTensor method; anything else is refused."""
-    name = getattr(func, "__name__", str(func))
+    try:
+        name = _FUNCTION_NAMES[func]
+    except (KeyError, TypeError):   # a first call of func, or an unhashable callable
+        name = _function_name(func)
     composite = COMPOSITES.get(name)
     if composite is not None:
         if name in AUTOCAST_OPS:   # F.cross_entropy under torch.autocast: float32, as torch's

@@ -120,5 +120,5 @@ def cast_floating(value, dtype: torch.dtype):
     if isinstance(value, list):
         return [cast_floating(v, dtype) for v in value]
     if isinstance(value, dict):
-        return type(value)((k, cast_floating(v, dtype)) for k, v in value.items())
+        return type(value)([(k, cast_floating(v, dtype)) for k, v in value.items()])
     return value

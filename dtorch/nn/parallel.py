@@ -178,7 +178,7 @@ class PrepareModuleOutput(ParallelStyle):
 
         def hook(_module, _args, output):
             if isinstance(output, (tuple, list)):
-                return type(output)(_on(o, mesh_dim, p) for o, p in zip(output, desired))
+                return type(output)([_on(o, mesh_dim, p) for o, p in zip(output, desired)])
             return _on(output, mesh_dim, desired[0] if desired else None)
         module.register_forward_hook(hook)
 

@@ -198,7 +198,8 @@ def map_tensors(value, fn, is_tensor=_is_symbol):
     if is_tensor(value):
         return fn(value)
     if type(value) in (list, tuple):
-        return type(value)(map_tensors(v, fn, is_tensor) for v in value)
+        mapped = [map_tensors(v, fn, is_tensor) for v in value]
+        return mapped if type(value) is list else tuple(mapped)   # tuple(<generator>): tests/test_soak.py
     if type(value) is dict:
         return {k: map_tensors(v, fn, is_tensor) for k, v in value.items()}
     return value

@@ -48,7 +48,7 @@ def canonical_index(index, shape) -> tuple:
     an int >= 0 (the dim is dropped), None (a new dim), or (start, stop, step) from slice.indices,
     WHOLE for a slice that keeps the whole dim. Ellipsis is expanded; bounds errors raise
     IndexError as torch does (which also ends `for row in x`)."""
-    items = tuple(map(_check_item, index if type(index) is tuple else (index,)))
+    items = tuple([_check_item(item) for item in (index if type(index) is tuple else (index,))])
     consumed = sum(item is not None and item is not Ellipsis for item in items)
     if sum(item is Ellipsis for item in items) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")

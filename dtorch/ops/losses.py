@@ -141,7 +141,7 @@ def _pointwise_loss_rule(call: Call, placements) -> Decision:
     reduction = _reduction(call)
     if reduction == "none":
         return shard_decision(call, placements)
-    whole = torch.broadcast_shapes(*(spec.shape for spec in call.inputs))
+    whole = torch.broadcast_shapes(*[spec.shape for spec in call.inputs])
     decision = shard_decision(call._replace(outputs=((tuple(whole), call.outputs[0][1]),)), placements)
     if not isinstance(decision.outputs[0], Shard):
         return decision
@@ -155,7 +155,7 @@ def _pointwise_loss_rule(call: Call, placements) -> Decision:
 def _element_count(call: Call) -> int:
     if _reduction(call) == "batchmean":   # kl_div: per batch element
         return call.inputs[0].shape[0] if call.inputs[0].shape else 1
-    return math.prod(torch.broadcast_shapes(*(spec.shape for spec in call.inputs)))
+    return math.prod(torch.broadcast_shapes(*[spec.shape for spec in call.inputs]))
 
 
 # --- 'mean' over shards: a local sum over the global count ------------------------------------------

@@ -109,7 +109,7 @@ def _zeros_like_result(fn, input, *args, **kwargs):
     def shaped(r):
         return torch.zeros([0 if d in empty else s for d, s in enumerate(r.shape)], dtype=r.dtype,
                            device=input.device)
-    return tuple(map(shaped, result)) if isinstance(result, tuple) else shaped(result)
+    return tuple([shaped(r) for r in result]) if isinstance(result, tuple) else shaped(result)
 
 
 def _empty_safe(fn):

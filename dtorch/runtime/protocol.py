@@ -609,8 +609,9 @@ def _command(seq: int, row):
     values = row[1:]
     exact, ids_at = _EXACT_TYPES[command_type]
     # Every worker decodes every command: the common case is one comparison made in C (0.95 us
-    # a RunOp, with decoding), and anything else takes the field-by-field check (2.0 us).
-    if tuple(map(type, values)) == exact:
+    # a RunOp, with decoding), and anything else takes the field-by-field check (2.0 us). A list:
+    # tuple(map(...)) would be built by resizing a 10-slot tuple (tests/test_soak.py says why not).
+    if [*map(type, values)] == exact:
         for i in ids_at:
             if not _INTS.issuperset(map(type, values[i])):
                 _check_fields(seq, command_type, values)   # raises
@@ -633,9 +634,10 @@ def _check_fields(seq: int, command_type, values: tuple) -> None:
 
 
 def _exact_types(field_types: tuple) -> tuple:
-    """(the type of every field when none is a NUMBER nor left out, the positions of IDS fields)."""
+    """(the type of every field when none is a NUMBER nor left out, as a list; the positions of
+    IDS fields)."""
     types = (int,) + field_types
-    exact = tuple([tuple if t is IDS else t if type(t) is type else None for t in types])
+    exact = [tuple if t is IDS else t if type(t) is type else None for t in types]
     return exact, tuple([i for i, t in enumerate(types) if t is IDS])
 
 

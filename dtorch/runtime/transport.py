@@ -37,7 +37,7 @@ class CurveKeys(NamedTuple):
 def make_curve_keys() -> CurveKeys:
     server_public, server_secret = zmq.curve_keypair()
     client_public, client_secret = zmq.curve_keypair()
-    return CurveKeys(*(k.decode() for k in (server_public, server_secret, client_public, client_secret)))
+    return CurveKeys(*[k.decode() for k in (server_public, server_secret, client_public, client_secret)])
 
 
 def _lossless(socket: zmq.Socket) -> None:

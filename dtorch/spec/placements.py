@@ -238,7 +238,7 @@ class DeviceMesh:
         names = tuple([self.mesh_dim_names[d] for d in kept]) if self.mesh_dim_names and kept else None
         shape = tuple([self.shape[d] for d in kept]) or (1,)
         out = []
-        for index in itertools.product(*(range(self.shape[d]) for d in listed)):
+        for index in itertools.product(*[range(self.shape[d]) for d in listed]):
             ranks = [r for r in self._flat if tuple([self.coordinate_of(r)[d] for d in listed]) == index]
             out.append(DeviceMesh(self.device_type, nest_ranks(ranks, shape), names))
         return out

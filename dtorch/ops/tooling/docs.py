@@ -186,7 +186,7 @@ def _accepted(name: str) -> list:
     values = tensor_inputs(sample)
     shapes = ", ".join(f"{tuple(v.shape)} {str(v.dtype)[6:]}" for v in values)
     found = []
-    for combo in itertools.product(*(placement_options(v) for v in values)):
+    for combo in itertools.product(*[placement_options(v) for v in values]):
         specs = [tensor_meta(v.shape, v.dtype, _MESH, (p,)) for v, p in zip(values, combo)]
         args, kwargs = with_inputs(sample, [Symbol(s) for s in specs])
         try:

@@ -17,7 +17,7 @@ __all__ = ["INDEXING"]
 
 def _index(*indices, sizes=MATRIX_SIZES):
     """x[index] for each index, in the canonical form DTensor.__getitem__ sends."""
-    return on(sizes, *(lambda x, i=index: call(x, canonical_index(i, tuple(x.shape))) for index in indices))
+    return on(sizes, *[lambda x, i=index: call(x, canonical_index(i, tuple(x.shape))) for index in indices])
 
 
 def _with_positions(*calls):
@@ -41,7 +41,7 @@ def _index_writes(*calls):
         x = m.distinct(*m.shape(*MATRIX_SIZES))
         out = []
         for dim, index in ((0, torch.tensor([3, 0, 2])), (1, torch.tensor([2, 0]))):
-            values = m.x(*(len(index) if d == dim else size for d, size in enumerate(x.shape)))
+            values = m.x(*[len(index) if d == dim else size for d, size in enumerate(x.shape)])
             out += [Sample(*call(x, dim, index, values)) for call in calls]
         return out
     return build
@@ -109,11 +109,11 @@ INDEXING: dict[str, Callable] = {
                            (_ALL, _ALL), (slice(None, None, 2), None), (-1, slice(1, None))),
                     _index((_ALL, 1), (..., slice(1, None)), sizes=CUBE_SIZES), _index((_ALL, 0), sizes=SIZE_ONE_SIZES),
                     _index((None, slice(2, None)), sizes=VECTOR_SIZES)),
-    "setitem": on(MATRIX_SIZES, *(lambda x, i=index, v=value: call(x, canonical_index(i, tuple(x.shape)),
+    "setitem": on(MATRIX_SIZES, *[lambda x, i=index, v=value: call(x, canonical_index(i, tuple(x.shape)),
                                                                    v(x[i]) if callable(v) else v)
                                   for index, value in (((_ALL, 1), -2.0), (1, lambda r: r * -1), (slice(1, 3), 5.0),
                                                        ((_ALL, slice(None, None, 2)), lambda r: r[..., :1] + 100),
-                                                       ((slice(None), slice(1, None)), lambda r: -r)))),
+                                                       ((slice(None), slice(1, None)), lambda r: -r))]),
     # never the whole tensor: overwriting every element would make any placement look right
     "narrow": on(MATRIX_SIZES, lambda x: call(x, 0, 1, 2), lambda x: call(x, 1, 1, 2)),
     "index_select": _index_select,

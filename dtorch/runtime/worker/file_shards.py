@@ -49,7 +49,7 @@ def block_runs(shape, offset, box):
         yield sum(o * s for o, s in zip(offset, strides)), 1, run, run
         return
     inner = offset[cut - 1] * strides[cut - 1] + offset[cut] * strides[cut]
-    for outer in itertools.product(*(range(o, o + b) for o, b in zip(offset[:cut - 1], box[:cut - 1]))):
+    for outer in itertools.product(*[range(o, o + b) for o, b in zip(offset[:cut - 1], box[:cut - 1])]):
         start = sum(i * s for i, s in zip(outer, strides)) + inner
         yield start, box[cut - 1], strides[cut - 1], run
 
