@@ -45,3 +45,30 @@ def test_pin_memory_says_there_is_nothing_here_to_pin(mesh4):
                                                         r"x\.to_torch\(\)\.pin_memory\(\)") as refused:
         x.pin_memory()
     assert "Nearest supported" not in str(refused.value)
+
+
+@pytest.mark.parametrize("spelling, call", [
+    ("x.new_ones(..., device='cuda')", lambda x: x.new_ones(4, device="cuda")),
+    ("x.new_zeros(..., device='cuda:0')", lambda x: x.new_zeros((2, 2), device=torch.device("cuda", 0))),
+    ("x.new_empty(..., device='cuda')", lambda x: x.new_empty(3, device="cuda")),
+    ("x.new_full(..., device='cuda')", lambda x: x.new_full((2,), 7.0, device="cuda")),
+    ("x.new_tensor(..., device='cuda')", lambda x: x.new_tensor([1.0], device="cuda")),
+])
+def test_a_new_tensor_on_another_device_type_is_refused(mesh4, spelling, call):
+    """These returned a CPU DTensor (new_ones) or raised torch's bare AssertionError (new_tensor,
+    "Torch not compiled with CUDA enabled") on a CPU mesh."""
+    x = dtorch.ones(8, device_mesh=mesh4, placements=[Shard(0)])
+    with pytest.raises(dtorch.UnsupportedOpError) as refused:
+        call(x)
+    message = str(refused.value)
+    assert message.startswith(spelling) and f"{HERE}:" in message, message
+    assert "cuda_mesh" in message and "leave device= out" in message, message
+
+
+def test_a_new_tensor_on_the_mesh_device_type_is_made_on_the_mesh(mesh4):
+    x = dtorch.ones(8, device_mesh=mesh4, placements=[Shard(0)])
+    made = [x.new_ones(3, device="cpu"), x.new_zeros(2, device=torch.device("cpu")), x.new_full((2,), 5.0, device="cpu")]
+    assert all(isinstance(t, dtorch.DTensor) and t.device_mesh == mesh4 for t in made)
+    torch.testing.assert_close(made[2].to_torch(), torch.full((2,), 5.0))
+    local = x.new_tensor([1.5], device="cpu")   # torch.nn.init's bounds: a plain tensor here
+    assert type(local) is torch.Tensor and local.item() == 1.5

@@ -12,6 +12,7 @@ import torch
 from ..spec.placements import (DeviceMesh, Placement, Replicate, holds_partial_sum_value, init_device_mesh,
                                local_region, narrow_to_box)
 from ..errors import DTorchError, ShapeError, user_site
+from ..ops.conversions import check_new_device
 from ..ops.tensor_meta import check_placements, parse_shape, tensor_meta
 from ..spec.rng import Generator
 from ..runtime.controller import session
@@ -304,12 +305,14 @@ api.register_function("eye", _torch_eye)
 
 
 def _new_tensor(self: DTensor, data, dtype=None, device=None, requires_grad: bool = False):
-    """torch's x.new_tensor: `data` in x's dtype, on x's mesh (Replicate). With device= (a torch
-    device, as in x.to("cpu")) a plain torch tensor in this process: torch.nn.init casts its
-    bounds that way (`x.new_tensor(a, device="cpu").item()`)."""
+    """torch's x.new_tensor: `data` in x's dtype, on x's mesh (Replicate), also with device= a
+    device of the mesh's type. With device="cpu", a plain torch tensor in this process: torch.nn.init
+    casts its bounds that way (`x.new_tensor(a, device="cpu").item()`). Another device type
+    refuses with what to write."""
     dtype = self.dtype if dtype is None else dtype
-    if device is not None:
+    if device is not None and torch.device(device).type == "cpu":
         return torch.tensor(data, dtype=dtype, device=device, requires_grad=requires_grad)
+    check_new_device(device, self.device_mesh, f"x.new_tensor(..., device={str(device)!r})", "dtorch.tensor")
     return tensor(data, dtype=dtype, device_mesh=self.device_mesh, placements=[Replicate()] * self.device_mesh.ndim,
                   requires_grad=requires_grad)
 

@@ -60,6 +60,22 @@ def device_refusal(call: str, device: torch.device, mesh: DeviceMesh) -> Excepti
                               f"implicitly, and never reads them back implicitly. Fix: {fix}.")
 
 
+def check_new_device(device, mesh: DeviceMesh, call: str, factory: str) -> bool:
+    """x.new_ones(..., device=d) and its kin make the new tensor on x's mesh: a `device` of the
+    mesh's device type is that (True), None is too (False); another refuses, since the workers
+    of that type are another mesh. `call`: as the user wrote it; `factory`: dtorch's own spelling."""
+    if device is None:
+        return False
+    device = torch.device(device)
+    if device.type == mesh.device_type:
+        return True
+    raise UnsupportedOpError(f"{call} at {user_site()}: x lives on {mesh}, whose workers' device is "
+                             f"{mesh.device_type!r}, and a tensor made from x lives on x's mesh; dtorch does not "
+                             f"move tensors between device types implicitly. Fix: leave device= out, or make it on "
+                             f"a mesh of {device.type} workers: {factory}(..., device_mesh={device.type}_mesh, "
+                             f"placements=[...]).")
+
+
 def _refused_target(value) -> Exception:
     if isinstance(value, DeviceMesh):
         return TypeError(f"x.to(...) takes a mesh as its first argument only (at {user_site()}): "

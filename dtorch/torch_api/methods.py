@@ -14,6 +14,7 @@ import torch
 from ..spec.placements import Replicate
 from ..dtensor.factories import arange, empty, full, ones, rand_like, zeros
 from ..dtensor.inplace import assign
+from ..ops.conversions import check_new_device
 from ..ops.unsupported import unsupported_op
 from ..dtensor import api
 from ..dtensor.tensor import DTensor, call_op
@@ -80,6 +81,8 @@ def _new_factory(factory):
     """x.new_zeros(size) and its kin: x's dtype (unless given), on x's mesh, Replicate (as
     x.new_tensor)."""
     def make(self: DTensor, *size, dtype=None, device=None, requires_grad=False, layout=None, pin_memory=False):
+        check_new_device(device, self.device_mesh, f"x.new_{factory.__name__}(..., device={str(device)!r})",
+                         f"dtorch.{factory.__name__}")
         return factory(*size, dtype=dtype or self.dtype, device_mesh=self.device_mesh,
                        placements=_replicated(self.device_mesh), requires_grad=requires_grad)
     make.__name__ = f"new_{factory.__name__}"
@@ -88,6 +91,7 @@ def _new_factory(factory):
 
 def _new_full(self: DTensor, size, fill_value, dtype=None, device=None, requires_grad=False, layout=None,
               pin_memory=False) -> DTensor:
+    check_new_device(device, self.device_mesh, f"x.new_full(..., device={str(device)!r})", "dtorch.full")
     size = (size,) if isinstance(size, int) else tuple(size)
     return full(size, fill_value, dtype=dtype or self.dtype, device_mesh=self.device_mesh,
                 placements=_replicated(self.device_mesh), requires_grad=requires_grad)
