@@ -51,7 +51,7 @@ from . import models
 # The context manager takes the package's name: dtorch.profile(...) records, while
 # `from dtorch.profile import summarize, plot` still reaches the package (sys.modules).
 from .profile import profile
-from .compile import compile  # noqa: A001  (dtorch.compile, like torch.compile)
+from .compile import RecaptureWarning, compile  # noqa: A001  (dtorch.compile, like torch.compile)
 
 from .dtensor.tensor import refuse_the_rest as _refuse_the_rest
 _refuse_the_rest()   # last: every module above has installed its DTensor methods
@@ -119,5 +119,5 @@ __all__ = [
     "DTorchError", "ShapeError", "PlacementError", "MeshError", "UnsupportedOpError", "RemoteError", "DependencyError",
     "WorkerLostError", "LostTensorError", "LocalTensorError", "AliasingError", "StartupError", "SessionEndedError",
     "UnreadFailureWarning",
-    "nn", "optim", "utils", "checkpoint", "models", "profile", "compile", "CompileError",
+    "nn", "optim", "utils", "checkpoint", "models", "profile", "compile", "CompileError", "RecaptureWarning",
 ] + sorted(n for n in _REGISTRY if n in globals())
