@@ -221,12 +221,13 @@ ONE_RANK_FAILS_IN_BACKWARD = """
     w = dtorch.tensor(torch.randn(6, 6), device_mesh=mesh, placements=[PLACEMENT], requires_grad=True)
     x = dtorch.randn(8, 6, device_mesh=mesh, placements=[Shard(0)])
     start = time.monotonic()
-    (x @ w.redistribute(placements=[Replicate()])).sum().backward()   # S(0): a reduce-scatter; R: a bucket
-    try:
-        w.grad.to_torch()
-        error = None
-    except dtorch.RemoteError as failure:
-        error = str(failure)
+    with PROFILED:
+        (x @ w.redistribute(placements=[Replicate()])).sum().backward()   # S(0): a reduce-scatter; R: a bucket
+        try:
+            w.grad.to_torch()
+            error = None
+        except dtorch.RemoteError as failure:
+            error = str(failure)
     seconds = time.monotonic() - start
     w.grad = None                       # the session goes on, on fresh groups
     (x @ w.redistribute(placements=[Replicate()])).sum().backward()
@@ -237,14 +238,18 @@ ONE_RANK_FAILS_IN_BACKWARD = """
 """
 
 
-@pytest.mark.parametrize("placement", ["Shard(0)", "Replicate()"])
-def test_one_rank_failing_in_backward_stops_the_others_waiting(placement):
+@pytest.mark.parametrize("placement, profiled", [("Shard(0)", False), ("Replicate()", False), ("Shard(0)", True)])
+def test_one_rank_failing_in_backward_stops_the_others_waiting(placement, profiled):
     """Rank 2's backward fails (injected) while ranks 0, 1 and 3 wait for it in the backward's
     reduce-scatter (a Shard(0) weight) or in its gradient bucket's all-reduce (a Replicate
-    weight): they stop within seconds, the error names rank 2, and the next backward works."""
+    weight): they stop within seconds, the error names rank 2, and the next backward works. Also
+    under dtorch.profile, whose recording communicators used to keep the abort to themselves."""
     import json
     from support import run_script
-    result = run_script(ONE_RANK_FAILS_IN_BACKWARD.replace("PLACEMENT", placement), timeout=150)
+    script = ONE_RANK_FAILS_IN_BACKWARD.replace("PLACEMENT", placement)
+    script = script.replace("PROFILED", "dtorch.profile()" if profiled else "contextlib.nullcontext()")
+    result = run_script(script.replace("import json, os, time, torch", "import contextlib, json, os, time, torch"),
+                        timeout=150)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["error"] and "injected failure in backward on rank 2" in report["error"], report

@@ -126,6 +126,18 @@ class RecordingComm:
     def __getattr__(self, name):   # group, regroup, close, host, ...: the communicator's own
         return getattr(self.comm, name)
 
+    # A failing backward stops the ranks waiting in its collectives through the communicator's
+    # abort_key (training.py): set here, it would land on this wrapper, which no collective reads,
+    # and the others would wait out the Gloo timeout. AttributeError where the communicator has
+    # none (NCCL): hasattr is False, as without the profiler.
+    @property
+    def abort_key(self):
+        return self.comm.abort_key
+
+    @abort_key.setter
+    def abort_key(self, key) -> None:
+        self.comm.abort_key = key
+
     def all_reduce(self, ranks, tensor, reduce_op):
         return self._timed("all_reduce", ranks, tensor.nbytes, self.comm.all_reduce, ranks, tensor, reduce_op)
 
