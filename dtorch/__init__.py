@@ -65,6 +65,7 @@ shutdown = _session.shutdown
 workers = _session.workers
 replace_lost_workers = _session.replace_lost_workers
 manual_seed = _session.manual_seed
+initial_seed, get_rng_state, set_rng_state = _session.initial_seed, _session.get_rng_state, _session.set_rng_state
 
 
 def stats() -> dict:
@@ -111,6 +112,7 @@ for _name in _REGISTRY:
 __all__ = [
     "DTensor", "DeviceMesh", "Shard", "Replicate", "Partial", "init_device_mesh", "Future",
     "init", "init_async", "shutdown", "workers", "replace_lost_workers", "stats", "synchronize", "manual_seed",
+    "initial_seed", "get_rng_state", "set_rng_state",
     "set_strict", "is_strict", "set_sync_debug_mode", "get_sync_debug_mode", "BlockingReadError", "BlockingReadWarning",
     "autograd", "no_grad", "enable_grad", "set_grad_enabled", "is_grad_enabled", "zeros", "ones", "empty", "full",
     "rand", "randn", "randint", "arange", "linspace", "eye", "tensor", "distribute_tensor", "distribute_module",

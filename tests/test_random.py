@@ -67,3 +67,56 @@ def test_partial_random_reads_back_the_same_value(mesh4):
     p = dtorch.randn(6, 2, device_mesh=mesh4, placements=[Partial()]).to_torch()
     dtorch.manual_seed(11)
     assert torch.equal(p, dtorch.randn(6, 2, device_mesh=mesh4, placements=[R]).to_torch())
+
+
+def _draws(mesh, generator=None):
+    """Three random calls of different kinds, read back."""
+    x = dtorch.randn(6, 5, device_mesh=mesh, placements=[Shard(0)], generator=generator)
+    y = dtorch.rand(7, device_mesh=mesh, placements=[R], generator=generator)
+    kept = dtorch.nn.functional.dropout(dtorch.ones(9, 4, device_mesh=mesh, placements=[Shard(1)]), 0.5)
+    return [t.to_torch() for t in (x, y, kept)]
+
+
+def test_rng_state_resumes_the_global_stream(mesh4):
+    """As torch.get_rng_state / set_rng_state: a checkpoint keeps the tensor, a resume sets it, and
+    the random calls after it draw exactly what they drew after the get."""
+    dtorch.manual_seed(77)
+    _draws(mesh4)
+    state = dtorch.get_rng_state()
+    assert state.dtype == torch.int64 and state.tolist() == [77, 3] and dtorch.initial_seed() == 77
+    first = _draws(mesh4)
+    dtorch.manual_seed(5)
+    _draws(mesh4)
+    dtorch.set_rng_state(state)
+    for again, before in zip(_draws(mesh4), first):
+        assert_same(again, before, exact=True)
+
+
+def test_rng_state_rewinds_a_compiled_functions_draws(mesh4):
+    noisy = dtorch.compile(lambda t: t + dtorch.randn(4, 3, device_mesh=mesh4, placements=[Shard(0)]))
+    x = dtorch.zeros(4, 3, device_mesh=mesh4, placements=[Shard(0)])
+    noisy(x), noisy(x)   # captured, then replayed
+    state = dtorch.get_rng_state()
+    first = noisy(x).to_torch()
+    dtorch.set_rng_state(state)
+    assert_same(noisy(x).to_torch(), first, exact=True)
+
+
+def test_a_generators_state_resumes_it_alone(mesh4):
+    generator = dtorch.Generator().manual_seed(11)
+    _draws(mesh4, generator)
+    state, global_state = generator.get_state(), dtorch.get_rng_state()
+    first = _draws(mesh4, generator)[:2]
+    generator.manual_seed(12)
+    assert generator.set_state(state) is generator
+    for again, before in zip(_draws(mesh4, generator)[:2], first):
+        assert_same(again, before, exact=True)
+    assert dtorch.get_rng_state()[0] == global_state[0]   # the global stream's seed is untouched
+
+
+@pytest.mark.parametrize("state", [torch.get_rng_state(), torch.tensor([1.0, 2.0]), (1, 2, 3), [3, -1]])
+def test_a_state_that_is_not_dtorchs_is_refused(state):
+    with pytest.raises(TypeError, match=r"dtorch.set_rng_state takes what dtorch.get_rng_state\(\).*not "):
+        dtorch.set_rng_state(state)
+    with pytest.raises(TypeError, match=r"Generator.set_state takes"):
+        dtorch.Generator().set_state(state)

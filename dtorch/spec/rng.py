@@ -83,6 +83,19 @@ def integers(index, seed, counter, dtype: torch.dtype, low: int, high: int) -> t
     return (low + torch.remainder(bits, high - low)).to(dtype)
 
 
+def rng_state_values(state, call: str) -> tuple[int, int]:
+    """(seed, counter) of a state from get_rng_state / Generator.get_state; a state of torch's
+    own generator (a uint8 tensor of its Mersenne Twister) is refused with what to pass."""
+    values = state.tolist() if isinstance(state, torch.Tensor) else state
+    if (isinstance(state, torch.Tensor) and state.dtype != torch.int64) or not (
+            isinstance(values, (list, tuple)) and len(values) == 2 and all(type(v) is int for v in values)
+            and values[1] >= 0):
+        kind = f"a {state.dtype} tensor of {state.numel()} elements" if isinstance(state, torch.Tensor) else repr(state)
+        raise TypeError(f"{call} takes what dtorch.get_rng_state() / Generator.get_state() return ([seed, calls], "
+                        f"int64), not {kind}: torch's own generator state does not describe dtorch's stream")
+    return values[0], values[1]
+
+
 class Generator:
     """A random stream of its own (dtorch.Generator().manual_seed(s), passed as generator= to the
     random factories), like torch.Generator: it neither reads nor advances the global stream of
@@ -102,6 +115,17 @@ class Generator:
 
     def initial_seed(self) -> int:
         return self._seed
+
+    def get_state(self) -> torch.Tensor:
+        """As torch.Generator.get_state: [seed, calls so far] (int64), for set_state."""
+        with self._lock:
+            return torch.tensor([self._seed, self._counter], dtype=torch.int64)
+
+    def set_state(self, new_state) -> Generator:
+        seed, counter = rng_state_values(new_state, "Generator.set_state")
+        with self._lock:
+            self._seed, self._counter = seed, counter
+        return self
 
     def next_call(self) -> tuple[int, int]:
         """(seed, counter) for one random call, the same pair the global stream sends."""

@@ -11,15 +11,18 @@ import os
 import random
 import threading
 
+import torch
+
 from ...errors import MeshError, SessionEndedError
 from ...ops.dispatch import warm_up_inference
+from ...spec.rng import rng_state_values
 from .cluster import LocalSpawner, default_threads, threads_setting, worker_config
 from .controller import Controller
 from . import recovery
 from ..transport import LOCAL, CurveKeys, make_curve_keys
 
 __all__ = ["controller", "active", "init", "init_async", "shutdown", "acquire_workers", "workers", "manual_seed",
-           "next_random", "reserve_random", "replace_lost_workers"]
+           "next_random", "reserve_random", "initial_seed", "get_rng_state", "set_rng_state", "replace_lost_workers"]
 
 _lock = threading.RLock()
 _controller: Controller | None = None
@@ -267,6 +270,25 @@ def workers() -> list[dict]:
 def manual_seed(seed: int) -> None:
     """Make random factories reproducible: values depend on the seed and call order only."""
     _random["seed"], _random["counter"] = int(seed), 0
+
+
+def initial_seed() -> int:
+    """The seed of the global stream (dtorch.manual_seed's, else the one drawn at import)."""
+    return _random["seed"]
+
+
+def get_rng_state() -> torch.Tensor:
+    """The global stream's state, as torch.get_rng_state gives torch's: a CPU tensor to keep in a
+    checkpoint ([seed, calls so far], int64). dtorch.set_rng_state(state) resumes the stream
+    there: the random calls after it draw what they drew after the get."""
+    with _lock:
+        return torch.tensor([_random["seed"], _random["counter"]], dtype=torch.int64)
+
+
+def set_rng_state(new_state) -> None:
+    seed, counter = rng_state_values(new_state, "dtorch.set_rng_state")
+    with _lock:
+        _random["seed"], _random["counter"] = seed, counter
 
 
 def next_random() -> tuple[int, int]:
