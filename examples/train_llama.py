@@ -86,20 +86,21 @@ def make_optimizer(model, lr: float) -> dtorch.optim.AdamW:
 
 
 def training_state(model, optimizer, step: int, losses: list, data: dict) -> dict:
-    """What a checkpoint holds. The data position is the step: batch_at needs nothing else."""
-    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step, "losses": list(losses),
-            "data": data}
+    """What a checkpoint holds: the model and the optimizer themselves (save and load call their
+    state_dict methods), where the random stream is, and plain values. The data position is the
+    step: batch_at needs nothing else."""
+    return {"model": model, "optim": optimizer, "rng": dtorch.get_rng_state(), "step": step,
+            "losses": list(losses), "data": data}
 
 
 def restore(model, lr: float, directory: Path):
-    """(optimizer, state) from the checkpoint at `directory`, on the model's layout whatever the
-    saved one. The optimizer is made after the model's weights are loaded: Module.load_state_dict
-    rebinds the parameters, and an optimizer made before would go on stepping the old ones."""
-    template = dtorch.optim.init_state(make_optimizer(model, lr))   # names every saved buffer
-    state = load(training_state(model, template, 0, [], {}), directory)
-    model.load_state_dict(state["model"])
+    """(optimizer, state) from the checkpoint at `directory`: one load fills the fresh model and
+    optimizer, as torch.distributed.checkpoint does, each on this run's layout whatever the saved
+    one, and the random stream goes on where it was."""
     optimizer = make_optimizer(model, lr)
-    optimizer.load_state_dict(state["optim"])
+    state = training_state(model, optimizer, 0, [], {})
+    load(state, directory)
+    dtorch.set_rng_state(state["rng"])
     return optimizer, state
 
 
