@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import sys
+import tempfile
 
 __all__ = ["MMAP_THRESHOLD", "returned_buffers", "peak_mib", "rss_mib", "rss_parts_mib", "reset_peak", "busy_seconds",
-           "thread_cpu_seconds", "cpu_seconds", "stat_fields", "minor_faults"]
+           "thread_cpu_seconds", "cpu_seconds", "stat_fields", "minor_faults", "free_tuples",
+           "free_tuples_mib"]
 
 MMAP_THRESHOLD = "131072"
 _VARIABLE = "MALLOC_MMAP_THRESHOLD_"
@@ -105,3 +109,30 @@ def stat_fields(pid: int | str = "self") -> list[str]:
 def minor_faults(pid: int | str = "self") -> int:
     """Pages the process has touched for the first time (faults served without I/O)."""
     return int(stat_fields(pid)[7])
+
+
+_FREE_TUPLES = re.compile(r"(\d+) free (\d+)-sized PyTupleObjects \* (\d+) bytes each")
+
+
+def free_tuples() -> dict[int, tuple[int, int]]:
+    """{size: (count, bytes each)} of the tuples CPython keeps in its free lists in this process
+    (sys._debugmallocstats, which writes to fd 2: caught in a temporary file). Memory the
+    allocator holds that no object uses, and a full collection empties: where issue 43's creep was
+    (docs/design/benchmarks.md, "Soak"). Empty where this Python does not report it."""
+    if not hasattr(sys, "_debugmallocstats"):
+        return {}
+    with tempfile.TemporaryFile(mode="w+") as captured:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        return {int(size): (int(count), int(each)) for count, size, each in _FREE_TUPLES.findall(captured.read())}
+
+
+def free_tuples_mib() -> float:
+    return sum(count * each for count, each in free_tuples().values()) / (1 << 20)

@@ -39,7 +39,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from .process_memory import rss_mib, rss_parts_mib
+from .process_memory import free_tuples_mib, rss_mib, rss_parts_mib
 from .scale_model import fit_line
 
 __all__ = ["Samples", "growth", "soak", "main"]
@@ -52,7 +52,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "soak_rss.json"
 class Samples:
     """(seconds since start, RSS in MiB) per process: "controller" (and its RSS in two parts:
     "controller anon", its own memory, and "controller files", pages of mapped files such as
-    torch's libraries), "rank 0", "rank 1", ..."""
+    torch's libraries; and "controller free tuples", the tuples CPython keeps for reuse, which
+    filled step by step until dtorch built its tuples at their size), "rank 0", "rank 1", ..."""
 
     def __init__(self):
         self.started = time.monotonic()
@@ -66,6 +67,7 @@ class Samples:
         anon, file = rss_parts_mib()
         self.series["controller anon"].append((now, anon))   # the controller's RSS in its two parts
         self.series["controller files"].append((now, file))
+        self.series["controller free tuples"].append((now, free_tuples_mib()))   # inside "anon": not live data
         for worker in workers:
             self.series[f"rank {worker['rank']}"].append((now, _worker_rss_mib(worker)))
 
@@ -221,13 +223,13 @@ def print_report(result: dict) -> None:
     print(f"{result['steps']} steps (eager + compiled each) in {result['series']['controller'][-1][0] / 60:.1f} min, "
           f"warm-up {'not over' if ended is None else f'{ended / 60:.1f} min'}; losses {result['losses_first_last']}; "
           f"{result['stats']}")
-    print(f"{'process':17s} {'samples':>7s} {'start MB':>9s} {'end MB':>8s} {'slope MB/min':>13s} "
+    print(f"{'process':22s} {'samples':>7s} {'start MB':>9s} {'end MB':>8s} {'slope MB/min':>13s} "
           f"{'range MB':>9s} {'slope x min':>12s}")
     for name, g in result["growth"].items():
         if "slope_mb_per_min" not in g:
-            print(f"{name:17s} {g['samples']:7d}  (too few samples after warm-up)")
+            print(f"{name:22s} {g['samples']:7d}  (too few samples after warm-up)")
             continue
-        print(f"{name:17s} {g['samples']:7d} {g['start_mb']:9.1f} {g['end_mb']:8.1f} {g['slope_mb_per_min']:13.3f} "
+        print(f"{name:22s} {g['samples']:7d} {g['start_mb']:9.1f} {g['end_mb']:8.1f} {g['slope_mb_per_min']:13.3f} "
               f"{g['range_mb']:9.2f} {g['fitted_growth_mb']:12.2f}")
     for stat in result.get("diagnostics", {}).get("tracemalloc", []):
         print(f"\n{stat['kib']:+9.1f} KiB {stat['count']:+7d} blocks\n    " + "\n    ".join(stat["traceback"][-8:]))
