@@ -5,6 +5,12 @@ CPU fixtures, plus what only a GPU shows (NCCL dtypes, freed memory, RNG bits on
 CPU and a CUDA mesh in one program). They skip with the reason when torch sees no GPU, cupy is
 missing, or a multi-rank mesh needs more GPUs than there are (NCCL puts one rank per GPU).
 
+Two modes, one per pytest run (the session's workers choose their communicator as they start):
+plain, where NCCL runs one rank per GPU (one GPU: the cuda1 mesh only), and shared-GPU mode,
+DTORCH_SHARE_GPU=1, where every mesh up to cuda22 (4 ranks) runs on however many GPUs there are,
+its collectives over Gloo through host memory (runtime/devices/shared_gpu.py). scripts/gpu_check.sh
+runs the file both ways.
+
 The unmarked tests run on any machine: the pure parts (NCCL dtype table, unique-id encoding, GPU
 assignment) and that a "cuda" mesh this machine cannot build fails at the user's call.
 """
@@ -33,12 +39,15 @@ from dtorch.runtime.controller.controller import WorkerRecord
 
 GPUS = torch.cuda.device_count()
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
+SHARED = gpu_assignment.share_gpu_setting(None)   # DTORCH_SHARE_GPU=1: this run's cuda workers share GPUs
 CUDA_MESHES = {"cuda1": ((1,), ["dp"]), "cuda2": ((2,), ["dp"]), "cuda22": ((2, 2), ["dp", "tp"])}
 
 
 def cuda_skip_reason(gpus_needed: int = 1) -> str | None:
     if GPUS == 0:
         return "no CUDA device visible to torch"
+    if SHARED:   # any count of ranks on any GPU, and Gloo needs no cupy
+        return None
     if not HAS_CUPY:
         return "cupy not installed"
     if GPUS < gpus_needed:
@@ -142,6 +151,8 @@ def test_nccl_with_one_rank_in_this_process():
     a TCPStore, every collective and dtype, stream ordering on a compute stream."""
     if cuda_skip_reason(1):
         pytest.skip(cuda_skip_reason(1))
+    if not HAS_CUPY:
+        pytest.skip("cupy not installed")
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     device = cuda.CudaDevice("cuda:0")
@@ -242,10 +253,27 @@ def test_move_between_cuda_meshes_goes_over_nccl(cuda22):
 def test_more_gpus_than_exist_fails_at_the_call(session):
     if GPUS == 0:
         pytest.skip("no CUDA device visible to torch")
+    if SHARED:
+        pytest.skip("shared-GPU mode (DTORCH_SHARE_GPU=1) runs any number of workers per GPU")
     started = time.monotonic()
     with pytest.raises(MeshError, match=f"sees {GPUS} GPU"):
         init_device_mesh("cuda", (GPUS + 1,))
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.cuda
+def test_shared_mode_puts_a_mesh_of_4_on_the_gpus_over_gloo(cuda22):
+    """dtorch.workers() names each worker's communicator; in shared-GPU mode rank r runs on GPU
+    r mod the GPUs, even four ranks on one GPU (plain mode needs 4 GPUs for this mesh)."""
+    described = {w["rank"]: w for w in dtorch.workers()}
+    expected = "gloo-shared-gpu" if SHARED else "nccl"
+    for rank in cuda22.ranks:
+        assert described[rank]["communicator"] == expected
+        if SHARED:
+            assert described[rank]["device"] == f"cuda:{rank % GPUS}"
+    value = torch.randn(6, 10, device="cuda")
+    x = dtorch.tensor(value.cpu(), device_mesh=cuda22, placements=[Shard(0), Shard(1)])
+    assert_same(x.redistribute(placements=[Replicate(), Replicate()]).to_torch(), value.cpu(), exact=True)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

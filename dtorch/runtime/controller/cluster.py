@@ -34,7 +34,9 @@ def worker_config(controller, rank: int, device: str, threads: int, curve: dict 
     return {"command_address": controller.sockets.command_address, "secret": controller.secret,
             "reply_address": controller.sockets.reply_address,
             "rank": rank, "device": device, "threads": threads, "threads_chosen": threads_chosen, "curve": curve,
-            "gloo_host": gloo_host, "controller_timeout": controller_timeout}
+            "gloo_host": gloo_host, "controller_timeout": controller_timeout,
+            # shared-GPU mode (runtime/devices/shared_gpu.py), a session setting: a replaced worker keeps it
+            "share_gpu": getattr(controller, "share_gpu", False)}
 
 
 # --- torch threads per worker --------------------------------------------------------------------

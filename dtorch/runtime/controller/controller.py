@@ -135,6 +135,7 @@ class Controller:
         self.gloo_timeout_s = gloo_timeout_s
         self.hang_timeout_s = (float(os.environ.get("DTORCH_HANG_TIMEOUT_S", HANG_TIMEOUT_S))
                                if hang_timeout_s is None else hang_timeout_s)
+        self.share_gpu = False   # shared-GPU mode (session.init's share_gpu; runtime/devices/shared_gpu.py)
         self.closed = False
         self.tap: CommandTap | None = None   # dtorch.compile's capture in progress, else None
         self._release_watch: dict[int, weakref.WeakSet] = {}   # id -> graphs that read it (watch_release)

@@ -18,6 +18,7 @@ from ...ops.dispatch import warm_up_inference
 from ...spec.rng import rng_state_values
 from .cluster import LocalSpawner, default_threads, threads_setting, worker_config
 from .controller import Controller
+from ..devices import gpu_assignment
 from . import recovery
 from ..transport import LOCAL, CurveKeys, make_curve_keys
 
@@ -51,7 +52,7 @@ def active() -> Controller | None:
 def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str | None = None,
          controller_address: str | None = None, startup_timeout: float = 120.0,
          curve: bool | None = None, hang_timeout_s: float | None = None, slurm: bool | None = None,
-         threads_per_worker: int | None = None) -> Controller:
+         threads_per_worker: int | None = None, share_gpu: bool | None = None) -> Controller:
     """Start the controller and `num_workers` workers (default: the hostfile's slots, SLURM's
     tasks, or 1). If a session runs already, start more workers if it has fewer than
     `num_workers`, and return it.
@@ -73,20 +74,26 @@ def init(num_workers: int | None = None, device_type: str = "cpu", hostfile: str
     the private ipc sockets of a local session; DTORCH_CURVE=0 or 1 sets it when curve is None.
     hang_timeout_s: a worker running one command longer than this (a stuck kernel, a collective
     that never completes) is reported lost, naming the command and its line, and ended. Default:
-    DTORCH_HANG_TIMEOUT_S, else 600 s; 0 turns the check off."""
+    DTORCH_HANG_TIMEOUT_S, else 600 s; 0 turns the check off.
+    share_gpu: let "cuda" workers share GPUs (rank r on GPU r mod the GPUs visible), with their
+    collectives over Gloo through host memory instead of NCCL: a test and development mode, to run
+    a mesh of 2-4 on one GPU (docs/design/cuda.md). Default: DTORCH_SHARE_GPU=1; else off, and a
+    'cuda' mesh with more workers than GPUs raises MeshError."""
     global _threads
     with _lock:
         if _controller is not None:
             _check_same_threads(threads_per_worker)
+            _check_same_sharing(share_gpu)
             if num_workers:
                 acquire_workers(device_type, num_workers)
             return _controller
         _threads = threads_setting(threads_per_worker)   # a bad value fails before any start
+        sharing = gpu_assignment.share_gpu_setting(share_gpu)
         warm_up = threading.Thread(target=warm_up_inference, name="dtorch-warm-up", daemon=True)
         warm_up.start()   # in parallel with the workers' start; joined before init returns
         try:
             _start(num_workers, device_type, hostfile, controller_address, startup_timeout, curve,
-                   hang_timeout_s, slurm)
+                   hang_timeout_s, slurm, sharing)
         except BaseException:
             shutdown()   # a first start that fails (no GPU, a bad host) leaves nothing running
             raise
@@ -108,7 +115,7 @@ async def init_async(num_workers: int | None = None, device_type: str = "cpu", *
 
 
 def _start(num_workers, device_type, hostfile, controller_address, startup_timeout, curve, hang_timeout_s,
-           slurm) -> None:
+           slurm, share_gpu=False) -> None:
     global _controller, _spawner
     hostfile = hostfile or os.environ.get("DTORCH_HOSTFILE")
     if slurm is None:
@@ -125,6 +132,7 @@ def _start(num_workers, device_type, hostfile, controller_address, startup_timeo
         _spawner = LocalSpawner()
     if hang_timeout_s is not None:
         _controller.hang_timeout_s = hang_timeout_s
+    _controller.share_gpu = share_gpu   # read as each worker is assigned a GPU and configured
     _grow(device_type, num_workers or 1, startup_timeout)
 
 
@@ -138,6 +146,15 @@ def _check_same_threads(threads_per_worker: int | None) -> None:
         raise ValueError(f"dtorch.init(threads_per_worker={wanted}): this session's workers already run "
                          f"{' or '.join(map(str, running))} torch thread(s) each, set when they started. Call "
                          f"dtorch.shutdown() first, then dtorch.init(threads_per_worker={wanted}) before any mesh")
+
+
+def _check_same_sharing(share_gpu: bool | None) -> None:
+    """dtorch.init(share_gpu=...) on a running session: its workers chose their communicator as they started."""
+    if share_gpu is None or share_gpu == _controller.share_gpu:
+        return
+    raise ValueError(f"dtorch.init(share_gpu={share_gpu}): this session runs with share_gpu="
+                     f"{_controller.share_gpu}, set when it started. Call dtorch.shutdown() first, then "
+                     f"dtorch.init(share_gpu={share_gpu}) before any mesh")
 
 
 def _curve_keys(curve: bool | None, tcp: bool) -> CurveKeys | None:
@@ -213,7 +230,6 @@ def _grow(device_type: str, extra: int, timeout: float) -> None:
     ranks = range(first, first + extra)
     devices = [device_type] * extra
     if device_type != "cpu":  # runtime/devices/gpu_assignment.py: checks at the call, then one GPU per worker
-        from ..devices import gpu_assignment
         devices = gpu_assignment.assign_devices(device_type, ranks, _controller, _spawner)
     threads = _threads or default_threads(first + extra)
     handles = []
@@ -261,10 +277,21 @@ def shutdown() -> None:
 
 
 def workers() -> list[dict]:
-    """rank, host, pid, device, alive, threads (its torch intra-op threads, as it registered),
+    """rank, host, pid, device, communicator ("gloo", "nccl" or "gloo-shared-gpu": what moves its
+    mesh collectives), alive, threads (its torch intra-op threads, as it registered),
     live_tensors and rss_bytes of every worker in the pool (the last two from its latest
     heartbeat, every 0.5 s: they lag the commands just issued)."""
-    return [w.as_dict() for _, w in sorted(controller().workers.items())]
+    session = controller()
+    return [_described(w.as_dict(), session.share_gpu) for _, w in sorted(session.workers.items())]
+
+
+def _described(record: dict, share_gpu: bool) -> dict:
+    """A worker's record with its communicator beside its device."""
+    keys = list(record)
+    at = keys.index("device") + 1
+    communicator = gpu_assignment.communicator_name(record["device"], share_gpu)
+    return {**{k: record[k] for k in keys[:at]}, "communicator": communicator,
+            **{k: record[k] for k in keys[at:]}}
 
 
 def manual_seed(seed: int) -> None:

@@ -19,6 +19,7 @@ import torch
 from ...errors import StartupError
 from .host_copy import HostCopy
 from .nccl import NcclCommunicator, import_nccl
+from .shared_gpu import SharedGpuCommunicator
 
 __all__ = ["CudaDevice"]
 
@@ -28,24 +29,33 @@ class CudaDevice:
 
     kind = "cuda"
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, share_gpu: bool = False):
+        """share_gpu: shared-GPU mode (runtime/devices/shared_gpu.py): other workers may pin the
+        same GPU, a hostfile slot wraps around this host's GPUs, and no cupy is needed."""
+        self.share_gpu = share_gpu
         index = torch.device(name).index or 0
         count = torch.cuda.device_count()
         if count == 0:
             raise StartupError(f"this worker was assigned {name}, but torch {torch.__version__} on this "
                                f"host sees no GPU (CUDA {torch.version.cuda}): run 'cuda' meshes on GPU hosts")
+        if share_gpu:
+            index %= count
         if index >= count:
             raise StartupError(f"this worker was assigned {name}, but torch on this host sees "
                                f"{count} GPU(s): give the host at most {count} slots in the hostfile")
-        import_nccl()  # fail at start, naming the cupy package, not at the first collective
+        if not share_gpu:
+            import_nccl()  # fail at start, naming the cupy package, not at the first collective
         torch.cuda.set_device(index)
         self.torch_device = torch.device("cuda", index)
         self.compute_stream = torch.cuda.Stream(self.torch_device)
         self.comm_stream = torch.cuda.Stream(self.torch_device)
 
     def communicator(self, store_address: str, rank: int, hostname: str,
-                     timeout_s: float) -> NcclCommunicator:
-        return NcclCommunicator(store_address, rank, hostname, timeout_s, device=self)
+                     timeout_s: float) -> NcclCommunicator | SharedGpuCommunicator:
+        """The one difference shared-GPU mode makes: the communicator (never a fallback: the
+        user asked for the mode, gpu_assignment.share_gpu_setting)."""
+        kind = SharedGpuCommunicator if self.share_gpu else NcclCommunicator
+        return kind(store_address, rank, hostname, timeout_s, device=self)
 
     def compute(self):
         return torch.cuda.stream(self.compute_stream)

@@ -84,7 +84,8 @@ class CpuDevice:
         pass
 
 
-def make_device(name: str) -> CpuDevice | CudaDevice:
+def make_device(name: str, share_gpu: bool = False) -> CpuDevice | CudaDevice:
+    """share_gpu: shared-GPU mode for a CUDA worker (runtime/devices/shared_gpu.py)."""
     if name.startswith("cuda"):
-        return CudaDevice(name)
+        return CudaDevice(name, share_gpu)
     return CpuDevice(name)

@@ -163,7 +163,7 @@ def main() -> None:
     try:
         # The device first: a host without a GPU or without cupy fails here, before registering,
         # and the controller reports it as a failed start naming the host and this reason.
-        device = make_device(config["device"])
+        device = make_device(config["device"], config.get("share_gpu", False))
         # With a relay on this host (launcher/relays.py), commands come from it, not the controller.
         relay = config.get("relay_address")
         sockets = WorkerSockets(relay or config["command_address"], config["reply_address"], rank, topics,
