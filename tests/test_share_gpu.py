@@ -176,6 +176,26 @@ def test_it_behaves_as_nccl_where_callers_can_tell():
         assert separate_host
 
 
+def test_a_one_rank_group_moves_nothing_and_matches_torch():
+    """As NCCL skips it: no Gloo group is made, results are the reference's."""
+    value = member_value(0, (3, 4))
+
+    def work(communicator, rank):
+        alone = (rank,)
+        results = (communicator.all_reduce(alone, value.clone(), "avg"), communicator.all_gather(alone, value),
+                   communicator.reduce_scatter(alone, value.unsqueeze(0), "sum"),
+                   communicator.all_to_all(alone, value.unsqueeze(0)))
+        communicator.exchange(alone, [], [])
+        return results, dict(communicator.host._groups)
+    (results, groups), = run_members(work, members=(0,))
+    reduced, gathered, scattered, exchanged = results
+    assert groups == {}
+    assert_same(reduced, value, exact=True)
+    assert_same(gathered, value.unsqueeze(0), exact=True)
+    assert_same(scattered, value, exact=True)
+    assert_same(exchanged, value.unsqueeze(0), exact=True)
+
+
 def test_it_has_the_communicator_interface():
     import inspect
     from dtorch.runtime.devices.comm import Communicator

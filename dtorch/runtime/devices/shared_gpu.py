@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import GlooCommunicator
+from .comm import GlooCommunicator, finish_reduction
 
 __all__ = ["SharedGpuCommunicator"]
 
@@ -43,8 +43,12 @@ class SharedGpuCommunicator:
         return tensor.to(self.torch_device, copy=True)
 
     # --- collectives over one group; every member calls the same one -------------------------
+    # A one-rank group moves nothing and stays on the GPU, as NCCL's skips it: a (1,) mesh costs
+    # what it costs with NCCL, which is what scripts/gpu_check.sh times.
     def all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
         """In place, as NCCL's (the caller passes a contiguous tensor); use the returned tensor."""
+        if len(ranks) == 1:
+            return finish_reduction(tensor, reduce_op, ranks)
         reduced = self.host.all_reduce(ranks, self._staged(tensor), reduce_op)
         return tensor.copy_(reduced)
 
@@ -57,16 +61,24 @@ class SharedGpuCommunicator:
         return lambda: result
 
     def all_gather(self, ranks: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        if len(ranks) == 1:
+            return tensor.unsqueeze(0).clone(memory_format=torch.contiguous_format)
         return self._back(self.host.all_gather(ranks, self._staged(tensor)))
 
     def reduce_scatter(self, ranks: tuple, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        if len(ranks) == 1:
+            return finish_reduction(stacked[0].clone(memory_format=torch.contiguous_format), reduce_op, ranks)
         return self._back(self.host.reduce_scatter(ranks, self._staged(stacked), reduce_op))
 
     def all_to_all(self, ranks: tuple, send: torch.Tensor) -> torch.Tensor:
+        if len(ranks) == 1:
+            return send.clone(memory_format=torch.contiguous_format)
         return self._back(self.host.all_to_all(ranks, self._staged(send)))
 
     def exchange(self, ranks: tuple, sends: list, receives: list) -> None:
         """Each received tensor is written in place once every transfer has finished."""
+        if len(ranks) == 1:
+            return
         staged = [(peer, torch.empty(t.shape, dtype=t.dtype)) for peer, t in receives]
         self.host.exchange(ranks, [(peer, self._staged(t)) for peer, t in sends], staged)
         for (_, target), (_, arrived) in zip(receives, staged):
