@@ -12,10 +12,12 @@ timed alone and together. overlap = (comm + compute - together) / min(comm, comp
 the streams ran one after the other, 100% that the shorter one hid entirely.
 
     python scripts/gpu_dispatch.py [--ops 10000] [--reps 3] [--rounds 20] [--comm-mib 512] [--matmul 4096]
+                                   [--json PATH]   (the figures as JSON too, for scripts/gpu_check.sh)
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -85,7 +87,7 @@ def overlap_seconds(mesh, args) -> dict:
     return {"comm": timed(communicate), "compute": timed(compute), "both": timed(communicate, compute)}
 
 
-def print_overlap(mesh, args) -> None:
+def print_overlap(mesh, args) -> dict:
     t = overlap_seconds(mesh, args)
     hidden = (t["comm"] + t["compute"] - t["both"]) / min(t["comm"], t["compute"])
     print(f"\n{args.rounds} rounds on a {mesh.shape} {mesh.device_type} mesh: P(sum) -> R of {args.comm_mib} MiB "
@@ -93,6 +95,8 @@ def print_overlap(mesh, args) -> None:
     print("| communication alone (ms) | compute alone (ms) | both (ms) | overlap |")
     print("|---|---|---|---|")
     print(f"| {t['comm'] * 1e3:.1f} | {t['compute'] * 1e3:.1f} | {t['both'] * 1e3:.1f} | {hidden:.0%} |")
+    return {"comm_ms": t["comm"] * 1e3, "compute_ms": t["compute"] * 1e3, "both_ms": t["both"] * 1e3,
+            "overlap": hidden}
 
 
 def main() -> None:
@@ -103,6 +107,7 @@ def main() -> None:
     parser.add_argument("--comm-mib", type=int, default=512)
     parser.add_argument("--matmul", type=int, default=4096)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of this script on CPU workers")
+    parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     # A one-rank group normally skips NCCL; run it so one GPU shows the communication stream.
     os.environ.setdefault(SINGLE_RANK_VARIABLE, "1")
@@ -116,8 +121,13 @@ def main() -> None:
     print("|---|---|---|---|")
     for name, (issue, total, _) in [(f"torch eager, {args.device}", eager), (f"dtorch, {args.device} (1,) mesh", ours)]:
         print(f"| {name} | {issue * 1e6:.1f} | {total * 1e6:.1f} | {issue / eager[0]:.1f}x |")
-    print_overlap(mesh, args)
+    figures = {"results_agree": same, "eager_issue_us": eager[0] * 1e6, "eager_end_to_end_us": eager[1] * 1e6,
+               "dtorch_issue_us": ours[0] * 1e6, "dtorch_end_to_end_us": ours[1] * 1e6,
+               **print_overlap(mesh, args)}
     dtorch.shutdown()
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"status": "passed" if same else "failed", "figures": figures}, file)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,8 @@ def generate(args) -> dict:
 
 
 def compiled(args, backend: str | None = None) -> dict:
+    if backend is not None and "backend" not in inspect.signature(dtorch.compile).parameters:
+        raise Refused("dtorch.compile takes no backend= yet (the fusion issue has not landed)")
     initial, expected = reference_losses(args.device)
     model = dtorch_model(initial, args.device, "dp2")
     optimizer = dtorch.optim.AdamW(model.parameters(), **training.HYPER)
@@ -111,9 +113,6 @@ def compiled(args, backend: str | None = None) -> dict:
 
 
 def _fused_step(model, optimizer, backend: str):
-    if "backend" not in inspect.signature(dtorch.compile).parameters:
-        raise Refused("dtorch.compile takes no backend= yet (the fusion issue has not landed)")
-
     @dtorch.compile(backend=backend)
     def step(uploaded):
         loss = model(uploaded, labels=uploaded).loss
