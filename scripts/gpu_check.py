@@ -243,7 +243,8 @@ def report(records: list, out: str, smoke: bool, suite: str = "one") -> str:
     lines = [f"# dtorch {'multi-' if suite == 'multi' else ''}GPU check, {header['date']}, commit {header['commit']}",
              "", f"card: {versions.get('card', 'none')} x {versions.get('gpus', 0)}; torch {versions.get('torch')}, "
              f"CUDA {versions.get('cuda')}, NCCL {versions.get('torch_nccl')} (torch) / {versions.get('cupy_nccl')} "
-             f"(cupy); {total:.0f}s of {BUDGETS[suite]}s", "", "| step | status | seconds | figures or reason |", "|---|---|---|---|"]
+             f"(cupy); {total:.0f}s of {BUDGETS[suite]}s", "",
+             "| step | status | seconds | figures or reason |", "|---|---|---|---|"]
     for r in records:
         detail = r.get("reason") or json.dumps(r["figures"])[:400]
         lines.append(f"| {r['name']} | {r['status']} | {r['seconds']:.1f} | {detail} |")
