@@ -203,3 +203,28 @@ def test_it_has_the_communicator_interface():
         if name.startswith("_") or isinstance(member, property):
             continue
         assert inspect.signature(getattr(SharedGpuCommunicator, name)) == inspect.signature(member), name
+
+
+# --- the worker's whole use of it: CPU workers take it for a run (device.STAGED_ON_CPU_VARIABLE) ----------
+STAGED_SUITE = [   # redistributes over 2 communicators, the bucket path (dp2, fsdp2), the grouped gather
+    "tests/test_redistribute.py::test_every_pair_on_a_2d_mesh[shape1]",
+    "tests/test_redistribute.py::test_partial_reductions[max]",
+    "tests/test_training.py::test_adamw_training_equals_single_process_torch[dp2]",
+    "tests/test_training.py::test_adamw_training_equals_single_process_torch[fsdp2]",
+    "tests/test_fsdp.py::test_a_module_gathers_its_parameters_with_one_command",
+]
+
+
+def test_the_cpu_suite_passes_with_workers_on_the_staged_communicator():
+    """The CPU suite's own checks, against torch, with every worker's collectives staged as in
+    shared-GPU mode: in a pytest of its own, since the variable applies as workers start."""
+    import os
+    import subprocess
+    import sys
+    from dtorch.runtime.devices.device import STAGED_ON_CPU_VARIABLE
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=240",
+                             *STAGED_SUITE], cwd=root, env={**os.environ, STAGED_ON_CPU_VARIABLE: "1"},
+                            capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert f"{len(STAGED_SUITE)} passed" in result.stdout

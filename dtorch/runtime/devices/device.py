@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 
 import torch
 
 from .comm import GlooCommunicator
 from .cuda import CudaDevice
 from .host_copy import HostCopy
+from .shared_gpu import SharedGpuCommunicator
 
 __all__ = ["CpuDevice", "make_device"]
 
+# Tests only (tests/test_share_gpu.py): CPU workers take shared-GPU mode's communicator, so the
+# worker's whole use of it (the bucket path, regroup, close, a failed backward) runs without a GPU.
+STAGED_ON_CPU_VARIABLE = "DTORCH_TEST_STAGED_COMMUNICATOR"
 SMALL_READ_BYTES = 1 << 16   # pyzmq copies a frame this small anyway (its zero-copy threshold)
 _NUMPY_DTYPES = frozenset((torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
                            torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool))
@@ -33,7 +38,9 @@ class CpuDevice:
         self.torch_device = torch.device("cpu")
 
     def communicator(self, store_address: str, rank: int, hostname: str,
-                     timeout_s: float) -> GlooCommunicator:
+                     timeout_s: float) -> GlooCommunicator | SharedGpuCommunicator:
+        if os.environ.get(STAGED_ON_CPU_VARIABLE) == "1":   # tests only: see the constant
+            return SharedGpuCommunicator(store_address, rank, hostname, timeout_s)
         return GlooCommunicator(store_address, rank, hostname, timeout_s)
 
     _NO_STREAM = contextlib.nullcontext()
