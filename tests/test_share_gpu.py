@@ -88,8 +88,11 @@ def test_workers_say_which_communicator_they_use(session):
 
 
 def test_a_running_session_keeps_its_sharing(session):
-    with pytest.raises(ValueError, match="runs with share_gpu=False, set when it started"):
-        dtorch.init(share_gpu=True)
+    from dtorch.runtime.controller import session as sessions
+    running = sessions.controller().share_gpu   # False, unless this run has DTORCH_SHARE_GPU=1
+    with pytest.raises(ValueError, match=f"runs with share_gpu={running}, set when it started"):
+        dtorch.init(share_gpu=not running)
+    assert dtorch.init(share_gpu=running) is sessions.controller()
 
 
 # --- SharedGpuCommunicator's code, on CPU tensors ----------------------------------------------------
