@@ -49,7 +49,10 @@ found = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": t
          "gpus": torch.cuda.device_count()}
 if torch.cuda.is_available():
     found["card"] = torch.cuda.get_device_name(0)
-    found["torch_nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    try:   # a tuple in recent torch, an int in older ones
+        found["torch_nccl"] = str(torch.cuda.nccl.version())
+    except Exception as error:
+        found["torch_nccl"] = f"not available: {error}"
 for name in ("cupy", "zmq", "msgpack", "pytest", "transformers"):
     try:
         found[name] = getattr(__import__(name), "__version__", "?")
