@@ -19,6 +19,7 @@ manages: shard the blocks first (`fully_shard(layer)` for each layer), then the 
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 from ..spec.placements import PeerGroup, Replicate, Shard, ShardRegion
@@ -32,8 +33,11 @@ from ..dtensor.tensor import DTensor
 from .mixed_precision import cast_floating, check_policy, compute_dtype, reduce_dtype_of
 from .module import Module
 from .parameter import Parameter
+from . import fsdp_prefetch as prefetch
 
-__all__ = ["fully_shard", "is_fully_sharded"]
+__all__ = ["fully_shard", "is_fully_sharded", "set_modules_to_forward_prefetch"]
+
+set_modules_to_forward_prefetch = prefetch.set_modules_to_forward_prefetch
 
 
 def fully_shard(module: Module, mesh_dim: str | int = "fsdp", *, reshard_after_forward: bool = True,
@@ -73,6 +77,8 @@ def fully_shard(module: Module, mesh_dim: str | int = "fsdp", *, reshard_after_f
     module._fsdp_managed, module._fsdp_whole = managed, whole
     module._fsdp_gathered = {}   # (id(owner), name) -> (owner, name, the Parameter), while forward runs
     module._fsdp_regather, module._fsdp_policy = reshard_after_forward, policy
+    module._fsdp_prefetched = {}   # group key -> (the begun all-gather's buffer, its members' ids): prefetch.py
+    module._fsdp_forward_prefetch = None   # set_modules_to_forward_prefetch's list; None: the learned order
     module.register_forward_pre_hook(_gather)
     if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
         module.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
@@ -130,7 +136,9 @@ def _free_tensor_dim(param, mesh_dim: int) -> int:
 # --- the hooks around forward -------------------------------------------------------------------------
 def _gather(module: Module, args):
     """Put each managed parameter's gathered copy in its place: one gather per group of
-    parameters that share a mesh, fsdp dim, dtype and requires_grad."""
+    parameters that share a mesh, fsdp dim, dtype and requires_grad (its all-gather begun
+    earlier where a prefetch did, prefetch.py); then begin the next module's."""
+    root = prefetch.entering(module)
     policy = module._fsdp_policy
     groups, copies = {}, {}
     for owner, name, dim in module._fsdp_managed:
@@ -143,9 +151,13 @@ def _gather(module: Module, args):
             continue
         group = groups.setdefault((sharded.device_mesh, dim, sharded.dtype, sharded.requires_grad), {})
         group[id(sharded)] = sharded   # a tied Parameter is gathered once
-    for (mesh, dim, dtype, _), members in groups.items():
+    begun, module._fsdp_prefetched = ({} if module._fsdp_in_region else module._fsdp_prefetched), {}
+    for key, members in groups.items():
+        mesh, dim, dtype, _ = key
+        started = begun.get(key)
         gathered = gather_group(list(members.values()), mesh, dim, module._fsdp_regather,
-                                compute_dtype(policy, dtype), reduce_dtype_of(policy, dtype))
+                                compute_dtype(policy, dtype), reduce_dtype_of(policy, dtype),
+                                started[0] if started is not None and started[1] == tuple(members) else None)
         copies.update(zip(members, gathered))
     for owner, name, _ in module._fsdp_managed:   # forward reads the gathered copies (plain DTensors)
         owner._parameters[name] = copies[id(module._fsdp_gathered[(id(owner), name)][2])]
@@ -156,6 +168,29 @@ def _gather(module: Module, args):
             if id(param) not in copies:   # (a tied one is cast once)
                 copies[id(param)] = param.to(compute_dtype(policy, param.dtype))
             owner._parameters[name] = copies[id(param)]
+    for target in prefetch.targets(module, root):
+        _begin_gather(target)
+
+
+def _begin_gather(module: Module) -> None:
+    """Begin the all-gather of each of `module`'s groups now; its own forward finishes them."""
+    policy = module._fsdp_policy
+    for key, members in param_groups(module).items():
+        mesh, dim, dtype, _ = key
+        handle = start_group(list(members.values()), mesh, dim, compute_dtype(policy, dtype))
+        module._fsdp_prefetched[key] = (handle, tuple(members))
+
+
+def param_groups(module: Module) -> dict:
+    """{(mesh, fsdp dim, dtype, requires_grad): {id: sharded Parameter}}: what each of the
+    module's grouped all-gathers gathers (a parameter _nested leaves out is redistributed alone)."""
+    groups: dict = {}
+    for owner, name, dim in module._fsdp_managed:
+        sharded = owner._parameters[name]
+        if not _nested(sharded.placements, dim):
+            key = (sharded.device_mesh, dim, sharded.dtype, sharded.requires_grad)
+            groups.setdefault(key, {})[id(sharded)] = sharded
+    return groups
 
 
 def _gather_alone(sharded, dim: int, policy):
@@ -174,6 +209,7 @@ def _cast_inputs(module: Module, args, kwargs):
 
 
 def _reshard(module: Module, args, output):
+    prefetch.leaving(module)
     for owner, name, param in module._fsdp_gathered.values():
         owner._parameters[name] = param
     module._fsdp_gathered.clear()
@@ -189,24 +225,44 @@ def _nested(placements, mesh_dim: int) -> bool:
     return any(isinstance(p, Shard) and p.dim == dim for m, p in enumerate(placements) if m != mesh_dim)
 
 
-def gather_group(shards: list, mesh, mesh_dim: int, regather: bool, dtype, reduce_dtype) -> list:
+def gather_group(shards: list, mesh, mesh_dim: int, regather: bool, dtype, reduce_dtype, started=None) -> list:
     """`shards` (each Shard(d) on `mesh_dim` of `mesh`, one dtype) gathered on that mesh dim by
     one RunOp of the grouped kernel (runtime/worker/fsdp_gather.py), as `dtype`; recorded for backward
-    like any op, the gradients' reduce-scatter in `reduce_dtype`."""
-    recorder = profiling.active
-    if recorder is not None:   # dtorch.profile: a span like an op's
-        with recorder.user_span(_GATHER, "op"):
-            return _issue_gather(shards, mesh, mesh_dim, regather, dtype, reduce_dtype)
-    return _issue_gather(shards, mesh, mesh_dim, regather, dtype, reduce_dtype)
+    like any op, the gradients' reduce-scatter in `reduce_dtype`. `started`: start_group's handle
+    when a prefetch began this all-gather already."""
+    with _span(_GATHER):
+        return _issue_gather(shards, mesh, mesh_dim, regather, dtype, reduce_dtype, started)
+
+
+def start_group(shards: list, mesh, mesh_dim: int, dtype) -> DTensor:
+    """Begin the all-gather gather_group would run (forward prefetch): a handle to the buffer it
+    fills, for gather_group(started=) to finish. The handle is the runtime's, never the user's:
+    its shape is what the buffer would hold on a mesh of the fsdp dim alone, since a tp-sharded
+    member's block differs between ranks (nothing reads the handle but the group's gather)."""
+    with _span(_PREFETCH):
+        controller = session.controller()
+        if controller.tap is not None:
+            note_capture_inputs(tuple(shards), {})
+        refs, _, kwargs = _gather_arguments(controller, shards, mesh, mesh_dim, dtype)
+        (out_id,) = controller.new_ids(1)
+        seq = controller.submit(RunOp, (out_id,), controller.define_mesh(mesh), _PREFETCH, "fsdp_start_gather",
+                                tuple(refs), kwargs, (), False)
+        length = sum(shard.numel() for shard in shards)
+        return DTensor(out_id, tensor_meta((length,), dtype, mesh, [Replicate()] * mesh.ndim), seq, controller)
 
 
 _GATHER = "fully_shard (all-gather)"   # the op errors and profiles name
+_PREFETCH = "fully_shard (prefetched all-gather)"
 
 
-def _issue_gather(shards: list, mesh, mesh_dim: int, regather: bool, dtype, reduce_dtype) -> list:
-    controller = session.controller()
-    if controller.tap is not None:
-        note_capture_inputs(tuple(shards), {})
+def _span(name: str):
+    """dtorch.profile's span for the command (a span like an op's), or nothing."""
+    recorder = profiling.active
+    return recorder.user_span(name, "op") if recorder is not None else contextlib.nullcontext()
+
+
+def _gather_arguments(controller, shards: list, mesh, mesh_dim: int, dtype):
+    """The grouped kernels' input references, the gathered tensors' specs, and their keywords."""
     refs, specs, blocks, dims = [], [], [], []
     for shard in shards:
         refs.append(controller.reference(shard))
@@ -215,11 +271,23 @@ def _issue_gather(shards: list, mesh, mesh_dim: int, regather: bool, dtype, redu
         placements[mesh_dim] = Replicate()
         specs.append(tensor_meta(shard.shape, dtype, mesh, placements))
         blocks.append(ShardRegion(tuple(shard.shape), placements))
-    grad = is_grad_enabled() and shards[0]._node is not None   # (a group shares requires_grad)
     kwargs = {"peers": PeerGroup(mesh_dim), "blocks": blocks, "dims": dims, "dtype": dtype,
-              "device": mesh.device_type, "regather": regather}
+              "device": mesh.device_type}
+    return refs, specs, kwargs
+
+
+def _issue_gather(shards: list, mesh, mesh_dim: int, regather: bool, dtype, reduce_dtype, started) -> list:
+    controller = session.controller()
+    if controller.tap is not None:
+        note_capture_inputs(tuple(shards), {})
+    refs, specs, kwargs = _gather_arguments(controller, shards, mesh, mesh_dim, dtype)
+    grad = is_grad_enabled() and shards[0]._node is not None   # (a group shares requires_grad)
+    kwargs["regather"] = regather
     if reduce_dtype != dtype:
         kwargs["reduce_dtype"] = reduce_dtype
+    if started is not None:   # its buffer, the last input: the kernel finishes the all-gather
+        refs.append(controller.reference(started))
+        kwargs["prefetched"] = True
     out_ids = controller.new_ids(len(shards))
     seq = controller.submit(RunOp, out_ids, controller.define_mesh(mesh), _GATHER, "fsdp_all_gather",
                             tuple(refs), kwargs, (), grad)
@@ -228,5 +296,3 @@ def _issue_gather(shards: list, mesh, mesh_dim: int, regather: bool, dtype, redu
         for shard, copy in zip(shards, gathered):
             copy._node = OpNode((shard._node,), mesh)
     return gathered
-
-

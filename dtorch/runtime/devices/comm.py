@@ -113,6 +113,11 @@ class Communicator(Protocol):
     def all_gather(self, ranks: tuple, tensor: torch.Tensor) -> torch.Tensor:
         """Every member's `tensor`, stacked in member order on a new dim 0, in a new buffer."""
 
+    def start_all_gather(self, ranks: tuple, tensor: torch.Tensor):
+        """all_gather begun now on the same group, in the caller's order among its other
+        collectives: (the buffer it fills, what finishes it). The buffer holds the result only
+        once the finish has been called (fully_shard's prefetch: runtime/worker/fsdp_gather.py)."""
+
     def reduce_scatter(self, ranks: tuple, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
         """`stacked` holds one equal-size piece per member on dim 0, with any strides (the
         backend packs it where it likes). Returns, in a new tensor, piece i (i = this member's
@@ -341,6 +346,14 @@ class GlooCommunicator:
         # Gloo splits the output into one input-sized piece per member: flat views.
         self._run(ranks, self.group(ranks)._allgather_base(_gloo_bytes(gathered), _gloo_bytes(tensor)))
         return gathered
+
+    def start_all_gather(self, ranks: tuple, tensor: torch.Tensor):
+        """On the group every other collective of `ranks` uses: Gloo's threads run it while this
+        one computes, and every member starts it at the same command, so the order holds."""
+        tensor = tensor.contiguous()
+        gathered = tensor.new_empty((len(ranks),) + tuple(tensor.shape))
+        work = self.group(ranks)._allgather_base(_gloo_bytes(gathered), _gloo_bytes(tensor))
+        return gathered, lambda: self._run(ranks, work)
 
     def reduce_scatter(self, ranks: tuple, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
         """`stacked` holds one equal-size piece per member on dim 0; returns this member's piece

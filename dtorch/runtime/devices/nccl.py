@@ -158,6 +158,11 @@ class NcclCommunicator:
             comm.allGather(tensor.data_ptr(), gathered.data_ptr(), _nbytes(tensor), NCCL_UINT8, stream)
         return gathered
 
+    def start_all_gather(self, ranks: tuple, tensor: torch.Tensor):
+        """Enqueued at once on the current stream (the worker's communication stream), like
+        every NCCL call: the compute stream waits for it through the command's event."""
+        return self.all_gather(ranks, tensor), lambda: None
+
     def reduce_scatter(self, ranks: tuple, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
         """`stacked` holds one equal-size piece per member on dim 0; returns this member's piece
         reduced over all members."""

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+import weakref
+
 from ...spec.placements import chunk_bounds
 from ...ops.registry import kernel
 from .kernels import _ANCHOR, _root, _stack_pieces
@@ -31,21 +33,38 @@ __all__ = ["fsdp_all_gather"]
 
 
 @kernel("fsdp_all_gather", peers=True)
-def fsdp_all_gather(*shards, peers, blocks, dims, dtype, device, regather=True, reduce_dtype=None, standin=False):
-    """The gathered tensors of `shards`, in order, in `dtype` (a mixed-precision policy's
-    param_dtype: the cast rides in the copy into the flat buffer). `blocks`: each one's (offset,
-    shape) here once gathered (a resolved ShardRegion); `dims`: the tensor dim its fsdp shard
-    splits; `device`: the mesh's device type, for stand-in zeros (else the shards' own device);
-    `regather`: whether backward gathers again rather than keep them (reshard_after_forward);
-    `reduce_dtype`: the gradients' reduce-scatter's dtype (default `dtype`); each shard's gradient
-    comes back in the shard's own dtype. With `standin` (an input failed here), zeros stand in so
-    that the peers' collective still completes."""
+def fsdp_all_gather(*inputs, peers, blocks, dims, dtype, device, regather=True, reduce_dtype=None,
+                    prefetched=False, standin=False):
+    """The gathered tensors of the shards among `inputs`, in order, in `dtype` (a mixed-precision
+    policy's param_dtype: the cast rides in the copy into the flat buffer). `blocks`: each one's
+    (offset, shape) here once gathered (a resolved ShardRegion); `dims`: the tensor dim its fsdp
+    shard splits; `device`: the mesh's device type, for stand-in zeros (else the shards' own
+    device); `regather`: whether backward gathers again rather than keep them
+    (reshard_after_forward); `reduce_dtype`: the gradients' reduce-scatter's dtype (default
+    `dtype`); each shard's gradient comes back in the shard's own dtype. With `prefetched`, the
+    last input is fsdp_start_gather's buffer: its all-gather is finished, not run again. With
+    `standin` (an input failed here), zeros stand in so that the peers' collective still
+    completes (a prefetched one was started already: nothing more to do here)."""
+    shards, started = (inputs[:-1], inputs[-1]) if prefetched else (inputs, None)
     layout = _Layout(blocks, dims, peers, dtype, device if standin else shards[0].device)
     if standin:
         shards = layout.zeros()
+        if prefetched:
+            started = torch.zeros((layout.parts, layout.length), dtype=dtype, device=layout.device)
     if torch.is_grad_enabled():   # a recorded gather (RunOp.grad): one node, its dual one reduce-scatter
-        return _GatheredGroup.apply(layout, peers, regather, reduce_dtype or dtype, _ANCHOR, *shards)
-    return layout.gather(shards, peers)
+        return _GatheredGroup.apply(layout, peers, regather, reduce_dtype or dtype, started, _ANCHOR, *shards)
+    return layout.gather(shards, peers, started)
+
+
+@kernel("fsdp_start_gather", peers=True)
+def fsdp_start_gather(*shards, peers, blocks, dims, dtype, device, standin=False):
+    """fully_shard's forward prefetch (dtorch/nn/fsdp.py): the all-gather of `shards` (arguments
+    as fsdp_all_gather's) begun now, so that it runs while the ops before the group's own gather
+    compute. Returns the buffer it fills; the group's fsdp_all_gather (`prefetched`) finishes it
+    and copies the parameters out. On CPU Gloo's threads run it; on a GPU it is enqueued on the
+    communication stream like every collective."""
+    layout = _Layout(blocks, dims, peers, dtype, device if standin else shards[0].device)
+    return layout.start(layout.zeros() if standin else shards, peers)
 
 
 class _Layout:
@@ -77,15 +96,30 @@ class _Layout:
             shards.append(torch.zeros(shard, dtype=self.dtype, device=self.device))
         return shards
 
-    def gather(self, shards, peers) -> list:
+    def gather(self, shards, peers, started=None) -> list:
+        """The parameters whole; `started`: start()'s buffer, its all-gather yet to be finished."""
+        if started is None:
+            gathered = peers.all_gather(self._pack(shards))   # (members, length)
+        else:
+            gathered = _finished(started)
+        return [self._copy_out(gathered, i) for i in range(len(self.shapes))]
+
+    def start(self, shards, peers) -> torch.Tensor:
+        """The all-gather of `shards` begun: the (members, length) buffer it fills, which carries
+        what finishes it (gather(started=...) calls that once)."""
+        gathered, finish = peers.start_all_gather(self._pack(shards))
+        gathered._dtorch_finish = finish
+        _note_started(gathered)
+        return gathered
+
+    def _pack(self, shards) -> torch.Tensor:
         flat = torch.empty(self.length, dtype=self.dtype, device=self.device)
         for i, shard in enumerate(shards):
             piece, dim = flat[slice(*self.spans[i])].view(self.pieces[i]), self.dims[i]
             held = shard.shape[dim]
             piece.narrow(dim, 0, held).copy_(shard)
             piece.narrow(dim, held, piece.shape[dim] - held).zero_()
-        gathered = peers.all_gather(flat)   # (members, length)
-        return [self._copy_out(gathered, i) for i in range(len(self.shapes))]
+        return flat
 
     def _copy_out(self, gathered: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i whole: its members' pieces end to end along its dim, in a buffer of its own
@@ -113,6 +147,45 @@ class _Layout:
                 for i in range(len(self.shapes))]
 
 
+def _finished(started: torch.Tensor) -> torch.Tensor:
+    """start()'s buffer once its all-gather is done (a stand-in's zeros have nothing to finish)."""
+    finish = getattr(started, "_dtorch_finish", None)
+    if finish is not None:
+        del started._dtorch_finish   # (a second gather of the same buffer must not wait again)
+        _IN_FLIGHT.pop(id(started), None)
+        finish()
+    return started
+
+
+# The buffers of all-gathers begun ahead of their use and not finished yet (a dropped one leaves
+# with its buffer): the groups a worker holds beyond the one it computes with. fsdp_prefetch_stats
+# reads it; tests bound it.
+# (by id: a tensor's == compares elements, so it cannot sit in a WeakSet)
+_IN_FLIGHT: dict = {}
+_MOST_IN_FLIGHT = [0]
+
+
+def fsdp_prefetch_stats() -> dict:
+    """How many prefetched all-gathers this worker has begun and not finished, now ("held"),
+    and the most at once since the last call ("most"; the count restarts)."""
+    stats = {"held": len(_IN_FLIGHT), "most": max(_MOST_IN_FLIGHT[0], len(_IN_FLIGHT))}
+    _MOST_IN_FLIGHT[0] = 0
+    return stats
+
+
+def _note_started(gathered: torch.Tensor) -> None:
+    key = id(gathered)
+    _IN_FLIGHT[key] = weakref.finalize(gathered, _IN_FLIGHT.pop, key, None)
+    _MOST_IN_FLIGHT[0] = max(_MOST_IN_FLIGHT[0], len(_IN_FLIGHT))
+
+
+@kernel("fsdp_prefetch_stats")
+def fsdp_prefetch_stats_kernel(device):
+    """fsdp_prefetch_stats as a tensor (held, most): what a test reads from every rank."""
+    stats = fsdp_prefetch_stats()
+    return torch.tensor([stats["held"], stats["most"]], dtype=torch.int64, device=device)
+
+
 def _numel(shape) -> int:
     count = 1
     for size in shape:
@@ -122,11 +195,11 @@ def _numel(shape) -> int:
 
 class _GatheredGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layout, peers, regather, reduce_dtype, anchor, *shards):
+    def forward(ctx, layout, peers, regather, reduce_dtype, started, anchor, *shards):
         ctx.set_materialize_grads(False)   # an unused parameter's gradient: zeros in the packing only
         ctx.layout, ctx.peers, ctx.reduce_dtype = layout, peers, reduce_dtype
         ctx.wanted = [shard.dtype if shard.requires_grad else None for shard in shards]
-        gathered = layout.gather(shards, peers)
+        gathered = layout.gather(shards, peers, started)
         ctx.again = None
         if regather and all(shard.is_leaf and shard.requires_grad for shard in shards):   # parameters' shards
             ctx.again = _GatherGroupAgain(layout, peers, shards)
@@ -137,29 +210,70 @@ class _GatheredGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         if ctx.again is not None:   # every op that saved a gathered parameter has run its backward
-            ctx.again.forget()
+            ctx.again.finish_backward()
         mine = ctx.layout.reduce_scatter(grads, ctx.peers, ctx.reduce_dtype)
         # an output forward never used has no gradient: its parameter's stays None, as in torch
-        return (None,) * 5 + tuple(g.to(wanted) if wanted is not None and grad is not None else None
+        return (None,) * 6 + tuple(g.to(wanted) if wanted is not None and grad is not None else None
                                    for g, grad, wanted in zip(mine, grads, ctx.wanted))
 
 
 class _GatherGroupAgain:
-    """The group's gather, run again in backward at the first unpack of any member."""
-    __slots__ = ("layout", "peers", "shards", "gathered")
+    """The group's gather, run again in backward at the first unpack of any member.
+
+    Backward prefetch: that first unpack also begins the all-gather of the group gathered just
+    before this one in forward (`previous`), whose backward comes next, so that it runs while
+    this group's backward computes; the forward order is the same on every rank, so they all
+    begin it at the same unpack. At most two groups are held at once: this one, gathered, and
+    the one begun (this one is dropped when its own node runs, before the previous group's ops'
+    backward: autograd runs the later-recorded node first)."""
+    __slots__ = ("layout", "peers", "shards", "gathered", "started", "previous", "done", "__weakref__")
 
     def __init__(self, layout, peers, shards):
-        self.layout, self.peers, self.shards, self.gathered = layout, peers, shards, None
+        self.layout, self.peers, self.shards, self.gathered, self.started = layout, peers, shards, None, None
+        self.previous, self.done = _link_in_forward_order(self), False
 
     def member(self, i: int) -> torch.Tensor:
         if self.gathered is None:
             with torch.no_grad():
-                self.gathered = self.layout.gather([shard.detach() for shard in self.shards], self.peers)
+                self.gathered = self.layout.gather(self._detached(), self.peers, self.started)
+            self.started = None
             _forget_after_backward(self)
+            previous = self.previous() if self.previous is not None else None
+            if previous is not None:
+                previous.start()
         return self.gathered[i]
 
+    def start(self) -> None:
+        """Begin this group's gather again now (the group after it in forward is in backward)."""
+        if self.gathered is None and self.started is None and not self.done:
+            with torch.no_grad():
+                self.started = self.layout.start(self._detached(), self.peers)
+            _forget_after_backward(self)
+
+    def _detached(self) -> list:
+        return [shard.detach() for shard in self.shards]
+
     def forget(self) -> None:
-        self.gathered = None
+        self.gathered = self.started = None
+
+    def finish_backward(self) -> None:
+        """The group's own node ran: nothing needs it gathered again in this backward."""
+        self.forget()
+        self.done = True
+
+
+# The group gathered last in forward on this worker (a weak reference): the next one links to it.
+_LAST_GATHERED: list = [None]
+
+
+def _link_in_forward_order(group: _GatherGroupAgain):
+    """The group gathered before `group` in this forward (a weak reference, or None); a gather
+    inside a backward (a checkpointed region's recompute) joins no order: its backward is now."""
+    if torch._C._current_autograd_node() is not None:
+        return None
+    previous = _LAST_GATHERED[0]
+    _LAST_GATHERED[0] = weakref.ref(group)
+    return previous
 
 
 def _forget_after_backward(group: _GatherGroupAgain) -> None:

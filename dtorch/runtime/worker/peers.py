@@ -32,6 +32,10 @@ class Peers:
         """Every member's `tensor` (the same shape everywhere), stacked in member order on dim 0."""
         return self._comm.all_gather(self.ranks, tensor)
 
+    def start_all_gather(self, tensor: torch.Tensor):
+        """all_gather begun now: (the buffer it fills, what to call before reading it)."""
+        return self._comm.start_all_gather(self.ranks, tensor)
+
     def reduce_scatter(self, stacked: torch.Tensor) -> torch.Tensor:
         """Piece `index` of `stacked` (one piece per member on dim 0), summed over the members."""
         return self._comm.reduce_scatter(self.ranks, stacked, "sum")
