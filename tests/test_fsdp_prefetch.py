@@ -14,7 +14,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 import dtorch
 from dtorch.errors import RemoteError
-from dtorch.nn import fully_shard, set_modules_to_forward_prefetch
+from dtorch.nn import fully_shard, set_modules_to_backward_prefetch, set_modules_to_forward_prefetch
 from dtorch.ops.tensor_meta import tensor_meta
 from dtorch.runtime import protocol
 from dtorch.runtime.controller import session
@@ -58,16 +58,19 @@ def _sharded(reference, mesh, prefetch: bool):
     if not prefetch:
         for module in list(model.blocks) + [model]:
             set_modules_to_forward_prefetch(module, [])
+            set_modules_to_backward_prefetch(module, [])
     return model
 
 
-def _train(model, mesh, steps: int = 3):
-    """Losses, then every parameter and (last step's) gradient, as torch tensors."""
+def _train(model, mesh, steps: int = 3, batch: int = 6):
+    """Losses, then every parameter and (last step's) gradient, as torch tensors. A batch of 6
+    leaves a rank of 4 an empty piece, so backward keeps the gathered parameters (RunOp.regather
+    False); of 8, backward gathers them again."""
     optimizer = model and (dtorch.optim.AdamW if mesh else torch.optim.AdamW)(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     losses, grads = [], []
     for _ in range(steps):
-        x = torch.randn(6, 7, generator=g)
+        x = torch.randn(batch, 7, generator=g)
         loss = model(dtorch.distribute_tensor(x, mesh, [Shard(0)]) if mesh else x).pow(2).mean()
         loss.backward()
         grads = [p.grad.to_torch() if mesh else p.grad.clone() for p in model.parameters()]
@@ -129,9 +132,9 @@ def test_at_most_one_all_gather_is_in_flight_beside_the_group_in_use(mesh4):
     all-gathers begun and not finished); an explicit list of two begins two."""
     torch.manual_seed(0)
     model = _sharded(Net(blocks=4), mesh4, prefetch=True)
-    _train(model, mesh4, steps=1)   # learns the order
+    _train(model, mesh4, steps=1, batch=8)   # learns the order
     _in_flight_stats(mesh4)   # (restarts the count)
-    _train(model, mesh4, steps=1)
+    _train(model, mesh4, steps=1, batch=8)
     assert _in_flight_stats(mesh4).tolist() == [[0, 1]] * 4
     set_modules_to_forward_prefetch(model.blocks[0], [model.blocks[1], model.blocks[2]])
     with dtorch.no_grad():   # (no backward: only forward's prefetch)
@@ -140,13 +143,18 @@ def test_at_most_one_all_gather_is_in_flight_beside_the_group_in_use(mesh4):
 
 
 def test_an_empty_list_turns_prefetch_off(mesh4):
+    """Forward and backward: no prefetch command, and no all-gather begun on any worker."""
     torch.manual_seed(0)
     model = _sharded(Net(blocks=3), mesh4, prefetch=False)
+    _in_flight_stats(mesh4)   # (restarts the count)
     with _ops_sent() as sent:
         _train(model, mesh4, steps=2)
     assert _PREFETCH not in sent and sent.count("fully_shard (all-gather)") == 2 * 4
+    assert _in_flight_stats(mesh4).tolist() == [[0, 0]] * 4
     with pytest.raises(TypeError, match="not fully sharded"):
         set_modules_to_forward_prefetch(model.blocks[0], [model.head])
+    with pytest.raises(NotImplementedError, match="forward order"):
+        set_modules_to_backward_prefetch(model.blocks[1], [model.blocks[0]])
 
 
 def test_a_failed_parameter_in_a_prefetched_gather_fails_the_read(mesh4):
@@ -167,3 +175,18 @@ def test_a_failed_parameter_in_a_prefetched_gather_fails_the_read(mesh4):
     with pytest.raises(RemoteError, match="index"):
         out.to_torch()
     assert dtorch.ones(3, device_mesh=mesh4, placements=[Shard(0)]).sum().item() == 3.0
+
+
+def test_backward_begins_the_previous_groups_gather_again(mesh4):
+    """Forward prefetch off: only backward's begins an all-gather (one at a time), and the
+    gradients equal those without it."""
+    torch.manual_seed(0)
+    reference = Net(blocks=3)
+    plain = _train(_sharded(reference, mesh4, prefetch=False), mesh4, steps=2, batch=8)
+    model = _sharded(reference, mesh4, prefetch=True)
+    for module in list(model.blocks) + [model]:
+        set_modules_to_forward_prefetch(module, [])
+    _in_flight_stats(mesh4)   # (restarts the count)
+    got = _train(model, mesh4, steps=2, batch=8)
+    assert _in_flight_stats(mesh4).tolist() == [[0, 1]] * 4
+    assert got[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(got[1] + got[2], plain[1] + plain[2]))

@@ -11,7 +11,7 @@ from .containers import ModuleDict, ModuleList, Sequential
 from .conv import Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from .distribute import distribute_module
 from .embedding import Embedding, EmbeddingWithReplicateOutput
-from .fsdp import fully_shard, set_modules_to_forward_prefetch
+from .fsdp import fully_shard, set_modules_to_backward_prefetch, set_modules_to_forward_prefetch
 from .mixed_precision import MixedPrecisionPolicy, mixed_precision
 from .linear import (ColumnParallelLinear, ColumnParallelLinearWithReplicateInputOutput,
                      ColumnParallelLinearWithReplicateOutput, Linear, ReplicateParallelLinear, RowParallelLinear,
@@ -31,7 +31,7 @@ __all__ = ["functional", "utils", "Module", "Parameter", "IncompatibleKeys", "Se
            "Softplus", "Softmax", "LogSoftmax", "Flatten", "Unflatten", "parallelize_module", "ParallelStyle",
            "PrepareModuleInputOutput", "loss_parallel", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "fully_shard", "set_modules_to_forward_prefetch",
-           "distribute_module", "mixed_precision",
+           "set_modules_to_backward_prefetch", "distribute_module", "mixed_precision",
            "MixedPrecisionPolicy", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
            "ConvTranspose3d", "BatchNorm2d", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d",
            "GlobalAvgPool2d", "GlobalMaxPool2d"]

@@ -35,9 +35,10 @@ from .module import Module
 from .parameter import Parameter
 from . import fsdp_prefetch as prefetch
 
-__all__ = ["fully_shard", "is_fully_sharded", "set_modules_to_forward_prefetch"]
+__all__ = ["fully_shard", "is_fully_sharded", "set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch"]
 
 set_modules_to_forward_prefetch = prefetch.set_modules_to_forward_prefetch
+set_modules_to_backward_prefetch = prefetch.set_modules_to_backward_prefetch
 
 
 def fully_shard(module: Module, mesh_dim: str | int = "fsdp", *, reshard_after_forward: bool = True,
@@ -79,6 +80,7 @@ def fully_shard(module: Module, mesh_dim: str | int = "fsdp", *, reshard_after_f
     module._fsdp_regather, module._fsdp_policy = reshard_after_forward, policy
     module._fsdp_prefetched = {}   # group key -> (the begun all-gather's buffer, its members' ids): prefetch.py
     module._fsdp_forward_prefetch = None   # set_modules_to_forward_prefetch's list; None: the learned order
+    module._fsdp_backward_prefetch = True   # set_modules_to_backward_prefetch: begin the previous group's regather
     module.register_forward_pre_hook(_gather)
     if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
         module.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
@@ -155,7 +157,8 @@ def _gather(module: Module, args):
     for key, members in groups.items():
         mesh, dim, dtype, _ = key
         started = begun.get(key)
-        gathered = gather_group(list(members.values()), mesh, dim, module._fsdp_regather,
+        regather = (module._fsdp_regather, module._fsdp_backward_prefetch)
+        gathered = gather_group(list(members.values()), mesh, dim, regather,
                                 compute_dtype(policy, dtype), reduce_dtype_of(policy, dtype),
                                 started[0] if started is not None and started[1] == tuple(members) else None)
         copies.update(zip(members, gathered))
@@ -225,11 +228,12 @@ def _nested(placements, mesh_dim: int) -> bool:
     return any(isinstance(p, Shard) and p.dim == dim for m, p in enumerate(placements) if m != mesh_dim)
 
 
-def gather_group(shards: list, mesh, mesh_dim: int, regather: bool, dtype, reduce_dtype, started=None) -> list:
+def gather_group(shards: list, mesh, mesh_dim: int, regather, dtype, reduce_dtype, started=None) -> list:
     """`shards` (each Shard(d) on `mesh_dim` of `mesh`, one dtype) gathered on that mesh dim by
     one RunOp of the grouped kernel (runtime/worker/fsdp_gather.py), as `dtype`; recorded for backward
-    like any op, the gradients' reduce-scatter in `reduce_dtype`. `started`: start_group's handle
-    when a prefetch began this all-gather already."""
+    like any op, the gradients' reduce-scatter in `reduce_dtype`. `regather`: whether backward
+    gathers again (or a pair: that, and whether that gather begins the previous group's, backward
+    prefetch). `started`: start_group's handle when a prefetch began this all-gather already."""
     with _span(_GATHER):
         return _issue_gather(shards, mesh, mesh_dim, regather, dtype, reduce_dtype, started)
 
@@ -276,13 +280,16 @@ def _gather_arguments(controller, shards: list, mesh, mesh_dim: int, dtype):
     return refs, specs, kwargs
 
 
-def _issue_gather(shards: list, mesh, mesh_dim: int, regather: bool, dtype, reduce_dtype, started) -> list:
+def _issue_gather(shards: list, mesh, mesh_dim: int, regather, dtype, reduce_dtype, started) -> list:
     controller = session.controller()
     if controller.tap is not None:
         note_capture_inputs(tuple(shards), {})
     refs, specs, kwargs = _gather_arguments(controller, shards, mesh, mesh_dim, dtype)
     grad = is_grad_enabled() and shards[0]._node is not None   # (a group shares requires_grad)
+    regather, backward_prefetch = regather if isinstance(regather, tuple) else (regather, True)
     kwargs["regather"] = regather
+    if not backward_prefetch:
+        kwargs["backward_prefetch"] = False
     if reduce_dtype != dtype:
         kwargs["reduce_dtype"] = reduce_dtype
     if started is not None:   # its buffer, the last input: the kernel finishes the all-gather

@@ -21,7 +21,7 @@ from __future__ import annotations
 from ..dtensor import frontend_state
 from ..runtime.controller import session
 
-__all__ = ["set_modules_to_forward_prefetch"]
+__all__ = ["set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch"]
 
 # The fully-sharded modules whose forward runs now, outermost (the root) first.
 _RUNNING: list = []
@@ -42,6 +42,18 @@ def set_modules_to_forward_prefetch(module, modules) -> None:
                 raise TypeError(f"set_modules_to_forward_prefetch: {type(target).__name__} is not fully "
                                 "sharded; call fully_shard on it first")
     module._fsdp_forward_prefetch = modules
+
+
+def set_modules_to_backward_prefetch(module, modules) -> None:
+    """FSDP2's FSDPModule.set_modules_to_backward_prefetch, in its two common forms: None (the
+    default), once backward gathers `module`'s parameters again, begin the gather of the module
+    gathered before it in forward (whose backward comes next); [] turns that off. The order is
+    the workers' own (runtime/worker/fsdp_gather.py: backward runs inside one command, with no
+    controller between its nodes), so an explicit list of other modules is not taken."""
+    if modules is not None and list(modules):
+        raise NotImplementedError("set_modules_to_backward_prefetch takes None (the module gathered before it in "
+                                  "forward, the default) or [] (none); the workers follow the forward order")
+    module._fsdp_backward_prefetch = modules is None
 
 
 def entering(module):

@@ -34,7 +34,7 @@ __all__ = ["fsdp_all_gather"]
 
 @kernel("fsdp_all_gather", peers=True)
 def fsdp_all_gather(*inputs, peers, blocks, dims, dtype, device, regather=True, reduce_dtype=None,
-                    prefetched=False, standin=False):
+                    prefetched=False, backward_prefetch=True, standin=False):
     """The gathered tensors of the shards among `inputs`, in order, in `dtype` (a mixed-precision
     policy's param_dtype: the cast rides in the copy into the flat buffer). `blocks`: each one's
     (offset, shape) here once gathered (a resolved ShardRegion); `dims`: the tensor dim its fsdp
@@ -42,7 +42,9 @@ def fsdp_all_gather(*inputs, peers, blocks, dims, dtype, device, regather=True, 
     device); `regather`: whether backward gathers again rather than keep them
     (reshard_after_forward); `reduce_dtype`: the gradients' reduce-scatter's dtype (default
     `dtype`); each shard's gradient comes back in the shard's own dtype. With `prefetched`, the
-    last input is fsdp_start_gather's buffer: its all-gather is finished, not run again. With
+    last input is fsdp_start_gather's buffer: its all-gather is finished, not run again.
+    `backward_prefetch`: whether this group's gather again in backward begins the previous
+    group's (_GatherGroupAgain). With
     `standin` (an input failed here), zeros stand in so that the peers' collective still
     completes (a prefetched one was started already: nothing more to do here)."""
     shards, started = (inputs[:-1], inputs[-1]) if prefetched else (inputs, None)
@@ -52,7 +54,8 @@ def fsdp_all_gather(*inputs, peers, blocks, dims, dtype, device, regather=True, 
         if prefetched:
             started = torch.zeros((layout.parts, layout.length), dtype=dtype, device=layout.device)
     if torch.is_grad_enabled():   # a recorded gather (RunOp.grad): one node, its dual one reduce-scatter
-        return _GatheredGroup.apply(layout, peers, regather, reduce_dtype or dtype, started, _ANCHOR, *shards)
+        return _GatheredGroup.apply(layout, peers, (regather, backward_prefetch), reduce_dtype or dtype, started,
+                                    _ANCHOR, *shards)
     return layout.gather(shards, peers, started)
 
 
@@ -64,7 +67,9 @@ def fsdp_start_gather(*shards, peers, blocks, dims, dtype, device, standin=False
     and copies the parameters out. On CPU Gloo's threads run it; on a GPU it is enqueued on the
     communication stream like every collective."""
     layout = _Layout(blocks, dims, peers, dtype, device if standin else shards[0].device)
-    return layout.start(layout.zeros() if standin else shards, peers)
+    if standin:   # the peers' all-gather needs this rank's part; its output is failed here, never read
+        return _finished(layout.start(layout.zeros(), peers))
+    return layout.start(shards, peers)
 
 
 class _Layout:
@@ -195,14 +200,15 @@ def _numel(shape) -> int:
 
 class _GatheredGroup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layout, peers, regather, reduce_dtype, started, anchor, *shards):
+    def forward(ctx, layout, peers, again, reduce_dtype, started, anchor, *shards):
         ctx.set_materialize_grads(False)   # an unused parameter's gradient: zeros in the packing only
         ctx.layout, ctx.peers, ctx.reduce_dtype = layout, peers, reduce_dtype
         ctx.wanted = [shard.dtype if shard.requires_grad else None for shard in shards]
         gathered = layout.gather(shards, peers, started)
         ctx.again = None
+        regather, prefetch_previous = again
         if regather and all(shard.is_leaf and shard.requires_grad for shard in shards):   # parameters' shards
-            ctx.again = _GatherGroupAgain(layout, peers, shards)
+            ctx.again = _GatherGroupAgain(layout, peers, shards, prefetch_previous)
             for i, tensor in enumerate(gathered):   # marked on the storage's root: ops save views of it
                 _root(tensor)._dtorch_regather = _GroupMember(ctx.again, i)
         return tuple(gathered)
@@ -228,9 +234,10 @@ class _GatherGroupAgain:
     backward: autograd runs the later-recorded node first)."""
     __slots__ = ("layout", "peers", "shards", "gathered", "started", "previous", "done", "__weakref__")
 
-    def __init__(self, layout, peers, shards):
+    def __init__(self, layout, peers, shards, prefetch_previous: bool = True):
         self.layout, self.peers, self.shards, self.gathered, self.started = layout, peers, shards, None, None
-        self.previous, self.done = _link_in_forward_order(self), False
+        previous = _link_in_forward_order(self)   # (linked even when not followed: the next group may)
+        self.previous, self.done = previous if prefetch_previous else None, False
 
     def member(self, i: int) -> torch.Tensor:
         if self.gathered is None:
