@@ -44,6 +44,7 @@ class Suite:
     train_world: int = 4            # dp and fsdp size against DDP and FSDP2 over as many processes
     train_fsdp_sizes: tuple = (2, 4)   # beside the 1-worker run (an fsdp of 1): peak memory by fsdp size
     train_microbatches: tuple = (1, 2, 4)   # pp2's microbatch counts: the bubble
+    train_compile_backend: str | None = "inductor"   # the torch.compile baselines' backend; None: none
     relay_ops: int = 400            # benchmark 11: elementwise ops whose PUB bytes are counted
     relay_slots: int = 4            # workers per host of its many-workers layouts
     relay_round_trips: int = 2000   # its reply-hop round trips
@@ -71,7 +72,8 @@ SMOKE = replace(
     redistribute_burst=2,
     mlp_layers=1, mlp_hidden=64, mlp_batch=8, process_timeout_s=60, llama_layers=1, llama_hidden=64, llama_seq=8,
     worker_start_worlds=(2,), train_layers=2, train_hidden=64, train_seq=8, train_batch=4, train_reps=2,
-    train_world=2, train_fsdp_sizes=(), train_microbatches=(2,), relay_ops=40, relay_slots=2, relay_round_trips=200,
+    train_world=2, train_fsdp_sizes=(), train_microbatches=(2,),
+    train_compile_backend="eager", relay_ops=40, relay_slots=2, relay_round_trips=200,
     scale_worlds=(1, 2), scale_ops=40, scale_idle_s=0.3,
 )
 

@@ -9,10 +9,17 @@ torch.distributed Gloo processes on the same machine, in the same run (train_bas
              takes the new lr as an input of its replay; goal: at most the eager step's time)
   fsdp4      ("fsdp",) of 4 (dtorch.nn.fully_shard per layer and root) against FSDP2's
              fully_shard over 4 processes; fsdp2 (and the 1 worker run, an fsdp of 1) show how
-             peak memory falls with the fsdp size
+             peak memory falls with the fsdp size; fsdp4 again without prefetch (each layer's
+             all-gather begun only at its own forward / backward: docs/design/training.md)
   tp2        ("tp",) of 2 against DTensor's parallelize_module (benchmark 8's Megatron plan)
   pp2 xm     ("pp",) of 2 with m microbatches, against dtorch's own 1 worker (the same work on
              one process); the note gives the pipeline bubble
+
+torch.compile baselines (train_baselines.py, `suite.train_compile_backend`; None leaves them out):
+DDP, FSDP2 and DTensor TP each again with torch.compile, their first step's time cold (empty
+compile caches) and warm (after torch._dynamo.reset()) in the note, beside the step time; the dp
+and fsdp goals (issue 46) divide dtorch's rows by them. dtorch's own fused rows (dtorch.compile
+with a backend) go where `fused_layouts` says.
 
 A sample is one step after two warm-up steps: dtorch's from the forward call to the return of dtorch.synchronize(), a
 torch layout's the slowest rank's, after a barrier. Each dtorch layout's first loss is checked
@@ -53,7 +60,7 @@ from .process_memory import busy_seconds, peak_mib, reset_peak, returned_buffers
 from .steal import Meter, describe
 from .timing import Row, failed, guarded, median, not_installed, repeat, stopwatch
 from .train_baselines import TP_RANKS as TP_WORLD
-from .train_baselines import one_process, tiny_fields, train_rank
+from .train_baselines import COMPILED, one_process, tiny_fields, train_rank
 
 NAME = "llama_train"
 TITLE = "10. Llama training step (forward, backward, AdamW, zero_grad)"
@@ -75,12 +82,31 @@ class Layout:
     compiled: bool = False          # the whole step as one dtorch.compile'd function (docs/design/compile.md)
     lr_schedule: bool = False       # a warmup + cosine LambdaLR stepped after each step, inside the timer
     checkpointed: bool = False      # gradient_checkpointing_enable(): each layer recomputed in backward
+    prefetch: bool = True           # fully_shard's forward and backward prefetch (False: turned off per module)
+    backend: str | None = None      # dtorch.compile(step, backend=...) for a compiled layout; None: the default
 
 
-def peer_variants(world: int) -> dict[str, str]:
-    """train_baselines.py's layouts -> their rows' variant names."""
-    return {"DDP": f"torch DDP, {world} procs", "FSDP2": f"torch FSDP2 fully_shard, {world} procs",
-            "TP": f"torch DTensor parallelize_module, {TP_WORLD} procs"}
+def peer_variants(world: int, compiled: bool = False) -> dict[str, str]:
+    """train_baselines.py's layouts -> their rows' variant names (`compiled`: the torch.compile'd
+    ones too)."""
+    eager = {"DDP": f"torch DDP, {world} procs", "FSDP2": f"torch FSDP2 fully_shard, {world} procs",
+             "TP": f"torch DTensor parallelize_module, {TP_WORLD} procs"}
+    if not compiled:
+        return eager
+    return {**eager, **{key + COMPILED: variant + COMPILED for key, variant in eager.items()}}
+
+
+def fused_layouts(suite, backend: str) -> list[Layout]:
+    """dtorch's fused rows: the dp and fsdp steps as one dtorch.compile'd function with `backend`
+    (issue 46's "compiled and fused"), against the torch.compile'd peers.
+
+    TODO(lead): return these rows from layouts() once dtorch.compile(fn, backend="inductor")
+    lands (another helper builds it); _stepper passes `layout.backend` to compiled_step already."""
+    world, peers = suite.train_world, peer_variants(suite.train_world, compiled=True)
+    return [Layout(f"dtorch dp{world}, dtorch.compile step ({backend})", (world,), "dp",
+                   reference=peers["DDP" + COMPILED], compiled=True, backend=backend),
+            Layout(f"dtorch fsdp{world}, dtorch.compile step ({backend})", (world,), "fsdp",
+                   reference=peers["FSDP2" + COMPILED], compiled=True, backend=backend)]
 
 
 def layouts(suite) -> list[Layout]:
@@ -96,6 +122,8 @@ def layouts(suite) -> list[Layout]:
                    reference=f"dtorch dp{world}, LambdaLR", compiled=True, lr_schedule=True),
             *(Layout(f"dtorch fsdp{n}", (n,), "fsdp", reference=peers["FSDP2"] if n == world else None)
               for n in fsdp_sizes),
+            Layout(f"dtorch fsdp{world}, no prefetch", (world,), "fsdp", reference=f"dtorch fsdp{world}",
+                   prefetch=False),
             Layout(f"dtorch fsdp{world}, gradient checkpointing", (world,), "fsdp", reference=f"dtorch fsdp{world}",
                    checkpointed=True),
             Layout(f"dtorch tp{TP_WORLD}", (TP_WORLD,), "tp", reference=peers["TP"]),
@@ -126,10 +154,13 @@ def run(suite) -> list[Row]:
         peers = dict(_peer_rows(suite, fields, case), DDP=ddp.row())
         one = guarded(lambda: _one_process_row(suite, fields, case), NAME, case, ONE_PROCESS, PER)
     rows = [one]
+    variants = peer_variants(suite.train_world, compiled=bool(suite.train_compile_backend))
     for layout in layouts(suite):   # each peer row just before the first dtorch row that refers to it
-        rows += [peers.pop(key) for key, variant in peer_variants(suite.train_world).items()
-                 if variant == layout.reference and key in peers]
+        rows += [peers.pop(key) for key, variant in variants.items() if variant == layout.reference and key in peers]
         rows.append(ours[layout.variant])
+    for key in list(variants):   # the compiled peers: after their eager rows' dtorch rows
+        if key in peers:
+            rows.append(peers.pop(key))
     return rows
 
 
@@ -163,7 +194,7 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout, ddp: _DdpRow) -> 
     reference_model, ids, expected_loss = start
     losses = []
     once = _stepper(reference_model, ids, mesh, layout.microbatches, losses, layout.schedule, layout.compiled,
-                    layout.checkpointed, layout.lr_schedule)
+                    layout.checkpointed, layout.lr_schedule, layout.prefetch, layout.backend)
     repeat(once, WARMUP_STEPS, warmup=0)
     _check_loss(losses[0].item(), expected_loss)
     for pid in pids:
@@ -187,19 +218,23 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout, ddp: _DdpRow) -> 
 
 
 def _stepper(reference_model, ids, mesh, microbatches, losses: list, schedule: str | None = None,
-             compiled: bool = False, checkpointed: bool = False, lr_schedule: bool = False):
+             compiled: bool = False, checkpointed: bool = False, lr_schedule: bool = False, prefetch: bool = True,
+             backend: str | None = None):
     """A function that runs one timed training step of transformers' model on `mesh` and
     keeps the first step's loss in `losses`. Compiled: the step is one dtorch.compile'd function (the two
     warm-up steps capture it; the timed ones replay it), the batch uploaded inside the timer.
-    lr_schedule: a LambdaLR (warmup, then cosine) steps after each step, inside the timer."""
+    lr_schedule: a LambdaLR (warmup, then cosine) steps after each step, inside the timer.
+    prefetch=False: every fully-sharded module's forward and backward prefetch turned off."""
     import dtorch
     from dtorch.models import LlamaForCausalLM
     model = LlamaForCausalLM(reference_model.config, device_mesh=mesh, microbatches=microbatches)
     model.load_state_dict(reference_model.state_dict())
     if checkpointed:
         model.gradient_checkpointing_enable()
+    if not prefetch:
+        no_prefetch(model)
     optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = compiled_step(model, optimizer)
+    step = compiled_step(model, optimizer, backend)
     scheduler = warmup_cosine(optimizer) if lr_schedule else None
 
     def once() -> float:
@@ -234,12 +269,24 @@ def warmup_cosine(optimizer, warmup: int = 3, total: int = 100):
         optimizer, lambda step: (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * step / total)))
 
 
-def compiled_step(model, optimizer):
-    """The training step (forward with labels, backward, optimizer step, zero_grad) as one
-    dtorch.compile'd function of the uploaded batch, returning the loss."""
-    import dtorch
+def no_prefetch(model) -> None:
+    """Turn fully_shard's prefetch off on every fully-sharded module of `model`."""
+    from dtorch.nn import set_modules_to_backward_prefetch, set_modules_to_forward_prefetch
+    from dtorch.nn.fsdp import is_fully_sharded
+    for module in model.modules():
+        if is_fully_sharded(module):
+            set_modules_to_forward_prefetch(module, [])
+            set_modules_to_backward_prefetch(module, [])
 
-    @dtorch.compile
+
+def compiled_step(model, optimizer, backend: str | None = None):
+    """The training step (forward with labels, backward, optimizer step, zero_grad) as one
+    dtorch.compile'd function of the uploaded batch, returning the loss. `backend`: passed to
+    dtorch.compile when given (the fused rows, fused_layouts)."""
+    import dtorch
+    compile_step = dtorch.compile if backend is None else lambda fn: dtorch.compile(fn, backend=backend)
+
+    @compile_step
     def step(uploaded):
         loss = model(uploaded, labels=uploaded).loss
         loss.backward()
@@ -346,11 +393,12 @@ def _one_process_row(suite, fields: dict, case: str) -> Row:
 
 
 def _peer_rows(suite, fields: dict, case: str) -> dict[str, Row]:
-    variants = peer_variants(suite.train_world)
+    backend = suite.train_compile_backend
+    variants = peer_variants(suite.train_world, compiled=bool(backend))
     try:  # one process group for FSDP2 and TP: spawning one costs more than the steps (DDP: _DdpRow)
         per_rank = run_ranks(train_rank, suite.train_world,
-                             (fields, suite.train_batch, suite.train_seq, suite.train_reps, WARMUP_STEPS, ("DDP",)),
-                             suite.process_timeout_s)
+                             (fields, suite.train_batch, suite.train_seq, suite.train_reps, WARMUP_STEPS, ("DDP",),
+                              backend), suite.process_timeout_s * (3 if backend else 1))
     except Exception as error:  # noqa: BLE001 -- reported on each peer row
         return {key: failed(NAME, case, variant, PER, error) for key, variant in variants.items()}
     rows = {}
@@ -360,5 +408,14 @@ def _peer_rows(suite, fields: dict, case: str) -> dict[str, Row]:
             continue
         slowest = [max(samples) for samples in zip(*(rank["samples"] for rank in ranks))]
         note = memory_note([rank["peak_mib"] for rank in ranks], [rank["idle_mib"] for rank in ranks])
-        rows[key] = Row(NAME, case, variant, PER, slowest, note=note + "; " + describe(ranks[0]["steal"]))
+        rows[key] = Row(NAME, case, variant, PER, slowest, note=compile_note(ranks, backend) + note + "; "
+                        + describe(ranks[0]["steal"]))
     return rows
+
+
+def compile_note(ranks: list, backend: str | None) -> str:
+    """A compiled layout's first step, compile included, cold and warm (the slowest rank's)."""
+    if "cold_s" not in ranks[0]:
+        return ""
+    cold, warm = max(rank["cold_s"] for rank in ranks), max(rank["warm_s"] for rank in ranks)
+    return f"torch.compile({backend}) first step: cold {cold:.1f} s, warm {warm:.1f} s; "
