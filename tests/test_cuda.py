@@ -27,6 +27,7 @@ import torch
 import dtorch
 import test_checkpoint as cpu_checkpoint
 import test_fsdp as cpu_fsdp
+import test_fsdp_prefetch
 import test_random as cpu_random
 import test_redistribute as cpu_redistribute
 import test_runtime_ops as cpu_ops
@@ -400,7 +401,7 @@ def test_nccl_and_gloo_have_the_communicator_interface():
     from dtorch.runtime.devices.comm import Communicator, GlooCommunicator
     declared = {name: member for name, member in vars(Communicator).items() if not name.startswith("_")}
     assert set(declared) == {"host", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "exchange", "regroup",
-                             "agree_max", "close", "start_all_reduce", "prepare_background"}
+                             "agree_max", "close", "start_all_reduce", "prepare_background", "start_all_gather"}
     assert Communicator.__annotations__ == {"background_collectives": "bool"}   # a data member each sets
     assert GlooCommunicator.background_collectives is True and nccl.NcclCommunicator.background_collectives is False
     for backend in (GlooCommunicator, nccl.NcclCommunicator):
@@ -455,3 +456,14 @@ def test_importing_cuda_modules_needs_no_cupy():
     assert "cupy" not in sys.modules
     with pytest.raises(ImportError, match="pip install cupy-cuda"):
         nccl.import_nccl()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("check", [test_fsdp_prefetch.test_at_most_one_all_gather_is_in_flight_beside_the_group_in_use,
+                                   test_fsdp_prefetch.test_backward_begins_the_previous_groups_gather_again])
+def test_fsdp_prefetch_on_cuda(request, check):
+    """fully_shard's prefetch on a "cuda2" mesh: NCCL enqueues the begun all-gather on the
+    communication stream (it is asynchronous by itself), the group's gather runs after it on that
+    stream, and the compute stream waits for the command's event; backward's prefetch is enqueued
+    on the stream backward runs on. Values equal no prefetch's. Skips without 2 GPUs and cupy."""
+    check(request.getfixturevalue("cuda2"))

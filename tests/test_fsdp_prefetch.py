@@ -101,7 +101,7 @@ def _in_flight_stats(mesh) -> torch.Tensor:
     controller = session.controller()
     (out_id,) = controller.new_ids(1)
     seq = controller.submit(protocol.RunOp, (out_id,), controller.define_mesh(mesh), "fsdp_prefetch_stats",
-                            "fsdp_prefetch_stats", (), {"device": "cpu"}, (), False)
+                            "fsdp_prefetch_stats", (), {"device": mesh.device_type}, (), False)
     spec = tensor_meta((2 * mesh.size(),), torch.int64, mesh, [Shard(0)])
     return dtorch.DTensor(out_id, spec, seq, controller).to_torch().view(mesh.size(), 2)
 
@@ -135,11 +135,11 @@ def test_at_most_one_all_gather_is_in_flight_beside_the_group_in_use(mesh4):
     _train(model, mesh4, steps=1, batch=8)   # learns the order
     _in_flight_stats(mesh4)   # (restarts the count)
     _train(model, mesh4, steps=1, batch=8)
-    assert _in_flight_stats(mesh4).tolist() == [[0, 1]] * 4
+    assert _in_flight_stats(mesh4).tolist() == [[0, 1]] * mesh4.size()
     set_modules_to_forward_prefetch(model.blocks[0], [model.blocks[1], model.blocks[2]])
     with dtorch.no_grad():   # (no backward: only forward's prefetch)
         model(dtorch.ones(4, 7, device_mesh=mesh4, placements=[Shard(0)])).to_torch()
-    assert _in_flight_stats(mesh4).tolist() == [[0, 2]] * 4
+    assert _in_flight_stats(mesh4).tolist() == [[0, 2]] * mesh4.size()
 
 
 def test_an_empty_list_turns_prefetch_off(mesh4):
@@ -188,5 +188,5 @@ def test_backward_begins_the_previous_groups_gather_again(mesh4):
         set_modules_to_forward_prefetch(module, [])
     _in_flight_stats(mesh4)   # (restarts the count)
     got = _train(model, mesh4, steps=2, batch=8)
-    assert _in_flight_stats(mesh4).tolist() == [[0, 1]] * 4
+    assert _in_flight_stats(mesh4).tolist() == [[0, 1]] * mesh4.size()
     assert got[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(got[1] + got[2], plain[1] + plain[2]))
