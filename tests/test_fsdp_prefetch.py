@@ -190,3 +190,45 @@ def test_backward_begins_the_previous_groups_gather_again(mesh4):
     got = _train(model, mesh4, steps=2, batch=8)
     assert _in_flight_stats(mesh4).tolist() == [[0, 1]] * mesh4.size()
     assert got[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(got[1] + got[2], plain[1] + plain[2]))
+
+
+LOST_DURING_PREFETCH = """
+    import json, os, signal, time, torch, dtorch
+    from dtorch.models import LlamaForCausalLM
+    from dtorch.models.llama import LlamaSettings
+    config = LlamaSettings(**{**LlamaSettings.DEFAULTS, "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+                              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2})
+    mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["fsdp"])
+    model = LlamaForCausalLM(config, device_mesh=mesh)
+    ids = torch.randint(0, 64, (4, 32))
+    model(ids, labels=ids).loss.backward()   # learns the order: the next forward prefetches
+    dtorch.synchronize()
+    victim = dtorch.workers()[1]["pid"]
+    os.kill(victim, signal.SIGKILL)          # before the forward: rank 0 begins its all-gathers with no peer
+    start = time.monotonic()
+    loss = model(ids, labels=ids).loss       # each layer's gather begun by the one before
+    try:
+        loss.item()
+        message = None
+    except dtorch.DTorchError as error:
+        message = f"{type(error).__name__}: {error}"
+    seconds = time.monotonic() - start
+    alone = dtorch.init_device_mesh("cpu", (1,))   # rank 0 alone: it answers once past its gathers
+    survivor = alone.ranks == (0,) and dtorch.ones(3, device_mesh=alone).sum().item() == 3.0
+    print(json.dumps({"seconds": seconds, "message": message, "survivor": survivor,
+                      "waited": time.monotonic() - start}))
+"""
+
+
+def test_a_worker_lost_during_a_prefetched_gather_fails_the_read():
+    """A worker killed just before a forward that prefetches: the surviving rank begins and waits
+    on all-gathers its peer never joins; the read raises within seconds naming the lost rank, and
+    nothing hangs. (Killed with the gathers already in flight, the same waits see it; the moment
+    cannot be chosen from outside.)"""
+    import json
+    from support import run_script
+    result = run_script(LOST_DURING_PREFETCH, timeout=150)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["message"] is not None and "rank 1" in report["message"], report
+    assert report["seconds"] < 10 and report["survivor"] and report["waited"] < 60, report
