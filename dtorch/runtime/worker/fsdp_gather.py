@@ -18,18 +18,23 @@ as a single redistribute's is; here the whole group is gathered again at its fir
 held until the group's own backward (the reduce-scatter) runs: by then every op that used the
 gathered parameters has run its backward. Every rank unpacks in the same node order, so all of
 them gather at the same moment.
+
+Prefetch (docs/design/training.md, "Prefetch"): an all-gather may be begun ahead of its use and
+finished later. In forward the controller decides (fsdp_start_gather, then fsdp_all_gather with
+`prefetched`); in backward, where no command comes between nodes, a group's first gather again
+begins the previous group's (_GatherGroupAgain.start).
 """
 from __future__ import annotations
 
-import torch
-
 import weakref
+
+import torch
 
 from ...spec.placements import chunk_bounds
 from ...ops.registry import kernel
 from .kernels import _ANCHOR, _root, _stack_pieces
 
-__all__ = ["fsdp_all_gather"]
+__all__ = ["fsdp_all_gather", "fsdp_start_gather", "fsdp_prefetch_stats"]
 
 
 @kernel("fsdp_all_gather", peers=True)
@@ -44,9 +49,9 @@ def fsdp_all_gather(*inputs, peers, blocks, dims, dtype, device, regather=True, 
     `dtype`); each shard's gradient comes back in the shard's own dtype. With `prefetched`, the
     last input is fsdp_start_gather's buffer: its all-gather is finished, not run again.
     `backward_prefetch`: whether this group's gather again in backward begins the previous
-    group's (_GatherGroupAgain). With
-    `standin` (an input failed here), zeros stand in so that the peers' collective still
-    completes (a prefetched one was started already: nothing more to do here)."""
+    group's (_GatherGroupAgain). With `standin` (an input failed here), zeros stand in so that
+    the peers' collective still completes (a prefetched one was begun already: nothing more to
+    do here)."""
     shards, started = (inputs[:-1], inputs[-1]) if prefetched else (inputs, None)
     layout = _Layout(blocks, dims, peers, dtype, device if standin else shards[0].device)
     if standin:
