@@ -2,6 +2,7 @@
 torch FSDP2 eager and FSDP2 + torch.compile (issue 46; docs/design/training.md, "Prefetch").
 
     python -m benchmarks.fsdp_prefetch_ab [--reps 9] [--world 4] [--backend inductor | none]
+                                          [--layers 4] [--hidden 256] [--seq 64] [--batch 8]
 
 Benchmark 10's model and batch (config.QUICK: 4 layers, hidden 256, batch 8 x 64 tokens).
 dtorch's two models train on one pool of `--world` workers, one step each in turn (A B A B),
@@ -87,8 +88,11 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor", help="torch.compile's backend; none: no compiled row")
     parser.add_argument("--layers", type=int, default=QUICK.train_layers)
     parser.add_argument("--hidden", type=int, default=QUICK.train_hidden)
+    parser.add_argument("--seq", type=int, default=QUICK.train_seq)
+    parser.add_argument("--batch", type=int, default=QUICK.train_batch)
     args = parser.parse_args()
-    suite = replace(QUICK, train_layers=args.layers, train_hidden=args.hidden)
+    suite = replace(QUICK, train_layers=args.layers, train_hidden=args.hidden, train_seq=args.seq,
+                    train_batch=args.batch)
     fields = config_fields(replace(suite, llama_layers=suite.train_layers, llama_hidden=suite.train_hidden,
                                    llama_seq=suite.train_seq))
     print(f"fsdp{args.world} Llama training step: {suite.train_layers} layers, hidden {suite.train_hidden}, "

@@ -236,6 +236,17 @@ def test_the_redistribute_ab_script_runs():
                          r"S\(0\)->R [\d.]+ ms \(\d+; CPU [\d.]+ ms\)", row), row
 
 
+def test_the_fsdp_prefetch_ab_script_runs():
+    """benchmarks.fsdp_prefetch_ab (docs/design/benchmarks.md quotes it), tiny: dtorch's two rows
+    in turns and FSDP2's (no torch.compile row: its compile alone takes minutes)."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.fsdp_prefetch_ab", "--reps", "2", "--world", "2",
+                             "--layers", "1", "--hidden", "64", "--seq", "8", "--batch", "4", "--backend", "none"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for row in ("dtorch, prefetch", "dtorch, no prefetch", "torch FSDP2"):
+        assert re.search(rf"\n  {row} +median +[\d.]+ ms  min +[\d.]+ ms +[\d.]+x", result.stdout), result.stdout
+
+
 @pytest.mark.timeout(120)
 def test_the_read_idle_script_runs():
     """benchmarks.read_idle (docs/design/benchmarks.md quotes it): the cold-code line, then a dtorch read
