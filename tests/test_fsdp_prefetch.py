@@ -232,3 +232,31 @@ def test_a_worker_lost_during_a_prefetched_gather_fails_the_read():
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["message"] is not None and "rank 1" in report["message"], report
     assert report["seconds"] < 10 and report["survivor"] and report["waited"] < 60, report
+
+
+def test_a_compiled_step_replays_the_prefetches_like_eager(mesh4):
+    """dtorch.compile captures the prefetch commands like any other (the order learned on the
+    first call) and replays them: losses and parameters equal eager's with prefetch bit for bit."""
+    torch.manual_seed(0)
+    reference = Net(blocks=3)
+
+    def run(compiled: bool):
+        model = _sharded(reference, mesh4, prefetch=True)
+        optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-2)
+
+        def step(x):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return loss
+        step = dtorch.compile(step) if compiled else step
+        g = torch.Generator().manual_seed(1)
+        batches = [dtorch.distribute_tensor(torch.randn(8, 7, generator=g), mesh4, [Shard(0)]) for _ in range(5)]
+        with _ops_sent() as sent:
+            losses = [step(x).item() for x in batches]
+        return losses, [p.to_torch() for p in model.parameters()], step, sent
+    eager_losses, eager_params, _, _ = run(False)
+    losses, params, step, sent = run(True)
+    assert _PREFETCH in sent and step.stats()["replays"] >= 2, step.stats()
+    assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(params, eager_params))
