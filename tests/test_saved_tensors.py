@@ -141,8 +141,8 @@ def test_a_gathered_group_is_gathered_again_once_in_backward_and_dropped_after_i
     layout = _Layout([((0, 0), [6, 4]), ((0, 0), [3, 6])], [0, 0], peers, torch.float32, "cpu")
     x = torch.randn(5, 4, requires_grad=True)
     with torch.enable_grad(), saved_tensors_hooks(pack_saved, unpack_saved):
-        first, second = _GatheredGroup.apply(layout, peers, True, torch.float32, torch.zeros((), requires_grad=True),
-                                             *shards)
+        first, second = _GatheredGroup.apply(layout, peers, (True, True), torch.float32, None,
+                                             torch.zeros((), requires_grad=True), *shards)
         out = F.linear(F.linear(x, first).tanh(), second) + F.linear(x, first).sum()
     assert peers.gathers == 1
     group = first._dtorch_regather.group
@@ -166,7 +166,8 @@ def test_a_group_gathered_again_is_dropped_when_backward_never_reaches_its_node(
     layout = _Layout([((0, 0), [6, 4])], [0], peers, torch.float32, "cpu")
     x = torch.randn(5, 4, requires_grad=True)
     with torch.enable_grad(), saved_tensors_hooks(pack_saved, unpack_saved):
-        (weight,) = _GatheredGroup.apply(layout, peers, True, torch.float32, torch.zeros((), requires_grad=True), shard)
+        (weight,) = _GatheredGroup.apply(layout, peers, (True, True), torch.float32, None,
+                                         torch.zeros((), requires_grad=True), shard)
         out = F.linear(x, weight).tanh().sum()
     group = weight._dtorch_regather.group
     (grad,) = torch.autograd.grad(out, [x], retain_graph=True)
