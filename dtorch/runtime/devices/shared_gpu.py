@@ -6,9 +6,11 @@ memory and runs it over the worker's Gloo communicator: copy the inputs to the h
 collective, copy the result back to the GPU. Everything above the communicator (the compute and
 communication streams of CudaDevice, redistributes, buckets, grouped gathers, compile replays,
 checkpoints, recovery) is the code that runs with NCCL; only this class differs. It keeps NCCL's
-contract where callers can tell: background_collectives is False (one order on every member, as
-one NCCL stream needs), a one-rank group moves nothing, and the host channel (`host`) is a
-Gloo communicator of its own object, which the worker closes and regroups as it does NCCL's.
+contract where callers can tell: a one-rank group moves nothing, and the host channel (`host`)
+is a Gloo communicator of its own object, which the worker closes and regroups as it does
+NCCL's. One difference is chosen: background_collectives is False, so the buckets go out after
+the backward's engine returns (NCCL's run beside it on a stream of their own; staged through the
+host on the engine's thread, they would stall it instead).
 
 Staging copies synchronize the current stream (the communication stream inside a redistribute),
 which NCCL never does: results are the same, overlap is not, so never time this mode. On CPU
@@ -25,7 +27,7 @@ __all__ = ["SharedGpuCommunicator"]
 
 
 class SharedGpuCommunicator:
-    background_collectives = False   # as NCCL's: see Communicator.background_collectives
+    background_collectives = False   # see the module doc and Communicator.background_collectives
 
     def __init__(self, store_address: str, rank: int, hostname: str, timeout_s: float = 300.0,
                  device=None):
@@ -56,7 +58,7 @@ class SharedGpuCommunicator:
         self.host.group(ranks)
 
     def start_all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str):
-        """Done at once, as NCCL's is enqueued at once: its callers order it after the rest."""
+        """Done at once: its callers (background_collectives False) order it after the rest."""
         result = self.all_reduce(ranks, tensor, reduce_op)
         return lambda: result
 
@@ -64,6 +66,11 @@ class SharedGpuCommunicator:
         if len(ranks) == 1:
             return tensor.unsqueeze(0).clone(memory_format=torch.contiguous_format)
         return self._back(self.host.all_gather(ranks, self._staged(tensor)))
+
+    def start_all_gather(self, ranks: tuple, tensor: torch.Tensor):
+        """Done at once, as NCCL's is enqueued at once (fully_shard's prefetch): in the caller's
+        order among its other collectives, so the order holds on every member."""
+        return self.all_gather(ranks, tensor), lambda: None
 
     def reduce_scatter(self, ranks: tuple, stacked: torch.Tensor, reduce_op: str) -> torch.Tensor:
         if len(ranks) == 1:
