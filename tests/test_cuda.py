@@ -403,7 +403,7 @@ def test_nccl_and_gloo_have_the_communicator_interface():
     assert set(declared) == {"host", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "exchange", "regroup",
                              "agree_max", "close", "start_all_reduce", "prepare_background", "start_all_gather"}
     assert Communicator.__annotations__ == {"background_collectives": "bool"}   # a data member each sets
-    assert GlooCommunicator.background_collectives is True and nccl.NcclCommunicator.background_collectives is False
+    assert GlooCommunicator.background_collectives is True and nccl.NcclCommunicator.background_collectives is True
     for backend in (GlooCommunicator, nccl.NcclCommunicator):
         for name, member in declared.items():
             if isinstance(member, property):   # NcclCommunicator sets its host in __init__
@@ -440,6 +440,68 @@ def test_nccl_reductions_go_through_the_shared_reduce_ops():
         assert torch.equal(communicator.all_reduce((0, 1), value.clone(), op), expected)
         assert torch.equal(communicator.reduce_scatter((0, 1), value.reshape(2, 3), op), expected[:3])
     assert calls == [(name, 7, op) for op in (0, 0, 2) for name in ("allReduce", "reduceScatter")]
+
+
+def test_nccl_buckets_go_out_on_a_stream_and_a_communicator_of_their_own(monkeypatch):
+    """No GPU: cupy's communicators and torch.cuda's streams and events stood in for, recording
+    what happens in order. A bucket's all-reduce waits for the current (compute) stream, runs on
+    the bucket stream over the buckets' communicator, keeps its memory from the allocator until
+    done, and its finish makes the compute stream wait for it; the host waits for nothing. Other
+    collectives keep the usual communicator on the current stream."""
+    import contextlib
+    log = []
+
+    class Stream:
+        def __init__(self, name="buckets", device=None):
+            self.name, self.cuda_stream = name, name
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event):
+            log.append(("wait_event", self.name, event.on))
+
+    class Event:
+        def record(self, stream):
+            self.on = stream.name
+            log.append(("record", stream.name))
+
+    current = [Stream("compute")]
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    class Comm:
+        def __init__(self, purpose):
+            self.purpose = purpose
+
+        def allReduce(self, send, receive, count, kind, op, stream):
+            log.append(("allReduce", self.purpose or "usual", stream))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: log.append(("keep", stream.name)),
+                        raising=False)
+    communicator = nccl.NcclCommunicator.__new__(nccl.NcclCommunicator)
+    communicator.single_rank, communicator._bucket_streams = False, {}
+    communicator._watchdog = type("Watchdog", (), {"track": lambda self, event, ranks: None})()
+    comms = {"": Comm(""), nccl.BUCKETS: Comm(nccl.BUCKETS)}
+    communicator.group = lambda ranks, purpose="": comms[purpose]
+
+    finish = communicator.start_all_reduce((0, 1), torch.ones(4), "avg")
+    started = list(log)
+    assert started == [("wait_stream", "buckets", "compute"), ("allReduce", nccl.BUCKETS, "buckets"),
+                       ("record", "buckets"), ("keep", "buckets"), ("record", "buckets")], started
+    communicator.all_reduce((0, 1), torch.ones(4), "sum")   # the backward's own collectives: as before
+    assert log[len(started):] == [("allReduce", "usual", "compute"), ("record", "compute")]
+    reduced = finish()
+    assert log[-1] == ("wait_event", "compute", "buckets")
+    assert torch.equal(reduced, torch.full((4,), 0.5))   # avg: NCCL's sum (stood in: unchanged) / 2
 
 
 def test_unique_id_survives_the_store():

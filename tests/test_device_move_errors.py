@@ -67,7 +67,8 @@ def test_a_new_tensor_on_another_device_type_is_refused(mesh4, spelling, call):
 
 def test_a_new_tensor_on_the_mesh_device_type_is_made_on_the_mesh(mesh4):
     x = dtorch.ones(8, device_mesh=mesh4, placements=[Shard(0)])
-    made = [x.new_ones(3, device="cpu"), x.new_zeros(2, device=torch.device("cpu")), x.new_full((2,), 5.0, device="cpu")]
+    made = [x.new_ones(3, device="cpu"), x.new_zeros(2, device=torch.device("cpu")),
+            x.new_full((2,), 5.0, device="cpu")]
     assert all(isinstance(t, dtorch.DTensor) and t.device_mesh == mesh4 for t in made)
     torch.testing.assert_close(made[2].to_torch(), torch.full((2,), 5.0))
     local = x.new_tensor([1.5], device="cpu")   # torch.nn.init's bounds: a plain tensor here

@@ -166,8 +166,8 @@ def test_gathers_scatters_and_exchanges_match_torch():
 
 
 def test_it_behaves_as_nccl_where_callers_can_tell():
-    """One order for background reductions (the bucket code takes NCCL's path), and a host
-    communicator of its own object, which the worker closes and regroups separately."""
+    """Background reductions in one order after the rest (background_collectives False), and a
+    host communicator of its own object, which the worker closes and regroups separately."""
     assert SharedGpuCommunicator.background_collectives is False
 
     def work(communicator, rank):

@@ -241,7 +241,7 @@ class GlooCommunicator:
         drops its groups within `ranks` (kept, never destroyed) and names those it creates from
         now on with `tag`, so no group with a half-finished collective is used again."""
         members = set(ranks)
-        for key in [k for k in self._groups if set(_members(k)) <= members]:
+        for key in [k for k in self._groups if set(group_members(k)) <= members]:
             self._abandoned.append((self._groups.pop(key), None))
         self._renewals.append((frozenset(members), tag))
 
@@ -416,7 +416,7 @@ class GlooCommunicator:
     def regroup(self, generation: int, replaced: tuple) -> None:
         """See Communicator.regroup."""
         self.generation = generation
-        for key in [k for k in self._groups if holds_any(_members(k), replaced)]:
+        for key in [k for k in self._groups if holds_any(group_members(k), replaced)]:
             self._abandoned.append((self._groups.pop(key), None))
         for ranks in [r for r in self._broken if holds_any(r, replaced)]:
             del self._broken[ranks]
@@ -437,7 +437,7 @@ def group_name(ranks: tuple, generation: int) -> str:
     return f"g{generation}/{name}" if generation else name
 
 
-def _members(key: tuple) -> tuple:
+def group_members(key: tuple) -> tuple:
     """The ranks of a cached group's key: `ranks`, or `(ranks, purpose)`."""
     return key[0] if key and type(key[0]) is tuple else key
 

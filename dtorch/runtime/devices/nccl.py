@@ -8,7 +8,10 @@ the same command (they run the same commands in order), which is what ncclCommIn
 Streams: a collective is enqueued on the current stream, which the worker has set to the
 device's communication stream for the whole redistribute or transfer (CudaDevice.communicate
 orders it after compute, records the inputs on it, and hands the compute stream an event to wait
-on when the result is read). The host never waits for a collective.
+on when the result is read). The host never waits for a collective. The gradient buckets of a
+backward are the exception (start_all_reduce): each goes out on a stream of its own, over a
+communicator of its ranks that carries only buckets, as soon as its gradients are packed, so it
+overlaps the rest of the backward as DDP's reducer does (grad_buckets.py).
 
 agree_max runs over Gloo on the host: it decides whether a redistribute runs at all, and an NCCL
 reduction would make the command loop wait for every kernel enqueued before it.
@@ -32,7 +35,8 @@ import time
 import torch
 
 from .. import protocol as wire
-from .comm import GlooCommunicator, backend_reduce_op, finish_reduction, group_name, holds_any, reducible
+from .comm import (GlooCommunicator, backend_reduce_op, finish_reduction, group_members, group_name, holds_any,
+                   reducible)
 from .gpu_assignment import cupy_missing_message
 
 __all__ = ["NcclCommunicator", "NCCL_DATATYPES", "NCCL_REDUCE_OPS", "encode_unique_id",
@@ -89,29 +93,33 @@ class NcclCommunicator:
         self.rank, self.device, self.timeout_s = rank, device, timeout_s
         self.host = GlooCommunicator(store_address, rank, hostname, timeout_s)
         self.single_rank = os.environ.get(SINGLE_RANK_VARIABLE) == "1"
-        self._comms: dict[tuple, object] = {}
+        self._comms: dict[tuple, object] = {}   # by ranks, or (ranks, purpose) for the buckets' own
+        self._bucket_streams: dict = {}       # device -> the stream start_all_reduce enqueues on
         self._abandoned: list = []
         self.generation = 0   # bumped by regroup after lost ranks are replaced
         self._watchdog = Watchdog(self, store_address)
 
-    def group(self, ranks: tuple):
-        comm = self._comms.get(ranks)
+    def group(self, ranks: tuple, purpose: str = ""):
+        """The communicator of `ranks` (created collectively on first use); `purpose` names a
+        separate one of the same ranks, whose calls keep their own order (the buckets')."""
+        cached = (ranks, purpose) if purpose else ranks
+        comm = self._comms.get(cached)
         if comm is None:
-            key = "dtorch/nccl/" + group_name(ranks, self.generation)
+            key = "dtorch/nccl/" + group_name(ranks, self.generation) + (f"/{purpose}" if purpose else "")
             index = ranks.index(self.rank)
             if index == 0:
                 self.host.store.set(key, encode_unique_id(self._nccl.get_unique_id()))
             raw = self.host.store.get(key)
             with self._watchdog.blocking(f"creating the NCCL communicator of ranks {ranks}"):
                 comm = self._create(len(ranks), raw, index)
-            self._comms[ranks] = comm
+            self._comms[cached] = comm
         return comm
 
     def regroup(self, generation: int, replaced: tuple) -> None:
         """See Communicator.regroup (the worker regroups the host communicator itself)."""
         self.generation = generation
-        for ranks in [r for r in self._comms if holds_any(r, replaced)]:
-            self._abandoned.append(self._comms.pop(ranks))
+        for key in [k for k in self._comms if holds_any(group_members(k), replaced)]:
+            self._abandoned.append(self._comms.pop(key))
 
     def _create(self, size: int, raw: bytes, index: int):
         """cupy 14 takes the id as bytes; older cupy as a tuple. The type check fails before any
@@ -138,15 +146,41 @@ class NcclCommunicator:
             comm.allReduce(carried.data_ptr(), carried.data_ptr(), carried.numel(), kind, op, stream)
         return finish_reduction(tensor, reduce_op, ranks)
 
-    background_collectives = False   # one stream, one order: see Communicator.background_collectives
+    background_collectives = True   # the buckets' communicator and stream: see start_all_reduce
 
     def prepare_background(self, ranks: tuple) -> None:
-        self.group(ranks)
+        self.group(ranks, BUCKETS)
 
     def start_all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str):
-        """Enqueued at once on the current stream, like every NCCL call."""
-        result = self.all_reduce(ranks, tensor, reduce_op)
-        return lambda: result
+        """A gradient bucket's all-reduce, begun now beside the caller's work, as DDP's reducer:
+        on the device's bucket stream, after what the current stream has queued (the packing of
+        `tensor`), over the communicator of `ranks` that carries only buckets. The backward's other
+        collectives of these ranks run on the usual communicator, so neither order can cross the
+        other on different members, which one communicator on one stream would risk. Finishing
+        makes the current stream wait for it; the host waits for nothing."""
+        tensor = tensor.contiguous()
+        if self._skips(ranks, tensor):
+            return lambda: tensor
+        carried = reducible(tensor, reduce_op)
+        kind, op = _reduction(carried, reduce_op)
+        caller, stream = torch.cuda.current_stream(tensor.device), self._bucket_stream(tensor.device)
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream), self._enqueue(ranks, BUCKETS) as (comm, handle):
+            comm.allReduce(carried.data_ptr(), carried.data_ptr(), carried.numel(), kind, op, handle)
+        carried.record_stream(stream)   # the allocator must not hand its memory out before NCCL is done
+        reduced = torch.cuda.Event()
+        reduced.record(stream)
+
+        def finish() -> torch.Tensor:
+            torch.cuda.current_stream(tensor.device).wait_event(reduced)
+            return finish_reduction(tensor, reduce_op, ranks)
+        return finish
+
+    def _bucket_stream(self, device: torch.device):
+        stream = self._bucket_streams.get(device)
+        if stream is None:
+            stream = self._bucket_streams[device] = torch.cuda.Stream(device=device)
+        return stream
 
     def all_gather(self, ranks: tuple, tensor: torch.Tensor) -> torch.Tensor:
         """Every member's `tensor` (same shape everywhere), stacked on a new dim 0 in one buffer."""
@@ -230,14 +264,17 @@ class NcclCommunicator:
                 pass
 
     @contextlib.contextmanager
-    def _enqueue(self, ranks: tuple):
+    def _enqueue(self, ranks: tuple, purpose: str = ""):
         """(communicator, current stream handle) for one NCCL call; afterwards an event on that
         stream lets the watchdog see whether the call finishes in time."""
         stream = torch.cuda.current_stream()
-        yield self.group(ranks), stream.cuda_stream
+        yield self.group(ranks, purpose), stream.cuda_stream
         done = torch.cuda.Event()
         done.record(stream)
         self._watchdog.track(done, ranks)
+
+
+BUCKETS = "buckets"   # the purpose of the communicators start_all_reduce uses
 
 
 def _reduction(tensor: torch.Tensor, reduce_op: str) -> tuple[int, int]:

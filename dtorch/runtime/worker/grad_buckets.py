@@ -5,10 +5,12 @@ engine goes on with the rest of the graph.
 
 Order is what keeps this safe. Every member launches the buckets in the same order (bucket i
 only after buckets 0..i-1), whenever its own engine gets there, and they travel on a group of
-their own (Communicator.start_all_reduce), so they never meet the backward's other collectives
-in a different order on different ranks. A bucket whose leaf this rank's graph never reached
-(its gradient is zeros here) goes out after the engine returns, still in order. On NCCL, where
-one stream must see one order, every bucket goes out after the engine returns.
+their own (Communicator.start_all_reduce: Gloo's own threads on CPU; on GPUs an NCCL
+communicator of their own, on a stream of their own that waits for the packing by event), so
+they never meet the backward's other collectives in a different order on different ranks. A
+bucket whose leaf this rank's graph never reached (its gradient is zeros here) goes out after
+the engine returns, still in order. Where a communicator cannot run beside the others
+(background_collectives False: shared-GPU mode), every bucket goes out after the engine returns.
 
 When all have finished, each leaf's .grad is its piece of the reduced buffer (a view, as DDP's
 gradient_as_bucket_view), so later backwards accumulate into it in place.
