@@ -99,8 +99,9 @@ class Communicator(Protocol):
 
     background_collectives: bool
     """Whether start_all_reduce runs beside the caller's other collectives of the same ranks:
-    True for Gloo (a group of its own, and Gloo's own threads); False for NCCL, whose calls on
-    one stream must come in one order on every member, so its callers start only after the rest."""
+    True for Gloo (a group of its own, and Gloo's own threads) and NCCL (a communicator and a
+    stream of their own); False for the shared-GPU mode's staged Gloo, whose callers start it only
+    after the rest."""
 
     def start_all_reduce(self, ranks: tuple, tensor: torch.Tensor, reduce_op: str):
         """all_reduce begun now, finished by calling what this returns (which returns what
