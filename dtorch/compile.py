@@ -53,15 +53,22 @@ class RecaptureWarning(UserWarning):
     """A compiled function that keeps capturing again, with the reason (once per function)."""
 
 
-def compile(fn=None, *, max_graphs: int = DEFAULT_MAX_GRAPHS, scalars=()):
+BACKENDS = (None, "replay", "inductor")   # None and "replay": the rows as recorded
+
+
+def compile(fn=None, *, max_graphs: int = DEFAULT_MAX_GRAPHS, scalars=(), backend=None):
     """`dtorch.compile(fn)` or `@dtorch.compile` / `@dtorch.compile(max_graphs=..., scalars=...)`.
     max_graphs: how many signatures stay captured; the least recently used is dropped (on the
     workers too) when a new one would pass it. scalars: names of `fn`'s parameters whose int or
     float values are inputs of the graph rather than part of the signature (`True`: every int
-    and float argument); a replay computes with the call's own value (docs/guide/compile.md)."""
+    and float argument); a replay computes with the call's own value (docs/guide/compile.md).
+    backend: None or "replay" runs the recorded rows; "inductor" has each worker compile each
+    run of local ops with torch's inductor (docs/guide/compile.md, "Fusing on the workers")."""
+    if backend not in BACKENDS:
+        raise ValueError(f"dtorch.compile: backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
     if fn is None:
-        return lambda f: CompiledFunction(f, max_graphs, scalars)
-    return CompiledFunction(fn, max_graphs, scalars)
+        return lambda f: CompiledFunction(f, max_graphs, scalars, backend)
+    return CompiledFunction(fn, max_graphs, scalars, backend)
 
 
 class _Graph:
@@ -184,10 +191,11 @@ def _take_id(tensor: DTensor, source: DTensor) -> None:
 
 
 class CompiledFunction:
-    def __init__(self, fn, max_graphs: int = DEFAULT_MAX_GRAPHS, scalars=()):
+    def __init__(self, fn, max_graphs: int = DEFAULT_MAX_GRAPHS, scalars=(), backend=None):
         if max_graphs < 1:
             raise ValueError(f"dtorch.compile: max_graphs must be at least 1, got {max_graphs}")
         self.fn, self.max_graphs = fn, max_graphs
+        self.backend = "" if backend in (None, "replay") else backend   # DefineGraph.backend
         self.name = getattr(fn, "__qualname__", repr(fn))
         self._marks = signature.Marks(fn, scalars, self.name) if scalars else None
         self._graphs: collections.OrderedDict = collections.OrderedDict()
@@ -270,7 +278,8 @@ class CompiledFunction:
         fields["kept"] = {k: (numbers[k], markers[k].name, why) for k, why in fields["kept_scalars"].items()}
         graph_id = next(_GRAPH_IDS)
         defined_seq = controller.submit(wire.DefineGraph, graph_id, fields["rows"], fields["inputs"], fields["outputs"],
-                                        fields["scratch"], fields["random"], fields["steps"], slots)
+                                        fields["scratch"], fields["random"], fields["steps"], slots,
+                                        self.backend)
         self._forget(key)
         self._dropped.pop(key, None)
         metas = ([t._meta for t in outputs] + [inputs[k]._meta for k, _ in fields["rebound_arguments"]]

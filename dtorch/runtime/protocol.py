@@ -45,7 +45,7 @@ __all__ = [
     "decode_placement", "tensor_frame", "tensor_from_frame", "clip",
 ]
 
-VERSION = 19   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
+VERSION = 20   # 2: REGISTER carries the run's secret; 3: RunOp names the user's op and the kernel;
               # 4: LoadShard (each worker reads its block of a checkpoint tensor from a file);
               # 5: PeerGroup arguments (kernels that exchange blocks with their peers: ring attention);
               # 6: Regroup (lost ranks were replaced: communication groups of a new generation)
@@ -69,6 +69,8 @@ VERSION = 19   # 2: REGISTER carries the run's secret; 3: RunOp names the user's
               # 18: RunGraph.hypers (an optimizer row's hyperparameters now: an lr schedule replays),
               #     DefineGraph.scalars and RunGraph.scalars (numbers passed to a compiled function)
               # 19: Register carries the worker's torch intra-op thread count (dtorch.workers() shows it)
+              # 20: DefineGraph.backend ("inductor": each run of plain rows is compiled by torch's
+              #     inductor on the workers: dtorch.compile(fn, backend="inductor"))
 
 TOPIC_ALL = b"A"
 TOPIC_PROBE = b"P"
@@ -327,6 +329,8 @@ class DefineGraph(NamedTuple):
     steps: tuple         # indexes of OptimizerStep rows (each param's step count + its shift)
     scalars: tuple = ()  # ((row index, argument index, k), ...): RunOp operands that take
                          #   RunGraph.scalars[k] (dtorch.compile(fn, scalars=...))
+    backend: str = ""    # "" replays the rows; "inductor" compiles each run of plain rows with
+                         #   torch's inductor (dtorch.compile(fn, backend="inductor"))
 
 
 class RunGraph(NamedTuple):
@@ -561,7 +565,7 @@ _FIELD_TYPES = {
     UpdateGrads: (int, str, IDS, int, NUMBER),
     SaveShard: (str, int, tuple), LoadChunks: (int, int, tuple, str, tuple, tuple, str),
     Profile: (bool,),
-    DefineGraph: (int, tuple, IDS, IDS, IDS, IDS, IDS, tuple),
+    DefineGraph: (int, tuple, IDS, IDS, IDS, IDS, IDS, tuple, str),
     RunGraph: (int, int, IDS, IDS, int, int, IDS, int, tuple, tuple),
     DropGraph: (int,), CheckpointBegin: (), CheckpointEnd: (),
 }

@@ -1,5 +1,6 @@
 """A worker's dtorch.compile commands: DefineGraph (a captured program kept, its runs of plain
-rows compiled into straight-line functions: straight_line.py), RunGraph (a replay: graphs.py)
+rows compiled into straight-line functions: straight_line.py, and with backend "inductor" into
+fused ones: fusion.py), RunGraph (a replay: graphs.py)
 and DropGraph.
 
 GraphCommands is a component of the Worker (worker.py), which owns one: it keeps the graphs
@@ -12,7 +13,7 @@ from typing import Protocol
 
 from ...ops import KERNELS
 from ...ops.registry import PEER_KERNELS
-from . import graphs, straight_line
+from . import fusion, graphs, straight_line
 from .. import protocol as wire
 from .shards import LocalShards
 
@@ -47,6 +48,10 @@ class GraphCommands:
             return
         plan = straight_line.build(command.graph_id, graph.commands, graph.scratch, graph.random, KERNELS,
                                    lambda row: straight_line.plain_row(row, PEER_KERNELS), self._region_placer)
+        if command.backend == "inductor":
+            plan = fusion.fuse(plan)
+        elif command.backend:
+            raise ValueError(f"DefineGraph: unknown backend {command.backend!r} (\"\" or \"inductor\")")
         self.graphs[command.graph_id] = graph._replace(plan=plan)
 
     def _region_placer(self, mesh_id: int):

@@ -71,10 +71,17 @@ def _plain_value(value) -> bool:
 class StraightLine:
     """A run of a graph's rows (first to stop - 1) as a function of the worker's tensor table."""
 
-    def __init__(self, source: str, namespace: dict, name: str, row_of_line: list, rows: range):
+    def __init__(self, source: str, namespace: dict, name: str, row_of_line: list, rows: range, pure: tuple = ()):
         self.source, self.name, self.row_of_line, self.rows = source, name, row_of_line, rows
         exec(compile(source, name, "exec"), namespace)   # noqa: S102 -- source built here from ids and names
         self.function = namespace["replay"]
+        # For fusion.py: the run as a pure function of the tensors it loads, giving those it stores
+        # (in `stores` order); None for a run with rows recorded for backward.
+        self.loads, self.stores = pure[:2] if pure else ((), ())
+        self.pure = None
+        if pure:
+            exec(compile(pure[2], name + " fused", "exec"), namespace)   # noqa: S102 -- as above
+            self.pure = namespace["fused"]
         # so that a row's error report (its traceback) quotes the row's line
         linecache.cache[name] = (len(source), None, source.splitlines(True), name)
 
@@ -258,7 +265,15 @@ class _Writer:
         for tensor_id in stored:
             lines.append(f"    tensors[{tensor_id}] = t{tensor_id}")
             row_of_line.append(self.body[-1][0])   # (a store cannot raise)
-        return StraightLine("\n".join(lines) + "\n", self.namespace, name, row_of_line, self.rows)
+        pure = () if self.recorded_any else (tuple(self.loads), tuple(stored), self._pure_source(stored))
+        return StraightLine("\n".join(lines) + "\n", self.namespace, name, row_of_line, self.rows, pure)
+
+    def _pure_source(self, stored: list) -> str:
+        """The same rows as `fused(t3, t7) -> (t9, t12)`: no table, so torch.compile can trace it."""
+        lines = [f"def fused({', '.join(f't{i}' for i in self.loads)}):"]
+        lines += ["    " + line for _, line in self.body]
+        lines.append(f"    return ({''.join(f't{i}, ' for i in stored)})")
+        return "\n".join(lines) + "\n"
 
 
 def _ids_in(value):
