@@ -13,7 +13,8 @@ are untouched (workers never write a buffer in place: docs/reference/inplace.md)
   the worker warns once with the reason (a RuntimeWarning that the controller shows at the
   user's line, as it shows any warning a command raised: WarningReport);
 - if a row fails, the StraightLine reports it as a replay does (the op, its seq, the user's
-  line), and the run keeps the StraightLine: the same shapes would fail again.
+  line). A run whose compiled function had worked before keeps it (a bad index this call);
+  one that never compiled keeps the StraightLine.
 
 Runs that are not fused, and why: a run with rows recorded for backward (a training forward:
 their autograd recording, fsdp's saved-tensor hooks and the joins of backward.run_recorded are
@@ -26,6 +27,7 @@ import shutil
 import warnings
 
 import torch
+import torch._inductor.config   # it reads CXX when first imported: here, not at some run's first compile
 
 from .straight_line import StraightLine
 
@@ -46,6 +48,7 @@ class FusedRun:
         self.straight, self.rows = straight, straight.rows
         self.compiled = torch.compile(straight.pure, backend="inductor", dynamic=False, fullgraph=True)
         self.replay_only = False   # set once the fused function failed: the StraightLine runs
+        self.compiling = True      # until the first call, which compiles, has succeeded
 
     def forget(self) -> None:
         self.straight.forget()
@@ -62,15 +65,25 @@ class FusedRun:
         if missing is not None:
             return self._fall_back(tensors, missing)
         try:
-            outputs = self.compiled(*inputs)
+            if self.compiling:   # torch's own deprecations while it compiles are not the user's business
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    warnings.simplefilter("ignore", FutureWarning)
+                    outputs = self.compiled(*inputs)
+                self.compiling = False
+            else:
+                outputs = self.compiled(*inputs)
         except Exception as error:  # noqa: BLE001 -- inductor's or a row's: the StraightLine tells which
             return self._fall_back(tensors, f"{type(error).__name__}: {_first_line(error)}")
         tensors.update(zip(self.straight.stores, outputs))
         return None
 
     def _fall_back(self, tensors: dict, reason: str):
-        self.replay_only = True
+        """Run the rows instead. A compiled function whose rows failed too (a bad index, which
+        its bounds check caught) stays: the next inputs may be good."""
+        self.replay_only = self.compiling
         stopped = self.straight.run(tensors)
+        self.replay_only |= stopped is None
         if stopped is None:   # the rows ran: the fault was the compiler's
             first, last = self.rows.start, self.rows.stop - 1
             warnings.warn(f"dtorch.compile(backend='inductor'): rows {first}-{last} of this graph run as the replay, "
