@@ -303,3 +303,15 @@ def test_a_second_process_reuses_the_compiled_runs_from_the_disk_cache(tmp_path)
     assert first, "the first process's workers wrote no compiled graph to the shared cache"
     subprocess.run([sys.executable, "-c", _PROGRAM], env=env, check=True, timeout=240)
     assert _cached_graphs(str(tmp_path / "inductor")) == first   # cache hits: nothing compiled again
+
+
+def test_the_fused_chain_benchmark_runs():
+    """benchmarks/fused_chain.py (docs/design/compile.md quotes it), its smoke variant: 1 worker,
+    a 10-op chain, the host's cache (warm after its first run)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-m", "benchmarks.fused_chain", "--smoke"], cwd=root,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for row in ("torch eager", "torch.compile, 1 process", "dtorch fused, 1 worker(s)", "dtorch replay, 1 worker(s)",
+                "first replay compiles: cold"):
+        assert row in result.stdout, (row, result.stdout)
