@@ -6,15 +6,15 @@ TORCHINDUCTOR_CACHE_DIR) and warm (a new session on the same directory: new proc
     python -m benchmarks.fused_chain [--ops 100] [--calls 200] [--workers 1 4] [--smoke]
 
 A step is one call of the chain on the output of the last, timed over `calls` calls through the
-final read (so a dtorch call's issue, the workers' run and the read all count), per call. The
-first replay compiles (the first call captures, running the chain eagerly): its time is
+final read (so a dtorch call's issue, the workers' run and the read all count), per call; every
+row takes its turn in each round, and each session prints its own torch rows, so a ratio divides
+figures of the same minutes. The first replay compiles (the first call captures, running the chain eagerly): its time is
 "compile, first replay". Prints one line per row; the machine's load moves every figure.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
 import time
 
@@ -33,21 +33,23 @@ def _per_call(step, z, calls: int, read) -> float:
     return (time.perf_counter() - started) / calls
 
 
-def torch_rows(ops: int, calls: int, rounds: int) -> dict:
+def torch_steps(ops: int) -> tuple[dict, float]:
+    """({name: (step, its input, its read)} for torch eager and torch.compile here, the seconds
+    torch.compile's first call took)."""
     chain = lambda z: run_chain(z, ops)   # noqa: E731
     z = torch.zeros(SHAPE)
-    eager = min(_per_call(chain, z, calls, lambda r: r.sum().item()) for _ in range(rounds))
     compiled = torch.compile(chain, backend="inductor", dynamic=False)
     started = time.perf_counter()
     compiled(z)
     first = time.perf_counter() - started
-    fused = min(_per_call(compiled, z, calls, lambda r: r.sum().item()) for _ in range(rounds))
-    return {"torch eager": eager, "torch.compile, 1 process": fused, "torch.compile first call": first}
+    read = lambda r: r.sum().item()   # noqa: E731
+    return {"torch eager": (chain, z, read), "torch.compile, 1 process": (compiled, z, read)}, first
 
 
-def dtorch_rows(workers: int, ops: int, calls: int, rounds: int) -> dict:
-    """Per call fused and replayed (the default backend), and the first fused replay's seconds,
-    in a fresh session of `workers` workers."""
+def session_rows(workers: int, ops: int, calls: int, rounds: int, reference: dict) -> dict:
+    """In a fresh session of `workers` workers: the first fused replay's seconds ("first"), and per
+    call (best of `rounds`, all rows taking turns in each round, so that a load that comes and
+    goes moves them alike) fused, replayed (the default backend) and each reference row."""
     import dtorch
     from dtorch.spec.placements import Shard, init_device_mesh
     dtorch.init(num_workers=workers)
@@ -59,11 +61,15 @@ def dtorch_rows(workers: int, ops: int, calls: int, rounds: int) -> dict:
         started = time.perf_counter()
         fused(z).to_torch()   # the first replay: every worker compiles its run
         first = time.perf_counter() - started
-        per_call = min(_per_call(fused, z, calls, lambda r: r.to_torch()) for _ in range(rounds))
         replayed = dtorch.compile(lambda z: run_chain(z, ops))   # the default: the rows, one by one
         replayed(z).to_torch()
-        replay = min(_per_call(replayed, z, calls, lambda r: r.to_torch()) for _ in range(rounds))
-        return {"per_call": per_call, "first": first, "replay": replay}
+        read = lambda r: r.to_torch()   # noqa: E731
+        steps = {"fused": (fused, z, read), "replay": (replayed, z, read), **reference}
+        best = {name: float("inf") for name in steps}
+        for _ in range(rounds):
+            for name, (step, start, finish) in steps.items():
+                best[name] = min(best[name], _per_call(step, start, calls, finish))
+        return {"first": first, **best}
     finally:
         dtorch.shutdown()
 
@@ -79,28 +85,36 @@ def main(argv=None) -> None:
     if args.smoke:
         args.ops, args.calls, args.rounds, args.workers = 10, 3, 1, [1]
     with tempfile.TemporaryDirectory(prefix="dtorch-fused-chain-") as caches:
-        cache_for = (lambda name: os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")) if args.smoke else \
-            (lambda name: os.path.join(caches, name))   # the smoke test's: the host's, warm after its first run
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_for("torch")
-        reference = torch_rows(args.ops, args.calls, args.rounds)
-        print(f"chain of {args.ops} ops on {SHAPE}, per call over {args.calls} calls (best of {args.rounds}); "
-              f"torch threads here: {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")
-        for name in ("torch eager", "torch.compile, 1 process"):
-            print(f"  {name:<34} {reference[name] * 1e6:9.1f} us")
-        print(f"  {'torch.compile first call (cold)':<34} {reference['torch.compile first call']:9.2f} s")
+        def use_cache(name: str) -> None:   # --smoke: the host's (warm after the test's first run)
+            if not args.smoke:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(caches, name)
+        use_cache("torch")
+        reference, torch_first = torch_steps(args.ops)
+        print(f"chain of {args.ops} ops on {SHAPE}, per call over {args.calls} calls (best of {args.rounds} "
+              f"rounds, rows in turns); torch threads here: {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")
+        print(f"  {'torch.compile first call (cold)':<34} {torch_first:9.2f} s")
         for workers in args.workers:   # each count its own empty directory, which its workers inherit
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_for(f"dtorch{workers}")
-            cold = dtorch_rows(workers, args.ops, args.calls, args.rounds)
-            warm = dtorch_rows(workers, args.ops, args.calls, args.rounds)
-            per_call = statistics.median([cold["per_call"], warm["per_call"]])
-            print(f"  {f'dtorch fused, {workers} worker(s)':<34} {per_call * 1e6:9.1f} us   "
-                  f"{per_call / reference['torch.compile, 1 process']:.2f}x torch.compile, "
-                  f"{per_call / reference['torch eager']:.2f}x eager; first replay compiles: "
-                  f"cold {cold['first']:.2f} s, warm {warm['first']:.2f} s")
-            replay = statistics.median([cold["replay"], warm["replay"]])
-            print(f"  {f'dtorch replay, {workers} worker(s)':<34} {replay * 1e6:9.1f} us   "
-                  f"{replay / reference['torch eager']:.2f}x eager")
+            use_cache(f"dtorch{workers}")
+            cold = session_rows(workers, args.ops, args.calls, args.rounds, reference)
+            warm = session_rows(workers, args.ops, args.calls, args.rounds, reference)
+            _print(workers, cold, warm)
 
+
+def _print(workers: int, cold: dict, warm: dict) -> None:
+    """The warm session's rows (the cold one's in brackets), and both first replays."""
+    def row(name: str, label: str, ratios: bool) -> None:
+        text = f"  {label:<34} {warm[name] * 1e6:9.1f} us ({cold[name] * 1e6:.1f})"
+        if ratios:
+            text += (f"   {warm[name] / warm['torch.compile, 1 process']:.2f}x torch.compile "
+                     f"({cold[name] / cold['torch.compile, 1 process']:.2f}), "
+                     f"{warm[name] / warm['torch eager']:.2f}x eager ({cold[name] / cold['torch eager']:.2f})")
+        print(text)
+    print(f"{workers} worker(s), load {os.getloadavg()[0]:.1f}:")
+    row("torch eager", "torch eager", False)
+    row("torch.compile, 1 process", "torch.compile, 1 process", False)
+    row("fused", f"dtorch fused, {workers} worker(s)", True)
+    row("replay", f"dtorch replay, {workers} worker(s)", True)
+    print(f"  {'first fused replay (compiles)':<34} cold {cold['first']:.2f} s, warm {warm['first']:.2f} s")
 
 if __name__ == "__main__":
     main()
