@@ -274,6 +274,38 @@ def test_an_unknown_backend_is_refused_naming_the_legal_ones():
         dtorch.compile(_chain, backend="tensorrt")
 
 
+_WITHOUT_COMPILER = textwrap.dedent("""
+    import warnings, torch, dtorch
+    from dtorch.spec.placements import Replicate, init_device_mesh
+    dtorch.init(num_workers=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        x = dtorch.tensor(torch.ones(8, 16), device_mesh=mesh, placements=[Replicate()])
+        step = dtorch.compile(lambda x: ((x * 3.0).sin() + 1.0).exp(), backend="inductor")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                out = step(x).to_torch()
+        for w in caught:
+            print("WARNING", w.category.__name__, w.lineno, w.message)
+        print("EQUAL", torch.equal(out, ((torch.ones(8, 16) * 3.0).sin() + 1.0).exp()))
+    finally:
+        dtorch.shutdown()
+""")
+
+
+def test_workers_without_a_cpp_compiler_replay_and_the_user_is_warned_once_at_the_line():
+    """The workers' environment: CXX names no compiler. Every call is right; one warning, shown
+    by the controller at the line of the run's ops (line 8 of the program: the lambda)."""
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_COMPILER], env=dict(os.environ, CXX="no-such-compiler"),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    warned = [line for line in result.stdout.splitlines() if line.startswith("WARNING")]
+    assert len(warned) == 1 and warned[0].startswith("WARNING RuntimeWarning 8 "), result.stdout
+    assert "run as the replay, unfused: no C++ compiler ('no-such-compiler' is not on PATH" in warned[0]
+    assert "EQUAL True" in result.stdout
+
+
 # --- the longer sweep: DTORCH_FUSION_SWEEP=1 ----------------------------------------------------------
 # Each graph compiles for seconds, so CI runs none of these: `DTORCH_FUSION_SWEEP=1 python -m pytest
 # tests/test_compile_fusion.py -k sweep` runs test_compile's random chains (collectives, dropout,
