@@ -161,7 +161,7 @@ def _chain(x, w):
 
 
 @pytest.mark.parametrize("mesh_name, placement, rows", [("mesh1", Replicate(), 64), ("mesh4", Shard(0), 37),
-                                                         ("mesh4", Replicate(), 37)])
+                                                         ("mesh4", Replicate(), 37), ("mesh4", Shard(0), 3)])
 def test_a_fused_chain_equals_eager(request, mesh_name, placement, rows):
     mesh = request.getfixturevalue(mesh_name)
     g = torch.Generator().manual_seed(rows)
