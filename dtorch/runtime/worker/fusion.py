@@ -61,22 +61,26 @@ class FusedRun:
             inputs = [tensors[i] for i in self.straight.loads]
         except KeyError:   # missing or poisoned: the StraightLine says which
             return self.straight.run(tensors)
-        missing = _missing_compiler(inputs)
-        if missing is not None:
-            return self._fall_back(tensors, missing)
         try:
-            if self.compiling:   # torch's own deprecations while it compiles are not the user's business
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    warnings.simplefilter("ignore", FutureWarning)
-                    outputs = self.compiled(*inputs)
-                self.compiling = False
-            else:
-                outputs = self.compiled(*inputs)
+            outputs = self._compile_and_run(inputs) if self.compiling else self.compiled(*inputs)
+        except _NoCompiler as missing:
+            return self._fall_back(tensors, str(missing))
         except Exception as error:  # noqa: BLE001 -- inductor's or a row's: the StraightLine tells which
             return self._fall_back(tensors, f"{type(error).__name__}: {_first_line(error)}")
         tensors.update(zip(self.straight.stores, outputs))
         return None
+
+    def _compile_and_run(self, inputs: list):
+        """The first call, which compiles; until it succeeds, every call is a first call."""
+        missing = _missing_compiler(inputs)
+        if missing is not None:
+            raise _NoCompiler(missing)
+        with warnings.catch_warnings():   # torch's own deprecations while it compiles are not the user's business
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            outputs = self.compiled(*inputs)
+        self.compiling = False
+        return outputs
 
     def _fall_back(self, tensors: dict, reason: str):
         """Run the rows instead. A compiled function whose rows failed too (a bad index, which
@@ -89,6 +93,10 @@ class FusedRun:
             warnings.warn(f"dtorch.compile(backend='inductor'): rows {first}-{last} of this graph run as the replay, "
                           f"unfused: {reason}", RuntimeWarning, stacklevel=2)
         return stopped
+
+
+class _NoCompiler(Exception):
+    """No C++ compiler for a CPU run: the rows replay, and the user learns why."""
 
 
 def _missing_compiler(inputs: list) -> str | None:
