@@ -6,10 +6,11 @@ TORCHINDUCTOR_CACHE_DIR) and warm (a new session on the same directory: new proc
     python -m benchmarks.fused_chain [--ops 100] [--calls 200] [--workers 1 4] [--smoke]
 
 A step is one call of the chain on the output of the last, timed over `calls` calls through the
-final read (so a dtorch call's issue, the workers' run and the read all count), per call; every
-row takes its turn in each round, and each session prints its own torch rows, so a ratio divides
-figures of the same minutes. The first replay compiles (the first call captures, running the chain eagerly): its time is
-"compile, first replay". Prints one line per row; the machine's load moves every figure.
+final read (so a dtorch call's issue, the workers' run and the read all count), per call; the
+rows take turns in each round, and torch's rows are timed just before and just after each worker
+count's two sessions (with no session open: see reference_rows). The first replay compiles (the
+first call captures, running the chain eagerly): its time is "first fused replay". Prints one
+line per row; the machine's load moves every figure.
 """
 from __future__ import annotations
 
@@ -46,10 +47,21 @@ def torch_steps(ops: int) -> tuple[dict, float]:
     return {"torch eager": (chain, z, read), "torch.compile, 1 process": (compiled, z, read)}, first
 
 
-def session_rows(workers: int, ops: int, calls: int, rounds: int, reference: dict) -> dict:
+def reference_rows(reference: dict, calls: int, rounds: int) -> dict:
+    """Per call (best of `rounds`, in turns) of each torch row, with no session open: an idle
+    worker's OpenMP threads spin for a while after each fused kernel, which slowed this
+    process's own OpenMP loops (torch.compile's) by up to 100x while a session was open."""
+    best = {name: float("inf") for name in reference}
+    for _ in range(rounds):
+        for name, (step, start, finish) in reference.items():
+            best[name] = min(best[name], _per_call(step, start, calls, finish))
+    return best
+
+
+def session_rows(workers: int, ops: int, calls: int, rounds: int) -> dict:
     """In a fresh session of `workers` workers: the first fused replay's seconds ("first"), and per
-    call (best of `rounds`, all rows taking turns in each round, so that a load that comes and
-    goes moves them alike) fused, replayed (the default backend) and each reference row."""
+    call (best of `rounds`, the rows taking turns in each round) fused and replayed (the default
+    backend)."""
     import dtorch
     from dtorch.spec.placements import Shard, init_device_mesh
     dtorch.init(num_workers=workers)
@@ -64,7 +76,7 @@ def session_rows(workers: int, ops: int, calls: int, rounds: int, reference: dic
         replayed = dtorch.compile(lambda z: run_chain(z, ops))   # the default: the rows, one by one
         replayed(z).to_torch()
         read = lambda r: r.to_torch()   # noqa: E731
-        steps = {"fused": (fused, z, read), "replay": (replayed, z, read), **reference}
+        steps = {"fused": (fused, z, read), "replay": (replayed, z, read)}
         best = {name: float("inf") for name in steps}
         for _ in range(rounds):
             for name, (step, start, finish) in steps.items():
@@ -95,13 +107,16 @@ def main(argv=None) -> None:
         print(f"  {'torch.compile first call (cold)':<34} {torch_first:9.2f} s")
         for workers in args.workers:   # each count its own empty directory, which its workers inherit
             use_cache(f"dtorch{workers}")
-            cold = session_rows(workers, args.ops, args.calls, args.rounds, reference)
-            warm = session_rows(workers, args.ops, args.calls, args.rounds, reference)
-            _print(workers, cold, warm)
+            before = reference_rows(reference, args.calls, args.rounds)
+            cold = session_rows(workers, args.ops, args.calls, args.rounds)
+            warm = session_rows(workers, args.ops, args.calls, args.rounds)
+            after = reference_rows(reference, args.calls, args.rounds)
+            _print(workers, {**before, **cold}, {**after, **warm})
 
 
 def _print(workers: int, cold: dict, warm: dict) -> None:
-    """The warm session's rows (the cold one's in brackets), and both first replays."""
+    """The warm session's rows (the cold one's in brackets; torch's: timed after both sessions,
+    and before them in brackets), and both first replays."""
     def row(name: str, label: str, ratios: bool) -> None:
         text = f"  {label:<34} {warm[name] * 1e6:9.1f} us ({cold[name] * 1e6:.1f})"
         if ratios:
