@@ -260,3 +260,21 @@ def test_a_compiled_step_replays_the_prefetches_like_eager(mesh4):
     losses, params, step, sent = run(True)
     assert _PREFETCH in sent and step.stats()["replays"] >= 2, step.stats()
     assert losses == eager_losses and all(torch.equal(a, b) for a, b in zip(params, eager_params))
+
+
+def test_a_regather_begun_and_never_used_is_finished_not_held(mesh4):
+    """Blocks that share a Parameter (and a 0-D one left whole): backward begins a group's
+    regather that no node of this backward reads. Its all-gather was never waited, and its work
+    kept the buffer alive: one gathered group more on every worker after each step."""
+    from test_fsdp import _Pair, _copy
+    torch.manual_seed(0)
+    model = dtorch.distribute_module(_copy(_Pair()), mesh4)
+    for block in (model.a, model.b, model):
+        fully_shard(block, "dp")
+    optimizer = dtorch.optim.AdamW(model.parameters(), lr=0.1)
+    _in_flight_stats(mesh4)
+    for _ in range(3):
+        model(dtorch.distribute_tensor(torch.randn(4, 4), mesh4, [Shard(0)])).pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert _in_flight_stats(mesh4)[:, 0].tolist() == [0] * mesh4.size()

@@ -173,6 +173,7 @@ def _gather(module: Module, args):
             owner._parameters[name] = copies[id(param)]
     for target in prefetch.targets(module, root):
         _begin_gather(target)
+        root._fsdp_begun_now.append(target)
 
 
 def _begin_gather(module: Module) -> None:

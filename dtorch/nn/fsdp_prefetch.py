@@ -60,7 +60,7 @@ def entering(module):
     """`module`'s forward begins: note it in its root's order. Returns the root."""
     root = _RUNNING[0] if _RUNNING else module
     if root is module:
-        module._fsdp_order_now = []
+        module._fsdp_order_now, module._fsdp_begun_now = [], []
     root._fsdp_order_now.append(module)
     _RUNNING.append(module)
     module._fsdp_in_region = in_checkpoint_region()
@@ -93,6 +93,6 @@ def leaving(module) -> None:
         return
     order = module._fsdp_order_now
     module._fsdp_following = {id(first): then for first, then in zip(order, order[1:])}
-    for seen in order:
+    for seen in order + module._fsdp_begun_now:   # begun for a module that did not run this time, too
         seen._fsdp_prefetched.clear()   # (their handles go, and with them the buffers on the workers)
-    del module._fsdp_order_now
+    del module._fsdp_order_now, module._fsdp_begun_now

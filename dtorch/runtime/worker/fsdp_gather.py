@@ -118,8 +118,7 @@ class _Layout:
         """The all-gather of `shards` begun: the (members, length) buffer it fills, which carries
         what finishes it (gather(started=...) calls that once)."""
         gathered, finish = peers.start_all_gather(self._pack(shards))
-        gathered._dtorch_finish = finish
-        _note_started(gathered)
+        _note_started(gathered, finish)
         return gathered
 
     def _pack(self, shards) -> torch.Tensor:
@@ -159,18 +158,19 @@ class _Layout:
 
 def _finished(started: torch.Tensor) -> torch.Tensor:
     """start()'s buffer once its all-gather is done (a stand-in's zeros have nothing to finish)."""
-    finish = getattr(started, "_dtorch_finish", None)
+    finish = _IN_FLIGHT.pop(id(started), None)   # (a second gather of the same buffer must not wait again)
     if finish is not None:
-        del started._dtorch_finish   # (a second gather of the same buffer must not wait again)
-        _IN_FLIGHT.pop(id(started), None)
         finish()
     return started
 
 
-# The buffers of all-gathers begun ahead of their use and not finished yet (a dropped one leaves
-# with its buffer): the groups a worker holds beyond the one it computes with. fsdp_prefetch_stats
-# reads it; tests bound it.
-# (by id: a tensor's == compares elements, so it cannot sit in a WeakSet)
+# The all-gathers begun ahead of their use and not finished yet, by their buffer's id: what
+# finishes each. A dropped buffer takes its entry with it (a weakref.finalize): the groups a
+# worker holds beyond the one it computes with; fsdp_prefetch_stats reads it, tests bound it.
+# The finish is kept here, not on the buffer: the collective's work holds the buffer's storage,
+# and torch keeps a tensor's Python object (with what its __dict__ holds) alive as long as its
+# storage lives, so a finish on the buffer was a cycle through C++ that no collection breaks,
+# one buffer a step for a backward prefetch that was begun and dropped unfinished.
 _IN_FLIGHT: dict = {}
 _MOST_IN_FLIGHT = [0]
 
@@ -183,9 +183,10 @@ def fsdp_prefetch_stats() -> dict:
     return stats
 
 
-def _note_started(gathered: torch.Tensor) -> None:
+def _note_started(gathered: torch.Tensor, finish) -> None:
     key = id(gathered)
-    _IN_FLIGHT[key] = weakref.finalize(gathered, _IN_FLIGHT.pop, key, None)
+    _IN_FLIGHT[key] = finish
+    weakref.finalize(gathered, _IN_FLIGHT.pop, key, None)
     _MOST_IN_FLIGHT[0] = max(_MOST_IN_FLIGHT[0], len(_IN_FLIGHT))
 
 
@@ -224,8 +225,8 @@ class _GatheredGroup(torch.autograd.Function):
             ctx.again.finish_backward()
         mine = ctx.layout.reduce_scatter(grads, ctx.peers, ctx.reduce_dtype)
         # an output forward never used has no gradient: its parameter's stays None, as in torch
-        return (None,) * 6 + tuple(g.to(wanted) if wanted is not None and grad is not None else None
-                                   for g, grad, wanted in zip(mine, grads, ctx.wanted))
+        return (None,) * 6 + tuple([g.to(wanted) if wanted is not None and grad is not None else None
+                                   for g, grad, wanted in zip(mine, grads, ctx.wanted)])
 
 
 class _GatherGroupAgain:
@@ -266,6 +267,8 @@ class _GatherGroupAgain:
         return [shard.detach() for shard in self.shards]
 
     def forget(self) -> None:
+        if self.started is not None:   # begun for a backward that did not come to it: finish, so the
+            _finished(self.started)    # collective's work lets go of the buffer (every member began it)
         self.gathered = self.started = None
 
     def finish_backward(self) -> None:
