@@ -5,10 +5,14 @@ flat after its warm-up (benchmarks/soak_rss.py; docs/design/benchmarks.md, "Soak
 figures)."""
 from __future__ import annotations
 
+import ast
+import gc
 import json
+import math
 import types
 import uuid
 from array import array
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +22,8 @@ from dtorch import Shard
 from dtorch.runtime.controller import session
 from dtorch.runtime.controller.command_sites import SITE_RING, CommandSites
 
+from benchmarks.process_memory import free_tuples
+from benchmarks.soak_rss import Trainer
 from test_benchmarks_smoke import run_marked, survivors_after_grace
 
 
@@ -132,3 +138,73 @@ def test_training_soak_keeps_controller_rss_flat(tmp_path):
                     f"{result['settings']['minutes']} min left {controller['samples']} samples after warm-up")
     assert result["stats"]["messages_rejected"] == 0
     assert controller["range_mb"] < CONTROLLER_GROWTH_MB, output[-1500:]
+
+
+# CPython (3.11, and 3.12's PySequence_Tuple alike) builds a tuple from an iterator of unknown
+# length (a generator, map, zip, filter; also a call's *generator) by taking a 10-slot tuple and
+# resizing it to the length it ends with; when the result dies it goes to its own size's free
+# list. Each such call moves a block from one free list to another, until every list holds its
+# 2,000 (about 4 MB on the controller), and only a full collection empties them: the rest of
+# issue 43's creep. tuple([...]) and f(*[...]) allocate the exact size.
+_UNSIZED = ("map", "zip", "filter")
+
+
+def _builds_a_tuple_by_resizing(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    if any(isinstance(a, ast.Starred) and isinstance(a.value, ast.GeneratorExp) for a in node.args):
+        return True   # f(*<generator>); a display's [*<generator>] extends a list instead
+    if len(node.args) != 1:
+        return False
+    argument, called = node.args[0], node.func
+    if isinstance(called, ast.Call) and isinstance(called.func, ast.Name) and called.func.id == "type":
+        return isinstance(argument, ast.GeneratorExp)   # type(value)(<generator>), value a tuple
+    if not (isinstance(called, ast.Name) and called.id == "tuple"):
+        return False
+    return isinstance(argument, ast.GeneratorExp) or (
+        isinstance(argument, ast.Call) and isinstance(argument.func, ast.Name) and argument.func.id in _UNSIZED)
+
+
+def test_no_tuple_is_built_by_resizing():
+    package = Path(dtorch.__file__).parent
+    offenders = [f"{path.relative_to(package.parent)}:{node.lineno}"
+                 for path in sorted(package.rglob("*.py"))
+                 for node in ast.walk(ast.parse(path.read_text(), str(path))) if _builds_a_tuple_by_resizing(node)]
+    assert not offenders, f"a tuple built by resizing (write tuple([...]) or *[...]) at: {', '.join(offenders)}"
+
+
+# torch's handle_torch_function (torch/overrides.py) builds `tuple(map(type, overloaded_args))`
+# for each torch Python function called on DTensors (F.layer_norm: 1 tuple, F.cross_entropy: 2):
+# 1- and 2-slot lists fill to their 2,000 (48-56 B each, about 200 KB in all) whatever dtorch does.
+TORCHS_OWN = 2
+
+
+@pytest.mark.timeout(120)
+def test_training_steps_leave_the_tuple_free_lists_flat(mesh4):
+    """Eager and dtorch.compile'd AdamW steps with reads: no tuple free list fills step by step.
+    Before tuple([...]), the 8-slot list grew by one tuple per step. A list may fill once, to the
+    most tuples of its size alive at one moment (a batch of commands); only a list that grows in
+    two intervals in a row is filling per step. The collector is off meanwhile: a full collection
+    empties every free list, which would hide a filling one."""
+    if not free_tuples():
+        pytest.skip("this Python does not report its tuple free lists (sys._debugmallocstats)")
+    args = types.SimpleNamespace(vocab=64, width=16, batch=8, context=8)
+    trainers = [Trainer(mesh4, compiled, args) for compiled in (False, True)]
+
+    def train(steps):
+        for step in range(steps):
+            losses = [train_step() for train_step in trainers]
+            if step % 10 == 0:
+                assert all(math.isfinite(loss.item()) for loss in losses)
+        return {size: count for size, (count, _) in free_tuples().items()}
+    interval = 120
+    gc.disable()
+    try:
+        counts = [train(steps) for steps in (60, interval, interval)]
+    finally:
+        gc.enable()
+    growth = [{size: after.get(size, 0) - before.get(size, 0) for size in after}
+              for before, after in zip(counts, counts[1:])]
+    filling = {size: (growth[0][size], growth[1].get(size, 0)) for size in growth[0]
+               if size > TORCHS_OWN and min(growth[0][size], growth[1].get(size, 0)) >= interval // 2}
+    assert not filling, f"tuple free lists that grew in both {interval}-step intervals, by size: {filling}"

@@ -83,7 +83,7 @@ def encode_unique_id(unique_id) -> bytes:
 
 
 def decode_unique_id(raw: bytes) -> tuple:
-    return tuple(value - 256 if value > 127 else value for value in raw)
+    return tuple([value - 256 if value > 127 else value for value in raw])
 
 
 class NcclCommunicator:

@@ -77,7 +77,7 @@ class _Connect(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        zeros = tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
+        zeros = tuple([torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs])
         return (grad if ctx.passes else None, None) + zeros
 
 
@@ -108,6 +108,6 @@ def connect_outputs(result, inputs: list, every: bool = False):
             return _Connect.apply(output, every, *inputs)
         return output
     if isinstance(result, (tuple, list)):
-        return type(result)(connected(r) for r in result) if type(result) in (tuple, list) else \
+        return type(result)([connected(r) for r in result]) if type(result) in (tuple, list) else \
             [connected(r) for r in result]
     return connected(result)

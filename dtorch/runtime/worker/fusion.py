@@ -38,7 +38,7 @@ def fuse(plan: tuple | None) -> tuple | None:
     """The plan with each fusable StraightLine as a FusedRun."""
     if plan is None:
         return None
-    return tuple(FusedRun(step) if type(step) is StraightLine and step.pure is not None else step for step in plan)
+    return tuple([FusedRun(step) if type(step) is StraightLine and step.pure is not None else step for step in plan])
 
 
 class FusedRun:

@@ -57,7 +57,7 @@ def define(command: wire.DefineGraph) -> Graph:
     scalars = _scalar_slots(command, commands)
     return Graph(commands, command.inputs, command.outputs, command.scratch,
                  frozenset(command.random) | frozenset(scalars), command.steps,
-                 tuple((type(c), tuple(c)[1:]) for c in commands),
+                 tuple([(type(c), tuple(c)[1:]) for c in commands]),
                  frozenset(command.inputs + command.outputs + command.scratch),
                  draws=frozenset(command.random), scalars=scalars,
                  scalar_count=1 + max((k for _, _, k in command.scalars), default=-1))
@@ -130,7 +130,7 @@ def _rewritten(graph: Graph, run: wire.RunGraph, i: int, command):
 def _step_row(command: wire.OptimizerStep, run: wire.RunGraph, k: int) -> wire.OptimizerStep:
     """Optimizer row k with this replay's step counts and hyperparameters (an lr schedule's lr)."""
     shift, hyper = run.step_shifts[k], run.hypers[k] if run.hypers else None
-    return command._replace(steps=tuple(s + shift for s in command.steps),
+    return command._replace(steps=tuple([s + shift for s in command.steps]),
                             hyper={**command.hyper, **hyper} if hyper else command.hyper)
 
 
@@ -160,7 +160,7 @@ class Bindings:
             if table:
                 bound.update(filter(table.__contains__, ids))
         for tensor_id in bound:
-            self.set_aside.append((tensor_id, tuple(table.pop(tensor_id, _NONE) for table in self.tables)))
+            self.set_aside.append((tensor_id, tuple([table.pop(tensor_id, _NONE) for table in self.tables])))
 
     def copy_all(self, pairs: list) -> None:
         """table[target] = table[source] for every (source, target) pair at once: every source

@@ -321,7 +321,7 @@ class Worker:
             args = [None if type(a) is TensorRef else a for a in command.args]
             kwargs = map_refs(command.kwargs, lambda ref: None, self._place(mesh))
             kwargs["standin"] = True
-        tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+        tensors = tuple([a for a in args if isinstance(a, torch.Tensor)])
         try:
             out, done = self.device.communicate(lambda: KERNELS[command.kernel](*args, **kwargs), tensors)
         except Exception:
