@@ -18,8 +18,8 @@ torch.distributed Gloo processes on the same machine, in the same run (train_bas
 torch.compile baselines (train_baselines.py, `suite.train_compile_backend`; None leaves them out):
 DDP, FSDP2 and DTensor TP each again with torch.compile, their first step's time cold (empty
 compile caches) and warm (after torch._dynamo.reset()) in the note, beside the step time; the dp
-and fsdp goals (issue 46) divide dtorch's rows by them. dtorch's own fused rows (dtorch.compile
-with a backend) go where `fused_layouts` says.
+and fsdp goals (issue 46) divide dtorch's fused rows (`fused_layouts`: the step under
+dtorch.compile(backend="inductor")) by them.
 
 A sample is one step after two warm-up steps: dtorch's from the forward call to the return of dtorch.synchronize(), a
 torch layout's the slowest rank's, after a barrier. Each dtorch layout's first loss is checked
@@ -98,10 +98,9 @@ def peer_variants(world: int, compiled: bool = False) -> dict[str, str]:
 
 def fused_layouts(suite, backend: str) -> list[Layout]:
     """dtorch's fused rows: the dp and fsdp steps as one dtorch.compile'd function with `backend`
-    (issue 46's "compiled and fused"), against the torch.compile'd peers.
-
-    TODO(lead): return these rows from layouts() once dtorch.compile(fn, backend="inductor")
-    lands (another helper builds it); _stepper passes `layout.backend` to compiled_step already."""
+    (issue 46's "compiled and fused"), against the torch.compile'd peers. A training step's
+    forward rows are recorded for backward, which the workers do not fuse yet
+    (docs/guide/compile.md): these rows time what fusing gives a training step today."""
     world, peers = suite.train_world, peer_variants(suite.train_world, compiled=True)
     return [Layout(f"dtorch dp{world}, dtorch.compile step ({backend})", (world,), "dp",
                    reference=peers["DDP" + COMPILED], compiled=True, backend=backend),
@@ -131,7 +130,8 @@ def layouts(suite) -> list[Layout]:
               for m in suite.train_microbatches),
             *(Layout(f"dtorch pp2, {max(suite.train_microbatches)} microbatches, forward_backward {schedule}", (2,),
                      "pp", max(suite.train_microbatches), reference=ONE_WORKER, schedule=schedule)
-              for schedule in ("gpipe", "1f1b") if len(suite.train_microbatches) > 1)]
+              for schedule in ("gpipe", "1f1b") if len(suite.train_microbatches) > 1),
+            *fused_layouts(suite, "inductor")]
 
 
 def run(suite) -> list[Row]:
