@@ -34,11 +34,10 @@ def set_modules_to_forward_prefetch(module, modules) -> None:
     forward came next last time. An empty list turns prefetch off for `module`; None restores
     the default. Each module prefetched holds its gathered group until its forward: more
     memory for more overlap."""
-    from .fsdp import is_fully_sharded
     if modules is not None:
         modules = list(modules)
         for target in [module] + modules:
-            if not is_fully_sharded(target):
+            if not hasattr(target, "_fsdp_managed"):   # fsdp.is_fully_sharded (fsdp imports this module)
                 raise TypeError(f"set_modules_to_forward_prefetch: {type(target).__name__} is not fully "
                                 "sharded; call fully_shard on it first")
     module._fsdp_forward_prefetch = modules

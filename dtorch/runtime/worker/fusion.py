@@ -27,7 +27,6 @@ import shutil
 import warnings
 
 import torch
-import torch._inductor.config   # it reads CXX when first imported: here, not at some run's first compile
 
 from .straight_line import StraightLine
 
@@ -103,7 +102,10 @@ def _missing_compiler(inputs: list) -> str | None:
     """Why inductor cannot compile for these tensors' device here, or None."""
     if not any(type(t) is torch.Tensor and t.device.type == "cpu" for t in inputs):
         return None
-    compiler = os.environ.get("CXX") or torch._inductor.config.cpp.cxx[1] or "g++"
+    # imported here, before the run's first compile (it reads CXX once): importing inductor is
+    # for workers whose graphs fuse, and it probes optional packages that dtorch does not declare
+    from torch._inductor import config as inductor_config
+    compiler = os.environ.get("CXX") or inductor_config.cpp.cxx[1] or "g++"
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler!r} is not on PATH; set CXX), which inductor needs on CPU"
     return None
