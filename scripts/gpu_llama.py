@@ -18,7 +18,6 @@ Meshes of 2 ranks need 2 GPUs, or shared-GPU mode (DTORCH_SHARE_GPU=1, which the
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import statistics
@@ -100,27 +99,14 @@ def generate(args) -> dict:
 
 
 def compiled(args, backend: str | None = None) -> dict:
-    if backend is not None and "backend" not in inspect.signature(dtorch.compile).parameters:
-        raise Refused("dtorch.compile takes no backend= yet (the fusion issue has not landed)")
     initial, expected = reference_losses(args.device)
     model = dtorch_model(initial, args.device, "dp2")
     optimizer = dtorch.optim.AdamW(model.parameters(), **training.HYPER)
-    step = compiled_step(model, optimizer) if backend is None else _fused_step(model, optimizer, backend)
+    step = compiled_step(model, optimizer, backend)
     losses = [step(model._upload(ids)).item() for ids in training.batches()]
     error = worst_relative(losses, expected)
     failures = [] if error <= LOSS_TOLERANCE["float32"] else [f"relative error {error:.2e}"]
     return _verdict({"losses": losses, "worst_relative_error": error}, failures)
-
-
-def _fused_step(model, optimizer, backend: str):
-    @dtorch.compile(backend=backend)
-    def step(uploaded):
-        loss = model(uploaded, labels=uploaded).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
-    return step
 
 
 def bench(args) -> dict:
