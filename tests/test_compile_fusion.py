@@ -27,7 +27,7 @@ from dtorch.runtime.devices.device import CpuDevice
 from dtorch.runtime.worker import fusion
 from dtorch.runtime.worker.worker import Worker
 from dtorch.spec.placements import Replicate, Shard
-from test_replay_rows import TensorId, deliver, run_op
+from test_replay_rows import Replies, TensorId, deliver, run_op
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,17 +46,6 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
 
 
 # --- one worker in process: the plan, the fallback, a failing row ------------------------------------
-class _Replies:
-    def __init__(self):
-        self.sent = []
-
-    def send(self, frames):
-        self.sent.append(bytes(frames[0]))
-
-    def reports(self) -> list:
-        return [wire.decode(frame, (wire.ErrorReport,)) for frame in self.sent]
-
-
 def _chain_rows() -> tuple:
     """out = ((table.index_select(0, index) @ transposed).sin() * 2).tanh(), as a graph's rows."""
     t, picked, product, sine, scaled, out = TensorId(TABLE), *(TensorId(CAPTURED + i) for i in range(1, 6))
@@ -72,8 +61,8 @@ def _chain_in_torch(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return ((table.index_select(0, index) @ table.T.contiguous()).sin() * 2.0).tanh()
 
 
-def _fused_worker(table: torch.Tensor) -> tuple[Worker, _Replies]:
-    replies = _Replies()
+def _fused_worker(table: torch.Tensor) -> tuple[Worker, Replies]:
+    replies = Replies()
     worker = Worker(0, replies, None, CpuDevice(), start_seq=0)
     rows = _chain_rows()
     deliver(worker, lambda s: [
