@@ -143,6 +143,128 @@ def test_a_row_failing_inside_a_fused_run_is_reported_under_its_own_op():
     _close(worker.tensors[12], _chain_in_torch(table, torch.tensor([2])))
 
 
+# --- one worker in process: a training forward's run (AOTAutograd) ----------------------------------
+WEIGHT = 3
+
+
+def _training_rows(tail: str = "sum") -> tuple:
+    """loss = (relu(x @ w) * 2).<tail>(), every row recorded for backward (w requires grad);
+    tail "views": y = linear(x, w); loss = (y.reshape(4, 3, 2, 2) * 2).sum()."""
+    product, active, scaled, loss = (TensorId(CAPTURED + i) for i in range(1, 5))
+    commands = [run_op(0, product, "matmul", TensorId(CAPTURED), TensorId(WEIGHT)),
+                run_op(1, active, "relu", product),
+                run_op(2, scaled, "mul", active, 2.0),
+                run_op(3, loss, tail, scaled)]
+    if tail == "views":   # linear of a 3-d input is a view of its product; reshape one of that
+        commands = [run_op(0, product, "linear", TensorId(CAPTURED), TensorId(WEIGHT), None),
+                    run_op(1, active, "reshape", product, [4, 3, 2, 2]),
+                    run_op(2, scaled, "mul", active, 2.0), run_op(3, loss, "sum", scaled)]
+    return tuple([wire.command_row(c._replace(grad=True)) for c in commands])
+
+
+def _training_worker(weight: torch.Tensor, tail: str = "sum", scratch: tuple = (1, 2, 3)) -> Worker:
+    worker = Worker(0, Replies(), None, CpuDevice(), start_seq=0)
+    deliver(worker, lambda s: [
+        wire.DefineMesh(s, 0, "cpu", (1,), (0,)),
+        wire.Factory(s + 1, WEIGHT, 0, "zeros", tuple(weight.shape), "float32", REPLICATE, ()),
+        wire.DefineGraph(s + 2, 7, _training_rows(tail), (CAPTURED,), (CAPTURED + 4,),
+                         tuple([CAPTURED + i for i in scratch]), (), (), (), "inductor")])
+    worker.tensors[WEIGHT] = weight
+    return worker
+
+
+def _train_replay(worker: Worker, x: torch.Tensor, out_id: int) -> torch.Tensor:
+    """One replay, with grad mode off as in a worker process."""
+    worker.tensors[INPUT] = x
+    with torch.no_grad():
+        deliver(worker, lambda s: [wire.RunGraph(s, 7, 4, (INPUT,), (out_id,), 0, 0, (), 2)])
+    return worker.tensors[out_id]
+
+
+def test_a_training_run_is_one_compiled_autograd_node_whose_gradient_equals_torch():
+    weight = torch.randn(5, 3).requires_grad_()
+    worker = _training_worker(weight)
+    (run,) = _fused_runs(worker)
+    assert run.records and run.probing
+    for out_id in (10, 11, 12):
+        x = torch.randn(4, 5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)   # no fallback
+            loss = _train_replay(worker, x, out_id)
+        weight.grad = None
+        loss.backward()
+        reference = weight.detach().clone().requires_grad_()
+        want = ((x @ reference).relu() * 2.0).sum()
+        want.backward()
+        _close(loss.detach(), want.detach())
+        _close(weight.grad, reference.grad)
+        # the first call ran the rows (one node per op); then the compiled function: one node
+        assert (type(loss.grad_fn).__name__ == "CompiledFunctionBackward") == (out_id != 10)
+    assert not run.replay_only and not run.probing
+
+
+def test_a_fused_training_run_stores_views_that_require_grad_as_the_rows_do():
+    """reshape(linear(x, w)) of a 3-d x: outputs that are views of one intermediate. AOTAutograd
+    rebuilds them outside the compiled function, in the caller's grad mode (FusedRun._call turns
+    it on; with it off, they would not require grad and the probe would keep the rows)."""
+    weight = torch.randn(4, 5).requires_grad_()
+    worker = _training_worker(weight, tail="views", scratch=())
+    for out_id in (10, 11, 12):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)   # the probe found nothing to keep the rows for
+            _train_replay(worker, torch.randn(4, 3, 5), out_id)
+        stored = [worker.tensors[CAPTURED + i] for i in (1, 2, 3)] + [worker.tensors[out_id]]
+        assert all(t.requires_grad for t in stored)
+    (run,) = _fused_runs(worker)
+    assert not run.replay_only
+
+
+class _GatherAgain:
+    """A stand-in for fsdp's recipe (kernels.pack_saved): counts the gathers backward asks for."""
+
+    def __init__(self, whole: torch.Tensor):
+        self.whole, self.gathers = whole, 0
+
+    def gather_again(self) -> torch.Tensor:
+        self.gathers += 1
+        return self.whole.detach()
+
+
+def test_a_fused_training_run_saves_a_gathered_parameter_as_the_way_to_gather_it_again():
+    weight = torch.randn(5, 3).requires_grad_()
+    worker = _training_worker(weight)
+    for out_id in (10, 11):
+        x = torch.randn(4, 5).requires_grad_()   # an activation: the product saves the weight for x's gradient
+        gathered = (weight * 1.0)   # as fsdp's all-gather gives it: a non-leaf of the shard
+        recipe = _GatherAgain(gathered)
+        gathered._dtorch_regather = recipe
+        worker.tensors[WEIGHT] = gathered
+        loss = _train_replay(worker, x, out_id)
+        assert recipe.gathers == 0
+        weight.grad = None
+        loss.backward()
+        assert recipe.gathers >= 1   # backward gathered it again: the forward did not keep it
+        reference = weight.detach().clone().requires_grad_()
+        ((x @ (reference * 1.0)).relu() * 2.0).sum().backward()
+        _close(weight.grad, reference.grad)
+    assert type(loss.grad_fn).__name__ == "CompiledFunctionBackward"
+
+
+def test_a_training_run_whose_rows_join_an_output_keeps_the_rows_and_warns_once():
+    """detach's output does not depend on w, and the rows join it to w (backward.run_recorded);
+    the fused function would leave it out of the graph, so the run stays the rows."""
+    weight = torch.randn(5, 3).requires_grad_()
+    worker = _training_worker(weight, tail="detach")
+    with pytest.warns(RuntimeWarning, match=r"unfused: t104 would be requires_grad=False .* as the rows record it"):
+        first = _train_replay(worker, torch.randn(4, 5), 10)
+    assert first.requires_grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # once
+        assert _train_replay(worker, torch.randn(4, 5), 11).requires_grad
+    (run,) = _fused_runs(worker)
+    assert run.replay_only
+
+
 # --- whole sessions: fused equals eager ---------------------------------------------------------------
 def _chain(x, w):
     y = (x @ w).relu() * 1.5 + 0.25

@@ -16,9 +16,20 @@ are untouched (workers never write a buffer in place: docs/reference/inplace.md)
   line). A run whose compiled function had worked before keeps it (a bad index this call);
   one that never compiled keeps the StraightLine.
 
-Runs that are not fused, and why: a run with rows recorded for backward (a training forward:
-their autograd recording, fsdp's saved-tensor hooks and the joins of backward.run_recorded are
-not traced yet), and a run on CPU where no C++ compiler is found (inductor's CPU code is C++).
+A training forward's run (rows recorded for backward) fuses too: its pure form calls each kernel
+with grad mode on, so torch.compile's AOTAutograd makes the run one autograd node whose backward
+is compiled as well. What the rows do besides, the fused run does as a whole:
+- fsdp's saved-tensor hooks: where an input is a gathered parameter, the compiled function's
+  saved tensors that share its storage are saved as the way to gather it again
+  (kernels.saving_gathered_storages), so backward gathers it again as the rows' would;
+- the joins of backward.run_recorded (an output that does not depend on its inputs on this
+  rank, joined to them so every rank's graph reaches the same collectives): the fused function
+  has none, so the run's first call runs the rows and then probes the fused function on the same
+  inputs, and keeps it only if every output it stores records as the rows' does (_probe);
+- a row that saves gathered parameters whole (RunOp.regather False) gives no pure form at all.
+
+Runs that are not fused: those, and a run on CPU where no C++ compiler is found (inductor's CPU
+code is C++).
 """
 from __future__ import annotations
 
@@ -28,6 +39,7 @@ import warnings
 
 import torch
 
+from .kernels import saves_gathered, saving_gathered_storages
 from .straight_line import StraightLine
 
 __all__ = ["FusedRun", "fuse"]
@@ -48,6 +60,8 @@ class FusedRun:
         self.compiled = torch.compile(straight.pure, backend="inductor", dynamic=False, fullgraph=True)
         self.replay_only = False   # set once the fused function failed: the StraightLine runs
         self.compiling = True      # until the first call, which compiles, has succeeded
+        self.records = straight.records   # a training forward's run: AOTAutograd compiles its backward too
+        self.probing = straight.records   # its first call runs the rows, then checks the fused function's outputs
 
     def forget(self) -> None:
         self.straight.forget()
@@ -60,14 +74,35 @@ class FusedRun:
             inputs = [tensors[i] for i in self.straight.loads]
         except KeyError:   # missing or poisoned: the StraightLine says which
             return self.straight.run(tensors)
+        if self.probing:
+            return self._probe(tensors, inputs)
         try:
-            outputs = self._compile_and_run(inputs) if self.compiling else self.compiled(*inputs)
+            outputs = self._compile_and_run(inputs) if self.compiling else self._call(inputs)
         except _NoCompiler as missing:
             return self._fall_back(tensors, str(missing))
         except Exception as error:  # noqa: BLE001 -- inductor's or a row's: the StraightLine tells which
             return self._fall_back(tensors, f"{type(error).__name__}: {_first_line(error)}")
         tensors.update(zip(self.straight.stores, outputs))
         return None
+
+    def _call(self, inputs: list):
+        """The fused function. A training run's records as its rows do: with fsdp's saved-tensor
+        hooks where an input is a gathered parameter (so backward gathers it again), grad mode
+        back as it was even if it raised midway. It is called with grad mode on (its first line
+        turns it off, as the worker runs): AOTAutograd rebuilds an output that is a view of
+        another (a reshape's) outside the compiled function, in the caller's mode, and with it
+        off that view would not require grad."""
+        if not self.records:
+            return self.compiled(*inputs)
+        grad_mode = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(True)
+        try:
+            if saves_gathered(inputs):
+                with saving_gathered_storages(inputs):
+                    return self.compiled(*inputs)
+            return self.compiled(*inputs)
+        finally:
+            torch._C._set_grad_enabled(grad_mode)
 
     def _compile_and_run(self, inputs: list):
         """The first call, which compiles; until it succeeds, every call is a first call."""
@@ -77,9 +112,40 @@ class FusedRun:
         with warnings.catch_warnings():   # torch's own deprecations while it compiles are not the user's business
             warnings.simplefilter("ignore", DeprecationWarning)
             warnings.simplefilter("ignore", FutureWarning)
-            outputs = self.compiled(*inputs)
+            outputs = self._call(inputs)
         self.compiling = False
         return outputs
+
+    def _probe(self, tensors: dict, inputs: list):
+        """A training run's first call: the rows run (their outputs are this call's), then the
+        fused function compiles and runs on the same inputs, and is kept only if each output it
+        stores records as the rows' does (requires grad or not, dtype, shape). The rows join an
+        output that does not depend on their inputs to them (backward.run_recorded); the fused
+        function has no such joins, so a run that needs one stays the rows. The probe's outputs,
+        and the graph they recorded, are dropped."""
+        stopped = self.straight.run(tensors)
+        if stopped is not None:   # a row failed, reported as a replay reports it: probe again next call
+            return stopped
+        try:
+            outputs = self._compile_and_run(inputs)
+        except _NoCompiler as missing:
+            return self._keep_rows(str(missing))
+        except Exception as error:  # noqa: BLE001 -- the rows ran on these inputs: the compiler's fault
+            return self._keep_rows(f"{type(error).__name__}: {_first_line(error)}")
+        self.probing = False
+        differs = _recording_differs(self.straight.stores, outputs, tensors)
+        return None if differs is None else self._keep_rows(differs)
+
+    def _keep_rows(self, reason: str) -> None:
+        """The rows ran, and run from now on; the user learns why, once."""
+        self.replay_only, self.probing = True, False
+        self._warn(reason)
+        return None
+
+    def _warn(self, reason: str) -> None:
+        first, last = self.rows.start, self.rows.stop - 1
+        warnings.warn(f"dtorch.compile(backend='inductor'): rows {first}-{last} of this graph run as the replay, "
+                      f"unfused: {reason}", RuntimeWarning, stacklevel=3)
 
     def _fall_back(self, tensors: dict, reason: str):
         """Run the rows instead. A compiled function whose rows failed too (a bad index, which
@@ -88,14 +154,25 @@ class FusedRun:
         stopped = self.straight.run(tensors)
         self.replay_only |= stopped is None
         if stopped is None:   # the rows ran: the fault was the compiler's
-            first, last = self.rows.start, self.rows.stop - 1
-            warnings.warn(f"dtorch.compile(backend='inductor'): rows {first}-{last} of this graph run as the replay, "
-                          f"unfused: {reason}", RuntimeWarning, stacklevel=2)
+            self._warn(reason)
         return stopped
 
 
 class _NoCompiler(Exception):
     """No C++ compiler for a CPU run: the rows replay, and the user learns why."""
+
+
+def _recording_differs(stores: tuple, fused: tuple, tensors: dict) -> str | None:
+    """How the fused function's outputs record differently from the rows' (in the table), or None."""
+    for tensor_id, mine in zip(stores, fused):
+        theirs = tensors[tensor_id]
+        if type(mine) is not torch.Tensor or type(theirs) is not torch.Tensor:
+            continue
+        if (mine.requires_grad, mine.dtype, mine.shape) != (theirs.requires_grad, theirs.dtype, theirs.shape):
+            return (f"t{tensor_id} would be requires_grad={mine.requires_grad} {mine.dtype} {tuple(mine.shape)} "
+                    f"fused, requires_grad={theirs.requires_grad} {theirs.dtype} {tuple(theirs.shape)} as the rows "
+                    "record it (an output joined to inputs it does not depend on)")
+    return None
 
 
 def _missing_compiler(inputs: list) -> str | None:

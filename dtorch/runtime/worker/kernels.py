@@ -400,6 +400,26 @@ def pack_saved(tensor: torch.Tensor):
     return _Regather(recipe, (tensor.size(), tensor.stride(), tensor.storage_offset()))
 
 
+def saving_gathered_storages(inputs: list):
+    """saving_gathered for a fused training run (fusion.py). The compiled function saves the
+    views it needs of a gathered parameter (a weight's transpose) as tensors built on its storage
+    that are no longer views of it in torch's eyes (`_base` is None), so pack_saved would keep
+    them whole; here a saved tensor is matched to the gathered parameter whose storage it shares."""
+    recipes = {}
+    for tensor in inputs:
+        recipe = getattr(_root(tensor), "_dtorch_regather", None)
+        if recipe is not None and tensor.untyped_storage().nbytes():
+            recipes[tensor.untyped_storage().data_ptr()] = recipe
+
+    def pack(tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        recipe = recipes.get(storage.data_ptr()) if storage.nbytes() else None
+        if recipe is None:
+            return pack_saved(tensor)
+        return _Regather(recipe, (tensor.size(), tensor.stride(), tensor.storage_offset()))
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack_saved)
+
+
 def unpack_saved(packed):
     """... and unpack: backward gathers it again (every rank unpacks in the same node order)."""
     if type(packed) is not _Regather:

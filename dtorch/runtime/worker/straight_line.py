@@ -14,7 +14,8 @@ A row recorded for backward (`grad`, every op of a training step's forward) is a
 (backward.run_recorded: recorded against its inputs that require grad, saved through fsdp's
 hooks where one is a gathered parameter, outputs joined to those inputs). Grad mode is on from
 the first such row of a stretch to the next row that is not one, where the mode the run started
-in (the worker's: off) comes back.
+in (the worker's: off) comes back. The run's pure form (for fusion.py) calls the kernel itself
+instead, with grad mode switched the same way.
 
 A graph's plan (`build`) is its rows in order, each run of plain rows (`plain_row`: tensors,
 scalars, dtypes and containers of them in, this rank's block where a rule asks for it, no peers,
@@ -71,12 +72,15 @@ def _plain_value(value) -> bool:
 class StraightLine:
     """A run of a graph's rows (first to stop - 1) as a function of the worker's tensor table."""
 
-    def __init__(self, source: str, namespace: dict, name: str, row_of_line: list, rows: range, pure: tuple = ()):
+    def __init__(self, source: str, namespace: dict, name: str, row_of_line: list, rows: range, pure: tuple = (),
+                 records: bool = False):
         self.source, self.name, self.row_of_line, self.rows = source, name, row_of_line, rows
+        self.records = records   # some row records for backward (a training forward's)
         exec(compile(source, name, "exec"), namespace)   # noqa: S102 -- source built here from ids and names
         self.function = namespace["replay"]
         # For fusion.py: the run as a pure function of the tensors it loads, giving those it stores
-        # (in `stores` order); None for a run with rows recorded for backward.
+        # (in `stores` order); None where a row saves gathered parameters whole (RunOp.regather
+        # False: some rank's piece is empty, and its outputs are joined to every input).
         self.loads, self.stores = pure[:2] if pure else ((), ())
         self.pure = None
         if pure:
@@ -165,6 +169,8 @@ class _Writer:
         self.alive: set = set()    # ids whose local variable holds a value now
         self.made: set = set()     # ids some row assigned
         self.body: list = []       # (row index, line)
+        self.pure_body: list = []  # the same lines for the pure form: a recorded row calls its kernel itself
+        self.whole = False         # some row saves gathered parameters whole (RunOp.regather False): no pure form
         self.recording = False     # grad mode is on at this line (the run starts as the worker runs: off)
         self.recorded_any = False  # some line turns grad mode on: the function saves the mode first
         self.namespace: dict = {"_first": _first, "_outputs": _outputs, "_Tensor": torch.Tensor,
@@ -187,8 +193,13 @@ class _Writer:
         if not ids or not all(i in self.alive and i in self.made and i not in self.loaded for i in ids):
             return False   # it frees an id the table held before the run (or twice): the table's own Free
         self.alive.difference_update(ids)
-        self.body.append((index, "del " + ", ".join(f"t{i}" for i in ids)))
+        self._line(index, "del " + ", ".join(f"t{i}" for i in ids))
         return True
+
+    def _line(self, index: int, line: str, pure: str | None = None) -> None:
+        """A line of both forms (`pure`: the pure form's own, where they differ)."""
+        self.body.append((index, line))
+        self.pure_body.append((index, line if pure is None else pure))
 
     def _call(self, index: int, command: wire.RunOp, place) -> bool:
         if any(i in self.made and i not in self.alive for i in _ids_in((command.args, command.kwargs.values()))):
@@ -200,21 +211,23 @@ class _Writer:
         self.namespace[name] = kernel
         arguments = [self._source(a, place) for a in command.args]
         arguments += [f"{key}={self._source(value, place)}" for key, value in command.kwargs.items()]
+        pure_call = call = f"{name}({', '.join(arguments)})"
         if command.grad:   # the tensors it may record against, depth-first as op_arguments.grad_inputs finds them
             inputs = "".join(f"t{i}, " for i in _ids_in((command.args, command.kwargs.values())))
-            arguments[:0] = [name, f"({inputs})"]
-            name = "_recorded" if command.regather else "_recorded_whole"
+            call = f"{'_recorded' if command.regather else '_recorded_whole'}({name}, ({inputs}), {', '.join(arguments)})"
+            self.whole |= not command.regather
         if command.grad != self.recording:   # (the run's own mode: the worker's, off)
             self.recording = command.grad
             self.recorded_any |= command.grad
-            self.body.append((index, "_grad_mode(True)" if command.grad else "_grad_mode(grad_mode)"))
-        call = f"{name}({', '.join(arguments)})"
+            self._line(index, "_grad_mode(True)" if command.grad else "_grad_mode(grad_mode)",
+                       "_grad_mode(True)" if command.grad else "_grad_mode(False)")
         outs = [f"t{i}" for i in command.out_ids]
         if len(outs) == 1:   # a kernel's tuple result with one id keeps its first item, as LocalShards.store does
-            self.body += [(index, f"{outs[0]} = {call}"),
-                          (index, f"if {outs[0]}.__class__ is not _Tensor: {outs[0]} = _first({outs[0]})")]
+            self._line(index, f"{outs[0]} = {call}", f"{outs[0]} = {pure_call}")
+            self._line(index, f"if {outs[0]}.__class__ is not _Tensor: {outs[0]} = _first({outs[0]})")
         else:
-            self.body.append((index, f"{', '.join(outs)} = _outputs({call}, {len(outs)})"))
+            self._line(index, f"{', '.join(outs)} = _outputs({call}, {len(outs)})",
+                       f"{', '.join(outs)} = _outputs({pure_call}, {len(outs)})")
         self.alive.update(command.out_ids)
         self.made.update(command.out_ids)
         self.ops += 1
@@ -254,24 +267,32 @@ class _Writer:
         for tensor_id in self.loads:
             lines.append(f"    t{tensor_id} = tensors[{tensor_id}]")
             row_of_line.append(LOADING)
-        body = self.body + [(self.body[-1][0], "_grad_mode(grad_mode)")] if self.recording else self.body
+        if self.recording:   # back to the mode the run started in
+            self._line(self.body[-1][0], "_grad_mode(grad_mode)", "_grad_mode(False)")
         if self.recorded_any:
             lines.append("    grad_mode = _grad_enabled()")
             row_of_line.append(LOADING)
-        for index, line in body:
+        for index, line in self.body:
             lines.append("    " + line)
             row_of_line.append(index)
         stored = sorted(i for i in self.alive if i in self.made and i not in scratch)
         for tensor_id in stored:
             lines.append(f"    tensors[{tensor_id}] = t{tensor_id}")
             row_of_line.append(self.body[-1][0])   # (a store cannot raise)
-        pure = () if self.recorded_any else (tuple(self.loads), tuple(stored), self._pure_source(stored))
-        return StraightLine("\n".join(lines) + "\n", self.namespace, name, row_of_line, self.rows, pure)
+        pure = () if self.whole else (tuple(self.loads), tuple(stored), self._pure_source(stored))
+        return StraightLine("\n".join(lines) + "\n", self.namespace, name, row_of_line, self.rows, pure,
+                            self.recorded_any)
 
     def _pure_source(self, stored: list) -> str:
-        """The same rows as `fused(t3, t7) -> (t9, t12)`: no table, so torch.compile can trace it."""
+        """The same rows as `fused(t3, t7) -> (t9, t12)`: no table, so torch.compile can trace it.
+        A recorded row calls its kernel with grad mode on, so that torch.compile's AOTAutograd
+        records the whole run as one node whose backward is compiled too (fusion.py). fusion.py
+        calls a recording run with grad mode on (see FusedRun._call); its rows start in the
+        worker's mode, off."""
         lines = [f"def fused({', '.join(f't{i}' for i in self.loads)}):"]
-        lines += ["    " + line for _, line in self.body]
+        if self.recorded_any:
+            lines.append("    _grad_mode(False)")
+        lines += ["    " + line for _, line in self.pure_body]
         lines.append(f"    return ({''.join(f't{i}, ' for i in stored)})")
         return "\n".join(lines) + "\n"
 
