@@ -214,7 +214,8 @@ class _Writer:
         pure_call = call = f"{name}({', '.join(arguments)})"
         if command.grad:   # the tensors it may record against, depth-first as op_arguments.grad_inputs finds them
             inputs = "".join(f"t{i}, " for i in _ids_in((command.args, command.kwargs.values())))
-            call = f"{'_recorded' if command.regather else '_recorded_whole'}({name}, ({inputs}), {', '.join(arguments)})"
+            recorder = "_recorded" if command.regather else "_recorded_whole"
+            call = f"{recorder}({name}, ({inputs}), {', '.join(arguments)})"
             self.whole |= not command.regather
         if command.grad != self.recording:   # (the run's own mode: the worker's, off)
             self.recording = command.grad
