@@ -14,6 +14,8 @@ import dtorch
 from dtorch.spec.placements import DeviceMesh, Partial, Replicate, Shard
 from dtorch.ops.tooling.simulate import contributions
 from dtorch.ops.tensor_meta import tensor_meta
+from dtorch.runtime import protocol
+from dtorch.runtime.controller import session
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,6 +47,18 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor, exact: bool = Fals
         torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
     else:
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def on_every_rank(mesh, kernel: str, width: int) -> torch.Tensor:
+    """Run `kernel(device)`, a worker kernel that returns `width` int64 numbers about its own
+    process (compile_counters: runtime/worker/compile_counters.py), on every rank of the 1-D
+    `mesh`: a (ranks, width) tensor, rank by rank."""
+    controller = session.controller()
+    (out_id,) = controller.new_ids(1)
+    seq = controller.submit(protocol.RunOp, (out_id,), controller.define_mesh(mesh), kernel, kernel, (),
+                            {"device": mesh.device_type}, (), False)
+    spec = tensor_meta((width * mesh.size(),), torch.int64, mesh, [Shard(0)])
+    return dtorch.DTensor(out_id, spec, seq, controller).to_torch().view(mesh.size(), width)
 
 
 class Symbol:

@@ -35,7 +35,7 @@ from ...ops.registry import PEER_KERNELS
 from .. import protocol as wire
 from ..devices.comm import Communicator
 from .backward import run_recorded
-from . import fsdp_gather  # noqa: F401  (registers fully_shard's grouped gather kernel)
+from . import compile_counters, fsdp_gather  # noqa: F401  (register their kernels: compile counters, fully_shard's gather)
 from .kernels import apply_steps, make_factory
 from .op_arguments import SCALAR_TYPES, grad_inputs, is_flat, map_refs, recorded_inline
 from .peers import Peers
