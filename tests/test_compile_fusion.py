@@ -6,8 +6,9 @@ warns once; a failure inside a fused run names the op and the user's line.
 Inductor's first compile of a graph takes seconds on 2 cores; its on-disk cache
 (TORCHINDUCTOR_CACHE_DIR, by default one directory per user per host) makes every later process
 reuse it, so the graphs here are few and small. test_compile's random chains, fused, run with
-DTORCH_FUSION_SWEEP=1 (the "sweep" tests at the end); the training steps of every parallelism over
-20 steps are not written yet (docs/design/compile.md says why they would test the replay)."""
+DTORCH_FUSION_SWEEP=1 (the "sweep" tests at the end). A training forward's run, in process here
+(AOTAutograd, fsdp's saved gathered parameters, the probe); training steps of every parallelism
+over 20 steps in a session: tests/test_fused_training.py."""
 from __future__ import annotations
 
 import os
@@ -327,39 +328,6 @@ def test_a_llama_forward_fuses_and_equals_eager(mesh4):
     for ids in batches:
         _close(fused(ids).to_torch(), forward(ids).to_torch())
     assert fused.replays == 2
-
-
-def test_a_training_step_with_adamw_and_a_schedule_equals_eager(mesh4):
-    """The forward's rows record for backward, so they replay (not fused yet); the step must
-    still equal eager with the mode on."""
-    def train(backend):
-        torch.manual_seed(0)
-        reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-        model = dtorch.nn.Sequential(dtorch.nn.Linear(8, 16, device_mesh=mesh4), dtorch.nn.ReLU(),
-                                     dtorch.nn.Linear(16, 4, device_mesh=mesh4))
-        model.load_state_dict(reference.state_dict())
-        optimizer = dtorch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-
-        def step(x, y):
-            optimizer.zero_grad()
-            loss = (((model(x) - y) ** 2).mean() * 0.5 + 0.1).sqrt()
-            loss.backward()
-            optimizer.step()
-            return loss
-        if backend:
-            step = dtorch.compile(step, backend=backend)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(5):
-            x = dtorch.tensor(torch.randn(6, 8, generator=g), device_mesh=mesh4, placements=[Shard(0)])
-            y = dtorch.tensor(torch.randn(6, 4, generator=g), device_mesh=mesh4, placements=[Shard(0)])
-            losses.append(step(x, y).to_torch())
-            schedule.step()
-        return losses, [p.to_torch() for p in model.parameters()]
-    (eager_losses, eager_params), (losses, params) = train(None), train("inductor")
-    for got, want in zip(losses + params, eager_losses + eager_params):
-        _close(got, want)
 
 
 def test_a_failure_inside_a_fused_run_names_the_op_and_the_line(mesh4):

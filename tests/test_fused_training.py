@@ -7,10 +7,8 @@ draws its own numbers: docs/guide/compile.md). A failure inside a fused step nam
 the user's line, and the session goes on.
 
 Each fused run also reads torch's compile counters on every rank (runtime/worker/compile_counters.py):
-where inductor could compile, it did. Today a training forward's rows record for backward and
-replay unfused (docs/design/compile.md, "Fusing on the workers"), so the check is that a
-training step compiles nothing; TRAINING_FORWARDS_FUSE turns it into "every rank compiled a
-forward and its backward" once they fuse."""
+where inductor could compile, it did: every rank compiled a forward run and, through
+AOTAutograd, its backward (docs/design/compile.md, "Fusing on the workers")."""
 from __future__ import annotations
 
 import math
@@ -32,10 +30,6 @@ from support import on_every_rank
 pytestmark = pytest.mark.timeout(300)
 
 RTOL = 1e-5
-# issue 46: a training forward's runs compile through AOTAutograd, their backward too. Until that
-# lands nothing of a training step fuses, and the tests check that inductor compiled nothing; set
-# True with that change, and they check that every rank compiled a forward and its backward.
-TRAINING_FORWARDS_FUSE = False
 STEPS, SEED = 20, 17
 BATCH, WIDTH, HIDDEN, CLASSES, P = 6, 8, 15, 4, 0.25   # 6 rows on 4 ranks and 15 features on 2: uneven
 LAYOUTS = {   # name -> (mesh shape, mesh dim names)
@@ -208,15 +202,11 @@ def _compiled_since(before: torch.Tensor | None = None) -> torch.Tensor:
 
 def _assert_inductor_compiled_what_it_could(compiled: torch.Tensor) -> None:
     """Per rank of a fused training run: a forward run and its backward (two inductor graphs, one
-    more than AOTAutograd's count of graphs), or nothing while training forwards do not fuse."""
+    more than AOTAutograd's count of graphs)."""
     for rank, counts in enumerate(compiled.tolist()):
         counted = dict(zip(COMPILE_COUNTERS, counts))
-        if TRAINING_FORWARDS_FUSE:
-            assert counted["inductor_graphs"] >= 2, (rank, counted)
-            assert counted["inductor_graphs"] > counted["aot_autograd_graphs"], (rank, counted)
-        else:
-            assert set(counts) == {0}, (f"rank {rank} compiled {counted}: if training forwards fuse now, "
-                                        "set TRAINING_FORWARDS_FUSE = True")
+        assert counted["inductor_graphs"] >= 2, (rank, counted)
+        assert counted["inductor_graphs"] > counted["aot_autograd_graphs"], (rank, counted)
 
 
 def test_the_compile_counters_see_a_fused_chain_and_not_a_replay(session):
