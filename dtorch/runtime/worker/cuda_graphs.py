@@ -1,0 +1,152 @@
+"""CUDA graphs for a fused run on a GPU (docs/design/compile.md, "CUDA graphs").
+
+A fused run's compiled function (fusion.FusedRun.compiled) is pure, `f(*inputs) -> tuple of
+tensors`, and a graph's shapes are fixed by its signature, so on a GPU its kernels can be
+captured once into a torch.cuda.CUDAGraph and each later call replayed with one launch. A
+GraphedRun does that, keeping three rules that make it equal the uncaptured call:
+
+- Inputs are copied into static buffers before each replay: the graph reads the addresses it
+  was captured with, not the caller's tensors.
+- Outputs are cloned out of the graph's static outputs: the worker's id table keeps a run's
+  outputs across replays, and the next replay rewrites the static outputs in place.
+- A capture that fails (a host sync, a shape that depends on the data, an op CUDA cannot
+  capture) runs the function uncaptured for good, with one RuntimeWarning naming the reason.
+  A call whose inputs differ in shape or dtype from the captured ones runs uncaptured too.
+
+What is never captured: tensors off the GPU, on two devices, or recorded by autograd (a training
+forward: autograd and graphs need torch's cudagraph trees), and anything when DTORCH_CUDA_GRAPHS=0.
+
+Streams: a call runs on the current stream (the worker's compute stream). The capture's warm-up
+call and the capture itself run on a side stream, which first waits for the current one; the
+current stream waits for the warm-up before the first replay. Replays, the copies in and the
+clones out run on the current stream, so they are ordered with the worker's other commands as
+any kernel is. The capture mode is "thread_local": the worker's NCCL watchdog thread queries
+events while a capture may be under way, which "global" would turn into a capture error.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+__all__ = ["GraphedRun", "graphed", "uncapturable", "enabled", "SETTING"]
+
+SETTING = "DTORCH_CUDA_GRAPHS"   # "0": fused runs on a GPU are not captured
+# The device type a graph is captured on. Only tests change it (to "cpu", with torch.cuda's
+# graphs and streams stood in for), to check the copies and the replay order without a GPU.
+DEVICE_TYPE = "cuda"
+
+
+def enabled() -> bool:
+    """Whether fused runs on a GPU are captured (DTORCH_CUDA_GRAPHS, read when a run first compiles)."""
+    return os.environ.get(SETTING, "1").strip() != "0"
+
+
+def graphed(function, inputs, outputs):
+    """`function` as a GraphedRun when its call with `inputs` gave `outputs` on one GPU without
+    autograd, and graphs are on; else `function` itself. Its first call captures: `function` has
+    run once already (inductor compiled on that call)."""
+    if not enabled() or uncapturable((*inputs, *outputs)) is not None:
+        return function
+    return GraphedRun(function, warm_up_calls=0)
+
+
+def uncapturable(tensors) -> str | None:
+    """Why a graph cannot hold these values, or None when it can."""
+    devices = set()
+    for value in tensors:
+        if not isinstance(value, torch.Tensor):
+            return f"a {type(value).__name__} where a tensor was expected"
+        if value.device.type != DEVICE_TYPE:
+            return f"a tensor on {value.device}"
+        if value.requires_grad:
+            return "a tensor autograd records (training runs are not captured)"
+        devices.add(value.device)
+    return None if len(devices) == 1 else f"tensors on {len(devices)} devices"
+
+
+class GraphedRun:
+    """`function`, a pure `f(*inputs) -> tuple of tensors` of fixed shapes, captured into a CUDA
+    graph after `warm_up_calls` uncaptured calls and replayed from then on (the module's doc)."""
+
+    def __init__(self, function, warm_up_calls: int = 1):
+        self.function, self.warm_up_calls = function, warm_up_calls
+        self.graph = None
+        self.static_inputs: tuple = ()
+        self.static_outputs: tuple = ()
+        self.uncaptured: str | None = None   # why it runs uncaptured for good, once that is decided
+
+    def __call__(self, *inputs):
+        if self.graph is not None and self._fits(inputs):
+            return self._replay(inputs)
+        if self.graph is not None or self.uncaptured is not None:
+            return self.function(*inputs)
+        if self.warm_up_calls > 0:
+            self.warm_up_calls -= 1
+            return self.function(*inputs)
+        return self._capture(inputs)
+
+    def _fits(self, inputs: tuple) -> bool:
+        """Whether these inputs can be copied into the static ones unchanged (a graph's shapes
+        are fixed, so they always should: this keeps a wrong value impossible, not slow)."""
+        return len(inputs) == len(self.static_inputs) and all(
+            isinstance(given, torch.Tensor) and given.shape == static.shape and given.dtype == static.dtype
+            and given.device == static.device for given, static in zip(inputs, self.static_inputs))
+
+    def _replay(self, inputs: tuple) -> tuple:
+        for static, given in zip(self.static_inputs, inputs):
+            static.copy_(given)
+        self.graph.replay()
+        return tuple(output.clone() for output in self.static_outputs)
+
+    def _capture(self, inputs: tuple):
+        """This call's outputs, from the graph's first replay if it can be captured."""
+        reason = uncapturable(inputs)
+        if reason is not None:
+            self.uncaptured = reason
+            return self.function(*inputs)
+        device = inputs[0].device if inputs else None
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        static_inputs = tuple(torch.empty_like(given).copy_(given) for given in inputs)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):   # lazy initialisations (cuBLAS workspaces, ...) happen here, not in the capture
+            reason = uncapturable(self.function(*static_inputs))
+        current.wait_stream(side)
+        if reason is not None:   # off the GPU or recorded by autograd: not a failure, nothing to warn of
+            self.uncaptured = reason
+            return self.function(*inputs)
+        try:
+            graph, static_outputs = self._record(side, static_inputs)
+        except Exception as error:  # noqa: BLE001 -- CUDA's refusal to capture: the uncaptured call is the answer
+            self.uncaptured = _reason(error)
+            warnings.warn(f"dtorch.compile(backend='inductor'): a fused run on the GPU runs without a CUDA graph: "
+                          f"{self.uncaptured}", RuntimeWarning, stacklevel=2)
+            return self.function(*inputs)
+        self.graph, self.static_inputs, self.static_outputs = graph, static_inputs, static_outputs
+        return self._replay(inputs)   # a capture runs nothing: the first replay computes this call
+
+    def _record(self, side, static_inputs: tuple) -> tuple:
+        """The captured graph (its own memory pool) and its static outputs. The side stream is
+        left as the current stream whatever happens (torch.cuda.graph's exit skips that when
+        ending the capture raises)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                outputs = self.function(*static_inputs)
+            finally:
+                graph.capture_end()
+        return graph, tuple(outputs)
+
+
+def _reason(error: BaseException) -> str:
+    """The first line of each error in the chain, the first one raised first (ending a failed
+    capture raises again, and that one hides the cause)."""
+    chain = []
+    while error is not None and len(chain) < 3:
+        lines = str(error).strip().splitlines()
+        chain.append(f"{type(error).__name__}: {lines[0][:200] if lines else ''}")
+        error = error.__cause__ or error.__context__
+    return "; then ".join(reversed(chain))
