@@ -39,6 +39,7 @@ import warnings
 
 import torch
 
+from . import cuda_graphs
 from .kernels import saves_gathered, saving_gathered_storages
 from .straight_line import StraightLine
 
@@ -114,6 +115,8 @@ class FusedRun:
             warnings.simplefilter("ignore", FutureWarning)
             outputs = self._call(inputs)
         self.compiling = False
+        # on a GPU, the compiled function captured into a CUDA graph from the next call (cuda_graphs.py)
+        self.compiled = cuda_graphs.graphed(self.compiled, inputs, outputs)
         return outputs
 
     def _probe(self, tensors: dict, inputs: list):
