@@ -42,6 +42,7 @@ BUDGETS = {"one": BUDGET_S, "multi": 600}   # the multi-GPU check: 10 minutes
 DRY_RUN_SLACK = 10
 PYTEST = [sys.executable, "-m", "pytest", "tests/test_cuda.py", "-q", "-rs", "-p", "no:cacheprovider"]
 SHARED = {"DTORCH_SHARE_GPU": "1"}
+GRAPHS = [sys.executable, "-m", "pytest", "tests/test_cuda_graphs.py", "-q", "-rs", "-p", "no:cacheprovider"]
 
 VERSIONS = """
 import json, sys, torch
@@ -85,15 +86,17 @@ def llama(part: str, limit_s: int, *extra: str, env: dict = SHARED, gpus: int = 
                 dry_run=["--device", "cpu"], gpus=gpus)
 
 
-# Limits add up to BUDGET_S: 20 + 10 + 90 + 120 + 50 + 60 + 25 + 30 + 30 + 30 + 15 = 480.
+# Limits add up to BUDGET_S: 20 + 10 + 75 + 100 + 50 + 35 + 60 + 25 + 30 + 30 + 30 + 15 = 480.
 STEPS = [
     Step("versions", 20, [sys.executable, "-c", VERSIONS], cuda=False, figures="stdout-json"),
     Step("nvidia-smi", 10, ["nvidia-smi"], figures="none"),
-    Step("test_cuda.py, one worker per GPU (NCCL)", 90, PYTEST, figures="pytest"),
-    Step("test_cuda.py, shared-GPU mode (meshes up to 4 ranks)", 120, PYTEST, env=SHARED, figures="pytest"),
+    Step("test_cuda.py, one worker per GPU (NCCL)", 75, PYTEST, figures="pytest"),
+    Step("test_cuda.py, shared-GPU mode (meshes up to 4 ranks)", 100, PYTEST, env=SHARED, figures="pytest"),
     Step("test_cuda.py -m cuda, NCCL forced on one-rank groups", 50,
          PYTEST + ["-m", "cuda", "-k", "cuda1 or one_rank or dtype"], env={"DTORCH_NCCL_SINGLE_RANK": "1"},
          figures="pytest"),
+    # its CPU dry run is the same command: the stand-in tests run, the GPU ones skip saying why
+    Step("test_cuda_graphs.py: fused runs as CUDA graphs", 35, GRAPHS, figures="pytest", dry_run=[]),
     llama("parity", 60, "--layouts", "dp2,fsdp2,tp2"),
     llama("generate", 25),
     llama("compiled", 30),

@@ -5,9 +5,10 @@
 # Installs what python lacks from .whl/ (scripts/gpu_wheels.sh fills it; no network needed), then
 # runs scripts/gpu_check.py's steps: versions, nvidia-smi, tests/test_cuda.py with one worker per
 # GPU and in shared-GPU mode (DTORCH_SHARE_GPU=1, meshes up to 4 ranks on one GPU), NCCL forced
-# on one-rank groups, Llama training parity against transformers on the GPU (fp32 and bf16 on
-# dp2, fsdp2, tp2), generate, a compiled and a fused step, the dispatch benchmark against torch
-# eager, and the Llama step against transformers. Record the results in docs/design/cuda.md.
+# on one-rank groups, tests/test_cuda_graphs.py (fused runs replayed as CUDA graphs), Llama
+# training parity against transformers on the GPU (fp32 and bf16 on dp2, fsdp2, tp2), generate,
+# a compiled and a fused step, the dispatch benchmark against torch eager, and the Llama step
+# against transformers. Record the results in docs/design/cuda.md.
 set -u
 cd "$(dirname "$0")/.."
 
