@@ -108,6 +108,7 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", on_stream)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(cuda_graphs, "DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(cuda_graphs, "_SIDE_STREAMS", {})
     monkeypatch.delenv(cuda_graphs.SETTING, raising=False)
     return log, current
 

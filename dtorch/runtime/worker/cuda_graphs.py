@@ -36,6 +36,10 @@ SETTING = "DTORCH_CUDA_GRAPHS"   # "0": fused runs on a GPU are not captured
 # The device type a graph is captured on. Only tests change it (to "cpu", with torch.cuda's
 # graphs and streams stood in for), to check the copies and the replay order without a GPU.
 DEVICE_TYPE = "cuda"
+# device -> the side stream its captures run on. One per device, made once: torch hands out
+# streams from a pool round-robin, so making one per capture would, after enough captures, hand
+# out the worker's compute or communication stream.
+_SIDE_STREAMS: dict = {}
 
 
 def enabled() -> bool:
@@ -108,7 +112,7 @@ class GraphedRun:
             return self.function(*inputs)
         device = inputs[0].device if inputs else None
         current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
+        side = _side_stream(device)
         static_inputs = tuple(torch.empty_like(given).copy_(given) for given in inputs)
         side.wait_stream(current)
         with torch.cuda.stream(side):   # lazy initialisations (cuBLAS workspaces, ...) happen here, not in the capture
@@ -139,6 +143,12 @@ class GraphedRun:
             finally:
                 graph.capture_end()
         return graph, tuple(outputs)
+
+
+def _side_stream(device):
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def _reason(error: BaseException) -> str:
