@@ -26,12 +26,14 @@ from dtorch.spec.placements import Replicate
 pytestmark = pytest.mark.timeout(300)
 
 NO_GPU = "no CUDA device visible to torch (torch.cuda.is_available() is False)"
-REFUSED = torch.ops.aten._local_scalar_dense.default   # a host sync: CUDA refuses it while capturing
+SYNC = torch.ops.aten._local_scalar_dense.default   # a host sync (.item(), float(tensor))
+NOT_CAPTURABLE = torch.ops.aten.cumsum.default     # stands for an op CUDA refuses to capture
 
 
 # --- stand-ins for torch.cuda's graph and streams ---------------------------------------------------
 class _Tape(TorchDispatchMode):
-    """The aten calls of a capture, each with the tensors it wrote; `replay` reruns them."""
+    """The aten calls of a capture, each with the tensors it wrote; `replay` reruns them. A host
+    sync or a NOT_CAPTURABLE op invalidates the capture, as CUDA does."""
 
     def __init__(self):
         super().__init__()
@@ -40,7 +42,7 @@ class _Tape(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is REFUSED:
+        if func in (SYNC, NOT_CAPTURABLE):
             self.refused = "operation not permitted when stream is capturing"
             raise RuntimeError(f"CUDA error: {self.refused}")
         result = func(*args, **kwargs)
@@ -57,6 +59,15 @@ class _Tape(TorchDispatchMode):
                      and not _aliases(t, args)]
             for into, value in zip(written, fresh):
                 into.copy_(value)
+
+
+class _SyncCheck(TorchDispatchMode):
+    """torch.cuda's sync debug mode "error": a host sync raises what torch raises."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is SYNC:
+            raise RuntimeError(cuda_graphs.HOST_SYNC)
+        return func(*args, **(kwargs or {}))
 
 
 def _aliases(tensor: torch.Tensor, args) -> bool:
@@ -109,6 +120,7 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(cuda_graphs, "DEVICE_TYPE", "cpu")
     monkeypatch.setattr(cuda_graphs, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(cuda_graphs, "_host_syncs_refused", _SyncCheck)
     monkeypatch.delenv(cuda_graphs.SETTING, raising=False)
     return log, current
 
@@ -161,24 +173,35 @@ def test_the_capture_waits_on_a_side_stream_and_replays_on_the_current_one(stand
     assert [s.name for s in current] == ["compute"]
 
 
-def test_a_capture_error_runs_uncaptured_with_one_warning_naming_it(stand_ins):
-    log, current = stand_ins
+def _syncs(x, y):   # float() reads the value on the host: no graph can hold that
+    return _pair(x * float(y.abs().max()), y)
 
-    def syncs(x, y):   # float() reads the value on the host: no graph can hold that
-        return _pair(x * float(y.abs().max()), y)
-    run = GraphedRun(syncs, warm_up_calls=1)
+
+def _not_capturable(x, y):
+    return _pair(x.cumsum(0), y)
+
+
+@pytest.mark.parametrize("function, reference, reason", [
+    (_syncs, _syncs, "the run reads a value on the host (RuntimeError: called a synchronizing CUDA operation)"),
+    (_not_capturable, _not_capturable, "RuntimeError: CUDA error: operation not permitted when stream is capturing; "
+                                       "then RuntimeError: CUDA error: operation failed due to a previous error"),
+], ids=["host sync, found in the warm-up", "refused by the capture"])
+def test_a_run_that_cannot_be_captured_runs_uncaptured_with_one_warning_naming_why(stand_ins, function, reference,
+                                                                                   reason):
+    log, current = stand_ins
+    run = GraphedRun(function, warm_up_calls=1)
     calls = [_inputs(seed) for seed in range(4)]
-    results = []
     with pytest.warns(RuntimeWarning) as caught:
         results = [run(*inputs) for inputs in calls]
     (warning,) = [w for w in caught if issubclass(w.category, RuntimeWarning)]
     assert str(warning.message).startswith("dtorch.compile(backend='inductor'): a fused run on the GPU runs "
-                                           "without a CUDA graph: RuntimeError: CUDA error: operation not "
-                                           "permitted when stream is capturing; then RuntimeError"), warning.message
-    assert run.graph is None and "not permitted" in run.uncaptured
+                                           "without a CUDA graph: " + reason), warning.message
+    assert run.graph is None and run.uncaptured.startswith(reason)
     assert [s.name for s in current] == ["compute"]   # the stream is the caller's again
+    assert sum(entry[0] == "capture_begin" for entry in log) == (function is _not_capturable)
     for got, (x, y) in zip(results, calls):
-        _assert_pair(got, x * float(y.abs().max()), y)
+        for got_one, want in zip(got, reference(x, y), strict=True):
+            torch.testing.assert_close(got_one, want)
 
 
 def test_inputs_of_another_shape_run_uncaptured_and_the_graph_stays(stand_ins):
@@ -193,20 +216,20 @@ def test_inputs_of_another_shape_run_uncaptured_and_the_graph_stays(stand_ins):
 
 
 def test_a_failing_warm_up_is_the_function_s_error_not_a_capture_error(stand_ins):
-    def checks(x, y):
-        if bool((y > 10).any()):
-            raise ValueError("index out of range (simulated)")
-        return _pair(x, y)
-    run = GraphedRun(checks, warm_up_calls=0)
-    x, y = _inputs(2)
+    def picks(table, index):
+        if index.numel() > 2:   # (a check on shapes: it reads no value on the host)
+            raise RuntimeError("index out of range (simulated, RuntimeError as CUDA's are)")
+        return (table.index_select(0, index) * 2,)
+    run = GraphedRun(picks, warm_up_calls=0)
+    table = torch.randn(4, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        with pytest.raises(ValueError, match="simulated"):
-            run(x, y + 100)
-    assert run.uncaptured is None and run.graph is None   # the next call may capture
-    # (this function reads a value on the host, so its capture is refused, with the warning)
-    with pytest.warns(RuntimeWarning, match="not permitted when stream is capturing"):
-        _assert_pair(run(x, y), x, y)
+        with pytest.raises(RuntimeError, match="index out of range"):
+            run(table, torch.tensor([1, 0, 40]))   # the caller's error to report
+        assert run.uncaptured is None and run.graph is None   # so the next call captures
+        for index in (torch.tensor([3, 0]), torch.tensor([2, 2])):
+            torch.testing.assert_close(run(table, index)[0], table[index] * 2)
+    assert run.graph is not None
 
 
 def test_what_is_never_captured(monkeypatch):
@@ -277,21 +300,21 @@ def test_on_a_gpu_replays_equal_torch_and_keep_earlier_outputs(compiled):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
-def test_on_a_gpu_a_host_sync_in_the_capture_runs_uncaptured_with_one_warning():
-    def syncs(x, y):
-        return _pair(x * float(y.abs().max()), y)
-    run = GraphedRun(syncs, warm_up_calls=1)
+def test_on_a_gpu_a_host_sync_is_found_before_the_capture_and_runs_uncaptured_with_one_warning():
+    run = GraphedRun(_syncs, warm_up_calls=1)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         calls = [_inputs(seed, device="cuda") for seed in range(3)]
-        with pytest.warns(RuntimeWarning, match="runs without a CUDA graph") as caught:
+        with pytest.warns(RuntimeWarning, match="reads a value on the host") as caught:
             results = [run(*inputs) for inputs in calls]
         assert torch.cuda.current_stream() == stream   # the caller's stream again
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    assert torch.cuda.get_sync_debug_mode() == 0   # torch's setting is back
     torch.cuda.synchronize()
     assert run.graph is None and run.uncaptured
     for got, (x, y) in zip(results, calls):
-        _assert_pair(got, x * float(y.abs().max()), y)
+        for got_one, want in zip(got, _syncs(x, y), strict=True):
+            torch.testing.assert_close(got_one, want)
 
 
 @pytest.mark.cuda

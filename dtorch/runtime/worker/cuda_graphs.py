@@ -9,8 +9,9 @@ GraphedRun does that, keeping three rules that make it equal the uncaptured call
   was captured with, not the caller's tensors.
 - Outputs are cloned out of the graph's static outputs: the worker's id table keeps a run's
   outputs across replays, and the next replay rewrites the static outputs in place.
-- A capture that fails (a host sync, a shape that depends on the data, an op CUDA cannot
-  capture) runs the function uncaptured for good, with one RuntimeWarning naming the reason.
+- A run that cannot be captured runs uncaptured for good, with one RuntimeWarning naming the
+  reason: a host sync (`.item()`, a shape that depends on the data), found in the warm-up call,
+  which runs with torch's sync debug mode set to "error", or anything CUDA refuses to capture.
   A call whose inputs differ in shape or dtype from the captured ones runs uncaptured too.
 
 What is never captured: tensors off the GPU, on two devices, or recorded by autograd (a training
@@ -21,10 +22,11 @@ call and the capture itself run on a side stream, which first waits for the curr
 current stream waits for the warm-up before the first replay. Replays, the copies in and the
 clones out run on the current stream, so they are ordered with the worker's other commands as
 any kernel is. The capture mode is "thread_local": the worker's NCCL watchdog thread queries
-events while a capture may be under way, which "global" would turn into a capture error.
+events while a capture may be under way, and "global" forbids other threads such calls then.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -40,6 +42,7 @@ DEVICE_TYPE = "cuda"
 # streams from a pool round-robin, so making one per capture would, after enough captures, hand
 # out the worker's compute or communication stream.
 _SIDE_STREAMS: dict = {}
+HOST_SYNC = "called a synchronizing CUDA operation"   # what torch raises at one in sync debug mode "error"
 
 
 def enabled() -> bool:
@@ -111,25 +114,36 @@ class GraphedRun:
             self.uncaptured = reason
             return self.function(*inputs)
         device = inputs[0].device if inputs else None
-        current = torch.cuda.current_stream(device)
-        side = _side_stream(device)
+        current, side = torch.cuda.current_stream(device), _side_stream(device)
         static_inputs = tuple(torch.empty_like(given).copy_(given) for given in inputs)
         side.wait_stream(current)
-        with torch.cuda.stream(side):   # lazy initialisations (cuBLAS workspaces, ...) happen here, not in the capture
-            reason = uncapturable(self.function(*static_inputs))
-        current.wait_stream(side)
+        try:
+            # lazy initialisations (cuBLAS workspaces, ...) happen here, not in the capture, and a
+            # host sync is found here, before a capture begins (see _host_syncs_refused)
+            with torch.cuda.stream(side), _host_syncs_refused():
+                reason = uncapturable(self.function(*static_inputs))
+        except RuntimeError as error:
+            if HOST_SYNC not in str(error):   # the function's own failure: the caller's to report
+                raise
+            return self._run_uncaptured(inputs, f"the run reads a value on the host ({_reason(error)})")
+        finally:
+            current.wait_stream(side)
         if reason is not None:   # off the GPU or recorded by autograd: not a failure, nothing to warn of
             self.uncaptured = reason
             return self.function(*inputs)
         try:
             graph, static_outputs = self._record(side, static_inputs)
         except Exception as error:  # noqa: BLE001 -- CUDA's refusal to capture: the uncaptured call is the answer
-            self.uncaptured = _reason(error)
-            warnings.warn(f"dtorch.compile(backend='inductor'): a fused run on the GPU runs without a CUDA graph: "
-                          f"{self.uncaptured}", RuntimeWarning, stacklevel=2)
-            return self.function(*inputs)
+            return self._run_uncaptured(inputs, _reason(error))
         self.graph, self.static_inputs, self.static_outputs = graph, static_inputs, static_outputs
         return self._replay(inputs)   # a capture runs nothing: the first replay computes this call
+
+    def _run_uncaptured(self, inputs: tuple, reason: str):
+        """This call, and every later one, without a graph; the worker says why once."""
+        self.uncaptured = reason
+        warnings.warn(f"dtorch.compile(backend='inductor'): a fused run on the GPU runs without a CUDA graph: "
+                      f"{reason}", RuntimeWarning, stacklevel=3)
+        return self.function(*inputs)
 
     def _record(self, side, static_inputs: tuple) -> tuple:
         """The captured graph (its own memory pool) and its static outputs. The side stream is
@@ -143,6 +157,21 @@ class GraphedRun:
             finally:
                 graph.capture_end()
         return graph, tuple(outputs)
+
+
+@contextlib.contextmanager
+def _host_syncs_refused():
+    """torch raises at a host sync (`.item()`, `.cpu()`, `nonzero`...) in the warm-up call, the
+    commonest reason a capture fails, instead of inside the capture. A capture that fails leaves
+    torch's allocator routing to its memory pool (CUDAGraph.capture_end raises before it ends
+    that), which delays reusing memory freed with pending stream uses from then on; a warm-up
+    that fails leaves nothing. torch.cuda.synchronize() is not caught here: the capture refuses it."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 def _side_stream(device):
