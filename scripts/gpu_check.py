@@ -12,8 +12,9 @@ go to OUT (default: $OUT, else .):
 A step marked cuda is skipped, with the reason, when torch sees no GPU, and always under
 --smoke: a run of the check's structure on CPU, which tests/test_gpu_check_smoke.py runs in CI
 so that the check cannot rot between GPU runs. --cpu-dry-run runs the steps that have a CPU
-variant (the Llama parts and the dispatch benchmark, with --device cpu) on CPU workers instead
-of skipping them: their code and the check's reading of their results, without a GPU.
+variant (the Llama parts and the dispatch benchmark, with --device cpu; test_cuda_graphs.py as
+it is, its stand-in tests) on CPU instead of skipping them: their code and the check's reading
+of their results, without a GPU.
 
 --suite multi is scripts/multi_gpu_check.sh's list instead: what only 2 to 8 GPUs prove (real
 NCCL between GPUs: ordering across communicators, the bucket stream, grouped gathers, transfers
