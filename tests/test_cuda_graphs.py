@@ -232,13 +232,26 @@ def test_a_failing_warm_up_is_the_function_s_error_not_a_capture_error(stand_ins
     assert run.graph is not None
 
 
+def test_a_parameter_read_under_no_grad_is_captured(stand_ins):
+    weight = torch.nn.Parameter(torch.randn(3, 3))   # requires grad; an inference forward reads it
+    run = GraphedRun(lambda x, w: (x @ w,), warm_up_calls=0)
+    with torch.no_grad():
+        results = [(x, run(x, weight)) for x, _ in map(_inputs, range(3))]
+    assert run.graph is not None
+    for x, (got,) in results:
+        torch.testing.assert_close(got, x @ weight.detach())
+
+
 def test_what_is_never_captured(monkeypatch):
     x = torch.ones(2)
     assert cuda_graphs.uncapturable([x]) == "a tensor on cpu"
     assert cuda_graphs.graphed(_pair, (x, x), (x,)) is _pair
     monkeypatch.setattr(cuda_graphs, "DEVICE_TYPE", "cpu")
-    assert cuda_graphs.uncapturable([x, x.clone()]) is None
-    assert "autograd" in cuda_graphs.uncapturable([torch.ones(2, requires_grad=True)])
+    assert cuda_graphs.uncapturable([x, x.clone()], [x]) is None
+    parameter = torch.nn.Parameter(torch.ones(2))
+    with torch.no_grad():   # a parameter read under no_grad: nothing recorded, so a graph holds it
+        assert cuda_graphs.uncapturable([parameter], [parameter * 2]) is None
+    assert "autograd records" in cuda_graphs.uncapturable([parameter], [parameter * 2])
     assert cuda_graphs.uncapturable([x, 3]) == "a int where a tensor was expected"
     assert isinstance(cuda_graphs.graphed(_pair, (x, x), (x,)), GraphedRun)
     monkeypatch.setenv(cuda_graphs.SETTING, "0")

@@ -14,8 +14,9 @@ GraphedRun does that, keeping three rules that make it equal the uncaptured call
   which runs with torch's sync debug mode set to "error", or anything CUDA refuses to capture.
   A call whose inputs differ in shape or dtype from the captured ones runs uncaptured too.
 
-What is never captured: tensors off the GPU, on two devices, or recorded by autograd (a training
-forward: autograd and graphs need torch's cudagraph trees), and anything when DTORCH_CUDA_GRAPHS=0.
+What is never captured: tensors off the GPU or on two devices, outputs recorded by autograd (a
+training forward: autograd and graphs need torch's cudagraph trees), and anything when
+DTORCH_CUDA_GRAPHS=0. An input may require grad: a parameter read under no_grad.
 
 Streams: a call runs on the current stream (the worker's compute stream). The capture's warm-up
 call and the capture itself run on a side stream, which first waits for the current one; the
@@ -54,22 +55,24 @@ def graphed(function, inputs, outputs):
     """`function` as a GraphedRun when its call with `inputs` gave `outputs` on one GPU without
     autograd, and graphs are on; else `function` itself. Its first call captures: `function` has
     run once already (inductor compiled on that call)."""
-    if not enabled() or uncapturable((*inputs, *outputs)) is not None:
+    if not enabled() or uncapturable(inputs, outputs) is not None:
         return function
     return GraphedRun(function, warm_up_calls=0)
 
 
-def uncapturable(tensors) -> str | None:
-    """Why a graph cannot hold these values, or None when it can."""
+def uncapturable(inputs, outputs=()) -> str | None:
+    """Why a graph cannot hold a call with these inputs and outputs, or None when it can. An input
+    may require grad (a parameter read under no_grad); an output that requires grad was recorded
+    by autograd, which a replay would not do."""
     devices = set()
-    for value in tensors:
+    for value in (*inputs, *outputs):
         if not isinstance(value, torch.Tensor):
             return f"a {type(value).__name__} where a tensor was expected"
         if value.device.type != DEVICE_TYPE:
             return f"a tensor on {value.device}"
-        if value.requires_grad:
-            return "a tensor autograd records (training runs are not captured)"
         devices.add(value.device)
+    if any(output.requires_grad for output in outputs):
+        return "autograd records its outputs (training runs are not captured)"
     return None if len(devices) == 1 else f"tensors on {len(devices)} devices"
 
 
@@ -121,7 +124,7 @@ class GraphedRun:
             # lazy initialisations (cuBLAS workspaces, ...) happen here, not in the capture, and a
             # host sync is found here, before a capture begins (see _host_syncs_refused)
             with torch.cuda.stream(side), _host_syncs_refused():
-                reason = uncapturable(self.function(*static_inputs))
+                reason = uncapturable(static_inputs, self.function(*static_inputs))
         except RuntimeError as error:
             if HOST_SYNC not in str(error):   # the function's own failure: the caller's to report
                 raise
