@@ -332,6 +332,39 @@ def test_on_a_gpu_a_host_sync_is_found_before_the_capture_and_runs_uncaptured_wi
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+def test_on_a_gpu_a_fused_run_in_a_worker_replays_its_graph():
+    """test_compile_fusion's chain on one worker in process, on a CudaDevice (shared-GPU mode: no
+    cupy), compiled by inductor: the second replay captures, every output equals torch's."""
+    import test_compile_fusion as chain
+    from dtorch.runtime import protocol as wire
+    from dtorch.runtime.devices.cuda import CudaDevice
+    from dtorch.runtime.worker.worker import Worker
+    from test_replay_rows import Replies, deliver
+    replies = Replies()
+    worker = Worker(0, replies, None, CudaDevice("cuda:0", share_gpu=True), start_seq=0)
+    table = torch.randn(7, 5, device="cuda")
+    deliver(worker, lambda s: [
+        wire.DefineMesh(s, 0, "cuda", (1,), (0,)),
+        wire.Factory(s + 1, chain.TABLE, 0, "zeros", tuple(table.shape), "float32", chain.REPLICATE, ()),
+        wire.DefineGraph(s + 2, 7, chain._chain_rows(), (chain.CAPTURED, chain.CAPTURED + 6), (chain.CAPTURED + 5,),
+                         tuple(chain.CAPTURED + i for i in range(1, 5)), (), (), (), "inductor")])
+    worker.tensors[chain.TABLE] = table
+    indices = [torch.tensor(i, device="cuda") for i in ([0, 6, 2], [4, 4, 1], [3, 3, 0], [1, 5, 6])]
+    torch.cuda.synchronize()   # the worker computes on its own stream: what this one made is done
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for out_id, index in enumerate(indices, 10):
+            chain._replay(worker, index, table.T.contiguous(), out_id)
+            torch.cuda.synchronize()
+    (run,) = chain._fused_runs(worker)
+    assert isinstance(run.compiled, GraphedRun) and run.compiled.graph is not None, run.compiled
+    for out_id, index in enumerate(indices, 10):
+        chain._close(worker.tensors[out_id], chain._chain_in_torch(table, index))
+    assert replies.sent == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 def test_on_a_gpu_a_fused_chain_keeps_every_call_s_output(session):
     """dtorch.compile(backend="inductor") on a cuda (1,) mesh: replays from the third call are
     graph replays; every output, read after all calls, equals torch's."""
