@@ -90,7 +90,7 @@ def stand_ins(monkeypatch):
             log.append(("wait_stream", self.name, other.name))
 
     class Graph:
-        def capture_begin(self, capture_error_mode="global"):
+        def capture_begin(self, pool=None, capture_error_mode="global"):
             log.append(("capture_begin", current[-1].name, capture_error_mode))
             self.tape = _Tape()
             self.tape.__enter__()
@@ -121,6 +121,8 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "DEVICE_TYPE", "cpu")
     monkeypatch.setattr(cuda_graphs, "_SIDE_STREAMS", {})
     monkeypatch.setattr(cuda_graphs, "_host_syncs_refused", _SyncCheck)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 7))
+    monkeypatch.setattr(cuda_graphs, "_end_failed_capture", lambda pool: log.append(("end_failed_capture", pool)))
     monkeypatch.delenv(cuda_graphs.SETTING, raising=False)
     return log, current
 
@@ -198,7 +200,9 @@ def test_a_run_that_cannot_be_captured_runs_uncaptured_with_one_warning_naming_w
                                            "without a CUDA graph: " + reason), warning.message
     assert run.graph is None and run.uncaptured.startswith(reason)
     assert [s.name for s in current] == ["compute"]   # the stream is the caller's again
-    assert sum(entry[0] == "capture_begin" for entry in log) == (function is _not_capturable)
+    refused_by_capture = function is _not_capturable
+    assert sum(entry[0] == "capture_begin" for entry in log) == refused_by_capture
+    assert (("end_failed_capture", (0, 7)) in log) == refused_by_capture   # the allocator set right
     for got, (x, y) in zip(results, calls):
         for got_one, want in zip(got, reference(x, y), strict=True):
             torch.testing.assert_close(got_one, want)
@@ -240,6 +244,24 @@ def test_a_parameter_read_under_no_grad_is_captured(stand_ins):
     assert run.graph is not None
     for x, (got,) in results:
         torch.testing.assert_close(got, x @ weight.detach())
+
+
+@pytest.mark.parametrize("still_routing", [True, False])
+def test_a_failed_capture_s_pool_is_ended_and_released_once(monkeypatch, still_routing):
+    """CUDAGraph.capture_end raises before it ends the allocator's routing to the pool when the
+    capture was invalidated; where it got past that, ending again raises and nothing is released."""
+    calls = []
+
+    def end(device, pool):
+        calls.append(("end", device, pool))
+        if not still_routing:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda device, pool: calls.append(("release", device, pool)),
+                        raising=False)
+    cuda_graphs._end_failed_capture((0, 7))
+    assert calls == [("end", 3, (0, 7))] + ([("release", 3, (0, 7))] if still_routing else [])
 
 
 def test_what_is_never_captured(monkeypatch):

@@ -149,26 +149,43 @@ class GraphedRun:
         return self.function(*inputs)
 
     def _record(self, side, static_inputs: tuple) -> tuple:
-        """The captured graph (its own memory pool) and its static outputs. The side stream is
-        left as the current stream whatever happens (torch.cuda.graph's exit skips that when
-        ending the capture raises)."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                outputs = self.function(*static_inputs)
-            finally:
-                graph.capture_end()
+        """The captured graph (in a memory pool of its own) and its static outputs. The side
+        stream stops being the current one whatever happens (torch.cuda.graph's exit skips that
+        when ending the capture raises), and a failed capture's pool is let go of (below)."""
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    outputs = self.function(*static_inputs)
+                finally:
+                    graph.capture_end()
+        except BaseException:
+            _end_failed_capture(pool)
+            raise
         return graph, tuple(outputs)
+
+
+def _end_failed_capture(pool) -> None:
+    """Tell torch's allocator that a failed capture is over. CUDAGraph.capture_end raises (the
+    capture was invalidated) before it ends the allocator's routing to the capture's pool; left
+    so, the allocator believes a capture is under way for good and from then on never reuses
+    memory freed with pending uses on other streams (its deferred events wait for no capture),
+    which every collective's inputs have. Where capture_end got that far, there is nothing to end."""
+    device = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError:   # "not currently recording to" this pool: already ended
+        return
+    torch._C._cuda_releasePool(device, pool)
 
 
 @contextlib.contextmanager
 def _host_syncs_refused():
     """torch raises at a host sync (`.item()`, `.cpu()`, `nonzero`...) in the warm-up call, the
-    commonest reason a capture fails, instead of inside the capture. A capture that fails leaves
-    torch's allocator routing to its memory pool (CUDAGraph.capture_end raises before it ends
-    that), which delays reusing memory freed with pending stream uses from then on; a warm-up
-    that fails leaves nothing. torch.cuda.synchronize() is not caught here: the capture refuses it."""
+    commonest reason a capture fails, instead of inside the capture: a warm-up that fails leaves
+    nothing behind, where a failed capture leaves torch's allocator to set right
+    (_end_failed_capture). torch.cuda.synchronize() is not caught here: the capture refuses it."""
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
