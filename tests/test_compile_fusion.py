@@ -266,6 +266,24 @@ def test_a_training_run_whose_rows_join_an_output_keeps_the_rows_and_warns_once(
     assert run.replay_only
 
 
+def test_a_fused_graph_updates_with_torchs_foreach_kernels_unless_the_user_chose():
+    """foreach None (torch's default) becomes foreach=True in a fused graph's optimizer rows;
+    the user's own choice stands, and a replayed graph keeps the single-tensor path."""
+    def defined(backend: str, path: dict):
+        worker = Worker(0, Replies(), None, CpuDevice(), start_seq=0)
+        step = wire.OptimizerStep(0, 0, "AdamW", {"lr": 0.1, **path}, (TABLE,), (INPUT,), (), (0,), (1,))
+        deliver(worker, lambda s: [wire.DefineMesh(s, 0, "cpu", (1,), (0,)),
+                                   wire.DefineGraph(s + 1, 7, (wire.command_row(step),), (), (), (), (), (0,), (),
+                                                    backend)])
+        graph = worker.graph_commands.graphs[7]
+        assert graph.rows[0][1] == tuple(graph.commands[0])[1:]   # what a replay builds its row from
+        return graph.commands[0].hyper
+    assert defined("inductor", {"foreach": None, "fused": False})["foreach"] is True
+    assert defined("inductor", {"foreach": False, "fused": False})["foreach"] is False
+    assert defined("inductor", {"foreach": None, "fused": True})["foreach"] is None
+    assert defined("", {"foreach": None, "fused": False})["foreach"] is None
+
+
 # --- whole sessions: fused equals eager ---------------------------------------------------------------
 def _chain(x, w):
     y = (x @ w).relu() * 1.5 + 0.25

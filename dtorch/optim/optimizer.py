@@ -48,9 +48,12 @@ class Optimizer(torch.optim.Optimizer):
 
     @staticmethod
     def path(group: dict) -> dict:
-        """Which of torch's implementations the workers run: foreach / fused as the user set them
-        (None, torch's default on CPU, is the single-tensor path)."""
-        return {"foreach": bool(group.get("foreach")), "fused": bool(group.get("fused"))}
+        """Which of torch's implementations the workers run: foreach / fused as the user set them.
+        foreach None (left to torch's default) stays None: eager runs the single-tensor path, as
+        torch does on CPU, and a fused graph (dtorch.compile(backend="inductor")) torch's foreach
+        kernels (runtime/worker/fusion.py)."""
+        return {"foreach": None if group.get("foreach") is None else bool(group["foreach"]),
+                "fused": bool(group.get("fused"))}
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's checks, for DTensors (torch's own refuses anything but a torch.Tensor)."""

@@ -43,7 +43,7 @@ from . import cuda_graphs
 from .kernels import saves_gathered, saving_gathered_storages
 from .straight_line import StraightLine
 
-__all__ = ["FusedRun", "fuse"]
+__all__ = ["FusedRun", "fuse", "foreach_updates"]
 
 
 def fuse(plan: tuple | None) -> tuple | None:
@@ -51,6 +51,20 @@ def fuse(plan: tuple | None) -> tuple | None:
     if plan is None:
         return None
     return tuple([FusedRun(step) if type(step) is StraightLine and step.pure is not None else step for step in plan])
+
+
+def foreach_updates(graph):
+    """The graph with each optimizer row that left torch's implementation to its default (foreach
+    None) on torch's foreach kernels: one kernel per op over all of a group's shards rather than
+    a loop of calls per tensor, the same numbers (runtime/worker/optim_kernels.py; NAdam's and
+    RAdam's within rounding). The user's own foreach= or fused= stands."""
+    commands, rows = list(graph.commands), list(graph.rows)
+    for i in graph.steps:
+        step = commands[i]
+        if step.hyper.get("foreach", False) is None and not step.hyper.get("fused"):
+            commands[i] = step._replace(hyper={**step.hyper, "foreach": True})
+            rows[i] = (type(step), tuple(commands[i])[1:])
+    return graph._replace(commands=type(graph.commands)(commands), rows=tuple(rows))
 
 
 class FusedRun:

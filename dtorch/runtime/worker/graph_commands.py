@@ -51,6 +51,7 @@ class GraphCommands:
         if command.backend == "inductor":
             from . import fusion   # here: importing inductor costs a worker ~0.8 s, for graphs that fuse only
             plan = fusion.fuse(plan)
+            graph = fusion.foreach_updates(graph)
         elif command.backend:
             raise ValueError(f"DefineGraph: unknown backend {command.backend!r} (\"\" or \"inductor\")")
         self.graphs[command.graph_id] = graph._replace(plan=plan)

@@ -127,9 +127,9 @@ def _fresh_and_kept(fresh: tuple) -> list:
 
 
 def _path(hyper: dict) -> dict:
-    """torch's implementation switch as dtorch.optim's Optimizer.path sent it (both False: the
-    single-tensor path)."""
-    return {"foreach": hyper.get("foreach", False), "fused": hyper.get("fused", False)}
+    """torch's implementation switch as dtorch.optim's Optimizer.path sent it (both False, or
+    foreach None: the single-tensor path)."""
+    return {"foreach": bool(hyper.get("foreach")), "fused": hyper.get("fused", False)}
 
 
 def _options(hyper: dict, *names: str) -> dict:
