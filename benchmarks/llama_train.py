@@ -17,9 +17,11 @@ torch.distributed Gloo processes on the same machine, in the same run (train_bas
 
 torch.compile baselines (train_baselines.py, `suite.train_compile_backend`; None leaves them out):
 DDP, FSDP2 and DTensor TP each again with torch.compile, their first step's time cold (empty
-compile caches) and warm (after torch._dynamo.reset()) in the note, beside the step time; the dp
-and fsdp goals (issue 46) divide dtorch's fused rows (`fused_layouts`: the step under
-dtorch.compile(backend="inductor")) by them.
+compile caches) and warm (after torch._dynamo.reset()) in the note, beside the step time; the dp,
+fsdp and tp goals (issue 46) divide dtorch's fused rows (`fused_layouts`: the step under
+dtorch.compile(backend="inductor")) by them. A fused row's note gives its compile, cold (the
+pool's TORCHINDUCTOR_CACHE_DIR is a fresh folder) and warm (a second step function of the same
+layout): fused_compile_seconds.
 
 A sample is one step after two warm-up steps: dtorch's from the forward call to the return of dtorch.synchronize(), a
 torch layout's the slowest rank's, after a barrier. Each dtorch layout's first loss is checked
@@ -48,8 +50,11 @@ of the published run; see _pool_size for the 1-worker mesh).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
+import os
+import tempfile
 from dataclasses import dataclass, replace
 
 from . import dtorch_session
@@ -97,15 +102,16 @@ def peer_variants(world: int, compiled: bool = False) -> dict[str, str]:
 
 
 def fused_layouts(suite, backend: str) -> list[Layout]:
-    """dtorch's fused rows: the dp and fsdp steps as one dtorch.compile'd function with `backend`
-    (issue 46's "compiled and fused"), against the torch.compile'd peers. A training step's
-    forward rows are recorded for backward, which the workers do not fuse yet
-    (docs/guide/compile.md): these rows time what fusing gives a training step today."""
+    """dtorch's fused rows: the dp, fsdp and tp steps as one dtorch.compile'd function with
+    `backend` (issue 46's "compiled and fused": each run of the forward's local ops one compiled
+    function with a compiled backward), against the torch.compile'd peers."""
     world, peers = suite.train_world, peer_variants(suite.train_world, compiled=True)
     return [Layout(f"dtorch dp{world}, dtorch.compile step ({backend})", (world,), "dp",
                    reference=peers["DDP" + COMPILED], compiled=True, backend=backend),
             Layout(f"dtorch fsdp{world}, dtorch.compile step ({backend})", (world,), "fsdp",
-                   reference=peers["FSDP2" + COMPILED], compiled=True, backend=backend)]
+                   reference=peers["FSDP2" + COMPILED], compiled=True, backend=backend),
+            Layout(f"dtorch tp{TP_WORLD}, dtorch.compile step ({backend})", (TP_WORLD,), "tp",
+                   reference=peers["TP" + COMPILED], compiled=True, backend=backend)]
 
 
 def layouts(suite) -> list[Layout]:
@@ -143,8 +149,8 @@ def run(suite) -> list[Row]:
         import transformers  # noqa: F401 -- a test dependency; the benchmark needs it as the reference
     except ImportError:
         return [not_installed(NAME, case, ONE_PROCESS, PER, "transformers")]
-    with returned_buffers():
-        dtorch_session.close()   # the next pool starts with the variable in its environment
+    with returned_buffers(), fresh_inductor_cache():
+        dtorch_session.close()   # the next pool starts with the variables in its environment
         ddp = _DdpRow(suite, fields, case)
         try:
             ours = _dtorch_rows(suite, fields, case, ddp)
@@ -162,6 +168,22 @@ def run(suite) -> list[Row]:
         if key in peers:
             rows.append(peers.pop(key))
     return rows
+
+
+@contextlib.contextmanager
+def fresh_inductor_cache():
+    """Workers and ranks started inside this block compile into an empty TORCHINDUCTOR_CACHE_DIR
+    (one per run, removed after): the fused rows' cold compile is cold."""
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="dtorch-bench-inductor-") as folder:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
 # --- dtorch ------------------------------------------------------------------------------------------------
@@ -193,9 +215,17 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout, ddp: _DdpRow) -> 
     idle = [rss_mib(pid) for pid in pids]
     reference_model, ids, expected_loss = start
     losses = []
-    once = _stepper(reference_model, ids, mesh, layout.microbatches, losses, layout.schedule, layout.compiled,
-                    layout.checkpointed, layout.lr_schedule, layout.prefetch, layout.backend)
-    repeat(once, WARMUP_STEPS, warmup=0)
+    make = lambda kept: _stepper(reference_model, ids, mesh, layout.microbatches, kept, layout.schedule,  # noqa: E731
+                                 layout.compiled, layout.checkpointed, layout.lr_schedule, layout.prefetch,
+                                 layout.backend)
+    compiles = ""
+    if layout.backend:   # a first step function compiles cold, the timed one warm (fused_compile_seconds)
+        cold = fused_compile_seconds(make([]))
+        once = make(losses)
+        compiles = f"first fused steps (compile) {cold:.1f} s cold, {fused_compile_seconds(once):.1f} s warm; "
+    else:
+        once = make(losses)
+        repeat(once, WARMUP_STEPS, warmup=0)
     _check_loss(losses[0].item(), expected_loss)
     for pid in pids:
         reset_peak(pid)
@@ -208,7 +238,7 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout, ddp: _DdpRow) -> 
     else:
         samples, turns = repeat(once, suite.train_reps, warmup=0), ""
     busy = [busy_seconds(pid) - before for pid, before in zip(pids, busy)]
-    note = memory_note([peak_mib(pid) for pid in pids], idle) + f"; {describe(meter.share())}{turns}"
+    note = compiles + memory_note([peak_mib(pid) for pid in pids], idle) + f"; {describe(meter.share())}{turns}"
     if layout.microbatches:
         note += "; " + _bubble_note(sum(busy) / len(samples), median(samples), len(pids), layout.microbatches)
     del once, losses
@@ -259,6 +289,18 @@ def _stepper(reference_model, ids, mesh, microbatches, losses: list, schedule: s
         _keep_first(losses, loss)
         return elapsed()
     return once
+
+
+def fused_compile_seconds(once) -> float:
+    """The compile of a fused step function (dtorch.compile(backend="inductor")): after the two
+    captures (untimed), the first replay runs the forward's ops and compiles their fused functions
+    beside them, and the second compiles their backward at its first backward; their seconds,
+    less two steps. Cold where the workers' TORCHINDUCTOR_CACHE_DIR has not seen these graphs
+    (llama_train.run starts the pool on a fresh one), warm where it has (a second step function
+    of the same layout: dynamo traces again, inductor's FX graph cache answers)."""
+    repeat(once, WARMUP_STEPS, warmup=0)
+    compiling = repeat(once, 2, warmup=0)
+    return sum(compiling) - 2 * median(repeat(once, 2, warmup=0))
 
 
 def warmup_cosine(optimizer, warmup: int = 3, total: int = 100):
