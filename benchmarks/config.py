@@ -51,6 +51,10 @@ class Suite:
     scale_worlds: tuple = (1, 4, 16, 64)    # benchmark 12: controller CPU per op by world size
     scale_ops: int = 2000                   # its program: this many small ops and one read
     scale_idle_s: float = 3.0               # seconds of idle pool measured for its heartbeat row
+    fused_ops: int = 100            # benchmark 13: the chain's ops, fused by dtorch.compile(backend="inductor")
+    fused_calls: int = 200          # calls per sample, through the final read
+    fused_rounds: int = 3           # samples per row, the rows in turns
+    fused_worlds: tuple = (1, 4)    # worker counts (each: a cold session, then a warm one)
 
 
 QUICK = Suite(
@@ -75,6 +79,7 @@ SMOKE = replace(
     train_world=2, train_fsdp_sizes=(), train_microbatches=(2,),
     train_compile_backend="eager", relay_ops=40, relay_slots=2, relay_round_trips=200,
     scale_worlds=(1, 2), scale_ops=40, scale_idle_s=0.3,
+    fused_ops=10, fused_calls=3, fused_rounds=1, fused_worlds=(1,),
 )
 
 PRESETS = {suite.name: suite for suite in (QUICK, FULL, SMOKE)}

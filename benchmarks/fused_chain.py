@@ -1,9 +1,10 @@
-"""The (64, 128) chain (benchmarks/chain.py: `z = z * 1.0001 + 1`, OPS ops) end to end, fused by
+"""13. The (64, 128) chain (benchmarks/chain.py: `z = z * 1.0001 + 1`, OPS ops) end to end, fused by
 dtorch.compile(fn, backend="inductor") on 1 and 4 workers, against torch eager and torch.compile
 of the same chain in this one process; and the first call's compile time, cold (an empty
 TORCHINDUCTOR_CACHE_DIR) and warm (a new session on the same directory: new processes).
 
     python -m benchmarks.fused_chain [--ops 100] [--calls 200] [--workers 1 4] [--smoke]
+    python -m benchmarks --only fused_chain     (the same rows in the suite's table: run(suite))
 
 A step is one call of the chain on the output of the last, timed over `calls` calls through the
 final read (so a dtorch call's issue, the workers' run and the read all count), per call; the
@@ -19,11 +20,13 @@ import os
 import tempfile
 import time
 
-import torch
-
 from .chain import run_chain
+from .timing import Row, failed
 
+NAME = "fused_chain"
+TITLE = "13. Fused chain: dtorch.compile(backend='inductor') against torch.compile, 1 process"
 SHAPE = (64, 128)
+TORCH_EAGER, TORCH_COMPILE = "torch eager", "torch.compile, 1 process"
 
 
 def _per_call(step, z, calls: int, read) -> float:
@@ -37,6 +40,7 @@ def _per_call(step, z, calls: int, read) -> float:
 def torch_steps(ops: int) -> tuple[dict, float]:
     """({name: (step, its input, its read)} for torch eager and torch.compile here, the seconds
     torch.compile's first call took)."""
+    import torch   # here: the suite imports every benchmark module, and its helper processes too
     chain = lambda z: run_chain(z, ops)   # noqa: E731
     z = torch.zeros(SHAPE)
     compiled = torch.compile(chain, backend="inductor", dynamic=False)
@@ -48,20 +52,21 @@ def torch_steps(ops: int) -> tuple[dict, float]:
 
 
 def reference_rows(reference: dict, calls: int, rounds: int) -> dict:
-    """Per call (best of `rounds`, in turns) of each torch row, with no session open: an idle
-    worker's OpenMP threads spin for a while after each fused kernel, which slowed this
+    """Per call ({name: one sample per round}, in turns) of each torch row, with no session open:
+    an idle worker's OpenMP threads spin for a while after each fused kernel, which slowed this
     process's own OpenMP loops (torch.compile's) by up to 100x while a session was open."""
-    best = {name: float("inf") for name in reference}
+    samples: dict = {name: [] for name in reference}
     for _ in range(rounds):
         for name, (step, start, finish) in reference.items():
-            best[name] = min(best[name], _per_call(step, start, calls, finish))
-    return best
+            samples[name].append(_per_call(step, start, calls, finish))
+    return samples
 
 
 def session_rows(workers: int, ops: int, calls: int, rounds: int) -> dict:
     """In a fresh session of `workers` workers: the first fused replay's seconds ("first"), and per
-    call (best of `rounds`, the rows taking turns in each round) fused and replayed (the default
-    backend)."""
+    call (one sample per round, the rows taking turns in each round) fused and replayed (the
+    default backend)."""
+    import torch
     import dtorch
     from dtorch.spec.placements import Shard, init_device_mesh
     dtorch.init(num_workers=workers)
@@ -77,13 +82,71 @@ def session_rows(workers: int, ops: int, calls: int, rounds: int) -> dict:
         replayed(z).to_torch()
         read = lambda r: r.to_torch()   # noqa: E731
         steps = {"fused": (fused, z, read), "replay": (replayed, z, read)}
-        best = {name: float("inf") for name in steps}
+        samples: dict = {name: [] for name in steps}
         for _ in range(rounds):
             for name, (step, start, finish) in steps.items():
-                best[name] = min(best[name], _per_call(step, start, calls, finish))
-        return {"first": first, **best}
+                samples[name].append(_per_call(step, start, calls, finish))
+        return {"first": first, **samples}
     finally:
         dtorch.shutdown()
+
+
+def measure(ops: int, calls: int, rounds: int, worlds, cold_caches: bool) -> tuple[dict, dict]:
+    """({"torch.compile first": seconds, name: samples per round for torch's rows}, {workers:
+    (cold session, warm session)}): each worker count's pair of sessions between two turns of
+    torch's rows. cold_caches: each its own empty TORCHINDUCTOR_CACHE_DIR (else the host's, warm
+    after a first run: the smoke suite's)."""
+    with tempfile.TemporaryDirectory(prefix="dtorch-fused-chain-") as caches:
+        def use_cache(name: str) -> None:
+            if cold_caches:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(caches, name)
+        before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        try:
+            use_cache("torch")
+            reference, torch_first = torch_steps(ops)
+            torch_rows: dict = {"torch.compile first": torch_first, **{name: [] for name in reference}}
+            sessions = {}
+            for workers in worlds:   # each count its own empty directory, which its workers inherit
+                use_cache(f"dtorch{workers}")
+                for name, values in reference_rows(reference, calls, rounds).items():
+                    torch_rows[name] += values
+                sessions[workers] = (session_rows(workers, ops, calls, rounds), session_rows(workers, ops, calls, rounds))
+                for name, values in reference_rows(reference, calls, rounds).items():
+                    torch_rows[name] += values
+        finally:
+            if cold_caches:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+                if before is not None:
+                    os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+    return torch_rows, sessions
+
+
+def run(suite) -> list[Row]:
+    """The suite's rows: per call, torch eager and torch.compile in this process and, on each
+    worker count, dtorch fused (the warm session's) and replayed; then the first calls' seconds,
+    cold and warm. The smoke suite runs a short chain on the host's cache."""
+    from . import dtorch_session
+    dtorch_session.close()   # this benchmark opens its own sessions (a cold and a warm one)
+    case, first_case = f"{SHAPE}, {suite.fused_ops} ops", f"{SHAPE}, {suite.fused_ops} ops: first call"
+    try:
+        torch_rows, sessions = measure(suite.fused_ops, suite.fused_calls, suite.fused_rounds, suite.fused_worlds,
+                                       cold_caches=suite.name != "smoke")
+    except Exception as error:  # noqa: BLE001 -- one error row; the suite goes on
+        return [failed(NAME, case, "dtorch fused", "call", error)]
+    compiled = (case, TORCH_COMPILE)
+    rows = [Row(NAME, case, TORCH_EAGER, "call", torch_rows["torch eager"]),
+            Row(NAME, case, TORCH_COMPILE, "call", torch_rows["torch.compile, 1 process"]),
+            Row(NAME, first_case, "torch.compile, cold", "call", [torch_rows["torch.compile first"]])]
+    for workers, (cold, warm) in sessions.items():
+        label = f"{workers} worker{'s' if workers > 1 else ''}"
+        rows += [Row(NAME, case, f"dtorch fused, {label}", "call", warm["fused"], reference=compiled,
+                     note=f"{min(warm['fused']) / min(torch_rows['torch eager']):.2f}x torch eager (best over best)"),
+                 Row(NAME, case, f"dtorch replay, {label}", "call", warm["replay"], reference=compiled),
+                 Row(NAME, first_case, f"dtorch fused, {label}, cold", "call", [cold["first"]],
+                     reference=(first_case, "torch.compile, cold")),
+                 Row(NAME, first_case, f"dtorch fused, {label}, warm", "call", [warm["first"]],
+                     reference=(first_case, "torch.compile, cold"))]
+    return rows
 
 
 def main(argv=None) -> None:
@@ -96,22 +159,19 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.smoke:
         args.ops, args.calls, args.rounds, args.workers = 10, 3, 1, [1]
-    with tempfile.TemporaryDirectory(prefix="dtorch-fused-chain-") as caches:
-        def use_cache(name: str) -> None:   # --smoke: the host's (warm after the test's first run)
-            if not args.smoke:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(caches, name)
-        use_cache("torch")
-        reference, torch_first = torch_steps(args.ops)
-        print(f"chain of {args.ops} ops on {SHAPE}, per call over {args.calls} calls (best of {args.rounds} "
-              f"rounds, rows in turns); torch threads here: {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")
-        print(f"  {'torch.compile first call (cold)':<34} {torch_first:9.2f} s")
-        for workers in args.workers:   # each count its own empty directory, which its workers inherit
-            use_cache(f"dtorch{workers}")
-            before = reference_rows(reference, args.calls, args.rounds)
-            cold = session_rows(workers, args.ops, args.calls, args.rounds)
-            warm = session_rows(workers, args.ops, args.calls, args.rounds)
-            after = reference_rows(reference, args.calls, args.rounds)
-            _print(workers, {**before, **cold}, {**after, **warm})
+    import torch
+    torch_rows, sessions = measure(args.ops, args.calls, args.rounds, args.workers, cold_caches=not args.smoke)
+    print(f"chain of {args.ops} ops on {SHAPE}, per call over {args.calls} calls (best of {args.rounds} "
+          f"rounds, rows in turns); torch threads here: {torch.get_num_threads()}, load {os.getloadavg()[0]:.1f}")
+    print(f"  {'torch.compile first call (cold)':<34} {torch_rows['torch.compile first']:9.2f} s")
+    for turn, (workers, (cold, warm)) in enumerate(sessions.items()):
+        # torch's rounds before this count's sessions, and after them
+        before = {name: min(torch_rows[name][2 * turn * args.rounds:(2 * turn + 1) * args.rounds])
+                  for name in (TORCH_EAGER, TORCH_COMPILE)}
+        after = {name: min(torch_rows[name][(2 * turn + 1) * args.rounds:(2 * turn + 2) * args.rounds])
+                 for name in (TORCH_EAGER, TORCH_COMPILE)}
+        best = lambda found: {k: (min(v) if type(v) is list else v) for k, v in found.items()}   # noqa: E731
+        _print(workers, {**before, **best(cold)}, {**after, **best(warm)})
 
 
 def _print(workers: int, cold: dict, warm: dict) -> None:
