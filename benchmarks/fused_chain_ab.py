@@ -11,7 +11,8 @@ own started with PYTHONPATH=<checkout> and the setting in its environment (so th
 and the workers see it from their start: libgomp reads OMP_WAIT_POLICY once). That process times
 torch eager and torch.compile of the chain by themselves first, then opens a session of
 `--workers` workers and times `dtorch.compile(chain, backend="inductor")`: per call, `--calls`
-calls through the final read, `--repeats` times. All processes share one TORCHINDUCTOR_CACHE_DIR,
+calls through the final read, `--repeats` times; and the CPU time the calling thread spent
+issuing them ("issuing CPU": the controller's side of a call, batched publishes included). All processes share one TORCHINDUCTOR_CACHE_DIR,
 warmed by a first run that is not counted, so each compiles warm. Prints per pair the best and
 the median over every repeat of every round, and the dtorch row over the same process's
 torch.compile (best over best).
@@ -37,10 +38,12 @@ def child(ops: int, calls: int, repeats: int, workers: int) -> dict:
     import torch
     from benchmarks.chain import run_chain
 
-    def per_call(step, z, read) -> float:
-        started = time.perf_counter()
+    def per_call(step, z, read, issue_cpu: list | None = None) -> float:
+        started, cpu = time.perf_counter(), time.thread_time()
         for _ in range(calls):
             z = step(z)
+        if issue_cpu is not None:   # this thread's CPU for issuing the calls: the controller's side
+            issue_cpu.append((time.thread_time() - cpu) / calls)
         read(z)
         return (time.perf_counter() - started) / calls
 
@@ -50,7 +53,7 @@ def child(ops: int, calls: int, repeats: int, workers: int) -> dict:
     compiled(z)
     import dtorch
     found = {"dtorch": [os.path.dirname(os.path.dirname(dtorch.__file__))], "torch eager": [], "torch.compile": [],
-             "dtorch fused": []}
+             "dtorch fused": [], "issuing CPU": []}
     for _ in range(repeats):
         found["torch eager"].append(per_call(chain, z, lambda r: r.sum().item()))
         found["torch.compile"].append(per_call(compiled, z, lambda r: r.sum().item()))
@@ -63,7 +66,7 @@ def child(ops: int, calls: int, repeats: int, workers: int) -> dict:
         fused(x).to_torch()   # the capture
         fused(x).to_torch()   # the first replay compiles (warm: the cache holds it)
         for _ in range(repeats):
-            found["dtorch fused"].append(per_call(fused, x, lambda r: r.to_torch()))
+            found["dtorch fused"].append(per_call(fused, x, lambda r: r.to_torch(), found["issuing CPU"]))
     finally:
         dtorch.shutdown()
     return found

@@ -129,16 +129,20 @@ class _Graph:
     def replay(self, inputs: list, numbers: tuple):
         controller = self.controller
         seed, first = session.reserve_random(self.random_count)
-        shifts = tuple([shift() for shift in self.step_shifts])
-        hypers = tuple([_changed(*row) if row is not None else {} for row in self.step_hypers])
+        # (each part only where the capture has any: a plain function's replay skips them all)
+        shifts = tuple([shift() for shift in self.step_shifts]) if self.step_shifts else ()
+        hypers = tuple([_changed(*row) if row is not None else {} for row in self.step_hypers]) \
+            if self.step_hypers else ()
         out_ids = controller.new_ids(len(self.output_metas))
-        input_ids = (tuple([t._id for t in inputs]) + tuple([t._id for t in self.state])
-                     + tuple([grad_id(inputs) for grad_id in self.grad_inputs]) + tuple(self.read_ids))
+        input_ids = tuple([t._id for t in inputs])
+        if self.state or self.grad_inputs or self.read_ids:
+            input_ids += (tuple([t._id for t in self.state]) + tuple([grad_id(inputs) for grad_id in self.grad_inputs])
+                          + tuple(self.read_ids))
         controller.free_before_next()
         seq = controller.submit(wire.RunGraph, self.graph_id, self.span, input_ids, out_ids,
                                 seed, first - self.random_start, shifts, self.defined_seq,
-                                hypers if any(hypers) else (), tuple([numbers[k] for k in self.dynamic]),
-                                span=self.span)
+                                hypers if any(hypers) else (),
+                                tuple([numbers[k] for k in self.dynamic]) if self.dynamic else (), span=self.span)
         controller.sites.note_replay(seq, self.span, self.sites)
         for hook in self.after_replay:
             hook()
