@@ -1,10 +1,10 @@
-"""13. The (64, 128) chain (benchmarks/chain.py: `z = z * 1.0001 + 1`, OPS ops) end to end, fused by
+"""The (64, 128) chain (benchmarks/chain.py: `z = z * 1.0001 + 1`, OPS ops) end to end, fused by
 dtorch.compile(fn, backend="inductor") on 1 and 4 workers, against torch eager and torch.compile
 of the same chain in this one process; and the first call's compile time, cold (an empty
 TORCHINDUCTOR_CACHE_DIR) and warm (a new session on the same directory: new processes).
 
     python -m benchmarks.fused_chain [--ops 100] [--calls 200] [--workers 1 4] [--smoke]
-    python -m benchmarks --only fused_chain     (the same rows in the suite's table: run(suite))
+    python -m benchmarks --only fused_chain     (the same rows in the suite: fused_chain_suite.py)
 
 A step is one call of the chain on the output of the last, timed over `calls` calls through the
 final read (so a dtorch call's issue, the workers' run and the read all count), per call; the
@@ -21,10 +21,7 @@ import tempfile
 import time
 
 from .chain import run_chain
-from .timing import Row, failed
 
-NAME = "fused_chain"
-TITLE = "13. Fused chain: dtorch.compile(backend='inductor') against torch.compile, 1 process"
 SHAPE = (64, 128)
 TORCH_EAGER, TORCH_COMPILE = "torch eager", "torch.compile, 1 process"
 
@@ -110,7 +107,8 @@ def measure(ops: int, calls: int, rounds: int, worlds, cold_caches: bool) -> tup
                 use_cache(f"dtorch{workers}")
                 for name, values in reference_rows(reference, calls, rounds).items():
                     torch_rows[name] += values
-                sessions[workers] = (session_rows(workers, ops, calls, rounds), session_rows(workers, ops, calls, rounds))
+                cold, warm = session_rows(workers, ops, calls, rounds), session_rows(workers, ops, calls, rounds)
+                sessions[workers] = (cold, warm)
                 for name, values in reference_rows(reference, calls, rounds).items():
                     torch_rows[name] += values
         finally:
@@ -119,34 +117,6 @@ def measure(ops: int, calls: int, rounds: int, worlds, cold_caches: bool) -> tup
                 if before is not None:
                     os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
     return torch_rows, sessions
-
-
-def run(suite) -> list[Row]:
-    """The suite's rows: per call, torch eager and torch.compile in this process and, on each
-    worker count, dtorch fused (the warm session's) and replayed; then the first calls' seconds,
-    cold and warm. The smoke suite runs a short chain on the host's cache."""
-    from . import dtorch_session
-    dtorch_session.close()   # this benchmark opens its own sessions (a cold and a warm one)
-    case, first_case = f"{SHAPE}, {suite.fused_ops} ops", f"{SHAPE}, {suite.fused_ops} ops: first call"
-    try:
-        torch_rows, sessions = measure(suite.fused_ops, suite.fused_calls, suite.fused_rounds, suite.fused_worlds,
-                                       cold_caches=suite.name != "smoke")
-    except Exception as error:  # noqa: BLE001 -- one error row; the suite goes on
-        return [failed(NAME, case, "dtorch fused", "call", error)]
-    compiled = (case, TORCH_COMPILE)
-    rows = [Row(NAME, case, TORCH_EAGER, "call", torch_rows["torch eager"]),
-            Row(NAME, case, TORCH_COMPILE, "call", torch_rows["torch.compile, 1 process"]),
-            Row(NAME, first_case, "torch.compile, cold", "call", [torch_rows["torch.compile first"]])]
-    for workers, (cold, warm) in sessions.items():
-        label = f"{workers} worker{'s' if workers > 1 else ''}"
-        rows += [Row(NAME, case, f"dtorch fused, {label}", "call", warm["fused"], reference=compiled,
-                     note=f"{min(warm['fused']) / min(torch_rows['torch eager']):.2f}x torch eager (best over best)"),
-                 Row(NAME, case, f"dtorch replay, {label}", "call", warm["replay"], reference=compiled),
-                 Row(NAME, first_case, f"dtorch fused, {label}, cold", "call", [cold["first"]],
-                     reference=(first_case, "torch.compile, cold")),
-                 Row(NAME, first_case, f"dtorch fused, {label}, warm", "call", [warm["first"]],
-                     reference=(first_case, "torch.compile, cold"))]
-    return rows
 
 
 def main(argv=None) -> None:

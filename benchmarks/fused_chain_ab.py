@@ -12,8 +12,9 @@ and the workers see it from their start: libgomp reads OMP_WAIT_POLICY once). Th
 torch eager and torch.compile of the chain by themselves first, then opens a session of
 `--workers` workers and times `dtorch.compile(chain, backend="inductor")`: per call, `--calls`
 calls through the final read, `--repeats` times; and the CPU time the calling thread spent
-issuing them ("issuing CPU": the controller's side of a call, batched publishes included). All processes share one TORCHINDUCTOR_CACHE_DIR,
-warmed by a first run that is not counted, so each compiles warm. Prints per pair the best and
+issuing them ("issuing CPU": the controller's side of a call, batched publishes included). All
+processes share one TORCHINDUCTOR_CACHE_DIR, warmed by a first run that is not counted, so each
+compiles warm. Prints per pair the best and
 the median over every repeat of every round, and the dtorch row over the same process's
 torch.compile (best over best).
 """
