@@ -374,3 +374,23 @@ def test_rows_recorded_for_backward_run_in_the_function_as_row_by_row_and_as_tor
     want = torch.autograd.grad((leaf * 2 * (leaf.detach() + 1)).sum(), leaf)[0]
     assert torch.equal(tensors[22], tensors_[22]) and torch.equal(gradient, want) and torch.equal(gradient_, want)
     assert not poisoned and not reports
+
+
+@pytest.mark.parametrize("held", [3, 300], ids=["table smaller than the graph's ids", "table larger"])
+def test_a_replay_sets_aside_and_drops_exactly_the_bound_ids_whichever_side_is_smaller(held):
+    """graphs.Bindings looks ids up from the smaller side (a table's keys or a graph's id set):
+    the ids it sets aside, keeps and drops must be the same either way, and put back unchanged."""
+    from dtorch.runtime.worker import graphs
+    graph_ids = set(range(1000, 1100))                      # a graph's edges: 100 ids
+    bound = {1000, 1050, 1099} if held == 3 else set(range(950, 1250))
+    tensors, poisoned = {i: torch.full((1,), float(i)) for i in bound}, {1001: 7}
+    bindings = graphs.Bindings((tensors, poisoned, {}))
+    bindings.set_aside_ids(graph_ids, keep=(1050,))
+    assert sorted(i for i, _ in bindings.set_aside) == sorted((bound | {1001}) & graph_ids - {1050})
+    assert set(tensors) == bound - graph_ids | {1050} and not poisoned
+    tensors[1020] = torch.zeros(1)                           # a row wrote a scratch id
+    bindings.drop_set({1020, 1021, 1050})
+    assert set(tensors) == bound - graph_ids
+    bindings.put_back()
+    assert set(tensors) == bound - {1050} and poisoned == {1001: 7}
+    assert all(tensors[i].item() == float(i) for i in tensors)
