@@ -45,6 +45,14 @@ from .straight_line import StraightLine
 
 __all__ = ["FusedRun", "fuse", "foreach_updates"]
 
+# AOTAutograd's own on-disk cache (beside inductor's FX graph cache, which holds the compiled
+# kernels and stays on) pickled a training run's entry into a segfault in torch 2.13: a worker
+# lost at its first backward, in benchmark 10's tp2 fused row after the unfused tp2 row had run
+# on the same workers (reproduced twice; gone with this cache off). Off unless the user chose.
+if "TORCHINDUCTOR_AUTOGRAD_CACHE" not in os.environ:
+    import torch._functorch.config
+    torch._functorch.config.enable_autograd_cache = False
+
 
 def fuse(plan: tuple | None) -> tuple | None:
     """The plan with each fusable StraightLine as a FusedRun."""
