@@ -108,7 +108,7 @@ class GraphedRun:
         for static, given in zip(self.static_inputs, inputs):
             static.copy_(given)
         self.graph.replay()
-        return tuple(output.clone() for output in self.static_outputs)
+        return tuple([output.clone() for output in self.static_outputs])
 
     def _capture(self, inputs: tuple):
         """This call's outputs, from the graph's first replay if it can be captured."""
@@ -118,7 +118,7 @@ class GraphedRun:
             return self.function(*inputs)
         device = inputs[0].device if inputs else None
         current, side = torch.cuda.current_stream(device), _side_stream(device)
-        static_inputs = tuple(torch.empty_like(given).copy_(given) for given in inputs)
+        static_inputs = tuple([torch.empty_like(given).copy_(given) for given in inputs])
         side.wait_stream(current)
         try:
             # lazy initialisations (cuBLAS workspaces, ...) happen here, not in the capture, and a
