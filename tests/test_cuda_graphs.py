@@ -313,7 +313,7 @@ def test_graphs_off_leave_the_fused_run_as_compiled(stand_ins, monkeypatch):
     (run,) = chain._fused_runs(worker)
     for out_id in (10, 11):
         chain._replay(worker, torch.tensor([2, 1]), table.T.contiguous(), out_id)
-    assert run.compiled is run.straight.pure and stand_ins[0] == []
+    assert run.compiled is run.pure and stand_ins[0] == []
 
 
 # --- on a real GPU --------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import warnings
 
 import torch
 
-from . import cuda_graphs
+from . import cuda_graphs, graphs
 from .kernels import saves_gathered, saving_gathered_storages
 from .straight_line import StraightLine
 
@@ -58,7 +58,8 @@ def fuse(plan: tuple | None) -> tuple | None:
     """The plan with each fusable StraightLine as a FusedRun."""
     if plan is None:
         return None
-    return tuple([FusedRun(step) if type(step) is StraightLine and step.pure is not None else step for step in plan])
+    return tuple([FusedRun(step) if type(step) is StraightLine and step.pure_source is not None else step
+                  for step in plan])
 
 
 def foreach_updates(graph):
@@ -66,13 +67,9 @@ def foreach_updates(graph):
     None) on torch's foreach kernels: one kernel per op over all of a group's shards rather than
     a loop of calls per tensor, the same numbers (runtime/worker/optim_kernels.py; NAdam's and
     RAdam's within rounding). The user's own foreach= or fused= stands."""
-    commands, rows = list(graph.commands), list(graph.rows)
-    for i in graph.steps:
-        step = commands[i]
-        if step.hyper.get("foreach", False) is None and not step.hyper.get("fused"):
-            commands[i] = step._replace(hyper={**step.hyper, "foreach": True})
-            rows[i] = (type(step), tuple(commands[i])[1:])
-    return graph._replace(commands=type(graph.commands)(commands), rows=tuple(rows))
+    steps = [(i, graph.commands[i]) for i in graph.steps]
+    return graphs.with_commands(graph, {i: step._replace(hyper={**step.hyper, "foreach": True}) for i, step in steps
+                                        if step.hyper.get("foreach", False) is None and not step.hyper.get("fused")})
 
 
 class FusedRun:
@@ -80,7 +77,8 @@ class FusedRun:
 
     def __init__(self, straight: StraightLine):
         self.straight, self.rows = straight, straight.rows
-        self.compiled = torch.compile(straight.pure, backend="inductor", dynamic=False, fullgraph=True)
+        self.pure = straight.pure_function()
+        self.compiled = torch.compile(self.pure, backend="inductor", dynamic=False, fullgraph=True)
         self.replay_only = False   # set once the fused function failed: the StraightLine runs
         self.compiling = True      # until the first call, which compiles, has succeeded
         self.records = straight.records   # a training forward's run: AOTAutograd compiles its backward too

@@ -59,11 +59,25 @@ def define(command: wire.DefineGraph) -> Graph:
     scalars = _scalar_slots(command, commands)
     return Graph(commands, command.inputs, command.outputs, command.scratch,
                  frozenset(command.random) | frozenset(scalars), command.steps,
-                 tuple([(type(c), tuple(c)[1:]) for c in commands]),
+                 tuple([_row(c) for c in commands]),
                  set(command.inputs + command.outputs + command.scratch),
                  draws=frozenset(command.random), scalars=scalars,
                  scalar_count=1 + max((k for _, _, k in command.scalars), default=-1),
                  scratch_ids=set(command.scratch))
+
+
+def _row(command) -> tuple:
+    """A command as Graph.rows holds it: its type and its fields after seq."""
+    return (type(command), tuple(command)[1:])
+
+
+def with_commands(graph: Graph, changed: dict) -> Graph:
+    """The graph with the rows in `changed` (row index -> command) replaced, in the commands and
+    in the rows a replay builds from."""
+    commands, rows = list(graph.commands), list(graph.rows)
+    for i, command in changed.items():
+        commands[i], rows[i] = command, _row(command)
+    return graph._replace(commands=type(graph.commands)(commands), rows=tuple(rows))
 
 
 def _scalar_slots(command: wire.DefineGraph, commands: list) -> dict:

@@ -79,15 +79,19 @@ class StraightLine:
         exec(compile(source, name, "exec"), namespace)   # noqa: S102 -- source built here from ids and names
         self.function = namespace["replay"]
         # For fusion.py: the run as a pure function of the tensors it loads, giving those it stores
-        # (in `stores` order); None where a row saves gathered parameters whole (RunOp.regather
-        # False: some rank's piece is empty, and its outputs are joined to every input).
+        # (in `stores` order), as source; None where a row saves gathered parameters whole
+        # (RunOp.regather False: some rank's piece is empty, and its outputs are joined to every
+        # input). Compiled only for a graph that fuses (pure_function).
         self.loads, self.stores = pure[:2] if pure else ((), ())
-        self.pure = None
-        if pure:
-            exec(compile(pure[2], name + " fused", "exec"), namespace)   # noqa: S102 -- as above
-            self.pure = namespace["fused"]
+        self.pure_source = pure[2] if pure else None
+        self.namespace = namespace
         # so that a row's error report (its traceback) quotes the row's line
         linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+
+    def pure_function(self):
+        """The pure form as a function (fusion.py: a graph that fuses; replays never need it)."""
+        exec(compile(self.pure_source, self.name + " fused", "exec"), self.namespace)   # noqa: S102 -- as above
+        return self.namespace["fused"]
 
     def forget(self) -> None:
         """The graph was dropped."""
