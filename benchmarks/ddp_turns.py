@@ -34,19 +34,24 @@ class Turn:
 
 class DdpTurns:
     """DistributedDataParallel(transformers' LlamaForCausalLM) on `world` ranks, each a 1/world share
-    of `ids`, with one torch.optim.AdamW per entry of `fused` (False: torch's default, True: fused).
-    `turn(steps)` runs `steps` steps with each optimizer and returns a Turn for each."""
+    of `ids`, with one torch.optim.AdamW per entry of `fused` (False: torch's default, True: fused),
+    and with `compile_backend` a second model, torch.compile(DDP(model), backend=compile_backend),
+    with torch's default AdamW. `turn(steps)` runs `steps` steps with each optimizer, then with the
+    compiled model, and returns a Turn for each in that order (the first turn's compiled steps
+    include its compile: cold, each rank on an empty TORCHINDUCTOR_CACHE_DIR of its own)."""
 
-    def __init__(self, fields: dict, ids, world: int, fused: tuple = (False,), timeout_s: float = 1800) -> None:
+    def __init__(self, fields: dict, ids, world: int, fused: tuple = (False,), timeout_s: float = 1800,
+                 compile_backend: str | None = None) -> None:
         context = multiprocessing.get_context("spawn")
         self._orders, self._done, self._failure = context.Queue(), context.Queue(), None
-        self._thread = threading.Thread(target=self._run, args=(fields, ids, world, fused, timeout_s), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(fields, ids, world, fused, compile_backend, timeout_s),
+                                        daemon=True)
         self._thread.start()
         self.idle_mib = [row[0] for row in self._wait()[0]]   # each rank's resident set before its model
 
-    def _run(self, fields, ids, world, fused, timeout_s) -> None:
+    def _run(self, fields, ids, world, fused, compile_backend, timeout_s) -> None:
         try:
-            run_ranks(_rank, world, (fields, ids, fused, self._orders, self._done), timeout_s)
+            run_ranks(_rank, world, (fields, ids, fused, compile_backend, self._orders, self._done), timeout_s)
         except Exception as error:  # noqa: BLE001 -- raised in the caller's thread at its next turn
             self._failure = error
             self._done.put(None)
@@ -67,9 +72,12 @@ class DdpTurns:
         self._thread.join(timeout=60)
 
 
-def _rank(rank: int, world: int, fields: dict, ids, fused: tuple, orders, done) -> None:
+def _rank(rank: int, world: int, fields: dict, ids, fused: tuple, compile_backend: str | None, orders, done) -> None:
     """Rank 0 takes each order (steps, warm-up) from the parent and broadcasts it; every rank's
     measurements are gathered to rank 0, which hands them back."""
+    import os
+    import tempfile
+
     import torch
     import torch.distributed as dist
 
@@ -82,7 +90,12 @@ def _rank(rank: int, world: int, fields: dict, ids, fused: tuple, orders, done) 
     gc.collect()
     idle = torch.tensor([rss_mib()], dtype=torch.float64)
     model = _ddp(fields)
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-3, fused=f) for f in fused]
+    steppers = [(model, torch.optim.AdamW(model.parameters(), lr=1e-3, fused=f)) for f in fused]
+    if compile_backend:   # cold: a fresh folder per rank, so that nothing else's kernels answer
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"ddp-turns-inductor-rank{rank}-")
+        second = _ddp(fields)
+        steppers.append((torch.compile(second, backend=compile_backend),
+                         torch.optim.AdamW(second.parameters(), lr=1e-3)))
     _gathered_to_rank_0([idle.reshape(1, 1)], world, rank, done)
     while True:
         order = torch.tensor(orders.get() if rank == 0 else (0, 0))
@@ -90,7 +103,7 @@ def _rank(rank: int, world: int, fields: dict, ids, fused: tuple, orders, done) 
         steps, warmup = order.tolist()
         if steps == 0:
             return
-        measured = [_steps(model, optimizer, own, steps) for optimizer in optimizers]
+        measured = [_steps(stepped, optimizer, own, steps) for stepped, optimizer in steppers]
         if warmup:
             reset_peak()
         _gathered_to_rank_0([torch.tensor(m, dtype=torch.float64).reshape(1, -1) for m in measured], world, rank, done)

@@ -35,8 +35,8 @@ leftovers) and its peak-RSS mark (VmHWM) is reset after the
 warm-up steps (the model, the optimizer state and the allocator's working set exist by then).
 The note gives, for the process with the highest peak during the timed steps, the peak and its
 split into idle + what the layout added: the second number is the one fsdp shards. It ends with
-the host's steal during the row's timed steps (steal.py). The dp rows and DDP's take their steps
-in turns (ddp_turns.py); the other rows and their references are timed at different moments of
+the host's steal during the row's timed steps (steal.py). The dp rows and DDP's, eager and
+torch.compile'd, take their steps in turns (ddp_turns.py); the other rows and their references are timed at different moments of
 the run, so a ratio between rows whose steal differs says little.
 
 Pipeline bubble, measured: a pp worker's busy time over the timed steps is the time its main
@@ -159,7 +159,7 @@ def run(suite) -> list[Row]:
         finally:
             ddp.close()
             dtorch_session.close()   # the peers get the cores to themselves, as dtorch's workers do
-        peers = dict(_peer_rows(suite, fields, case), DDP=ddp.row())
+        peers = {**_peer_rows(suite, fields, case, skip=ddp.keys), **ddp.rows()}
         one = guarded(lambda: _one_process_row(suite, fields, case), NAME, case, ONE_PROCESS, PER)
     rows = [one]
     variants = peer_variants(suite.train_world, compiled=bool(suite.train_compile_backend))
@@ -232,8 +232,8 @@ def _dtorch_row(suite, start, tiny, case: str, layout: Layout, ddp: _DdpRow) -> 
     for pid in pids:
         reset_peak(pid)
     busy, meter = [busy_seconds(pid) for pid in pids], Meter()
-    if layout.reference == ddp.variant:
-        samples, turns = [], " (in turns with DDP's steps)"
+    if ddp.takes_turns(layout):
+        samples, turns = [], f" (in turns with {' and '.join(ddp.variants.values())}'s steps)"
         for _ in range(suite.train_reps):
             samples += repeat(once, 1, warmup=0)
             ddp.step()
@@ -392,36 +392,54 @@ def _bubble_note(busy_per_step: float, step: float, stages: int, microbatches: i
 
 # --- torch ---------------------------------------------------------------------------------------------------
 class _DdpRow:
-    """The DDP reference of the dp layouts, measured in turns with them (ddp_turns.py): its ranks
-    start before dtorch's pools and wait while dtorch's other layouts run."""
+    """The DDP references of the dp layouts, eager and (with the suite's compile backend)
+    torch.compile'd, measured in turns with them (ddp_turns.py): their ranks start before
+    dtorch's pools and wait while dtorch's other layouts run; each dp step of dtorch's is
+    followed by one step of each."""
 
     def __init__(self, suite, fields: dict, case: str) -> None:
-        self.variant, self.case, self.samples = peer_variants(suite.train_world)["DDP"], case, []
-        self._turns, self._last, self._error = None, None, None
+        backend = suite.train_compile_backend
+        variants = peer_variants(suite.train_world, compiled=bool(backend))
+        self.keys = ("DDP", "DDP" + COMPILED) if backend else ("DDP",)
+        self.variants = {key: variants[key] for key in self.keys}
+        self.case, self.backend, self.samples = case, backend, {key: [] for key in self.keys}
+        self._turns, self._last, self._first, self._error = None, None, None, None
         try:
             self._turns = DdpTurns(fields, _reference(fields, suite)[1], suite.train_world,
-                                   timeout_s=suite.process_timeout_s * 4)
-            self._turns.turn(WARMUP_STEPS, warmup=True)
-        except Exception as error:  # noqa: BLE001 -- the DDP row reports it; dtorch's rows still run
+                                   timeout_s=suite.process_timeout_s * 4,
+                                   compile_backend=backend)
+            self._first = self._turns.turn(WARMUP_STEPS, warmup=True)
+        except Exception as error:  # noqa: BLE001 -- the DDP rows report it; dtorch's rows still run
             self._error = error
 
+    def takes_turns(self, layout: Layout) -> bool:
+        return layout.reference in self.variants.values()
+
     def step(self) -> None:
-        """One DDP step (its slowest rank's time joins the row), unless the ranks failed."""
+        """One step of each DDP model (its slowest rank's time joins its row), unless the ranks failed."""
         if self._error is not None:
             return
         try:
-            (self._last,) = self._turns.turn(1)
+            self._last = self._turns.turn(1)
         except Exception as error:  # noqa: BLE001 -- as above
             self._error = error
             return
-        self.samples += self._last.walls
+        for key, turn in zip(self.keys, self._last):
+            self.samples[key] += turn.walls
 
-    def row(self) -> Row:
-        if self._error is not None or not self.samples:
-            return failed(NAME, self.case, self.variant, PER, self._error or RuntimeError("no DDP step was measured"))
-        note = memory_note(self._last.peak_mib, self._turns.idle_mib)
-        return Row(NAME, self.case, self.variant, PER, self.samples,
-                   note=f"{note}; in turns with the dtorch dp rows, one step each")
+    def rows(self) -> dict[str, Row]:
+        if self._error is not None or not self.samples["DDP"]:
+            error = self._error or RuntimeError("no DDP step was measured")
+            return {key: failed(NAME, self.case, variant, PER, error) for key, variant in self.variants.items()}
+        rows = {}
+        for key, last, first in zip(self.keys, self._last, self._first):
+            note = memory_note(last.peak_mib, self._turns.idle_mib) + "; in turns with the dtorch dp rows, one step each"
+            if len(self.keys) > 1:
+                note += "; each rank holds both models, so the peak counts both"
+            if key != "DDP":
+                note = f"torch.compile({self.backend}) first step: cold {first.walls[0]:.1f} s; {note}"
+            rows[key] = Row(NAME, self.case, self.variants[key], PER, self.samples[key], note=note)
+        return rows
 
     def close(self) -> None:
         if self._turns is not None:
@@ -436,12 +454,12 @@ def _one_process_row(suite, fields: dict, case: str) -> Row:
                note=memory_note([result["peak_mib"]], [result["idle_mib"]]) + "; " + describe(result["steal"]))
 
 
-def _peer_rows(suite, fields: dict, case: str) -> dict[str, Row]:
+def _peer_rows(suite, fields: dict, case: str, skip: tuple) -> dict[str, Row]:
     backend = suite.train_compile_backend
     variants = peer_variants(suite.train_world, compiled=bool(backend))
     try:  # one process group for FSDP2 and TP: spawning one costs more than the steps (DDP: _DdpRow)
         per_rank = run_ranks(train_rank, suite.train_world,
-                             (fields, suite.train_batch, suite.train_seq, suite.train_reps, WARMUP_STEPS, ("DDP",),
+                             (fields, suite.train_batch, suite.train_seq, suite.train_reps, WARMUP_STEPS, skip,
                               backend), suite.process_timeout_s * (3 if backend else 1))
     except Exception as error:  # noqa: BLE001 -- reported on each peer row
         return {key: failed(NAME, case, variant, PER, error) for key, variant in variants.items()}
