@@ -8,8 +8,9 @@ RunGraph, and a Free of the previous call's output), as its loop receives them.
 Prints, per call (the minimum over repetitions of batches of 40 calls, in turns):
 - the whole call: decoding, the RunGraph handler and the replay's bookkeeping, the fused run,
   the Free;
-- the compiled function alone, called as the FusedRun calls it (torch.compile's own call: its
-  guards, AOTAutograd's wrapper, inductor's kernel);
+- the compiled function alone, called as the FusedRun calls it (inductor's function past dynamo
+  where fusion.py found that exact: AOTAutograd's wrapper and inductor's kernel; else
+  torch.compile's own call, its guards too);
 - the whole call with the fused run replaced by a function that returns its input: what the
   worker adds to the compiled function (docs/design/compile.md, "Where a fused call's time goes").
 --profile: cProfile of the whole call afterwards.
@@ -56,7 +57,8 @@ def main() -> None:
 
     calls()   # the first replay compiles
     fused = next(step for step in worker.graph_commands.graphs[1].plan if type(step) is not int)
-    compiled = fused.compiled
+    # what the FusedRun calls: inductor's function past dynamo where that is exact, else torch.compile's
+    compiled = getattr(fused, "unguarded", None) or fused.compiled
 
     def compiled_alone() -> float:
         x = worker.tensors[last[0]]
@@ -66,11 +68,16 @@ def main() -> None:
         return (time.perf_counter() - started) / CALLS
 
     def stubbed() -> float:
+        guarded, unguarded = fused.compiled, getattr(fused, "unguarded", None)
         fused.compiled = lambda x: (x,)
+        if unguarded is not None:
+            fused.unguarded = fused.compiled
         try:
             return calls()
         finally:
-            fused.compiled = compiled
+            fused.compiled = guarded
+            if unguarded is not None:
+                fused.unguarded = unguarded
 
     measures = {"whole call (RunGraph + Free)": calls, "compiled function alone": compiled_alone,
                 "whole call, fused run stubbed out": stubbed}

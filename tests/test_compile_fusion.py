@@ -131,7 +131,7 @@ def test_a_run_inductor_fails_on_replays_and_warns_with_the_reason():
 def test_a_row_failing_inside_a_fused_run_is_reported_under_its_own_op():
     table = torch.randn(7, 5)
     worker, replies = _fused_worker(table)
-    _replay(worker, torch.tensor([1]), table.T.contiguous(), 10)   # compiled
+    _replay(worker, torch.tensor([1, 3]), table.T.contiguous(), 10)   # compiled
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)   # the rows failed, not inductor: no warning
         seq = _replay(worker, torch.tensor([1, 70]), table.T.contiguous(), 11)   # 70: out of range
@@ -139,13 +139,71 @@ def test_a_row_failing_inside_a_fused_run_is_reported_under_its_own_op():
     assert (report.seq, report.op, report.exception_type) == (seq, "index_select", "IndexError")
     assert worker.shards.poisoned == {11: seq}
     (run,) = _fused_runs(worker)
-    assert not run.replay_only   # a bad index this call: the next call fuses again
-    _replay(worker, torch.tensor([2]), table.T.contiguous(), 12)
-    _close(worker.tensors[12], _chain_in_torch(table, torch.tensor([2])))
+    # a bad index this call: the next call fuses again, still past dynamo (its call raised too)
+    assert not run.replay_only and run.unguarded is not None
+    _replay(worker, torch.tensor([2, 0]), table.T.contiguous(), 12)
+    _close(worker.tensors[12], _chain_in_torch(table, torch.tensor([2, 0])))
+    assert run.unguarded is not None
 
 
 # --- one worker in process: a training forward's run (AOTAutograd) ----------------------------------
 WEIGHT = 3
+
+
+def _no_dynamo(*tensors):
+    raise AssertionError("torch.compile's guarded call was made")
+
+
+def test_after_its_first_call_a_run_calls_inductors_function_past_dynamo():
+    table = torch.randn(7, 5)
+    worker, replies = _fused_worker(table)
+    (run,) = _fused_runs(worker)
+    _replay(worker, torch.tensor([0, 6, 2]), table.T.contiguous(), 10)   # compiles; the stand-in checked
+    assert run.unguarded is not None
+    run.compiled = _no_dynamo
+    for out_id, index in ((11, torch.tensor([4, 4, 1])), (12, torch.tensor([3, 0, 5]))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            _replay(worker, index, table.T.contiguous(), out_id)
+        _close(worker.tensors[out_id], _chain_in_torch(table, index))
+    assert replies.sent == []
+
+
+def test_an_input_of_another_stride_goes_back_to_dynamo_which_recompiles():
+    """The signature fixes shapes, not a loaded tensor's strides: inductor's code asserts them,
+    and the run then leaves its guards to dynamo (a recompile), with no fallback and eager's values."""
+    table = torch.randn(7, 5)
+    worker, replies = _fused_worker(table)
+    (run,) = _fused_runs(worker)
+    _replay(worker, torch.tensor([1, 2]), table.T.contiguous(), 10)
+    assert run.unguarded is not None
+    index = torch.tensor([6, 0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # no fallback to the rows
+        _replay(worker, index, table.T, 11)   # a transposed view: strides (1, 5)
+    _close(worker.tensors[11], _chain_in_torch(table, index))
+    assert run.unguarded is None and not run.replay_only and replies.sent == []
+
+
+def test_the_stand_in_is_inductors_function_only_where_dynamos_graph_is_the_pure_function():
+    """An unused input (not a placeholder) or one returned as it came (not a graph output):
+    dynamo's call, guards and all."""
+    def exact(t1, t2):
+        return (t1 * 2, t2 + 1)
+
+    def unused(t1, t2):
+        return (t1 * 2,)
+
+    def passed_through(t1, t2):
+        return (t1 * 2, t2)
+    x, y = torch.randn(3), torch.randn(3)
+    for function, returns, usable in ((exact, 2, True), (unused, 1, False), (passed_through, 2, False)):
+        inductor = fusion._Inductor()
+        torch.compile(function, backend=inductor, dynamic=False, fullgraph=True)(x, y)
+        stand_in = inductor.stand_in(["L_t1_", "L_t2_"], returns)
+        assert (stand_in is not None) == usable, function.__name__
+        if usable:
+            _close(torch.stack(list(stand_in(x, y))), torch.stack(list(exact(x, y))))
 
 
 def _training_rows(tail: str = "sum") -> tuple:
@@ -202,6 +260,31 @@ def test_a_training_run_is_one_compiled_autograd_node_whose_gradient_equals_torc
         # the first call ran the rows (one node per op); then the compiled function: one node
         assert (type(loss.grad_fn).__name__ == "CompiledFunctionBackward") == (out_id != 10)
     assert not run.replay_only and not run.probing
+
+
+def test_a_parameter_that_starts_requiring_grad_goes_back_to_dynamo():
+    """requires_grad decides what AOTAutograd compiled (with no input requiring grad, a function
+    that records nothing); the signature does not fix a loaded parameter's, so the unguarded call
+    checks it per call (FusedRun._invoke), and dynamo compiles the function that records."""
+    weight = torch.randn(5, 3).requires_grad_()
+    worker = _training_worker(weight)
+    (run,) = _fused_runs(worker)
+    worker.tensors[WEIGHT] = frozen = weight.detach()
+    for out_id in (10, 11):
+        assert not _train_replay(worker, torch.randn(4, 5), out_id).requires_grad
+    assert run.unguarded is not None
+    worker.tensors[WEIGHT] = weight
+    for out_id in (12, 13):
+        x = torch.randn(4, 5)
+        loss = _train_replay(worker, x, out_id)
+        weight.grad = None
+        loss.backward()
+        reference = weight.detach().clone().requires_grad_()
+        ((x @ reference).relu() * 2.0).sum().backward()
+        _close(weight.grad, reference.grad)
+    worker.tensors[WEIGHT] = frozen
+    x = torch.randn(4, 5)
+    _close(_train_replay(worker, x, 14), ((x @ frozen).relu() * 2.0).sum())
 
 
 def test_a_fused_training_run_stores_views_that_require_grad_as_the_rows_do():

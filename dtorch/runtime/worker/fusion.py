@@ -30,6 +30,15 @@ is compiled as well. What the rows do besides, the fused run does as a whole:
 
 Runs that are not fused: those, and a run on CPU where no C++ compiler is found (inductor's CPU
 code is C++).
+
+After the first call, a run calls inductor's compiled function itself, past dynamo's frame hook
+and guards (about 11 us a call on CPU, where the chain's whole kernel is 10-25 us): the graph's
+shapes are fixed by its signature, and what else dynamo would guard is checked here per call, in
+a list compare (each input's dtype and requires_grad), while inductor's own code asserts each
+input's size and stride. It is only done where dynamo's graph is the pure function exactly (each
+loaded tensor a placeholder, in order; each stored one a distinct output, in order) and a second
+call of inductor's function gave the first call's outputs bit for bit (_Inductor, _past_dynamo).
+Inputs that differ, or a failing call, go back to torch.compile's call, guards and all.
 """
 from __future__ import annotations
 
@@ -78,7 +87,10 @@ class FusedRun:
     def __init__(self, straight: StraightLine):
         self.straight, self.rows = straight, straight.rows
         self.pure = straight.pure_function()
-        self.compiled = torch.compile(self.pure, backend="inductor", dynamic=False, fullgraph=True)
+        self.inductor = _Inductor()
+        self.compiled = torch.compile(self.pure, backend=self.inductor, dynamic=False, fullgraph=True)
+        self.unguarded = None      # inductor's function past dynamo, once checked (_past_dynamo)
+        self.input_kinds = None    # what the unguarded call checks per call: each input's dtype and requires_grad
         self.replay_only = False   # set once the fused function failed: the StraightLine runs
         self.compiling = True      # until the first call, which compiles, has succeeded
         self.records = straight.records   # a training forward's run: AOTAutograd compiles its backward too
@@ -114,16 +126,31 @@ class FusedRun:
         another (a reshape's) outside the compiled function, in the caller's mode, and with it
         off that view would not require grad."""
         if not self.records:
-            return self.compiled(*inputs)
+            return self._invoke(inputs)
         grad_mode = torch.is_grad_enabled()
         torch._C._set_grad_enabled(True)
         try:
             if saves_gathered(inputs):
                 with saving_gathered_storages(inputs):
-                    return self.compiled(*inputs)
-            return self.compiled(*inputs)
+                    return self._invoke(inputs)
+            return self._invoke(inputs)
         finally:
             torch._C._set_grad_enabled(grad_mode)
+
+    def _invoke(self, inputs: list):
+        """inductor's function past dynamo where the inputs are of the kinds it was compiled for,
+        else torch.compile's call. Where the unguarded call raises and the guarded one then works
+        (an input of another size or stride, which inductor's code asserts, and dynamo
+        recompiles for), the run leaves its guards to dynamo from then on; where both raise, the
+        inputs were bad (an index out of range), and the run reports it as before."""
+        if self.unguarded is None or _kinds(inputs) != self.input_kinds:
+            return self.compiled(*inputs)
+        try:
+            return self.unguarded(*inputs)
+        except Exception:  # noqa: BLE001 -- dynamo's call decides: it recompiles, or raises what the run reports
+            outputs = self.compiled(*inputs)
+            self.unguarded = None
+            return outputs
 
     def _compile_and_run(self, inputs: list):
         """The first call, which compiles; until it succeeds, every call is a first call."""
@@ -135,9 +162,27 @@ class FusedRun:
             warnings.simplefilter("ignore", FutureWarning)
             outputs = self._call(inputs)
         self.compiling = False
-        # on a GPU, the compiled function captured into a CUDA graph from the next call (cuda_graphs.py)
-        self.compiled = cuda_graphs.graphed(self.compiled, inputs, outputs)
+        # on a GPU, the compiled function captured into a CUDA graph from the next call (cuda_graphs.py);
+        # elsewhere called past dynamo where that is exact
+        graphed = cuda_graphs.graphed(self.compiled, inputs, outputs)
+        if graphed is self.compiled:
+            self._past_dynamo(inputs, outputs)
+        self.compiled = graphed
         return outputs
+
+    def _past_dynamo(self, inputs: list, outputs) -> None:
+        """Call inductor's function itself from now on, if dynamo's one graph is the pure
+        function exactly and a second call of it gives `outputs` (this first call's) again."""
+        function = self.inductor.stand_in([f"L_t{i}_" for i in self.straight.loads], len(outputs))
+        if function is None:
+            return
+        self.unguarded, self.input_kinds = function, _kinds(inputs)
+        try:
+            again = self._call(inputs)   # (an unguarded call that raises leaves unguarded None: _invoke)
+        except Exception:  # noqa: BLE001 -- dynamo's call has just run on these inputs; keep to it
+            again = ()
+        if len(again) != len(outputs) or not all(map(_identical, again, outputs)):
+            self.unguarded = None
 
     def _probe(self, tensors: dict, inputs: list):
         """A training run's first call: the rows run (their outputs are this call's), then the
@@ -179,6 +224,51 @@ class FusedRun:
         if stopped is None:   # the rows ran: the fault was the compiler's
             self._warn(reason)
         return stopped
+
+
+class _Inductor:
+    """torch.compile's backend for a FusedRun: inductor's (compile_fx, as backend="inductor"
+    calls it), keeping each graph dynamo gave it and the function inductor made of it."""
+
+    def __init__(self):
+        self.compiled: list = []   # [(dynamo's GraphModule, inductor's function)]
+
+    def __call__(self, graph_module, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+        function = compile_fx(graph_module, example_inputs)
+        self.compiled.append((graph_module, function))
+        return function
+
+    def stand_in(self, placeholders: list, returns: int):
+        """inductor's function, if dynamo made one graph whose placeholders are `placeholders`
+        (dynamo's names for the pure function's parameters, in order) and whose outputs are
+        `returns` distinct values that the graph computes (not an input passed through, not a
+        constant: dynamo returns those itself), in the pure function's order; else None."""
+        if len(self.compiled) != 1:
+            return None
+        graph_module, function = self.compiled[0]
+        nodes = graph_module.graph.nodes
+        if [node.target for node in nodes if node.op == "placeholder"] != placeholders:
+            return None
+        output = next(node for node in reversed(nodes) if node.op == "output")
+        values = output.args[0]
+        if type(values) not in (tuple, list) or len(values) != returns or len(set(values)) != returns:
+            return None
+        if any(type(value) is not torch.fx.Node or value.op == "placeholder" for value in values):
+            return None
+        return function
+
+
+def _kinds(inputs: list) -> list:
+    """What dynamo guards on that a graph's signature does not fix, per input."""
+    return [(tensor.dtype, tensor.requires_grad) for tensor in inputs]
+
+
+def _identical(mine, theirs) -> bool:
+    """The same tensor bit for bit, recorded the same way (NaNs compare unequal: not identical)."""
+    return (type(mine) is torch.Tensor and type(theirs) is torch.Tensor and mine.dtype == theirs.dtype
+            and mine.shape == theirs.shape and mine.stride() == theirs.stride()
+            and mine.requires_grad == theirs.requires_grad and torch.equal(mine, theirs))
 
 
 class _NoCompiler(Exception):
