@@ -174,6 +174,7 @@ class FusedRun:
         """Call inductor's function itself from now on, if dynamo's one graph is the pure
         function exactly and a second call of it gives `outputs` (this first call's) again."""
         function = self.inductor.stand_in([f"L_t{i}_" for i in self.straight.loads], len(outputs))
+        self.inductor.compiled.clear()   # dynamo's graph is not needed any more; its function dynamo keeps
         if function is None:
             return
         self.unguarded, self.input_kinds = function, _kinds(inputs)
