@@ -36,8 +36,8 @@ warm-up steps (the model, the optimizer state and the allocator's working set ex
 The note gives, for the process with the highest peak during the timed steps, the peak and its
 split into idle + what the layout added: the second number is the one fsdp shards. It ends with
 the host's steal during the row's timed steps (steal.py). The dp rows and DDP's, eager and
-torch.compile'd, take their steps in turns (ddp_turns.py); the other rows and their references are timed at different moments of
-the run, so a ratio between rows whose steal differs says little.
+torch.compile'd, take their steps in turns (ddp_turns.py); the other rows and their references
+are timed at different moments of the run, so a ratio between rows whose steal differs says little.
 
 Pipeline bubble, measured: a pp worker's busy time over the timed steps is the time its main
 thread ran or was runnable (/proc/<pid>/schedstat; a worker waiting for a stage's activations or
@@ -433,7 +433,8 @@ class _DdpRow:
             return {key: failed(NAME, self.case, variant, PER, error) for key, variant in self.variants.items()}
         rows = {}
         for key, last, first in zip(self.keys, self._last, self._first):
-            note = memory_note(last.peak_mib, self._turns.idle_mib) + "; in turns with the dtorch dp rows, one step each"
+            note = memory_note(last.peak_mib, self._turns.idle_mib)
+            note += "; in turns with the dtorch dp rows, one step each"
             if len(self.keys) > 1:
                 note += "; each rank holds both models, so the peak counts both"
             if key != "DDP":

@@ -6,6 +6,7 @@ again (`compiled.stats()`, the warning of a function that keeps capturing)."""
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 
 import pytest
@@ -14,6 +15,8 @@ from torch.optim import lr_scheduler
 
 import dtorch
 from dtorch.compile import RecaptureWarning
+from dtorch.dtensor import compile_scalars
+from dtorch.runtime import protocol as wire
 from dtorch.spec.placements import Replicate, Shard, init_device_mesh
 
 pytestmark = pytest.mark.timeout(300)
@@ -224,6 +227,22 @@ def test_marked_numbers_are_inputs_of_the_graph(mesh4):
         torch.testing.assert_close(out.to_torch(), affine(a, scale, bias, steps)[0], rtol=0, atol=0)
         assert returned == scale and type(returned) is float
     assert compiled.stats()["captures"] == 1 and compiled.stats()["kept_scalars"] == {}
+
+
+def test_the_wire_packing_a_marked_number_is_not_python_using_it():
+    """A batch of the rows a capture has issued so far is packed when it is flushed: in the
+    capture's thread (a batch that waited) or the controller's (the workers went idle).
+    msgpack's packer compares an int with 0 to pick its encoding, and that once made the graph
+    keep a marked int, at random ("Python used its value"). Neither packing counts, in a slice
+    either (an extension type's fields); the function's own comparison does."""
+    steps, scale = compile_scalars.traced(1, "steps"), compile_scalars.traced(0.5, "scale")
+    row = wire.RunOp(3, (7,), 0, "mul", "mul", (wire.TensorRef(5), steps, scale, slice(steps, None)), {}, ())
+    packer = threading.Thread(target=wire.encode_batch, args=(3, [row]))
+    packer.start()
+    packer.join()
+    wire.encode_batch(3, [row])
+    assert steps.used_at is None and scale.used_at is None
+    assert steps > 0 and steps.used_at is not None and scale.used_at is None
 
 
 def test_a_number_python_looks_at_is_kept_and_the_reason_given(mesh4):

@@ -543,6 +543,14 @@ def encode_batch(first_seq: int, commands: list) -> list[bytes]:
     return [TOPIC_ALL, header, body]
 
 
+# The Python functions that hand values to msgpack's C packer. Its packer compares an int
+# subclass with 0 (`o > 0`) to pick the encoding, so a number that watches its own uses (a
+# marked argument of dtorch.compile: dtensor/compile_scalars.py) sees that call come from one of
+# these: this module's batches, and msgpack's own packb (pack, and the extension types' fields).
+PACKING_CODE = frozenset([code for code in (encode_batch.__code__, getattr(msgpack.packb, "__code__", None))
+                          if code is not None])
+
+
 def command_row(command) -> tuple:
     """A command as a batch row (opcode, seq, *fields); DefineGraph carries rows like it."""
     return (OPCODE[type(command)],) + tuple(command)
