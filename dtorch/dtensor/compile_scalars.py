@@ -17,7 +17,6 @@ those uses go unseen: pass such a value as a marked argument of its own.
 from __future__ import annotations
 
 from sys import _getframe
-from threading import get_ident
 
 from ..errors import user_site
 from ..ops import REGISTRY
@@ -27,18 +26,16 @@ __all__ = ["TracedFloat", "TracedInt", "traced", "TRACED", "find_slots"]
 
 
 class _Traced:
-    """What both markers share: the argument's name, where Python first used the value, and the
-    thread the capture runs in. Two readings are not the function using the value:
-    - the wire's: msgpack's packer compares an int with 0 to pick its encoding (`o > 0`) when
-      a batch of the rows the capture has issued so far is flushed (a batch that waited, or the
-      workers going idle), in the capture's thread or the controller's (wire.PACKING_CODE);
-    - any other thread's."""
+    """What both markers share: the argument's name, and where Python first used the value. The
+    wire's reading is not a use: msgpack's packer compares an int with 0 to pick its encoding
+    (`o > 0`) when a batch of the rows the capture has issued so far is flushed (a batch that
+    waited, in the capture's thread; the workers going idle, in the controller's), and that call
+    comes from one of wire.PACKING_CODE."""
     name: str
     used_at: str | None
-    thread: int
 
     def _used(self, result):
-        if result is not NotImplemented and self.used_at is None and get_ident() == self.thread \
+        if result is not NotImplemented and self.used_at is None \
                 and _getframe(2).f_code not in wire.PACKING_CODE:   # 0: here, 1: the watched method, 2: its caller
             self.used_at = user_site()
         return result
@@ -64,7 +61,7 @@ _INT_USES = _FLOAT_USES + ("__index__", "__invert__", "__and__", "__rand__", "__
 class TracedFloat(_Traced, float):
     def __new__(cls, value: float, name: str):
         made = float.__new__(cls, value)
-        made.name, made.used_at, made.thread = name, None, get_ident()
+        made.name, made.used_at = name, None
         return made
 
     __hash__ = float.__hash__
@@ -74,7 +71,7 @@ class TracedFloat(_Traced, float):
 class TracedInt(_Traced, int):
     def __new__(cls, value: int, name: str):
         made = int.__new__(cls, value)
-        made.name, made.used_at, made.thread = name, None, get_ident()
+        made.name, made.used_at = name, None
         return made
 
     __hash__ = int.__hash__
