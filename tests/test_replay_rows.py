@@ -205,7 +205,8 @@ def lone(seq: int, out: int, source: int) -> wire.Redistribute:
 
 @pytest.mark.parametrize("why, lone, random", [
     ("it draws random numbers", run_op(2, CAPTURED + 9, "mul", TensorId(CAPTURED + 2), 2), (2,)),
-    ("it frees an id the table held before the run", wire.Free(2, (CAPTURED,)), ()),
+    ("it is a factory that draws random numbers",
+     wire.Factory(2, CAPTURED + 9, 0, "randn", (1,), "float32", REPLICATE, (0, 0)), (2,)),
     ("it is not an op", wire.Redistribute(2, CAPTURED + 9, CAPTURED + 2, 0, (1,), "float32", REPLICATE, ()), ()),
     ("its mesh does not hold this rank",
      run_op(2, CAPTURED + 9, "mul", TensorId(CAPTURED + 2), 2)._replace(mesh_id=3), ()),
@@ -245,7 +246,7 @@ def test_a_plan_of_two_functions_around_a_lone_row_leaves_what_row_by_row_leaves
     for planned in (True, False):
         worker, replies = fresh_worker(torch.zeros(1))
         graph = define(worker, tuple(wire.command_row(r) for r in rows), (x,), (e,), (a, b, c, d))
-        assert runs(graph) == [(0, 2), 2, 3, (4, 6)]   # `del a` frees what the first run stored: alone
+        assert runs(graph) == [(0, 2), 2, (3, 6), 3]   # `del a` frees what the first run stored: again after
         if not planned:
             worker.graph_commands.graphs[8] = graph._replace(plan=None)
         worker.tensors[INDEX] = torch.tensor([1.0, 2.0])
@@ -260,6 +261,73 @@ def test_a_plan_of_two_functions_around_a_lone_row_leaves_what_row_by_row_leaves
         b_ = torch.tensor([1.0, 2.0]) * 2 + 1
         assert torch.equal(tensors[20], (b_ + b_) ** 2) and torch.equal(tensors_[20], tensors[20])
         assert set(tensors) == {TABLE, INDEX, 20} and not poisoned
+
+
+def factory_and_frees(fails: bool) -> tuple:
+    """a = x * 2; f = zeros (a factory); del x (an input: the table's); b = a + f; del a; c = b *
+    3 (or, when `fails`, b.sum(dim=[4])); g = ones (a factory after the failing row); d = c + g."""
+    x, a, f, b, c, g, d = (TensorId(CAPTURED + i) for i in range(7))
+    return (run_op(0, a, "mul", x, 2), wire.Factory(1, f, 0, "zeros", (2,), "float32", REPLICATE, ()),
+            wire.Free(2, (x,)), run_op(3, b, "add", a, f), wire.Free(4, (a,)),
+            run_op(5, c, "sum", b, kwargs={"dim": [4]}) if fails else run_op(5, c, "mul", b, 3),
+            wire.Factory(6, g, 0, "ones", (2,), "float32", REPLICATE, ()), run_op(7, d, "add", c, g))
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_factories_and_frees_of_the_tables_ids_stay_in_the_run_and_leave_what_row_by_row_leaves(fails):
+    """The factories go before the run's function, the Free of its input after it: the plan is
+    one function, and the tensors, poison and reports are row by row's."""
+    rows = factory_and_frees(fails)
+    outcomes = []
+    for planned in (True, False):
+        worker, replies = fresh_worker(torch.zeros(1))
+        graph = define(worker, tuple(wire.command_row(r) for r in rows), (CAPTURED,), (CAPTURED + 6,),
+                       tuple(CAPTURED + i for i in range(1, 6)))
+        assert runs(graph) == [1, 6, (0, 8), 2]
+        assert "del t100" in graph.plan[2].source and "tensors[100]" in graph.plan[2].source
+        if not planned:
+            worker.graph_commands.graphs[8] = graph._replace(plan=None)
+        worker.tensors[INDEX] = torch.tensor([1.0, 2.0])
+        made = []
+        worker.graph_commands.runner.run_command = _counting(worker.graph_commands.runner.run_command, made)
+        deliver(worker, lambda s: [wire.RunGraph(s, 8, len(rows), (INDEX,), (20,), 0, 0, (), 1)])
+        outcomes.append((dict(worker.tensors), dict(worker.shards.poisoned),
+                         [(r.seq, r.op, r.exception_type) for r in replies.reports()], made))
+    (tensors, poisoned, reports, made), (tensors_, poisoned_, reports_, made_) = outcomes
+    assert tensors.keys() == tensors_.keys() and poisoned == poisoned_ and reports == reports_
+    assert sorted(made) == sorted(made_) == [1, 6]   # each factory ran once, planned or not
+    assert CAPTURED not in tensors   # the input's Free reached the table (the caller's own id stays)
+    if fails:
+        assert poisoned == {20: 4 + 5} and [r[1:] for r in reports] == [("sum", "IndexError")]
+    else:
+        assert torch.equal(tensors[20], torch.tensor([1.0, 2.0]) * 2 * 3 + 1) and torch.equal(tensors_[20], tensors[20])
+        assert set(tensors) == {TABLE, INDEX, 20} and not poisoned
+
+
+def _counting(run_command, made: list):
+    """run_command, noting the row of each Factory it runs (graph 8's rows start at seq 4)."""
+    def counted(command):
+        if type(command) is wire.Factory:
+            made.append(command.seq - 4)
+        return run_command(command)
+    return counted
+
+
+@pytest.mark.parametrize("why, rows, plan", [
+    ("a row reads an input the run freed",
+     (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), 2), wire.Free(1, (CAPTURED,)),
+      run_op(2, CAPTURED + 2, "add", TensorId(CAPTURED + 1), 1), run_op(3, CAPTURED + 3, "add", TensorId(CAPTURED), 1)),
+     [(0, 3), 1, 3]),
+    ("a factory rebinds an id the run read",
+     (run_op(0, CAPTURED + 1, "mul", TensorId(CAPTURED), 2), run_op(1, CAPTURED + 2, "add", TensorId(CAPTURED + 1), 1),
+      wire.Factory(2, CAPTURED, 0, "zeros", (2,), "float32", REPLICATE, ()),
+      run_op(3, CAPTURED + 3, "add", TensorId(CAPTURED), 1), run_op(4, CAPTURED + 4, "add", TensorId(CAPTURED + 3), 1)),
+     [(0, 2), 2, (2, 5)]),
+])
+def test_a_run_ends_where_moving_a_factory_or_a_free_would_change_what_a_row_reads(why, rows, plan):
+    worker, _ = fresh_worker(torch.zeros(1))
+    graph = define(worker, tuple(wire.command_row(c) for c in rows), (CAPTURED,), (), ())
+    assert runs(graph) == plan, why
 
 
 def test_a_multi_output_row_and_a_kept_intermediate_reach_the_table():

@@ -86,6 +86,7 @@ class FusedRun:
 
     def __init__(self, straight: StraightLine):
         self.straight, self.rows = straight, straight.rows
+        self.hoisted, self.deferred = straight.hoisted, straight.deferred   # (graphs._run_plan reads them)
         self.pure = straight.pure_function()
         self.inductor = _Inductor()
         self.compiled = torch.compile(self.pure, backend=self.inductor, dynamic=False, fullgraph=True)

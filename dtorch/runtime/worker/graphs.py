@@ -250,11 +250,14 @@ def _run_plan(graph: Graph, run: wire.RunGraph, tensors: dict, execute, fail, st
             continue
         row, error, made = stopped
         if row == straight_line.LOADING:   # not run: an input is missing (the per-command path words why)
-            one_by_one(step.rows)
+            one_by_one([i for i in step.rows if i not in step.hoisted])   # (its deferred Frees run again after)
             continue
         tensors.update(made)
         fail(replay_command(graph, run, row), error)
-        one_by_one(range(row + 1, len(graph.rows)))
+        # the table's part of the run's Frees before that row, then every row after it but the
+        # factories that ran before the function
+        one_by_one([i for i in step.deferred if i < row])
+        one_by_one([i for i in range(row + 1, len(graph.rows)) if i not in step.hoisted])
         return
 
 

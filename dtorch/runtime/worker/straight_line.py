@@ -20,9 +20,19 @@ instead, with grad mode switched the same way.
 A graph's plan (`build`) is its rows in order, each run of plain rows (`plain_row`: tensors,
 scalars, dtypes and containers of them in, this rank's block where a rule asks for it, no peers,
 no slicing, nothing random, on a mesh that holds this rank) as one function, and every
-other row (a collective, a random or optimizer row, a Free of what the run did not make) as
-itself, for the worker's per-command path. A run takes its function only when no communication
-is in flight and the profiler is off; else its rows go one by one.
+other row (a collective, a random or optimizer row) as itself, for the worker's per-command path.
+A run takes its function only when no communication is in flight and the profiler is off; else
+its rows go one by one.
+
+Two kinds of row that are not ops do not end a run, so that a training step's loss (a
+cross-entropy between factories and frees) fuses with the forward that made its logits:
+- a Factory that draws nothing (zeros, full, arange, ...; never a random row) is hoisted: it goes
+  alone just before the run's function, whose rows read it from the table. Nothing in the run
+  can read it earlier: its id is new (a factory that rebinds an id the run has used ends the run);
+- a Free of ids the table held before the run (ones the run loaded, or never touched) is `del`
+  for what the run holds, and goes alone again just after the function, for the table: the run
+  loaded those tensors before its first row, and no later row of it may read them (one that does
+  ends the run). A Free is idempotent, so where the rows go one by one it runs twice.
 
 A row that raises stops the function. Its line names the row, and the function's frame (kept by
 the traceback) holds what the rows before it made: those go into the table, the failing row
@@ -73,8 +83,11 @@ class StraightLine:
     """A run of a graph's rows (first to stop - 1) as a function of the worker's tensor table."""
 
     def __init__(self, source: str, namespace: dict, name: str, row_of_line: list, rows: range, pure: tuple = (),
-                 records: bool = False):
+                 records: bool = False, hoisted: tuple = (), deferred: tuple = ()):
         self.source, self.name, self.row_of_line, self.rows = source, name, row_of_line, rows
+        # rows of `rows` that the plan runs alone: factories before the function, the table's
+        # part of frees after it (see the module's doc)
+        self.hoisted, self.deferred = hoisted, deferred
         self.records = records   # some row records for backward (a training forward's)
         exec(compile(source, name, "exec"), namespace)   # noqa: S102 -- source built here from ids and names
         self.function = namespace["replay"]
@@ -133,12 +146,16 @@ def build(graph_id: int, commands: list, scratch: tuple, random: frozenset, kern
     steps, writer = [], None
     for index, command in enumerate(commands):
         if writer is not None and writer.take(index, command):
+            if writer.hoisted and writer.hoisted[-1] == index:   # a factory: alone, before the run's function
+                steps.append(index)
             continue
         _close(writer, steps, graph_id, None)
         writer = _Writer(kernels, is_plain, locate, random, index)
         if not writer.take(index, command):
             steps.append(index)
             writer = None
+        elif writer.hoisted:
+            steps.append(index)
     _close(writer, steps, graph_id, set(scratch))
     return tuple(steps) if any(type(step) is StraightLine for step in steps) else None
 
@@ -155,10 +172,11 @@ def _close(writer, steps: list, graph_id: int, scratch: set | None) -> None:
                                      scratch or set())
         except SyntaxError:   # a name the checks let through that Python will not take: the rows alone
             function = None
-    if function is None:
-        steps.extend(writer.rows)
+    if function is None:   # (its hoisted factories are steps already)
+        steps.extend([row for row in writer.rows if row not in writer.hoisted])
     else:
         steps.append(function)
+        steps.extend(writer.deferred)
 
 
 class _Writer:
@@ -172,6 +190,9 @@ class _Writer:
         self.loaded: set = set()
         self.alive: set = set()    # ids whose local variable holds a value now
         self.made: set = set()     # ids some row assigned
+        self.gone: set = set()     # ids some Free row of the run freed
+        self.hoisted: list = []    # Factory rows that run alone before the function
+        self.deferred: list = []   # Free rows that run alone after it, for the table
         self.body: list = []       # (row index, line)
         self.pure_body: list = []  # the same lines for the pure form: a recorded row calls its kernel itself
         self.whole = False         # some row saves gathered parameters whole (RunOp.regather False): no pure form
@@ -185,6 +206,8 @@ class _Writer:
         """Add the row and say True, or False if it cannot join this run."""
         if type(command) is wire.Free:
             taken = self._free(index, command.ids)
+        elif type(command) is wire.Factory:
+            taken = self._hoist(index, command.out_id)
         else:
             plain = index not in self.random and self.is_plain(command)
             place = self.locate(command.mesh_id) if plain else None
@@ -194,10 +217,24 @@ class _Writer:
         return taken
 
     def _free(self, index: int, ids: tuple) -> bool:
-        if not ids or not all(i in self.alive and i in self.made and i not in self.loaded for i in ids):
-            return False   # it frees an id the table held before the run (or twice): the table's own Free
+        """`del` of what the run holds; where the table held an id before the run, the Free
+        goes again after the function (deferred), for the table."""
+        if not ids or any(i in self.gone for i in ids):
+            return False   # it frees an id twice: the table's own Free words it
+        held = [i for i in ids if i in self.alive]
+        if held:
+            self._line(index, "del " + ", ".join(f"t{i}" for i in held))
+        if any(i in self.loaded or i not in self.made for i in ids):
+            self.deferred.append(index)
         self.alive.difference_update(ids)
-        self._line(index, "del " + ", ".join(f"t{i}" for i in ids))
+        self.gone.update(ids)
+        return True
+
+    def _hoist(self, index: int, out_id: int) -> bool:
+        """A factory that draws nothing, and whose id this run has not used, runs before it."""
+        if index in self.random or out_id in self.loaded or out_id in self.made or out_id in self.gone:
+            return False
+        self.hoisted.append(index)
         return True
 
     def _line(self, index: int, line: str, pure: str | None = None) -> None:
@@ -206,8 +243,10 @@ class _Writer:
         self.pure_body.append((index, line if pure is None else pure))
 
     def _call(self, index: int, command: wire.RunOp, place) -> bool:
-        if any(i in self.made and i not in self.alive for i in _ids_in((command.args, command.kwargs.values()))):
-            return False   # it reads an id a row made and freed: row by row, which words the error
+        if any(i in self.gone for i in _ids_in((command.args, command.kwargs.values()))):
+            return False   # it reads an id a row of the run freed: row by row, which words the error
+        if any(i in self.gone for i in command.out_ids):
+            return False   # it makes an id again that a Free of the run let go: the deferred Free would drop it
         kernel = self.kernels.get(command.kernel)
         if kernel is None:
             return False
@@ -286,7 +325,7 @@ class _Writer:
             row_of_line.append(self.body[-1][0])   # (a store cannot raise)
         pure = () if self.whole else (tuple(self.loads), tuple(stored), self._pure_source(stored))
         return StraightLine("\n".join(lines) + "\n", self.namespace, name, row_of_line, self.rows, pure,
-                            self.recorded_any)
+                            self.recorded_any, tuple(self.hoisted), tuple(self.deferred))
 
     def _pure_source(self, stored: list) -> str:
         """The same rows as `fused(t3, t7) -> (t9, t12)`: no table, so torch.compile can trace it.
