@@ -2,6 +2,7 @@
 DDP, wall time and CPU time (user, system) per step of every process, from /proc.
 
     python -m benchmarks.dp_step_cpu            # ~1.5 min on a quiet 2-core machine
+    python -m benchmarks.dp_step_cpu --fused    # also the fused step and DDP + torch.compile (~4 min)
     python -m benchmarks.dp_step_cpu --rounds 4 # more turns of every row
     python -m benchmarks.dp_step_cpu --steps 2  # does it run? (the tests)
     python -m benchmarks.dp_step_cpu --glibc-defaults   # every process with glibc's own malloc
@@ -19,8 +20,13 @@ Rows:
   dtorch dp4, dtorch.compile step   the first row's step as one dtorch.compile'd function (benchmark
                              10's compiled row): one command per step, so the controller's CPU
                              per step all but vanishes; alternated with the rows above
+  dtorch dp4, fused step     (--fused) the same step with backend="inductor" (benchmark 10's fused
+                             row: the forward and loss one inductor-compiled run, AdamW on foreach
+                             kernels)
   torch DDP, 4 procs         each rank's CPU over the same number of steps (torch's default AdamW,
-                             the single-tensor path on CPU), then with fused=True
+                             the single-tensor path on CPU), then with fused=True, and (--fused)
+                             a second DDP model under torch.compile (inductor) with the default
+                             AdamW: the fused row's peer
   torch.cat into a new / a kept buffer   the bucket flattening's cost in a process started with
                              the benchmarks' malloc setting (a fresh 14 MiB buffer pays its page faults)
 
@@ -53,7 +59,7 @@ from .train_baselines import _batch
 STEPS = 10
 WARMUP = 3
 ROUNDS = 2
-VARIANT_NAMES = {"compiled": "dtorch.compile step"}
+VARIANT_NAMES = {"compiled": "dtorch.compile step", "fused": "fused step"}
 
 
 def cpu_seconds(pid: int | str = "self") -> tuple[float, float]:
@@ -69,10 +75,10 @@ def _fields() -> dict:
                                  llama_seq=suite.train_seq))
 
 
-DDP_ROWS = ("torch DDP, 4 procs", "torch DDP, fused AdamW")   # DdpTurns' optimizers: default, fused
+DDP_ROWS = ("torch DDP, 4 procs", "torch DDP, fused AdamW", "torch DDP + torch.compile")   # DdpTurns' order
 
 
-def _dtorch(fields: dict, ddp: DdpTurns) -> dict:
+def _dtorch(fields: dict, ddp: DdpTurns, fused_rows: bool) -> dict:
     import torch
     import transformers
     import dtorch
@@ -91,11 +97,12 @@ def _dtorch(fields: dict, ddp: DdpTurns) -> dict:
 
         kept = []
         compiled = compiled_step(model, default)
+        fused_step = compiled_step(model, default, backend="inductor")
 
         def step(variant: str) -> float:
             start = time.perf_counter()
-            if variant == "compiled":
-                compiled(model._upload(ids))
+            if variant in ("compiled", "fused"):
+                (compiled if variant == "compiled" else fused_step)(model._upload(ids))
                 dtorch.synchronize()
                 return time.perf_counter() - start
             loss = model(ids, labels=ids).loss
@@ -108,12 +115,12 @@ def _dtorch(fields: dict, ddp: DdpTurns) -> dict:
             if variant == "losses kept":
                 kept.append(loss)
             return time.perf_counter() - start
-        variants = ("", "no_sync", "fused AdamW", "compiled", "losses kept")
-        for variant in variants[:4] * WARMUP:
+        variants = ("", "no_sync", "fused AdamW", "compiled", *(("fused",) if fused_rows else ()), "losses kept")
+        for variant in variants[:-1] * WARMUP:
             step(variant)
         ddp.turn(WARMUP)
         rows = {}
-        for variant in [*variants[:4], "DDP"] * ROUNDS + [variants[4]]:   # in turns; the kept graphs last, once
+        for variant in [*variants[:-1], "DDP"] * ROUNDS + [variants[-1]]:   # in turns; the kept graphs last, once
             if variant == "DDP":
                 for name, turn in zip(DDP_ROWS, ddp.turn(STEPS)):
                     rows.setdefault(name, []).append((sorted(turn.walls)[STEPS // 2], turn.cpu, turn.steal))
@@ -157,6 +164,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per row")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="turns of every row but 'losses kept'")
+    parser.add_argument("--fused", action="store_true",
+                        help="also the step under dtorch.compile(backend='inductor') and DDP + torch.compile")
     parser.add_argument("--glibc-defaults", action="store_true",
                         help="start every process without benchmark 10's MALLOC_MMAP_THRESHOLD_")
     options = parser.parse_args()
@@ -164,9 +173,10 @@ def main() -> None:
     WARMUP = min(WARMUP, STEPS)
     fields = _fields()
     with contextlib.nullcontext() if options.glibc_defaults else returned_buffers():
-        ddp = DdpTurns(fields, _batch(fields, QUICK.train_batch, QUICK.train_seq), 4, fused=(False, True))
+        ddp = DdpTurns(fields, _batch(fields, QUICK.train_batch, QUICK.train_seq), 4, fused=(False, True),
+                       compile_backend="inductor" if options.fused else None)
         try:
-            rows = _dtorch(fields, ddp)
+            rows = _dtorch(fields, ddp, options.fused)
         finally:
             ddp.close()
         (cat,) = run_ranks(_cat_rank, 1, (), 120)
