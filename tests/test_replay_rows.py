@@ -284,7 +284,8 @@ def test_factories_and_frees_of_the_tables_ids_stay_in_the_run_and_leave_what_ro
         graph = define(worker, tuple(wire.command_row(r) for r in rows), (CAPTURED,), (CAPTURED + 6,),
                        tuple(CAPTURED + i for i in range(1, 6)))
         assert runs(graph) == [1, 6, (0, 8), 2]
-        assert "del t100" in graph.plan[2].source and "tensors[100]" in graph.plan[2].source
+        source = graph.plan[2].source   # x loaded, then let go where its Free stands, table and all
+        assert "t100 = tensors[100]" in source and "del t100\n    tensors.pop(100, None)" in source
         if not planned:
             worker.graph_commands.graphs[8] = graph._replace(plan=None)
         worker.tensors[INDEX] = torch.tensor([1.0, 2.0])

@@ -30,9 +30,11 @@ cross-entropy between factories and frees) fuses with the forward that made its 
   alone just before the run's function, whose rows read it from the table. Nothing in the run
   can read it earlier: its id is new (a factory that rebinds an id the run has used ends the run);
 - a Free of ids the table held before the run (ones the run loaded, or never touched) is `del`
-  for what the run holds, and goes alone again just after the function, for the table: the run
-  loaded those tensors before its first row, and no later row of it may read them (one that does
-  ends the run). A Free is idempotent, so where the rows go one by one it runs twice.
+  for what the run holds and, in the replay form, a drop from the table; it goes alone again
+  just after the function (the pure form has no table; the per-command Free also clears poison
+  and in-flight marks). The run loaded those tensors before its first row, and no later row of
+  it may read them (one that does ends the run). A Free is idempotent, so the second time, and
+  the third where the rows go one by one, frees nothing more.
 
 A row that raises stops the function. Its line names the row, and the function's frame (kept by
 the traceback) holds what the rows before it made: those go into the table, the failing row
@@ -217,14 +219,18 @@ class _Writer:
         return taken
 
     def _free(self, index: int, ids: tuple) -> bool:
-        """`del` of what the run holds; where the table held an id before the run, the Free
-        goes again after the function (deferred), for the table."""
+        """`del` of what the run holds. Where the table held an id before the run, the replay
+        form drops it from the table there too, and the Free goes again after the function
+        (deferred): the pure form has no table, and the table's poison and in-flight marks are
+        the per-command Free's to clear."""
         if not ids or any(i in self.gone for i in ids):
             return False   # it frees an id twice: the table's own Free words it
         held = [i for i in ids if i in self.alive]
         if held:
             self._line(index, "del " + ", ".join(f"t{i}" for i in held))
-        if any(i in self.loaded or i not in self.made for i in ids):
+        tables = [i for i in ids if i in self.loaded or i not in self.made]
+        if tables:
+            self.body.append((index, "; ".join(f"tensors.pop({i}, None)" for i in tables)))
             self.deferred.append(index)
         self.alive.difference_update(ids)
         self.gone.update(ids)
