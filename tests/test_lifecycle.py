@@ -215,6 +215,26 @@ def test_commands_are_batched_and_sent_once_for_all_workers(mesh4):
     assert batches < commands / 10, (batches, commands)   # batched, one broadcast each
 
 
+def test_a_free_that_goes_before_the_next_command_does_not_send_each_command_alone(mesh4):
+    """Each replay of a compiled function puts a Free of what was dropped before its RunGraph (as
+    a dropped large block does before the next op); that Free starts the batch, so the batch ages
+    from then and waits for more commands like any other. (It once kept the previous batch's
+    start, and each call went in a batch of its own.)"""
+    step = dtorch.compile(lambda x: x * 1.0001 + 1)
+    x = dtorch.ones(16, device_mesh=mesh4, placements=[Shard(0)])
+    x = step(step(x))   # the capture, then the first replay
+    dtorch.synchronize()
+    before = dtorch.stats()
+    for _ in range(300):
+        x = step(x)   # the previous x is dropped: a Free before the next call's RunGraph
+    x.to_torch()
+    after = dtorch.stats()
+    commands = after["commands_sent"] - before["commands_sent"]
+    batches = after["batches_sent"] - before["batches_sent"]
+    assert commands >= 300
+    assert batches < commands / 10, (batches, commands)
+
+
 def test_commands_leave_once_the_issuing_thread_goes_quiet(mesh4, monkeypatch):
     """No read follows: the idle-flush timer, which stays armed while ops keep coming, publishes
     the last batch once the thread stops issuing (the watchdog's safety net is off here)."""

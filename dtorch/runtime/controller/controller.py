@@ -168,13 +168,13 @@ class Controller:
             tap.check(command_type, site, read, private)
         now = time.monotonic()
         with self._lock:
+            if not self._pending:   # (before the Free that may go first: it starts the batch as much)
+                self._pending_since = now
             if self._free_now or len(self._released) >= FREE_BATCH:
                 self._free_released()
             seq = self._next_seq
             self._next_seq = seq + span
             command = command_type(seq, *fields)
-            if not self._pending:
-                self._pending_since = now
             self._last_submit = now
             self._pending.append(command)
             if tap is not None:
