@@ -235,6 +235,32 @@ def test_a_free_that_goes_before_the_next_command_does_not_send_each_command_alo
     assert batches < commands / 10, (batches, commands)
 
 
+def test_calls_of_a_compiled_graph_leave_once_a_batch_holds_enough_rows(mesh4, monkeypatch):
+    """With the aged flush and the watchdog out of the way, the issuing thread publishes a batch
+    of replays of a 100-row graph itself once their rows reach WORK_FLUSH_ROWS: about every 10th
+    call goes out with the ones before it, no read and no quiet spell needed."""
+    from dtorch.runtime.controller import controller as controller_module
+    for name in ("AGED_FLUSH_S", "STALE_PENDING_S"):
+        monkeypatch.setattr(controller_module, name, 1e9)
+    controller = session.controller()
+    step = dtorch.compile(lambda x: _chain(x, 50))
+    x = dtorch.ones(16, device_mesh=mesh4, placements=[Shard(0)])
+    x = step(step(x))   # the capture, then the first replay
+    dtorch.synchronize()
+    calls = 0
+    while calls < 40 and (calls == 0 or controller.published_upto <= x._seq):   # until a call's RunGraph is out
+        x = step(x)
+        calls += 1
+    assert calls <= controller_module.WORK_FLUSH_ROWS // 100 + 1, calls
+    dtorch.synchronize()
+
+
+def _chain(x, lines: int):
+    for _ in range(lines):
+        x = x * 1.0001 + 1
+    return x
+
+
 def test_commands_leave_once_the_issuing_thread_goes_quiet(mesh4, monkeypatch):
     """No read follows: the idle-flush timer, which stays armed while ops keep coming, publishes
     the last batch once the thread stops issuing (the watchdog's safety net is off here)."""

@@ -68,8 +68,13 @@ __all__ = ["Controller", "CommandTap", "WorkerRecord"]
 # The idle flush is one timer on the loop thread that stays armed while the user's thread issues:
 # it looks again every BUSY_RECHECK_S until IDLE_FLUSH_S pass without a command. (A wake-up of
 # the loop thread per batch cost the issuing thread ~20% of its time in GIL hand-offs.)
+# A batch also leaves, from the issuing thread, once it holds WORK_FLUSH_ROWS commands' worth of
+# work (a RunGraph counts each row it replays): calls of a compiled function come ~15 us apart
+# and each is a whole graph, so waiting 2 ms for the first batch kept the workers idle while ~150
+# calls piled up; at ~10 calls of a 100-row graph a batch still spreads a message's cost thin.
 IDLE_FLUSH_S = 0.0005
 AGED_FLUSH_S = 0.002
+WORK_FLUSH_ROWS = 1024
 BUSY_RECHECK_S = 0.001
 BATCH_LIMIT = 4096
 FREE_BATCH = 16
@@ -124,6 +129,7 @@ class Controller:
         self._flush_scheduled = False   # the idle-flush timer is armed (it disarms only when idle)
         self._flush_now = False         # an immediate flush (a full batch) is on its way
         self._pending_since = 0.0       # when the oldest pending command was submitted (monotonic)
+        self._pending_rows = 0          # the pending commands' spans: rows of work (a RunGraph, each it replays)
         self._last_submit = 0.0         # when the newest command was submitted (monotonic)
         self.sites = CommandSites()     # the user's line that issued each recent command (errors)
         # submit writes the ring's columns directly, for every command (command_sites.CommandSites)
@@ -170,6 +176,7 @@ class Controller:
         with self._lock:
             if not self._pending:   # (before the Free that may go first: it starts the batch as much)
                 self._pending_since = now
+            self._pending_rows += span
             if self._free_now or len(self._released) >= FREE_BATCH:
                 self._free_released()
             seq = self._next_seq
@@ -199,8 +206,8 @@ class Controller:
                 elif not self._flush_scheduled:
                     self._flush_scheduled = True
                     self._loop.call_soon_threadsafe(self._flush_soon)
-        if read is not None or now - self._pending_since >= AGED_FLUSH_S:
-            self._flush()   # from this thread: a read, or a batch that waited, needs no loop wake-up
+        if read is not None or now - self._pending_since >= AGED_FLUSH_S or self._pending_rows >= WORK_FLUSH_ROWS:
+            self._flush()   # from this thread: a read, a batch that waited or one with work enough: no loop wake-up
         return seq
 
     def reference(self, tensor) -> wire.WireRef:
@@ -441,7 +448,7 @@ class Controller:
             self._flush_now = False
             if self._released:
                 self._free_released()
-            batch, self._pending = self._pending, []
+            batch, self._pending, self._pending_rows = self._pending, [], 0
             private, self._private = self._private, {}
         if not batch:
             return
