@@ -12,7 +12,9 @@ and the workers see it from their start: libgomp reads OMP_WAIT_POLICY once). Th
 torch eager and torch.compile of the chain by themselves first, then opens a session of
 `--workers` workers and times `dtorch.compile(chain, backend="inductor")`: per call, `--calls`
 calls through the final read, `--repeats` times; and the CPU time the calling thread spent
-issuing them ("issuing CPU": the controller's side of a call, batched publishes included). All
+issuing them ("issuing CPU": the controller's side of a call, batched publishes included), and,
+through the final read, the CPU of the controller's whole process and of the workers' (every
+thread: the loop thread, zmq's I/O threads, OpenMP's; /proc's schedstat). All
 processes share one TORCHINDUCTOR_CACHE_DIR, warmed by a first run that is not counted, so each
 compiles warm. Prints per pair the best and
 the median over every repeat of every round, and the dtorch row over the same process's
@@ -39,13 +41,18 @@ def child(ops: int, calls: int, repeats: int, workers: int) -> dict:
     import torch
     from benchmarks.chain import run_chain
 
-    def per_call(step, z, read, issue_cpu: list | None = None) -> float:
+    def per_call(step, z, read, cpu_rows: dict | None = None, pids: tuple = ()) -> float:
         started, cpu = time.perf_counter(), time.thread_time()
+        processes = [_cpu("self"), *map(_cpu, pids)]
         for _ in range(calls):
             z = step(z)
-        if issue_cpu is not None:   # this thread's CPU for issuing the calls: the controller's side
-            issue_cpu.append((time.thread_time() - cpu) / calls)
+        if cpu_rows is not None:   # this thread's CPU for issuing the calls: the controller's side
+            cpu_rows["issuing CPU"].append((time.thread_time() - cpu) / calls)
         read(z)
+        if cpu_rows is not None:   # every thread's, through the read: the controller's process, the workers'
+            spent = [after - before for before, after in zip(processes, [_cpu("self"), *map(_cpu, pids)])]
+            cpu_rows["controller CPU"].append(spent[0] / calls)
+            cpu_rows["workers' CPU"].append(sum(spent[1:]) / calls)
         return (time.perf_counter() - started) / calls
 
     chain = lambda z: run_chain(z, ops)   # noqa: E731
@@ -54,7 +61,7 @@ def child(ops: int, calls: int, repeats: int, workers: int) -> dict:
     compiled(z)
     import dtorch
     found = {"dtorch": [os.path.dirname(os.path.dirname(dtorch.__file__))], "torch eager": [], "torch.compile": [],
-             "dtorch fused": [], "issuing CPU": []}
+             "dtorch fused": [], "issuing CPU": [], "controller CPU": [], "workers' CPU": []}
     for _ in range(repeats):
         found["torch eager"].append(per_call(chain, z, lambda r: r.sum().item()))
         found["torch.compile"].append(per_call(compiled, z, lambda r: r.sum().item()))
@@ -66,11 +73,25 @@ def child(ops: int, calls: int, repeats: int, workers: int) -> dict:
         fused = dtorch.compile(chain, backend="inductor")
         fused(x).to_torch()   # the capture
         fused(x).to_torch()   # the first replay compiles (warm: the cache holds it)
+        pids = tuple([worker["pid"] for worker in dtorch.workers()])
         for _ in range(repeats):
-            found["dtorch fused"].append(per_call(fused, x, lambda r: r.to_torch(), found["issuing CPU"]))
+            found["dtorch fused"].append(per_call(fused, x, lambda r: r.to_torch(), found, pids))
     finally:
         dtorch.shutdown()
     return found
+
+
+def _cpu(pid) -> float:
+    """The CPU seconds of a process's live threads so far (/proc/<pid>/task/*/schedstat: time on
+    a core, in ns; /proc/<pid>/stat counts in 10 ms ticks, coarser than a run of calls)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                total += int(stat.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):   # a thread that ended meanwhile
+            continue
+    return total / 1e9
 
 
 def _run(checkout: str, setting: str, args, cache: str) -> dict:
