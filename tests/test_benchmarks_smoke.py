@@ -198,6 +198,17 @@ def test_steal_share_is_read_from_proc_stat(tmp_path, monkeypatch):
     assert steal.describe(None).startswith("host steal")
 
 
+@pytest.mark.timeout(240)
+def test_the_fused_chain_ab_script_reports_each_rows_time_and_cpu():
+    """benchmarks.fused_chain_ab (docs/design/compile.md quotes it): a short chain, one round, this
+    checkout; every row, the controller's and the workers' CPU per call among them, as figures."""
+    result = subprocess.run([sys.executable, "-m", "benchmarks.fused_chain_ab", "--rounds", "1", "--repeats", "1",
+                             "--calls", "20", "--ops", "4"], cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    for row in ("torch eager", "torch.compile", "dtorch fused", "issuing CPU", "controller CPU", "workers' CPU"):
+        assert re.search(rf"{row}\s+best\s+\d+\.\d us, median\s+\d+\.\d us", result.stdout), (row, result.stdout)
+
+
 def test_the_dp_step_cpu_script_runs():
     """benchmarks.dp_step_cpu (docs/design/benchmarks.md quotes it) prints every row, with 2 steps each, in
     one round of turns between dtorch's session and DDP's ranks (both kept alive throughout)."""
