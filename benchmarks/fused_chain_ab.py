@@ -40,17 +40,18 @@ def child(ops: int, calls: int, repeats: int, workers: int) -> dict:
     fused dtorch chain (in that order: no session is open while torch's rows run)."""
     import torch
     from benchmarks.chain import run_chain
+    from benchmarks.process_memory import cpu_seconds   # every live thread's, from schedstat
 
     def per_call(step, z, read, cpu_rows: dict | None = None, pids: tuple = ()) -> float:
         started, cpu = time.perf_counter(), time.thread_time()
-        processes = [_cpu("self"), *map(_cpu, pids)]
+        processes = [cpu_seconds("self"), *map(cpu_seconds, pids)]
         for _ in range(calls):
             z = step(z)
         if cpu_rows is not None:   # this thread's CPU for issuing the calls: the controller's side
             cpu_rows["issuing CPU"].append((time.thread_time() - cpu) / calls)
         read(z)
         if cpu_rows is not None:   # every thread's, through the read: the controller's process, the workers'
-            spent = [after - before for before, after in zip(processes, [_cpu("self"), *map(_cpu, pids)])]
+            spent = [after - before for before, after in zip(processes, [cpu_seconds("self"), *map(cpu_seconds, pids)])]
             cpu_rows["controller CPU"].append(spent[0] / calls)
             cpu_rows["workers' CPU"].append(sum(spent[1:]) / calls)
         return (time.perf_counter() - started) / calls
@@ -79,19 +80,6 @@ def child(ops: int, calls: int, repeats: int, workers: int) -> dict:
     finally:
         dtorch.shutdown()
     return found
-
-
-def _cpu(pid) -> float:
-    """The CPU seconds of a process's live threads so far (/proc/<pid>/task/*/schedstat: time on
-    a core, in ns; /proc/<pid>/stat counts in 10 ms ticks, coarser than a run of calls)."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
-                total += int(stat.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):   # a thread that ended meanwhile
-            continue
-    return total / 1e9
 
 
 def _run(checkout: str, setting: str, args, cache: str) -> dict:

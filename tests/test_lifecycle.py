@@ -15,6 +15,7 @@ import torch
 import dtorch
 from dtorch.spec.placements import Replicate, Shard
 from dtorch.runtime.controller import session
+from benchmarks.chain import run_chain
 from support import REPO, alive, run_script
 
 
@@ -243,7 +244,7 @@ def test_calls_of_a_compiled_graph_leave_once_a_batch_holds_enough_rows(mesh4, m
     for name in ("AGED_FLUSH_S", "STALE_PENDING_S"):
         monkeypatch.setattr(controller_module, name, 1e9)
     controller = session.controller()
-    step = dtorch.compile(lambda x: _chain(x, 50))
+    step = dtorch.compile(lambda x: run_chain(x, 100))   # benchmark 1's chain: 100 ops
     x = dtorch.ones(16, device_mesh=mesh4, placements=[Shard(0)])
     x = step(step(x))   # the capture, then the first replay
     dtorch.synchronize()
@@ -253,12 +254,6 @@ def test_calls_of_a_compiled_graph_leave_once_a_batch_holds_enough_rows(mesh4, m
         calls += 1
     assert calls <= controller_module.WORK_FLUSH_ROWS // 100 + 1, calls
     dtorch.synchronize()
-
-
-def _chain(x, lines: int):
-    for _ in range(lines):
-        x = x * 1.0001 + 1
-    return x
 
 
 def test_commands_leave_once_the_issuing_thread_goes_quiet(mesh4, monkeypatch):

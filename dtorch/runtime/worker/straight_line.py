@@ -148,16 +148,16 @@ def build(graph_id: int, commands: list, scratch: tuple, random: frozenset, kern
     steps, writer = [], None
     for index, command in enumerate(commands):
         if writer is not None and writer.take(index, command):
-            if writer.hoisted and writer.hoisted[-1] == index:   # a factory: alone, before the run's function
+            if type(command) is wire.Factory:   # taken means hoisted: alone, before the run's function
                 steps.append(index)
             continue
         _close(writer, steps, graph_id, None)
         writer = _Writer(kernels, is_plain, locate, random, index)
-        if not writer.take(index, command):
+        taken = writer.take(index, command)
+        if not taken or type(command) is wire.Factory:   # alone; or hoisted, alone before the function
             steps.append(index)
+        if not taken:
             writer = None
-        elif writer.hoisted:
-            steps.append(index)
     _close(writer, steps, graph_id, set(scratch))
     return tuple(steps) if any(type(step) is StraightLine for step in steps) else None
 
