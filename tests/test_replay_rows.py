@@ -187,6 +187,56 @@ def test_a_row_failing_after_others_keeps_what_they_made_for_the_rows_after_it(p
     assert set(worker.tensors) == {TABLE, INDEX, 21}   # the scratch dropped, as after a clean replay
 
 
+def _replays_of_each_kind(worker: Worker) -> None:
+    """Graph 8 (below) twice; graph 7: a clean replay, one whose row fails (its output poisoned),
+    one whose table input is missing, one whose caller's input is poisoned, and a clean one
+    again; graph 8 once more (the session holds poisoned tensors now). Each into a new out id.
+
+    Graph 8 writes its first input's id (as an optimizer step does: the caller's id, 40, follows
+    the new value) and the id of the caller's second input (an EMA, 41: the captured id, left
+    with the old value, goes)."""
+    x, doubled, ema = TensorId(CAPTURED), TensorId(CAPTURED + 1), TensorId(41)
+    define(worker, tuple(wire.command_row(c) for c in [run_op(0, doubled, "mul", x, 2),
+                                                         run_op(1, x, "add", doubled, 1),
+                                                         run_op(2, ema, "mul", TensorId(CAPTURED + 5), 3)]),
+           (x, CAPTURED + 5), (doubled,))
+    worker.tensors[40], worker.tensors[41] = torch.ones(2), torch.full((2,), 2.0)
+    call_graph_8 = lambda out_id: deliver(worker, lambda s: [wire.RunGraph(s, 8, 3, (40, 41), (out_id,), 0, 0, (), 2)])  # noqa: E731
+    call_graph_8(21)
+    call_graph_8(22)
+    replay(worker, torch.tensor([0, 4, 1]), 10)
+    replay(worker, torch.tensor([0, 9]), 11)
+    table = worker.tensors.pop(TABLE)
+    replay(worker, torch.tensor([1]), 12)
+    worker.tensors[TABLE] = table
+    del worker.tensors[INDEX]
+    worker.shards.poisoned[INDEX] = 3   # as a failed command that made it leaves it
+    deliver(worker, lambda s: [wire.RunGraph(s, 7, len(graph_rows()), (INDEX,), (13,), 0, 0, (), 2)])
+    del worker.shards.poisoned[INDEX]
+    replay(worker, torch.tensor([2, 2]), 14)
+    call_graph_8(23)
+
+
+def test_a_replay_with_nothing_to_set_aside_leaves_what_setting_aside_leaves(path, monkeypatch):
+    """graphs._replay_clear (the common call: no id of the graph bound, no poison) against
+    _replay_setting_aside on the same replays: the same tensors, poison and reports."""
+    from dtorch.runtime.worker import graphs
+    table = torch.randn(5, 3)
+    left = []
+    for clear in (True, False):
+        monkeypatch.setattr(graphs, "nothing_to_set_aside",
+                            graphs.nothing_to_set_aside if clear else lambda graph, run, tables: False)
+        worker, replies = worker_on(path, table)
+        _replays_of_each_kind(worker)
+        left.append(({i: t.tolist() for i, t in worker.tensors.items()}, dict(worker.shards.poisoned),
+                     [(r.seq, r.op, r.exception_type) for r in replies.reports()]))
+    assert left[0] == left[1]
+    tensors, poisoned, reports = left[0]
+    assert set(tensors) == {TABLE, INDEX, 10, 14, 21, 22, 23, 40, 41} and set(poisoned) == {11, 12, 13}
+    assert [tensors[i] for i in (21, 22, 23, 40, 41)] == [[2.0] * 2, [6.0] * 2, [14.0] * 2, [15.0] * 2, [54.0] * 2]
+    assert [op for _, op, _ in reports] == ["index_select", "index_select"]   # the poisoned input: not reported again
+
+
 def define(worker: Worker, rows: tuple, inputs: tuple, outputs: tuple, scratch: tuple = (), random: tuple = ()):
     """Graph 8 from these rows; the worker's Graph."""
     deliver(worker, lambda s: [wire.DefineGraph(s, 8, rows, inputs, outputs, scratch, random, ())])
