@@ -279,9 +279,9 @@ def nothing_to_set_aside(graph: Graph, run: wire.RunGraph, tables: tuple) -> boo
     none of them is poisoned or in flight: the common call (`z = step(z)`, with ids the caller
     made since), also in a session that holds a poisoned tensor elsewhere."""
     edges, given = graph.edges, run.input_ids
-    if not edges.isdisjoint(given) or edges & tables[0].keys():
+    if not edges.isdisjoint(given) or _bound(tables[0], edges):
         return False
-    return all(not table or not (edges & table.keys() or not table.keys().isdisjoint(given)) for table in tables[1:])
+    return all(not table or not (_bound(table, edges) or not table.keys().isdisjoint(given)) for table in tables[1:])
 
 
 def _run_rows(graph: Graph, run: wire.RunGraph, tensors: dict, execute, fail, straight) -> None:
