@@ -279,9 +279,15 @@ def nothing_to_set_aside(graph: Graph, run: wire.RunGraph, tables: tuple) -> boo
     none of them is poisoned or in flight: the common call (`z = step(z)`, with ids the caller
     made since), also in a session that holds a poisoned tensor elsewhere."""
     edges, given = graph.edges, run.input_ids
-    if not edges.isdisjoint(given) or _bound(tables[0], edges):
-        return False
-    return all(not table or not (_bound(table, edges) or not table.keys().isdisjoint(given)) for table in tables[1:])
+    tensors, poisoned, in_flight = tables
+    # (a dict view's isdisjoint walks the smaller side when the other is a set, and builds nothing)
+    return (edges.isdisjoint(given) and tensors.keys().isdisjoint(edges)
+            and _untouched(poisoned, edges, given) and _untouched(in_flight, edges, given))
+
+
+def _untouched(table: dict, edges: set, given: tuple) -> bool:
+    """No id of the graph, nor any of the caller's, in this poisoned or in-flight table."""
+    return not table or (table.keys().isdisjoint(edges) and table.keys().isdisjoint(given))
 
 
 def _run_rows(graph: Graph, run: wire.RunGraph, tensors: dict, execute, fail, straight) -> None:
